@@ -1,0 +1,73 @@
+"""coordd's contract: wire messages, the step policy, the coordinator state machine, the errors.
+
+Pure Python: no sockets, no clocks (time is passed in), nothing imported from coordd/ or client/.
+"""
+
+from proto.coordinator import Coordinator, OnRankLoss, Send
+from proto.errors import (
+    ConflictingReport,
+    CoordError,
+    CoordinatorUnavailable,
+    InvalidReport,
+    ProtocolError,
+    RankLost,
+    Rejected,
+    StepMismatch,
+    StepTimeout,
+)
+from proto.messages import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    FailReason,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Reject,
+    RejectReason,
+    StepDecision,
+    StepFailed,
+    StepKind,
+    StepReport,
+    Welcome,
+    decode_from_coordinator,
+    decode_to_coordinator,
+    encode,
+    error_from_failure,
+    failure_message,
+)
+from proto.policy import decide, validate_report
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
+    "ConflictingReport",
+    "CoordError",
+    "Coordinator",
+    "CoordinatorUnavailable",
+    "FailReason",
+    "Goodbye",
+    "Heartbeat",
+    "Hello",
+    "InvalidReport",
+    "OnRankLoss",
+    "ProtocolError",
+    "RankLost",
+    "Reject",
+    "RejectReason",
+    "Rejected",
+    "Send",
+    "StepDecision",
+    "StepFailed",
+    "StepKind",
+    "StepMismatch",
+    "StepReport",
+    "StepTimeout",
+    "Welcome",
+    "decide",
+    "decode_from_coordinator",
+    "decode_to_coordinator",
+    "encode",
+    "error_from_failure",
+    "failure_message",
+    "validate_report",
+]

@@ -1,0 +1,73 @@
+"""The step policy ("vllm"): the reports of all ranks become one decision.
+
+A pure function, so the coordinator, the device path and the tests all apply the very same
+rules; DESIGN.md states them, and each line below names the rule it implements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from proto.errors import InvalidReport
+from proto.messages import StepDecision, StepKind, StepReport
+
+CUDAGRAPH_MODES = (0, 1, 2)  # NONE, PIECEWISE, FULL
+
+
+def validate_report(rank: int, report: StepReport) -> None:
+    """Raise `InvalidReport` naming the rank and the first field out of range."""
+    if report.num_tokens < 0:
+        raise InvalidReport(rank, "num_tokens", report.num_tokens, ">= 0")
+    if report.num_tokens_padded < report.num_tokens:
+        raise InvalidReport(
+            rank, "num_tokens_padded", report.num_tokens_padded, f">= num_tokens ({report.num_tokens})"
+        )
+    if report.cudagraph_mode not in CUDAGRAPH_MODES:
+        raise InvalidReport(rank, "cudagraph_mode", report.cudagraph_mode, "0, 1 or 2")
+
+
+def last_ubatch_empty(max_padded: int, min_tokens: int, num_ubatches: int) -> bool:
+    """With the padded batch split in `num_ubatches`, would the smallest rank's last one be empty?"""
+    return (max_padded // num_ubatches) * (num_ubatches - 1) >= min_tokens
+
+
+def decide(
+    reports: Sequence[StepReport | None],
+    num_ubatches: int = 2,
+    *,
+    epoch: int = 0,
+    seq: int = 0,
+    kind: StepKind = StepKind.FORWARD,
+) -> StepDecision:
+    """Apply the agreement rules to one report per rank (index = dp rank).
+
+    `None` stands for a dead rank (elastic mode): it never lowers the minimum, never vetoes
+    micro-batching, never raises the maximum, and is listed in `dead_ranks`.
+    """
+    live = [r for r in reports if r is not None]
+    if not live:
+        raise ValueError("decide() needs at least one live report")
+    max_padded = max(r.num_tokens_padded for r in live)
+    min_tokens = min(r.num_tokens for r in live)
+    cudagraph_mode = min(r.cudagraph_mode for r in live)
+    should_ubatch = all(r.want_ubatch for r in live) and not last_ubatch_empty(
+        max_padded, min_tokens, num_ubatches
+    )
+    should_pad = cudagraph_mode != 0 or should_ubatch
+    if should_pad:
+        across = [max_padded] * len(reports)
+    else:
+        across = [0 if r is None else r.num_tokens_padded for r in reports]
+    return StepDecision(
+        epoch=epoch,
+        seq=seq,
+        kind=kind,
+        num_tokens_across_dp=across,
+        should_ubatch=should_ubatch,
+        should_pad=should_pad,
+        cudagraph_mode=cudagraph_mode,
+        any_unfinished=any(r.has_unfinished for r in live),
+        all_idle=all(r.num_tokens == 0 for r in live),
+        dead_ranks=[i for i, r in enumerate(reports) if r is None],
+        should_pause=all(r.want_pause for r in live),
+    )
