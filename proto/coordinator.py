@@ -132,7 +132,10 @@ class Coordinator:
         if not self.members:
             self._reset_group()
             return _NOTHING
-        return self._fail(RankLost([rank], detail))
+        was_open = self.round_open
+        sends = self._fail(RankLost([rank], detail))
+        # Between rounds nobody waits: each rank gets the failure when it next reports.
+        return sends if was_open else _NOTHING
 
     def next_deadline(self) -> float | None:
         """When `on_deadline` must next be called, or None."""
@@ -177,21 +180,28 @@ class Coordinator:
         if self.failure is not None:
             return (Send((peer,), self.failure),)
         if report.dp_rank != rank:
-            error = ProtocolError(f"peer registered as rank {rank} reported as rank {report.dp_rank}", rank=report.dp_rank)
+            error = ProtocolError(
+                f"peer registered as rank {rank} reported as rank {report.dp_rank}",
+                rank=report.dp_rank,
+            )
             return (Send((peer,), self._failure_of(error, report)),)
         if report.seq != self.seq:
             if report.seq == self.seq - 1 and self.last_reports[rank] == report:
                 assert self.last_decision is not None
                 return (Send((peer,), self.last_decision),)
             expected_kind = (self.kind or report.kind).value
-            return self._fail(StepMismatch(rank, self.seq, expected_kind, report.seq, report.kind.value))
+            return self._fail(
+                StepMismatch(rank, self.seq, expected_kind, report.seq, report.kind.value)
+            )
         if self.kind is not None and report.kind is not self.kind:
             return self._fail(
                 StepMismatch(rank, self.seq, self.kind.value, report.seq, report.kind.value)
             )
         previous = self.reports[rank]
         if previous is not None:
-            return _NOTHING if previous == report else self._fail(ConflictingReport(rank, report.seq))
+            return (
+                _NOTHING if previous == report else self._fail(ConflictingReport(rank, report.seq))
+            )
         try:
             validate_report(rank, report)
         except InvalidReport as error:
@@ -245,7 +255,9 @@ class Coordinator:
         return failure_message(error, epoch=self.epoch, seq=report.seq, kind=report.kind)
 
     def _fail(self, error: CoordError) -> Sequence[Send]:
-        failure = failure_message(error, epoch=self.epoch, seq=self.seq, kind=self.kind or StepKind.FORWARD)
+        failure = failure_message(
+            error, epoch=self.epoch, seq=self.seq, kind=self.kind or StepKind.FORWARD
+        )
         self.failure = self.last_failure = failure
         self.reports = [None] * self.dp_size
         self.reported = 0
@@ -289,29 +301,54 @@ class Coordinator:
             return Rejected(reason.value, detail, expected=str(expected), got=str(got))
 
         if hello.protocol_version != PROTOCOL_VERSION:
-            raise reject(RejectReason.VERSION, f"rank {hello.dp_rank} speaks protocol "
-                         f"{hello.protocol_version}, coordd speaks {PROTOCOL_VERSION}",
-                         PROTOCOL_VERSION, hello.protocol_version)
+            raise reject(
+                RejectReason.VERSION,
+                f"rank {hello.dp_rank} speaks protocol "
+                f"{hello.protocol_version}, coordd speaks {PROTOCOL_VERSION}",
+                PROTOCOL_VERSION,
+                hello.protocol_version,
+            )
         if hello.dp_size != self.dp_size:
-            raise reject(RejectReason.DP_SIZE, f"rank {hello.dp_rank} has dp_size={hello.dp_size}, "
-                         f"coordd serves dp_size={self.dp_size}", self.dp_size, hello.dp_size)
+            raise reject(
+                RejectReason.DP_SIZE,
+                f"rank {hello.dp_rank} has dp_size={hello.dp_size}, "
+                f"coordd serves dp_size={self.dp_size}",
+                self.dp_size,
+                hello.dp_size,
+            )
         if not 0 <= hello.dp_rank < self.dp_size:
-            raise reject(RejectReason.RANK_RANGE, f"dp_rank {hello.dp_rank} is outside "
-                         f"0..{self.dp_size - 1}", f"0..{self.dp_size - 1}", hello.dp_rank)
+            raise reject(
+                RejectReason.RANK_RANGE,
+                f"dp_rank {hello.dp_rank} is outside 0..{self.dp_size - 1}",
+                f"0..{self.dp_size - 1}",
+                hello.dp_rank,
+            )
         if hello.num_ubatches < 1:
-            raise reject(RejectReason.NUM_UBATCHES, f"rank {hello.dp_rank} has num_ubatches="
-                         f"{hello.num_ubatches}", ">= 1", hello.num_ubatches)
+            raise reject(
+                RejectReason.NUM_UBATCHES,
+                f"rank {hello.dp_rank} has num_ubatches={hello.num_ubatches}",
+                ">= 1",
+                hello.num_ubatches,
+            )
         if self.failure is not None:
             return  # this Hello opens a new epoch: the old members' settings no longer bind
         held = self.members.get(hello.dp_rank)
         if held is not None and held.peer != peer:
-            raise reject(RejectReason.RANK_TAKEN, f"dp_rank {hello.dp_rank} is held by a live "
-                         f"peer (incarnation {held.hello.incarnation})", held.hello.incarnation,
-                         hello.incarnation)
+            raise reject(
+                RejectReason.RANK_TAKEN,
+                f"dp_rank {hello.dp_rank} is held by a live "
+                f"peer (incarnation {held.hello.incarnation})",
+                held.hello.incarnation,
+                hello.incarnation,
+            )
         other = self.peer_rank.get(peer)
         if other is not None and other != hello.dp_rank:
-            raise reject(RejectReason.RANK_TAKEN, f"this peer is already registered as rank "
-                         f"{other}", other, hello.dp_rank)
+            raise reject(
+                RejectReason.RANK_TAKEN,
+                f"this peer is already registered as rank {other}",
+                other,
+                hello.dp_rank,
+            )
         group = self.group
         if group is None or (held is not None and len(self.members) == 1):
             return
@@ -322,8 +359,13 @@ class Coordinator:
         ):
             want, got = getattr(group, name), getattr(hello, name)
             if want != got:
-                raise reject(reason, f"rank {hello.dp_rank} has {name}={got!r}, the group "
-                             f"(rank {group.dp_rank}) has {want!r}", want, got)
+                raise reject(
+                    reason,
+                    f"rank {hello.dp_rank} has {name}={got!r}, the group "
+                    f"(rank {group.dp_rank}) has {want!r}",
+                    want,
+                    got,
+                )
 
     def _remove(self, rank: int) -> None:
         member = self.members.pop(rank)

@@ -66,7 +66,7 @@ class _Message(msgspec.Struct, array_like=True, tag_field="type", frozen=True, k
     pass
 
 
-class Hello(_Message, tag="hello"):
+class Hello(_Message, tag="hello", frozen=True):
     """A rank registers: everything here must agree with the ranks already in."""
 
     dp_size: int
@@ -78,21 +78,21 @@ class Hello(_Message, tag="hello"):
     protocol_version: int = PROTOCOL_VERSION
 
 
-class Welcome(_Message, tag="welcome"):
+class Welcome(_Message, tag="welcome", frozen=True):
     epoch: int
     next_seq: int
     dp_size: int
 
 
-class Reject(_Message, tag="reject"):
+class Reject(_Message, tag="reject", frozen=True):
     reason: RejectReason
     text: str
     expected: str = ""
     got: str = ""
 
 
-class StepReport(_Message, tag="report"):
-    """One rank's view of the coming step; the client fills in the envelope (rank, epoch, seq, kind)."""
+class StepReport(_Message, tag="report", frozen=True):
+    """One rank's view of the coming step; the client fills in rank, epoch, seq and kind."""
 
     num_tokens: int
     num_tokens_padded: int
@@ -106,7 +106,7 @@ class StepReport(_Message, tag="report"):
     want_pause: bool = False
 
 
-class StepDecision(_Message, tag="decision"):
+class StepDecision(_Message, tag="decision", frozen=True):
     """The one outcome of a round, identical for every rank."""
 
     epoch: int
@@ -122,7 +122,7 @@ class StepDecision(_Message, tag="decision"):
     should_pause: bool = False
 
 
-class StepFailed(_Message, tag="failed"):
+class StepFailed(_Message, tag="failed", frozen=True):
     """A round ended in an error; every rank of the round gets the same one."""
 
     epoch: int
@@ -140,13 +140,13 @@ class StepFailed(_Message, tag="failed"):
     timeout: float = 0.0
 
 
-class Heartbeat(_Message, tag="heartbeat"):
+class Heartbeat(_Message, tag="heartbeat", frozen=True):
     """A liveness probe; coordd answers with the same nonce."""
 
     nonce: int = 0
 
 
-class Goodbye(_Message, tag="goodbye"):
+class Goodbye(_Message, tag="goodbye", frozen=True):
     """Sent by a rank that leaves, and by coordd to every rank when it shuts down."""
 
     text: str = ""
@@ -167,7 +167,9 @@ encode = _encoder.encode
 
 def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview):  # type: ignore[no-untyped-def]
     if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"frame of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit")
+        raise ProtocolError(
+            f"frame of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit"
+        )
     try:
         return decoder.decode(data)
     except msgspec.DecodeError as exc:
@@ -176,12 +178,12 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview):  # type
 
 def decode_to_coordinator(data: bytes | memoryview) -> ToCoordinator:
     """Decode a frame a rank sent; raises `ProtocolError` for anything else."""
-    return _decode(_to_coordinator, data)  # type: ignore[no-any-return]
+    return _decode(_to_coordinator, data)
 
 
 def decode_from_coordinator(data: bytes | memoryview) -> FromCoordinator:
     """Decode a frame coordd sent; raises `ProtocolError` for anything else."""
-    return _decode(_from_coordinator, data)  # type: ignore[no-any-return]
+    return _decode(_from_coordinator, data)
 
 
 def failure_message(error: CoordError, *, epoch: int, seq: int, kind: StepKind) -> StepFailed:

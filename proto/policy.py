@@ -20,14 +20,17 @@ def validate_report(rank: int, report: StepReport) -> None:
         raise InvalidReport(rank, "num_tokens", report.num_tokens, ">= 0")
     if report.num_tokens_padded < report.num_tokens:
         raise InvalidReport(
-            rank, "num_tokens_padded", report.num_tokens_padded, f">= num_tokens ({report.num_tokens})"
+            rank,
+            "num_tokens_padded",
+            report.num_tokens_padded,
+            f">= num_tokens ({report.num_tokens})",
         )
     if report.cudagraph_mode not in CUDAGRAPH_MODES:
         raise InvalidReport(rank, "cudagraph_mode", report.cudagraph_mode, "0, 1 or 2")
 
 
 def last_ubatch_empty(max_padded: int, min_tokens: int, num_ubatches: int) -> bool:
-    """With the padded batch split in `num_ubatches`, would the smallest rank's last one be empty?"""
+    """Split the padded batch in `num_ubatches`: is the smallest rank's last one empty?"""
     return (max_padded // num_ubatches) * (num_ubatches - 1) >= min_tokens
 
 

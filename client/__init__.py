@@ -1,0 +1,7 @@
+"""The library engine ranks import: report each step's batch, collect the group's decision."""
+
+from client.aio import AsyncCoordClient
+from client.sync import CoordClient, PendingStep
+from client.transport import CurveKeys
+
+__all__ = ["AsyncCoordClient", "CoordClient", "CurveKeys", "PendingStep"]

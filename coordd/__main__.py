@@ -1,0 +1,5 @@
+import sys
+
+from coordd.cli import main
+
+sys.exit(main())

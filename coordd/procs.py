@@ -1,0 +1,94 @@
+"""Start and stop a real `coordd` process: used by the demo, the benchmark and the tests."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import TracebackType
+
+READY = "coordd ready on "
+
+
+class CoorddProcess:
+    """A `coordd serve` child process; `address` is where it listens once started."""
+
+    def __init__(
+        self, dp: int, bind: str, extra_args: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> None:
+        self.argv = [
+            sys.executable,
+            "-m",
+            "coordd",
+            "serve",
+            "--dp",
+            str(dp),
+            "--bind",
+            bind,
+            *extra_args,
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[str] | None = None
+        self.address = bind
+
+    def start(self, timeout: float = 15.0) -> CoorddProcess:
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            text=True,
+            env=self.env,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not sel.select(remaining):
+                    self.stop()
+                    raise TimeoutError(f"coordd not ready within {timeout}s: {self.argv}")
+                line = self.proc.stdout.readline()
+                if not line:
+                    code = self.proc.wait(timeout=5)
+                    raise RuntimeError(f"coordd exited with {code} before it was ready")
+                if line.startswith(READY):
+                    self.address = line[len(READY) :].strip()
+                    return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> CoorddProcess:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

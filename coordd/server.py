@@ -1,0 +1,234 @@
+"""The daemon's I/O shell: moves bytes between one ZeroMQ ROUTER socket and the `Coordinator`.
+
+The loop watches the socket's file descriptor and drains every queued frame in one callback,
+with no asyncio future per message; a round's decision is encoded once and the same bytes go
+to every rank. The only timer is the coordinator's next deadline.
+
+Liveness comes from libzmq: ZMTP heartbeats (PING/PONG, answered by each rank's ZeroMQ I/O
+thread) on every connection, so a rank that stops answering has its connection closed; a socket
+monitor reports the closed connection's file descriptor, and the descriptor a rank registered
+from (the SRCFD of its Hello) names the rank, which becomes `Coordinator.peer_lost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import zmq
+
+from proto.coordinator import Coordinator, Send
+from proto.errors import ProtocolError
+from proto.messages import (
+    MAX_MESSAGE_BYTES,
+    Hello,
+    StepDecision,
+    StepFailed,
+    decode_to_coordinator,
+    encode,
+)
+
+log = logging.getLogger("coordd")
+
+
+@dataclass
+class ServerStats:
+    """Counters the metrics endpoint and the benchmark read."""
+
+    frames_in: int = 0
+    bad_frames: int = 0
+    frames_out: int = 0
+    disconnects: int = 0
+    rounds: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+
+
+def prepare_ipc_path(address: str) -> str | None:
+    """For ipc://, create the socket's directory private (0700); return the path to unlink."""
+    if not address.startswith("ipc://"):
+        return None
+    path = address[len("ipc://") :]
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if os.path.exists(path):
+        os.unlink(path)
+    return path
+
+
+class CoordServer:
+    """Serve one `Coordinator` on a ROUTER socket bound to `address`."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        address: str,
+        *,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        context: zmq.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        configure_socket: Callable[[zmq.Socket], None] | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.address = address
+        self.stats = ServerStats()
+        self.clock = clock
+        self._context = context or zmq.Context()
+        self._ipc_path = prepare_ipc_path(address)
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout * 1000))
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        if configure_socket is not None:
+            configure_socket(sock)
+        sock.bind(address)
+        self.bound_address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock = sock
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._fd_peer: dict[int, bytes] = {}
+        self._peer_fd: dict[bytes, int] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set, then say goodbye to every rank and close."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.fileno(), self._drain)
+        self._loop.add_reader(self._monitor.fileno(), self._drain)
+        self._drain()
+        log.info("coordd serving dp=%d on %s", self.coordinator.dp_size, self.bound_address)
+        try:
+            await stop.wait()
+        finally:
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop.remove_reader(self._monitor.fileno())
+            if self._timer is not None:
+                self._timer.cancel()
+            self._send(self.coordinator.shutdown())
+            self.close(linger=0.5)
+
+    def close(self, linger: float = 0.0) -> None:
+        if self._sock.closed:
+            return
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=int(linger * 1000))
+        if self._ipc_path and os.path.exists(self._ipc_path):
+            os.unlink(self._ipc_path)
+
+    # -- the hot path -----------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Handle every frame queued on the socket (the FD is edge-triggered: empty it)."""
+        self._drain_monitor()
+        sock = self._sock
+        coordinator = self.coordinator
+        stats = self.stats
+        clock = self.clock
+        while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            peer = sock.recv(zmq.NOBLOCK)
+            stats.frames_in += 1
+            if not sock.getsockopt(zmq.RCVMORE):
+                self._bad_frame(peer, "no payload frame")
+                continue
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            if frame.more:
+                while sock.getsockopt(zmq.RCVMORE):
+                    sock.recv(zmq.NOBLOCK)
+                self._bad_frame(peer, "more than one payload frame")
+                continue
+            try:
+                message = decode_to_coordinator(frame.buffer)
+            except ProtocolError as exc:
+                self._bad_frame(peer, str(exc))
+                continue
+            if type(message) is Hello:
+                self._drain_monitor()
+                self._track_connection(peer, frame.get(zmq.SRCFD))
+            self._send(coordinator.receive(peer, message, clock()))
+        self._schedule_deadline()
+
+    def _track_connection(self, peer: bytes, fd: int) -> None:
+        old = self._peer_fd.get(peer)
+        if old is not None and old != fd:
+            self._fd_peer.pop(old, None)
+        self._peer_fd[peer] = fd
+        self._fd_peer[fd] = peer
+
+    def _drain_monitor(self) -> None:
+        """Closed connections: the rank that registered over one is lost."""
+        monitor = self._monitor
+        while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+            event, fd = struct.unpack("=HI", frames[0][:6])
+            if event != zmq.EVENT_DISCONNECTED:
+                continue
+            peer = self._fd_peer.pop(fd, None)
+            if peer is None or self._peer_fd.get(peer) != fd:
+                continue
+            del self._peer_fd[peer]
+            self.stats.disconnects += 1
+            self._send(self.coordinator.peer_lost(peer, self.clock(), "connection closed"))
+
+    def _send(self, sends: Sequence[Send]) -> None:
+        sock = self._sock
+        for peers, message in sends:
+            self._count(message)
+            payload = encode(message)
+            for peer in peers:
+                try:
+                    sock.send_multipart((peer, payload), zmq.NOBLOCK, copy=True)
+                except zmq.ZMQError as exc:
+                    log.debug("dropped a frame to %r: %s", peer, exc)
+                    continue
+                self.stats.frames_out += 1
+
+    def _count(self, message: object) -> None:
+        if type(message) is StepDecision:
+            self.stats.rounds[message.kind.value] += 1
+        elif type(message) is StepFailed:
+            self.stats.failures[message.reason.value] += 1
+            log.warning(
+                "round failed: epoch=%d seq=%d kind=%s reason=%s ranks=%s: %s",
+                message.epoch,
+                message.seq,
+                message.kind.value,
+                message.reason.value,
+                message.culprits,
+                message.text,
+            )
+
+    def _bad_frame(self, peer: bytes, why: str) -> None:
+        self.stats.bad_frames += 1
+        log.debug("dropped a bad frame from %r: %s", peer, why)
+
+    # -- the one timer ----------------------------------------------------------------------
+
+    def _schedule_deadline(self) -> None:
+        deadline = self.coordinator.next_deadline()
+        if deadline == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = deadline
+        if deadline is not None and self._loop is not None:
+            delay = max(0.0, deadline - self.clock())
+            self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self._send(self.coordinator.on_deadline(self.clock()))
+        self._drain()
