@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import signal
@@ -19,7 +20,11 @@ from typing import Any
 from proto.address import default_address
 from proto.coordinator import Coordinator, OnRankLoss
 
-SUBCOMMANDS = ("serve", "demo")
+#: Subcommands besides `serve`: name -> (module, help). Each module has
+#: `add_arguments(parser)` and `run(args) -> int`, and is imported only when chosen.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("coordd.demo", "coordd plus simulated engine ranks, with round latency"),
+}
 
 
 def _env(option: str, default: Any, kind: Callable[[str], Any] = str) -> Any:
@@ -122,17 +127,21 @@ def _run(main: Callable[[], Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+    known = ("serve", "-h", "--help", *SUBCOMMANDS)
+    if not argv or argv[0] not in known:
         argv.insert(0, "serve")
     parser = argparse.ArgumentParser(prog="coordd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_server_options(sub.add_parser("serve", help="run the coordinator (the default)"))
-    from coordd import demo
-
-    demo.add_arguments(sub.add_parser("demo", help="coordd plus simulated engine ranks"))
+    chosen = None
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text)
+        if argv[0] == name:
+            chosen = importlib.import_module(module_name)
+            chosen.add_arguments(sub_parser)
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        return demo.run(args)
+    if chosen is not None:
+        return int(chosen.run(args))
     return serve(args)
 
 
