@@ -18,15 +18,18 @@ class CoorddProcess:
     """A `coordd serve` child process; `address` is where it listens once started."""
 
     def __init__(
-        self, dp: int, bind: str, extra_args: Sequence[str] = (), env: dict[str, str] | None = None
+        self,
+        dp: int | None,
+        bind: str,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.argv = [
             sys.executable,
             "-m",
             "coordd",
             "serve",
-            "--dp",
-            str(dp),
+            *([] if dp is None else ["--dp", str(dp)]),
             "--bind",
             bind,
             *extra_args,
