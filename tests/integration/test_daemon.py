@@ -38,7 +38,7 @@ def clients(address: str, dp: int, **kw: object) -> list[CoordClient]:
 
 
 def one_round(cs: list[CoordClient], reports: list[StepReport]) -> list[StepDecision]:
-    pending = [c.start(r) for c, r in zip(cs, reports)]
+    pending = [c.start(r) for c, r in zip(cs, reports, strict=True)]
     return [p.wait(timeout=10) for p in pending]
 
 

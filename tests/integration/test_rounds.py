@@ -1,4 +1,4 @@
-"""A real coordd and N real rank processes: every rank gets the same decision, equal to the policy."""
+"""A real coordd and N real rank processes: every rank gets the same, policy-given decision."""
 
 from __future__ import annotations
 
