@@ -65,6 +65,19 @@ class Member:
     joined_at: float
 
 
+class CompletedRound(NamedTuple):
+    """The last completed round, for metrics and status (recorded once per round, never read
+    on the hot path): when it started (the first report) and completed, and whose report
+    completed it (the straggler; None when a rank loss completed it)."""
+
+    seq: int
+    kind: StepKind
+    started: float
+    completed: float
+    last_rank: int | None
+    arrivals: list[float | None]  # each rank's report time; None for a rank left out
+
+
 _NOTHING: tuple[Send, ...] = ()
 
 
@@ -97,6 +110,8 @@ class Coordinator:
         self.last_failure: StepFailed | None = None
         self.last_reports: list[StepReport | None] = [None] * dp_size
         self.last_decision: StepDecision | None = None
+        self.arrivals: list[float | None] = [None] * dp_size
+        self.last_round: CompletedRound | None = None
         self._peers: tuple[bytes, ...] | None = None
         self._joining: list[tuple[bytes, Hello]] = []
 
@@ -128,7 +143,8 @@ class Coordinator:
             if self.reports[rank] is not None:
                 self.reports[rank] = None
                 self.reported -= 1
-            return self._complete_if_ready()
+                self.arrivals[rank] = None
+            return self._complete_if_ready(now, None)
         if not self.members:
             self._reset_group()
             return _NOTHING
@@ -207,13 +223,14 @@ class Coordinator:
         except InvalidReport as error:
             return self._fail(error)
         self.reports[rank] = report
+        self.arrivals[rank] = now
         self.reported += 1
         if self.round_started is None:
             self.round_started = now
             self.kind = report.kind
-        return self._complete_if_ready()
+        return self._complete_if_ready(now, rank)
 
-    def _complete_if_ready(self) -> Sequence[Send]:
+    def _complete_if_ready(self, now: float, last_rank: int | None) -> Sequence[Send]:
         if self.reported == 0 or self.reported < self.dp_size - len(self.dead):
             return _NOTHING
         if len(self.members) + len(self.dead) < self.dp_size:
@@ -229,6 +246,11 @@ class Coordinator:
         )
         self.last_reports, self.reports = self.reports, [None] * self.dp_size
         self.last_decision = decision
+        started = now if self.round_started is None else self.round_started
+        self.last_round = CompletedRound(
+            self.seq, self.kind, started, now, last_rank, self.arrivals
+        )
+        self.arrivals = [None] * self.dp_size
         self.reported = 0
         self.seq += 1
         self.kind = None
@@ -260,6 +282,7 @@ class Coordinator:
         )
         self.failure = self.last_failure = failure
         self.reports = [None] * self.dp_size
+        self.arrivals = [None] * self.dp_size
         self.reported = 0
         self.kind = None
         self.round_started = None
@@ -386,6 +409,7 @@ class Coordinator:
     def _reset_group(self) -> None:
         """Everyone left: the next Hello may set new group settings."""
         self.reports = [None] * self.dp_size
+        self.arrivals = [None] * self.dp_size
         self.reported = 0
         self.kind = None
         self.round_started = None
