@@ -136,9 +136,15 @@ class Coordinator:
             self._joining = [(p, h) for p, h in self._joining if p != peer]
             return _NOTHING
         self._remove(rank)
+        neutralize = self.on_rank_loss is OnRankLoss.NEUTRALIZE
         if self.failure is not None:
+            # Elastic: the re-formed group (next epoch) must not wait for a rank that is gone.
+            if neutralize and self.members:
+                self.dead.add(rank)
+            elif neutralize:
+                self.dead.clear()
             return _NOTHING
-        if self.on_rank_loss is OnRankLoss.NEUTRALIZE and self.members:
+        if neutralize and self.members:
             self.dead.add(rank)
             if self.reports[rank] is not None:
                 self.reports[rank] = None
@@ -256,7 +262,7 @@ class Coordinator:
         self.kind = None
         self.round_started = None
         sends = [Send(self.peers(), decision)]
-        sends.extend(self._admit_joining())
+        sends.extend(self._admit_joining(now))
         return sends
 
     def _stranger_failure(self, rank: int | None, report: StepReport) -> StepFailed:
@@ -268,6 +274,12 @@ class Coordinator:
             error: CoordError = CoordinatorUnavailable(
                 f"epoch {report.epoch} is not coordd's current epoch {self.epoch} "
                 "(coordd restarted or the group re-formed): register again"
+            )
+        elif report.dp_rank in self.dead:
+            # Elastic: a rank left out of the group (lost, then back without a Hello) gets an
+            # error, never a decision of rounds it is no longer part of.
+            error = RankLost(
+                [report.dp_rank], "it was left out of the group after it was lost: register again"
             )
         else:
             error = ProtocolError("report from a peer that has not registered", rank=report.dp_rank)
@@ -301,6 +313,11 @@ class Coordinator:
             self._new_epoch()
         rank = hello.dp_rank
         if rank in self.dead and self.round_open:
+            # Elastic: a returning rank joins at the next round boundary, never mid-round.
+            for queued, queued_hello in self._joining:
+                if queued_hello.dp_rank == rank and queued != peer:
+                    return (Send((peer,), reject_message(self._rank_taken(queued_hello, hello))),)
+            self._joining = [(p, h) for p, h in self._joining if p != peer]
             self._joining.append((peer, hello))
             return _NOTHING
         return self._admit(peer, hello, now)
@@ -312,12 +329,21 @@ class Coordinator:
         self._peers = None
         return (Send((peer,), Welcome(epoch=self.epoch, next_seq=self.seq, dp_size=self.dp_size)),)
 
-    def _admit_joining(self) -> list[Send]:
+    def _admit_joining(self, now: float) -> list[Send]:
         joining, self._joining = self._joining, []
         sends: list[Send] = []
         for peer, hello in joining:
-            sends.extend(self._admit(peer, hello, self.members[min(self.members)].joined_at))
+            sends.extend(self._admit(peer, hello, now))
         return sends
+
+    @staticmethod
+    def _rank_taken(holder: Hello, hello: Hello) -> Rejected:
+        return Rejected(
+            RejectReason.RANK_TAKEN.value,
+            f"dp_rank {hello.dp_rank} is already rejoining (incarnation {holder.incarnation})",
+            expected=holder.incarnation,
+            got=hello.incarnation,
+        )
 
     def _check_hello(self, peer: bytes, hello: Hello) -> None:
         def reject(reason: RejectReason, detail: str, expected: object, got: object) -> Rejected:
@@ -403,8 +429,8 @@ class Coordinator:
         self.failure = None
         self.members.clear()
         self.peer_rank.clear()
-        self.dead.clear()
         self._peers = None
+        # `dead` stays: in elastic mode the new epoch goes on without the ranks that are gone.
 
     def _reset_group(self) -> None:
         """Everyone left: the next Hello may set new group settings."""
