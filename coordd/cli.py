@@ -24,6 +24,7 @@ from proto.coordinator import Coordinator, OnRankLoss
 #: `add_arguments(parser)` and `run(args) -> int`, and is imported only when chosen.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("coordd.demo", "coordd plus simulated engine ranks, with round latency"),
+    "bench": ("coordd.bench", "latency, overlap and scale against torch.distributed gloo"),
 }
 
 
