@@ -93,7 +93,7 @@ def test_a_lost_rank_back_without_registering_gets_rank_lost_not_a_decision() ->
 def test_fail_stop_keeps_the_protocol_error_for_strangers() -> None:
     c = group(OnRankLoss.FAIL)
     c.receive(peer(9), hello(0, "other"), 0.0)  # rejected: rank 0 is held
-    (to, msg), = c.receive(peer(9), report(1, 0), 1.0)
+    (_, msg), = c.receive(peer(9), report(1, 0), 1.0)
     assert isinstance(msg, StepFailed) and msg.reason is FailReason.PROTOCOL
 
 

@@ -1,0 +1,520 @@
+"""The vLLM-shaped adapter: vLLM's per-step DP agreement calls, answered by coordd.
+
+vLLM agrees on each step's batch shape with `coordinate_batch_across_dp`
+(vllm/v1/worker/dp_utils.py): one int32 all-reduce of a 4 x dp matrix, after which every rank
+applies the same rules. This module keeps that call's shape (same arguments, same
+`(should_ubatch, num_tokens_after_padding, synced_cudagraph_mode)` result) and adds the split the
+async-DP change proposed (`start_dp_coordination_async` now, `finish_dp_coordination` after the
+GPU work), so an engine swaps the collective for a coordd round without rethinking its step loop.
+
+The rules, each with the vLLM source it mirrors (the policy itself lives in proto/policy.py, so
+the coordd path and the device path apply the very same code):
+
+- dp = 1 returns at once, `(False, None, cudagraph_mode)`, and talks to no one
+  (vllm/v1/worker/dp_utils.py, `coordinate_batch_across_dp`'s early exit).
+- A rank's micro-batching vote is off unless micro-batching is allowed for the call and enabled
+  for the group (`use_ubatching`: `enable_dbo` or `ubatch_size > 1`); otherwise it is
+  `num_tokens_unpadded >= dbo_decode_token_threshold` for a uniform decode batch and
+  `>= dbo_prefill_token_threshold` for any other, always on the *unpadded* count
+  (vllm/v1/worker/ubatch_utils.py, `check_ubatch_thresholds`; vllm/config/parallel.py for the
+  settings and their defaults 32 and 512).
+- The group micro-batches only if every rank voted yes and the last micro-batch of the padded
+  split is not empty: `(max_padded // n) * (n - 1) >= min_unpadded` vetoes it
+  (`_post_process_ubatch` in dp_utils.py; `is_last_ubatch_empty` in ubatch_utils.py), with
+  `n = num_ubatches` (2 with `enable_dbo`, else `ubatch_size`: vllm/config/parallel.py).
+- The CUDA-graph mode is the minimum over ranks (`_post_process_cudagraph_mode`).
+- Padding is on when the synced mode is not NONE or the group micro-batches; then every rank's
+  entry is the maximum padded count, else each rank's own padded count
+  (`_post_process_dp_padding`); the result is an int32 CPU tensor (a list without torch).
+- A dead rank (elastic mode) counts as neutral: it never lowers a minimum, never vetoes, never
+  raises the maximum (`neutralize_dead_dp_columns` in dp_utils.py).
+- The drafter's own agreement (`_pad_batch_across_dp` in vllm/v1/spec_decode/eagle.py) never
+  micro-batches; here it is a round of kind "draft" (`pad_batch_across_dp`), so a rank that
+  skips it makes every rank raise `StepMismatch` at once instead of hanging a collective.
+
+The adapter takes any client with `start(report, kind) -> pending` and `pending.wait(timeout)`:
+`client.sync.CoordClient`, or the device-path client, which has the same surface.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple, Protocol
+
+from proto.errors import InvalidReport
+from proto.messages import StepDecision, StepKind, StepReport
+
+CUDAGRAPH_NONE, CUDAGRAPH_PIECEWISE, CUDAGRAPH_FULL = 0, 1, 2
+
+#: What `coordinate_batch_across_dp` returns: (should_ubatch, num_tokens_after_padding,
+#: synced_cudagraph_mode); the middle one is an int32 CPU tensor, a list of ints, or None (dp=1).
+VllmResult = tuple[bool, Any, int]
+
+
+class PendingDecision(Protocol):
+    def wait(self, timeout: float | None = None) -> StepDecision: ...
+
+
+class StepClient(Protocol):
+    """What the adapter needs of a client (CoordClient and the device-path client have it)."""
+
+    def start(self, report: StepReport, kind: StepKind | str = ...) -> PendingDecision: ...
+
+
+@dataclass(frozen=True)
+class DPGroupConfig:
+    """The group-wide settings the agreement depends on; ranks must share them at join.
+
+    The fields are vLLM's `ParallelConfig` names (vllm/config/parallel.py), with its defaults.
+    `extra_fingerprint` lets an engine bind more of its config (model, dtype...) to the group.
+    """
+
+    data_parallel_size: int
+    enable_dbo: bool = False
+    ubatch_size: int = 0
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
+    extra_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        for name, low in (
+            ("data_parallel_size", 1),
+            ("ubatch_size", 0),
+            ("dbo_decode_token_threshold", 0),
+            ("dbo_prefill_token_threshold", 0),
+        ):
+            value = getattr(self, name)
+            if type(value) is not int or value < low:
+                raise ValueError(f"DPGroupConfig.{name}: expected an int >= {low}, got {value!r}")
+
+    @classmethod
+    def from_parallel_config(
+        cls, parallel_config: Any, extra_fingerprint: str = ""
+    ) -> DPGroupConfig:
+        """Read the settings off a vLLM `ParallelConfig` (or anything with those attributes)."""
+        return cls(
+            data_parallel_size=int(parallel_config.data_parallel_size),
+            enable_dbo=bool(getattr(parallel_config, "enable_dbo", False)),
+            ubatch_size=int(getattr(parallel_config, "ubatch_size", 0)),
+            dbo_decode_token_threshold=int(
+                getattr(parallel_config, "dbo_decode_token_threshold", 32)
+            ),
+            dbo_prefill_token_threshold=int(
+                getattr(parallel_config, "dbo_prefill_token_threshold", 512)
+            ),
+            extra_fingerprint=extra_fingerprint,
+        )
+
+    @property
+    def use_ubatching(self) -> bool:
+        """vllm/config/parallel.py: micro-batching is on with DBO or an ubatch_size above 1."""
+        return self.enable_dbo or self.ubatch_size > 1
+
+    @property
+    def num_ubatches(self) -> int:
+        """vllm/config/parallel.py: 2 with DBO, else ubatch_size (at least 1 on the wire)."""
+        return 2 if self.enable_dbo else max(1, self.ubatch_size)
+
+    def fingerprint(self) -> str:
+        """A short digest of every field; coordd rejects a rank whose digest differs."""
+        text = ";".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return "vllm-dp1-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def client_options(self) -> dict[str, Any]:
+        """The keyword arguments a client needs to register with this group."""
+        return {
+            "dp_size": self.data_parallel_size,
+            "config_fingerprint": self.fingerprint(),
+            "num_ubatches": self.num_ubatches,
+        }
+
+
+def wants_microbatching(
+    config: DPGroupConfig, num_tokens_unpadded: int, uniform_decode: bool
+) -> bool:
+    """One rank's vote (vllm/v1/worker/ubatch_utils.py, `check_ubatch_thresholds`)."""
+    if not config.use_ubatching:
+        return False
+    if uniform_decode:
+        return num_tokens_unpadded >= config.dbo_decode_token_threshold
+    return num_tokens_unpadded >= config.dbo_prefill_token_threshold
+
+
+def _count(rank: int, name: str, value: Any) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidReport(rank, name, value, "an int") from None
+
+
+def _mode(rank: int, value: Any) -> int:
+    """A runtime CUDA-graph mode: an int 0..2 or an enum whose value is one."""
+    raw = getattr(value, "value", value)
+    if type(raw) is bool or not isinstance(raw, int):
+        raise InvalidReport(rank, "cudagraph_mode", value, "0 (NONE), 1 (PIECEWISE) or 2 (FULL)")
+    return int(raw)
+
+
+def build_report(
+    config: DPGroupConfig,
+    num_tokens_unpadded: int,
+    allow_microbatching: bool,
+    num_tokens_padded: int | None = None,
+    uniform_decode: bool | None = None,
+    cudagraph_mode: Any = CUDAGRAPH_NONE,
+    *,
+    dp_rank: int = -1,
+    has_unfinished: bool | None = None,
+    want_pause: bool = False,
+) -> StepReport:
+    """This rank's report for one round, from vLLM's arguments (dp_utils.py's column)."""
+    tokens = _count(dp_rank, "num_tokens_unpadded", num_tokens_unpadded)
+    padded = (
+        tokens
+        if num_tokens_padded is None
+        else _count(dp_rank, "num_tokens_padded", num_tokens_padded)
+    )
+    want_ubatch = False
+    if allow_microbatching:
+        if uniform_decode is None:
+            raise InvalidReport(
+                dp_rank, "uniform_decode", None, "a bool when allow_microbatching is True"
+            )
+        want_ubatch = wants_microbatching(config, tokens, bool(uniform_decode))
+    return StepReport(
+        num_tokens=tokens,
+        num_tokens_padded=padded,
+        want_ubatch=want_ubatch,
+        cudagraph_mode=_mode(dp_rank, cudagraph_mode),
+        has_unfinished=tokens > 0 if has_unfinished is None else bool(has_unfinished),
+        want_pause=bool(want_pause),
+    )
+
+
+def _load_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def vllm_result(decision: StepDecision, torch_module: Any = None) -> VllmResult:
+    """The decision in vLLM's return shape (`_synchronize_dp_ranks` in dp_utils.py)."""
+    across: Any = list(decision.num_tokens_across_dp)
+    if torch_module is not None:
+        across = torch_module.tensor(across, dtype=torch_module.int32, device="cpu")
+    return decision.should_ubatch, across, decision.cudagraph_mode
+
+
+class StateResult(NamedTuple):
+    """A state round's outcome: does any rank have work, and do all ranks agree to pause."""
+
+    any_unfinished: bool
+    should_pause: bool
+
+
+class DPCoordinationHandle:
+    """A started round: pass it to `finish_dp_coordination` once the overlapped work is done."""
+
+    __slots__ = ("_adapter", "_pending", "_result", "decision", "kind", "report")
+
+    def __init__(
+        self,
+        adapter: VllmAdapter,
+        report: StepReport,
+        kind: StepKind,
+        pending: PendingDecision | None,
+        result: VllmResult | None = None,
+    ) -> None:
+        self._adapter = adapter
+        self._pending = pending
+        self._result = result
+        self.report = report
+        self.kind = kind
+        #: The full decision (any_unfinished, should_pause, dead_ranks...) once finished.
+        self.decision: StepDecision | None = None
+
+    def done(self) -> bool:
+        """True if finishing would not block (the decision or an error is in)."""
+        if self._result is not None or self._pending is None:
+            return True
+        done = getattr(self._pending, "done", None)
+        return bool(done()) if done is not None else False
+
+    def finish(self, timeout: float | None = None) -> VllmResult:
+        """The agreed result; raises the round's typed error. Idempotent."""
+        if self._result is None:
+            assert self._pending is not None
+            decision = self._pending.wait(timeout)
+            self.decision = decision
+            self._adapter.last_decision = decision
+            self._result = vllm_result(decision, self._adapter.torch_module)
+        return self._result
+
+
+class VllmAdapter:
+    """One DP rank's vLLM-shaped view of coordd (or of the device path)."""
+
+    def __init__(
+        self,
+        config: DPGroupConfig,
+        client: StepClient | None = None,
+        *,
+        dp_rank: int = 0,
+        as_tensor: bool | None = None,
+    ) -> None:
+        if config.data_parallel_size > 1 and client is None:
+            raise ValueError(
+                f"dp={config.data_parallel_size} needs a client (CoordClient or the device-path "
+                "client); only dp=1 runs without one"
+            )
+        if not 0 <= dp_rank < config.data_parallel_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside 0..{config.data_parallel_size - 1}")
+        self.config = config
+        self.client = client
+        self.dp_rank = dp_rank
+        #: torch when results are tensors (`as_tensor` True, or None and torch importable).
+        self.torch_module: Any = None
+        if as_tensor or as_tensor is None:
+            self.torch_module = _load_torch()
+            if as_tensor and self.torch_module is None:
+                raise ImportError("as_tensor=True needs torch")
+        self.last_decision: StepDecision | None = None
+
+    @classmethod
+    def connect(
+        cls,
+        config: DPGroupConfig,
+        dp_rank: int,
+        address: str | None = None,
+        *,
+        as_tensor: bool | None = None,
+        connect_timeout: float = 10.0,
+        **client_kwargs: Any,
+    ) -> VllmAdapter:
+        """Register a `CoordClient` for `dp_rank` with the group's settings; dp=1 needs none."""
+        if config.data_parallel_size == 1:
+            return cls(config, None, dp_rank=dp_rank, as_tensor=as_tensor)
+        from client.sync import CoordClient
+
+        client = CoordClient(address, dp_rank=dp_rank, **config.client_options(), **client_kwargs)
+        try:
+            client.connect(timeout=connect_timeout)
+        except BaseException:
+            client.close()
+            raise
+        return cls(config, client, dp_rank=dp_rank, as_tensor=as_tensor)
+
+    def close(self) -> None:
+        close = getattr(self.client, "close", None)
+        if close is not None:
+            close()
+
+    # -- vLLM's calls -------------------------------------------------------------------------
+
+    def start_dp_coordination_async(
+        self,
+        num_tokens_unpadded: int,
+        allow_microbatching: bool,
+        num_tokens_padded: int | None = None,
+        uniform_decode: bool | None = None,
+        cudagraph_mode: Any = CUDAGRAPH_NONE,
+        *,
+        has_unfinished: bool | None = None,
+        want_pause: bool = False,
+        kind: StepKind | str = StepKind.FORWARD,
+    ) -> DPCoordinationHandle:
+        """Send this rank's report now; the exchange overlaps whatever runs until `finish`."""
+        kind = StepKind(kind)
+        if self.config.data_parallel_size == 1:
+            report = StepReport(
+                num_tokens=0, num_tokens_padded=0, want_pause=bool(want_pause), kind=kind
+            )
+            mode = getattr(cudagraph_mode, "value", cudagraph_mode)
+            return DPCoordinationHandle(self, report, kind, None, (False, None, mode))
+        report = build_report(
+            self.config,
+            num_tokens_unpadded,
+            allow_microbatching,
+            num_tokens_padded,
+            uniform_decode,
+            cudagraph_mode,
+            dp_rank=self.dp_rank,
+            has_unfinished=has_unfinished,
+            want_pause=want_pause,
+        )
+        assert self.client is not None
+        return DPCoordinationHandle(self, report, kind, self.client.start(report, kind))
+
+    def finish_dp_coordination(
+        self, handle: DPCoordinationHandle, timeout: float | None = None
+    ) -> VllmResult:
+        """The agreed `(should_ubatch, num_tokens_after_padding, synced_cudagraph_mode)`."""
+        return handle.finish(timeout)
+
+    def coordinate_batch_across_dp(
+        self,
+        num_tokens_unpadded: int,
+        allow_microbatching: bool,
+        num_tokens_padded: int | None = None,
+        uniform_decode: bool | None = None,
+        cudagraph_mode: Any = CUDAGRAPH_NONE,
+        *,
+        has_unfinished: bool | None = None,
+        want_pause: bool = False,
+        kind: StepKind | str = StepKind.FORWARD,
+        timeout: float | None = None,
+    ) -> VllmResult:
+        """vLLM's blocking call: start and finish in one."""
+        handle = self.start_dp_coordination_async(
+            num_tokens_unpadded,
+            allow_microbatching,
+            num_tokens_padded,
+            uniform_decode,
+            cudagraph_mode,
+            has_unfinished=has_unfinished,
+            want_pause=want_pause,
+            kind=kind,
+        )
+        return handle.finish(timeout)
+
+    def pad_batch_across_dp(
+        self,
+        num_tokens_unpadded: int,
+        num_tokens_padded: int,
+        cudagraph_mode: Any = CUDAGRAPH_NONE,
+        timeout: float | None = None,
+    ) -> tuple[int, Any]:
+        """The drafter's round (kind "draft"; vllm/v1/spec_decode/eagle.py,
+        `_pad_batch_across_dp`): never micro-batches; returns this rank's padded count and
+        the group's counts (None at dp=1)."""
+        _, across, _ = self.coordinate_batch_across_dp(
+            num_tokens_unpadded,
+            False,
+            num_tokens_padded,
+            None,
+            cudagraph_mode,
+            kind=StepKind.DRAFT,
+            timeout=timeout,
+        )
+        if across is None:
+            return int(num_tokens_padded), None
+        return int(across[self.dp_rank]), across
+
+    def has_unfinished_dp(
+        self, has_unfinished: bool, want_pause: bool = False, timeout: float | None = None
+    ) -> StateResult:
+        """A state round (vLLM's `ParallelConfig.has_unfinished_dp` all-reduce, plus the pause
+        consensus): any rank unfinished; pause only if every live rank wants to."""
+        if self.config.data_parallel_size == 1:
+            return StateResult(bool(has_unfinished), bool(want_pause))
+        report = StepReport(
+            num_tokens=0,
+            num_tokens_padded=0,
+            has_unfinished=bool(has_unfinished),
+            want_pause=bool(want_pause),
+        )
+        assert self.client is not None
+        handle = DPCoordinationHandle(
+            self, report, StepKind.STATE, self.client.start(report, StepKind.STATE)
+        )
+        handle.finish(timeout)
+        assert handle.decision is not None
+        return StateResult(handle.decision.any_unfinished, handle.decision.should_pause)
+
+
+# -- the module-level binding: vLLM calls free functions, one rank per process ---------------
+
+_bound: VllmAdapter | None = None
+
+
+class AdapterNotBound(RuntimeError):
+    """A module-level call came before `bind()` (and named no adapter)."""
+
+
+def bind(adapter: VllmAdapter | None) -> None:
+    """Make `adapter` the one the module-level functions use (None unbinds)."""
+    global _bound
+    _bound = adapter
+
+
+def bound() -> VllmAdapter:
+    if _bound is None:
+        raise AdapterNotBound(
+            "no adapter bound: call client.vllm.bind(VllmAdapter.connect(config, dp_rank)) "
+            "once per rank process, or pass adapter="
+        )
+    return _bound
+
+
+def coordinate_batch_across_dp(
+    num_tokens_unpadded: int,
+    allow_microbatching: bool,
+    num_tokens_padded: int | None = None,
+    uniform_decode: bool | None = None,
+    cudagraph_mode: Any = CUDAGRAPH_NONE,
+    *,
+    adapter: VllmAdapter | None = None,
+    **options: Any,
+) -> VllmResult:
+    """vLLM's `coordinate_batch_across_dp`, answered by the bound adapter (or `adapter`)."""
+    return (adapter or bound()).coordinate_batch_across_dp(
+        num_tokens_unpadded,
+        allow_microbatching,
+        num_tokens_padded,
+        uniform_decode,
+        cudagraph_mode,
+        **options,
+    )
+
+
+def start_dp_coordination_async(
+    num_tokens_unpadded: int,
+    allow_microbatching: bool,
+    num_tokens_padded: int | None = None,
+    uniform_decode: bool | None = None,
+    cudagraph_mode: Any = CUDAGRAPH_NONE,
+    *,
+    adapter: VllmAdapter | None = None,
+    **options: Any,
+) -> DPCoordinationHandle:
+    """Start this step's round; returns a handle at once."""
+    return (adapter or bound()).start_dp_coordination_async(
+        num_tokens_unpadded,
+        allow_microbatching,
+        num_tokens_padded,
+        uniform_decode,
+        cudagraph_mode,
+        **options,
+    )
+
+
+def finish_dp_coordination(
+    handle: DPCoordinationHandle, timeout: float | None = None
+) -> VllmResult:
+    """The same tuple `coordinate_batch_across_dp` returns, for a started round."""
+    return handle.finish(timeout)
+
+
+__all__ = [
+    "CUDAGRAPH_FULL",
+    "CUDAGRAPH_NONE",
+    "CUDAGRAPH_PIECEWISE",
+    "AdapterNotBound",
+    "DPCoordinationHandle",
+    "DPGroupConfig",
+    "StateResult",
+    "StepClient",
+    "VllmAdapter",
+    "bind",
+    "bound",
+    "build_report",
+    "coordinate_batch_across_dp",
+    "finish_dp_coordination",
+    "start_dp_coordination_async",
+    "vllm_result",
+    "wants_microbatching",
+]

@@ -1,0 +1,294 @@
+"""The vLLM adapter against vLLM's rules, written out here on their own.
+
+`vllm_reference` below transcribes what vllm/v1/worker/dp_utils.py does with its all-reduced
+4 x dp int32 matrix (rows: unpadded tokens, padded tokens, micro-batch vote, CUDA-graph mode;
+dead ranks' columns filled with neutral values as `neutralize_dead_dp_columns` does), and
+`vote` what vllm/v1/worker/ubatch_utils.py's `check_ubatch_thresholds` does. Every table row
+states its expected outcome by hand; the row must match the transcription *and* what the adapter
+produces (its report per rank -> proto.policy.decide -> vLLM's result shape).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from client.vllm import (
+    AdapterNotBound,
+    DPGroupConfig,
+    VllmAdapter,
+    bind,
+    build_report,
+    coordinate_batch_across_dp,
+    finish_dp_coordination,
+    start_dp_coordination_async,
+    vllm_result,
+    wants_microbatching,
+)
+from proto.errors import InvalidReport
+from proto.messages import StepReport
+from proto.policy import decide
+
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Call:
+    """One rank's arguments to coordinate_batch_across_dp."""
+
+    tokens: int
+    allow: bool = False
+    padded: int | None = None
+    uniform: bool | None = None
+    mode: int = 0
+
+
+def vote(cfg: DPGroupConfig, call: Call) -> bool:
+    """ubatch_utils.check_ubatch_thresholds, reached only when microbatching is allowed."""
+    if not call.allow:
+        return False
+    use_ubatching = cfg.enable_dbo or cfg.ubatch_size > 1
+    if not use_ubatching:
+        return False
+    threshold = cfg.dbo_decode_token_threshold if call.uniform else cfg.dbo_prefill_token_threshold
+    return call.tokens >= threshold
+
+
+def vllm_reference(
+    cfg: DPGroupConfig, calls: list[Call | None]
+) -> tuple[bool, list[int] | None, int]:
+    """dp_utils.coordinate_batch_across_dp over the gathered matrix; None = a dead rank."""
+    if len(calls) == 1:
+        assert calls[0] is not None
+        return False, None, calls[0].mode
+    n = 2 if cfg.enable_dbo else cfg.ubatch_size
+    orig, padded, ubatch, mode = [], [], [], []
+    for call in calls:
+        if call is None:  # neutralize_dead_dp_columns: rows 0, 2, 3 neutral; row 1 stays 0
+            orig.append(INT32_MAX)
+            padded.append(0)
+            ubatch.append(1)
+            mode.append(INT32_MAX)
+            continue
+        orig.append(call.tokens)
+        padded.append(call.tokens if call.padded is None else call.padded)
+        ubatch.append(1 if vote(cfg, call) else 0)
+        mode.append(call.mode)
+    synced_mode = min(mode)
+    should_ubatch = all(v == 1 for v in ubatch)
+    if should_ubatch and (max(padded) // n) * (n - 1) >= min(orig):
+        should_ubatch = False
+    should_pad = synced_mode != 0 or should_ubatch
+    across = [max(padded)] * len(calls) if should_pad else padded
+    return should_ubatch, across, synced_mode
+
+
+DBO = DPGroupConfig(data_parallel_size=2, enable_dbo=True)
+DBO3 = DPGroupConfig(data_parallel_size=3, enable_dbo=True)
+OFF = DPGroupConfig(data_parallel_size=2)
+U3 = DPGroupConfig(data_parallel_size=2, ubatch_size=3)
+
+# (name, config, one Call per rank (None = dead), expected (should_ubatch, across, mode))
+CASES: list[tuple[str, DPGroupConfig, list[Call | None], tuple[bool, list[int] | None, int]]] = [
+    ("padding off: every rank NONE, no micro-batching: own padded counts",
+     OFF, [Call(10, padded=16), Call(20, padded=24)], (False, [16, 24], 0)),
+    ("padding off: padded defaults to the unpadded count",
+     OFF, [Call(10), Call(7)], (False, [10, 7], 0)),
+    ("padding on: a CUDA-graph mode pads everyone to the max",
+     OFF, [Call(10, padded=16, mode=2), Call(20, padded=24, mode=2)], (False, [24, 24], 2)),
+    ("mixed modes FULL + PIECEWISE: the minimum, and padding",
+     OFF, [Call(10, padded=16, mode=2), Call(20, padded=24, mode=1)], (False, [24, 24], 1)),
+    ("mixed modes FULL + NONE: NONE wins, padding off",
+     OFF, [Call(10, padded=16, mode=2), Call(20, padded=24, mode=0)], (False, [16, 24], 0)),
+    ("micro-batching: all vote yes (decode >= 32), last micro-batch not empty",
+     DBO, [Call(64, True, 64, True, 2), Call(40, True, 48, True, 2)], (True, [64, 64], 2)),
+    ("micro-batching forces padding even in NONE mode",
+     DBO, [Call(64, True, 64, True, 0), Call(40, True, 48, True, 0)], (True, [64, 64], 0)),
+    ("micro-batching vetoed by one rank (decode 20 < 32)",
+     DBO, [Call(64, True, 64, True, 2), Call(20, True, 24, True, 2)], (False, [64, 64], 2)),
+    ("micro-batching vetoed by one rank that does not allow it",
+     DBO, [Call(64, True, 64, True, 0), Call(64, False, 64, True, 0)], (False, [64, 64], 0)),
+    ("micro-batching vetoed by the emptiness rule (128 // 2 >= 33)",
+     DBO, [Call(64, True, 128, True, 0), Call(33, True, 40, True, 0)], (False, [128, 40], 0)),
+    ("emptiness rule at its edge: 65 // 2 * 1 = 32 < 33 keeps micro-batching",
+     DBO, [Call(33, True, 65, True, 0), Call(33, True, 33, True, 0)], (True, [65, 65], 0)),
+    ("the vote uses the unpadded count: 31 tokens padded to 64 votes no",
+     DBO, [Call(31, True, 64, True, 2), Call(64, True, 64, True, 2)], (False, [64, 64], 2)),
+    ("prefill threshold: mixed batches need >= 512",
+     DBO, [Call(600, True, 600, False), Call(512, True, 512, False)], (True, [600, 600], 0)),
+    ("prefill threshold: 511 in a mixed batch votes no",
+     DBO, [Call(600, True, 600, False), Call(511, True, 511, False)], (False, [600, 511], 0)),
+    ("micro-batching disabled for the group: no vote above any threshold",
+     OFF, [Call(4096, True, 4096, False), Call(4096, True, 4096, False)],
+     (False, [4096, 4096], 0)),
+    ("ubatch_size=3: three micro-batches, (P // 3) * 2 >= U is empty",
+     U3, [Call(600, True, 600, False), Call(512, True, 512, False)], (True, [600, 600], 0)),
+    ("ubatch_size=3: the emptiness rule with n=3 (900 // 3 * 2 = 600 >= 550)",
+     U3, [Call(900, True, 900, False), Call(550, True, 550, False)], (False, [900, 550], 0)),
+    ("dead rank, padding off: its entry is 0",
+     DBO3, [Call(10, padded=16), None, Call(20, padded=24)], (False, [16, 0, 24], 0)),
+    ("dead rank, padding on: its entry is the max; it never lowers the mode",
+     DBO3, [Call(10, padded=16, mode=2), None, Call(20, padded=24, mode=2)],
+     (False, [24, 24, 24], 2)),
+    ("dead rank never vetoes micro-batching nor lowers the minimum token count",
+     DBO3, [Call(64, True, 64, True, 2), None, Call(40, True, 48, True, 2)],
+     (True, [64, 64, 64], 2)),
+    ("dp=1 returns at once: (False, None, mode)",
+     DPGroupConfig(data_parallel_size=1, enable_dbo=True), [Call(64, True, 64, True, 1)],
+     (False, None, 1)),
+]
+
+
+def adapter_outcome(
+    cfg: DPGroupConfig, calls: list[Call | None], torch_module: object = None
+) -> tuple[bool, object, int]:
+    """What the adapter yields: each live rank's report, the policy, vLLM's result shape."""
+    if cfg.data_parallel_size == 1:
+        call = calls[0]
+        assert call is not None
+        adapter = VllmAdapter(cfg, None, as_tensor=torch_module is not None)
+        return adapter.coordinate_batch_across_dp(
+            call.tokens, call.allow, call.padded, call.uniform, call.mode
+        )
+    reports: list[StepReport | None] = [
+        None if c is None else build_report(cfg, c.tokens, c.allow, c.padded, c.uniform, c.mode,
+                                            dp_rank=r)
+        for r, c in enumerate(calls)
+    ]
+    decision = decide(reports, cfg.num_ubatches)
+    assert decision.dead_ranks == [r for r, c in enumerate(calls) if c is None]
+    return vllm_result(decision, torch_module)
+
+
+@pytest.mark.parametrize(("name", "cfg", "calls", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_rule_table(name: str, cfg: DPGroupConfig, calls: list[Call | None],
+                    expected: tuple[bool, list[int] | None, int]) -> None:
+    assert vllm_reference(cfg, calls) == expected, "the hand-written row contradicts vLLM's rules"
+    assert adapter_outcome(cfg, calls) == expected
+
+
+@pytest.mark.parametrize(("name", "cfg", "calls", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_rule_table_as_tensors(name: str, cfg: DPGroupConfig, calls: list[Call | None],
+                               expected: tuple[bool, list[int] | None, int]) -> None:
+    should_ubatch, across, mode = adapter_outcome(cfg, calls, torch)
+    assert (should_ubatch, mode) == (expected[0], expected[2])
+    if expected[1] is None:
+        assert across is None
+        return
+    assert isinstance(across, torch.Tensor)
+    assert across.dtype == torch.int32 and across.device.type == "cpu"
+    assert across.tolist() == expected[1]
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("tokens", [0, 31, 32, 33, 511, 512, 513, 8192])
+@pytest.mark.parametrize("cfg", [
+    DBO, OFF, U3, DPGroupConfig(data_parallel_size=2, ubatch_size=1),
+    DPGroupConfig(data_parallel_size=2, enable_dbo=True, dbo_decode_token_threshold=0,
+                  dbo_prefill_token_threshold=100),
+])
+def test_vote_matches_check_ubatch_thresholds(cfg: DPGroupConfig, tokens: int,
+                                              uniform: bool) -> None:
+    call = Call(tokens, True, tokens + 8, uniform)
+    assert wants_microbatching(cfg, tokens, uniform) == vote(cfg, call)
+    assert build_report(cfg, tokens, True, tokens + 8, uniform).want_ubatch == vote(cfg, call)
+    assert build_report(cfg, tokens, False, tokens + 8, uniform).want_ubatch is False
+
+
+def test_group_config_mirrors_vllm_properties() -> None:
+    assert (DBO.use_ubatching, DBO.num_ubatches) == (True, 2)
+    assert (U3.use_ubatching, U3.num_ubatches) == (True, 3)
+    assert (OFF.use_ubatching, OFF.num_ubatches) == (False, 1)  # vLLM: 0; the wire needs >= 1
+    pc = SimpleNamespace(data_parallel_size=8, enable_dbo=True, ubatch_size=0,
+                         dbo_decode_token_threshold=16, dbo_prefill_token_threshold=256)
+    cfg = DPGroupConfig.from_parallel_config(pc, extra_fingerprint="deepseek-r1")
+    assert cfg == DPGroupConfig(8, True, 0, 16, 256, "deepseek-r1")
+    assert cfg.client_options() == {"dp_size": 8, "config_fingerprint": cfg.fingerprint(),
+                                    "num_ubatches": 2}
+
+
+def test_fingerprint_binds_every_group_setting() -> None:
+    base = DPGroupConfig(data_parallel_size=4, enable_dbo=True)
+    variants = [
+        DPGroupConfig(data_parallel_size=8, enable_dbo=True),
+        DPGroupConfig(data_parallel_size=4, enable_dbo=False),
+        DPGroupConfig(data_parallel_size=4, enable_dbo=True, ubatch_size=3),
+        DPGroupConfig(data_parallel_size=4, enable_dbo=True, dbo_decode_token_threshold=33),
+        DPGroupConfig(data_parallel_size=4, enable_dbo=True, dbo_prefill_token_threshold=511),
+        DPGroupConfig(data_parallel_size=4, enable_dbo=True, extra_fingerprint="model-b"),
+    ]
+    prints = {v.fingerprint() for v in variants}
+    assert base.fingerprint() == DPGroupConfig(data_parallel_size=4, enable_dbo=True).fingerprint()
+    assert len(prints) == len(variants) and base.fingerprint() not in prints
+    assert all(len(p) <= 256 for p in prints)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("data_parallel_size", 0), ("ubatch_size", -1), ("dbo_decode_token_threshold", -1),
+    ("dbo_prefill_token_threshold", 1.5),
+])
+def test_bad_group_config_names_the_field(field: str, value: object) -> None:
+    kw: dict[str, object] = {"data_parallel_size": 2, field: value}
+    with pytest.raises(ValueError, match=field):
+        DPGroupConfig(**kw)  # type: ignore[arg-type]
+
+
+class RuntimeMode(enum.Enum):
+    """Shaped like vLLM's CUDAGraphMode for the runtime modes it passes here."""
+
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (2, 0)
+
+
+def test_report_fields_and_bad_arguments_name_the_rank() -> None:
+    r = build_report(DBO, 40, True, 48, True, RuntimeMode.FULL, dp_rank=3, want_pause=True)
+    assert r == StepReport(num_tokens=40, num_tokens_padded=48, want_ubatch=True,
+                           cudagraph_mode=2, has_unfinished=True, want_pause=True)
+    assert build_report(DBO, 0, False).has_unfinished is False  # an idle (dummy) step
+    assert build_report(DBO, 0, False, has_unfinished=True).has_unfinished is True
+    with pytest.raises(InvalidReport) as info:
+        build_report(DBO, 40, True, 48, None, dp_rank=3)
+    assert (info.value.rank, info.value.field) == (3, "uniform_decode")
+    with pytest.raises(InvalidReport) as info:
+        build_report(DBO, 4.5, False, dp_rank=1)  # type: ignore[arg-type]
+    assert (info.value.rank, info.value.field, info.value.value) == (1, "num_tokens_unpadded", 4.5)
+    with pytest.raises(InvalidReport) as info:
+        build_report(DBO, 4, False, 8, None, RuntimeMode.FULL_DECODE_ONLY, dp_rank=2)
+    assert (info.value.rank, info.value.field) == (2, "cudagraph_mode")
+
+
+def test_dp1_needs_no_client_and_both_entry_points_agree() -> None:
+    cfg = DPGroupConfig(data_parallel_size=1, enable_dbo=True)
+    adapter = VllmAdapter(cfg, as_tensor=False)
+    handle = start_dp_coordination_async(64, True, 64, True, 2, adapter=adapter)
+    assert handle.done()
+    assert finish_dp_coordination(handle) == (False, None, 2)
+    assert coordinate_batch_across_dp(64, True, 64, True, RuntimeMode.PIECEWISE,
+                                      adapter=adapter) == (False, None, 1)
+    assert adapter.pad_batch_across_dp(5, 8, 2) == (8, None)
+    assert adapter.has_unfinished_dp(True, want_pause=True) == (True, True)
+
+
+def test_dp_above_1_needs_a_client_and_a_rank_in_range() -> None:
+    with pytest.raises(ValueError, match="needs a client"):
+        VllmAdapter(DBO)
+    with pytest.raises(ValueError, match="dp_rank 2"):
+        VllmAdapter(DPGroupConfig(data_parallel_size=1), dp_rank=2)
+
+
+def test_module_level_calls_need_a_binding() -> None:
+    bind(None)
+    with pytest.raises(AdapterNotBound):
+        coordinate_batch_across_dp(1, False)
+    adapter = VllmAdapter(DPGroupConfig(data_parallel_size=1), as_tensor=False)
+    bind(adapter)
+    try:
+        assert coordinate_batch_across_dp(1, False, cudagraph_mode=2) == (False, None, 2)
+    finally:
+        bind(None)
