@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from coordd.metrics import Observer
 from proto.coordinator import Coordinator, Send
 from proto.errors import ProtocolError
 from proto.messages import (
@@ -74,10 +75,12 @@ class CoordServer:
         context: zmq.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
         configure_socket: Callable[[zmq.Socket], None] | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.address = address
         self.stats = ServerStats()
+        self.observer = observer or Observer(coordinator)
         self.clock = clock
         self._context = context or zmq.Context()
         self._ipc_path = prepare_ipc_path(address)
@@ -156,7 +159,10 @@ class CoordServer:
             if type(message) is Hello:
                 self._drain_monitor()
                 self._track_connection(peer, frame.get(zmq.SRCFD))
+                self.observer.registering(peer, message, frame.get("Peer-Address"))
             self._send(coordinator.receive(peer, message, clock()))
+        if coordinator.last_failure is not self.observer.seen_failure:
+            self.observer.group_failed()  # once per drain: also failures nobody was sent
         self._schedule_deadline()
 
     def _track_connection(self, peer: bytes, fd: int) -> None:
@@ -179,12 +185,14 @@ class CoordServer:
                 continue
             del self._peer_fd[peer]
             self.stats.disconnects += 1
+            rank = self.coordinator.peer_rank.get(peer)
             self._send(self.coordinator.peer_lost(peer, self.clock(), "connection closed"))
+            self.observer.lost(rank, peer, "connection closed")
 
     def _send(self, sends: Sequence[Send]) -> None:
         sock = self._sock
         for peers, message in sends:
-            self._count(message)
+            self._count(peers, message)
             payload = encode(message)
             for peer in peers:
                 try:
@@ -194,20 +202,13 @@ class CoordServer:
                     continue
                 self.stats.frames_out += 1
 
-    def _count(self, message: object) -> None:
+    def _count(self, peers: tuple[bytes, ...], message: object) -> None:
+        """Once per Send (a decision: once per round); faults are logged by the observer."""
         if type(message) is StepDecision:
             self.stats.rounds[message.kind.value] += 1
         elif type(message) is StepFailed:
             self.stats.failures[message.reason.value] += 1
-            log.warning(
-                "round failed: epoch=%d seq=%d kind=%s reason=%s ranks=%s: %s",
-                message.epoch,
-                message.seq,
-                message.kind.value,
-                message.reason.value,
-                message.culprits,
-                message.text,
-            )
+        self.observer.sent(peers, message)
 
     def _bad_frame(self, peer: bytes, why: str) -> None:
         self.stats.bad_frames += 1

@@ -1,0 +1,131 @@
+"""coordd's HTTP endpoints (/metrics, /livez, /readyz, /status) on the daemon's own event loop.
+
+A small asyncio server (`asyncio.start_server`) on the same loop as the ROUTER socket, rather
+than prometheus_client's threaded server: everything coordd counts is then read and written
+by one thread, so the counters need no lock on the round path, and a scrape sees a consistent
+snapshot (never half a round). A request is answered in one callback (rendering is
+microseconds to a millisecond); a slow or silent client only holds its own connection,
+which has a deadline. HTTP/1.1, GET and HEAD, one request per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from coordd.metrics import CoorddCollector, Observer, make_registry
+from coordd.status import readiness, status_document
+
+if TYPE_CHECKING:
+    from coordd.server import CoordServer
+
+log = logging.getLogger("coordd.http")
+
+#: (status, content type, body) for one GET.
+Response = tuple[int, str, bytes]
+Route = Callable[[], Response]
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+_TEXT = "text/plain; charset=utf-8"
+_REQUEST_LIMIT = 8192
+_IO_TIMEOUT = 5.0
+
+
+class HttpEndpoints:
+    """Serve `routes` (path -> handler) on host:port from the running event loop."""
+
+    def __init__(self, routes: dict[str, Route]) -> None:
+        self.routes = routes
+        self._server: asyncio.Server | None = None
+        self.url = ""
+
+    async def start(self, host: str, port: int) -> str:
+        """Listen; returns the base URL (the real port when `port` is 0)."""
+        self._server = await asyncio.start_server(
+            self._handle, host, port, limit=_REQUEST_LIMIT, reuse_address=True
+        )
+        bound = self._server.sockets[0].getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        self.url = f"http://{shown}:{bound[1]}"
+        return self.url
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            self._server = None
+
+    def respond(self, method: str, target: str) -> Response:
+        """The response to one request line (also used directly by tests)."""
+        if method not in ("GET", "HEAD"):
+            return 405, _TEXT, b"only GET and HEAD\n"
+        route = self.routes.get(target.split("?", 1)[0])
+        if route is None:
+            return 404, _TEXT, ("endpoints: " + " ".join(sorted(self.routes)) + "\n").encode()
+        try:
+            return route()
+        except Exception:
+            log.exception("endpoint %s failed", target)
+            return 500, _TEXT, b"internal error\n"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _IO_TIMEOUT)
+                method, target, _version = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            except (ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                status, ctype, body = 400, _TEXT, b"bad request\n"
+                method = "GET"
+            else:
+                status, ctype, body = self.respond(method, target)
+            header = (
+                f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"
+                f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Cache-Control: no-store\r\nConnection: close\r\n\r\n"
+            ).encode("latin-1")
+            writer.write(header if method == "HEAD" else header + body)
+            await asyncio.wait_for(writer.drain(), _IO_TIMEOUT)
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+
+def coordd_routes(server: CoordServer, observer: Observer) -> dict[str, Route]:
+    """The four endpoints of one coordd."""
+    coordinator = server.coordinator
+    registry = make_registry(
+        CoorddCollector(observer, server.stats, lambda: readiness(coordinator))
+    )
+
+    def metrics() -> Response:
+        return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
+
+    def livez() -> Response:
+        return 200, _TEXT, b"ok\n"
+
+    def readyz() -> Response:
+        ready, why = readiness(coordinator)
+        return (200 if ready else 503), _TEXT, (why + "\n").encode()
+
+    def status() -> Response:
+        body = json.dumps(status_document(server, observer), indent=1).encode()
+        return 200, "application/json", body + b"\n"
+
+    return {"/metrics": metrics, "/livez": livez, "/readyz": readyz, "/status": status}
