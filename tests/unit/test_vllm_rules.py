@@ -125,7 +125,7 @@ CASES: list[tuple[str, DPGroupConfig, list[Call | None], tuple[bool, list[int] |
     ("micro-batching disabled for the group: no vote above any threshold",
      OFF, [Call(4096, True, 4096, False), Call(4096, True, 4096, False)],
      (False, [4096, 4096], 0)),
-    ("ubatch_size=3: three micro-batches, (P // 3) * 2 >= U is empty",
+    ("ubatch_size=3: three micro-batches while (P // 3) * 2 < U (400 < 512)",
      U3, [Call(600, True, 600, False), Call(512, True, 512, False)], (True, [600, 600], 0)),
     ("ubatch_size=3: the emptiness rule with n=3 (900 // 3 * 2 = 600 >= 550)",
      U3, [Call(900, True, 900, False), Call(550, True, 550, False)], (False, [900, 550], 0)),
