@@ -204,7 +204,7 @@ class Coordinator:
         if report.dp_rank != rank:
             error = ProtocolError(
                 f"peer registered as rank {rank} reported as rank {report.dp_rank}",
-                rank=report.dp_rank,
+                rank=rank,  # the culprit is the sender, not the rank it claimed
             )
             return (Send((peer,), self._failure_of(error, report)),)
         if report.seq != self.seq:
