@@ -1,0 +1,529 @@
+"""The device path: the same step agreement as one torch.distributed all-reduce, without coordd.
+
+Each rank writes its report into its own row of a zeroed `[dp, FIELDS]` int64 matrix; a SUM
+all-reduce then hands every rank every row (an all-gather made of the one collective every
+backend has, as vLLM does it). Every rank applies `proto.policy.decide` to the same matrix, so
+all get the same `StepDecision`, equal to the coordd path's for the same reports; and since
+every rank sees every row, every rank finds the same fault and raises the same typed error.
+
+`connect()` exchanges the ranks' `Hello`s the same way and replays them, in rank order, through
+the coordinator's own registration rules, so a config mismatch raises the very `Rejected` that
+coordd would give. Only this module imports torch (it is in the `device` extra).
+
+Differences from the coordd path, by construction:
+- the epoch is always `DEVICE_EPOCH` (0): there is no daemon that could restart;
+- a round's expected seq is the shared sequence every rank counts (one per collective since
+  `connect`), the device analog of the coordinator's counter; its expected kind is the kind
+  most ranks report, ties going to the lowest rank's (coordd takes the first report to
+  arrive); when several ranks are at fault, the lowest one is named (coordd: the first to
+  arrive);
+- a lost rank surfaces as the backend's error, so `RankLost` names no rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import enum
+import hashlib
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from client.session import RankSession
+from proto.coordinator import Coordinator
+from proto.errors import (
+    CoordError,
+    CoordinatorUnavailable,
+    ProtocolError,
+    RankLost,
+    Rejected,
+    StepMismatch,
+    StepTimeout,
+)
+from proto.messages import (
+    Hello,
+    Reject,
+    StepDecision,
+    StepKind,
+    StepReport,
+    Welcome,
+    decode_to_coordinator,
+    encode,
+    error_from_reject,
+)
+from proto.policy import decide, validate_report
+
+#: The epoch of every device-path decision and Welcome (coordd's is its start time in ms).
+DEVICE_EPOCH = 0
+#: Room for one rank's encoded Hello in the handshake (a 2-byte length, then msgpack).
+HELLO_BYTES = 4096
+
+
+class Field(enum.IntEnum):
+    """The columns of a rank's row in the step matrix."""
+
+    NUM_TOKENS = 0
+    NUM_TOKENS_PADDED = 1
+    WANT_UBATCH = 2
+    CUDAGRAPH_MODE = 3
+    HAS_UNFINISHED = 4
+    WANT_PAUSE = 5
+    SEQ = 6
+    KIND = 7
+    FINGERPRINT = 8
+    NUM_UBATCHES = 9
+    PRESENT = 10
+
+
+NUM_FIELDS = len(Field)
+#: 0 is "no kind", so a row nobody wrote cannot pass for a forward step.
+KIND_CODES: dict[StepKind, int] = {kind: i + 1 for i, kind in enumerate(StepKind)}
+_KINDS_BY_CODE = {code: kind for kind, code in KIND_CODES.items()}
+_INT64_MAX = 2**63 - 1
+
+
+def fingerprint_hash(fingerprint: str) -> int:
+    """A 31-bit hash of the config fingerprint: fits every backend's integer type."""
+    digest = hashlib.blake2b(fingerprint.encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def encode_row(report: StepReport, fingerprint: int, num_ubatches: int) -> list[int]:
+    """One rank's row of the step matrix: a stamped report plus its config."""
+    row = [0] * NUM_FIELDS
+    row[Field.NUM_TOKENS] = report.num_tokens
+    row[Field.NUM_TOKENS_PADDED] = report.num_tokens_padded
+    row[Field.WANT_UBATCH] = int(report.want_ubatch)
+    row[Field.CUDAGRAPH_MODE] = report.cudagraph_mode
+    row[Field.HAS_UNFINISHED] = int(report.has_unfinished)
+    row[Field.WANT_PAUSE] = int(report.want_pause)
+    row[Field.SEQ] = report.seq
+    row[Field.KIND] = KIND_CODES[report.kind]
+    row[Field.FINGERPRINT] = fingerprint
+    row[Field.NUM_UBATCHES] = num_ubatches
+    row[Field.PRESENT] = 1
+    return row
+
+
+def check_fits(report: StepReport) -> None:
+    """The matrix is int64: a larger value is refused here, before the round is posted."""
+    for name in ("num_tokens", "num_tokens_padded", "cudagraph_mode"):
+        value = getattr(report, name)
+        if not -_INT64_MAX <= value <= _INT64_MAX:
+            raise ValueError(f"{name}={value} does not fit the device path's int64 matrix")
+
+
+def _majority_kind(codes: Sequence[int]) -> int:
+    """The code most rows carry; a tie goes to the lowest rank's."""
+    counts = collections.Counter(codes)
+    top = max(counts.values())
+    return next(code for code in codes if counts[code] == top)
+
+
+def resolve_round(
+    rows: Sequence[Sequence[int]], *, seq: int, hellos: Sequence[Hello]
+) -> StepDecision:
+    """The gathered matrix of one round -> the decision, or the `CoordError` every rank raises.
+
+    `seq` is the shared sequence (the round's expected seq), `hellos` the group's Hellos from
+    `connect` (rank order; the lowest rank's sets the group's settings, as in coordd).
+    """
+    for rank, row in enumerate(rows):
+        if row[Field.PRESENT] != 1:
+            raise ProtocolError(
+                f"row {rank} of the step matrix has present={row[Field.PRESENT]} (expected 1): "
+                "the ranks disagree on the process group or the matrix layout",
+                rank=rank,
+            )
+    _check_config(rows, hellos)
+    kinds = []
+    for rank, row in enumerate(rows):
+        got_kind = _KINDS_BY_CODE.get(row[Field.KIND])
+        if got_kind is None:
+            raise ProtocolError(f"unknown step kind code {row[Field.KIND]}", rank=rank)
+        kinds.append(got_kind)
+    kind = _KINDS_BY_CODE[_majority_kind([row[Field.KIND] for row in rows])]
+    reports: list[StepReport | None] = []
+    for rank, (row, got_kind) in enumerate(zip(rows, kinds, strict=True)):
+        if row[Field.SEQ] != seq or got_kind is not kind:
+            raise StepMismatch(rank, seq, kind.value, row[Field.SEQ], got_kind.value)
+        report = StepReport(
+            num_tokens=row[Field.NUM_TOKENS],
+            num_tokens_padded=row[Field.NUM_TOKENS_PADDED],
+            want_ubatch=bool(row[Field.WANT_UBATCH]),
+            cudagraph_mode=row[Field.CUDAGRAPH_MODE],
+            has_unfinished=bool(row[Field.HAS_UNFINISHED]),
+            dp_rank=rank,
+            epoch=DEVICE_EPOCH,
+            seq=seq,
+            kind=kind,
+            want_pause=bool(row[Field.WANT_PAUSE]),
+        )
+        validate_report(rank, report)
+        reports.append(report)
+    return decide(reports, hellos[0].num_ubatches, epoch=DEVICE_EPOCH, seq=seq, kind=kind)
+
+
+def _check_config(rows: Sequence[Sequence[int]], hellos: Sequence[Hello]) -> None:
+    """Every row must carry the group's fingerprint and num_ubatches (coordd's Reject texts)."""
+    group = hellos[0]
+    want_hash = fingerprint_hash(group.config_fingerprint)
+    for rank, row in enumerate(rows):
+        if row[Field.FINGERPRINT] != want_hash:
+            got = _fingerprint_named(row[Field.FINGERPRINT], hellos)
+            raise Rejected(
+                "fingerprint",
+                f"rank {rank} has config_fingerprint={got!r}, "
+                f"the group (rank {group.dp_rank}) has {group.config_fingerprint!r}",
+                expected=group.config_fingerprint,
+                got=got,
+            )
+        if row[Field.NUM_UBATCHES] != group.num_ubatches:
+            got_n = row[Field.NUM_UBATCHES]
+            raise Rejected(
+                "num_ubatches",
+                f"rank {rank} has num_ubatches={got_n!r}, "
+                f"the group (rank {group.dp_rank}) has {group.num_ubatches!r}",
+                expected=str(group.num_ubatches),
+                got=str(got_n),
+            )
+
+
+def _fingerprint_named(hashed: int, hellos: Sequence[Hello]) -> str:
+    for hello in hellos:
+        if fingerprint_hash(hello.config_fingerprint) == hashed:
+            return hello.config_fingerprint
+    return f"<fingerprint hash {hashed:#010x}>"
+
+
+def encode_hello_row(hello: Hello) -> bytes:
+    """One rank's row of the handshake matrix (all zeros if the Hello does not fit)."""
+    data = encode(hello)
+    if len(data) > HELLO_BYTES - 2:
+        return bytes(HELLO_BYTES)
+    return len(data).to_bytes(2, "little") + data + bytes(HELLO_BYTES - 2 - len(data))
+
+
+def decode_hellos(rows: Sequence[bytes]) -> list[Hello]:
+    """The handshake matrix -> every rank's Hello; `ProtocolError` names a rank whose is bad."""
+    hellos = []
+    for rank, row in enumerate(rows):
+        length = int.from_bytes(row[:2], "little")
+        try:
+            msg = decode_to_coordinator(row[2 : 2 + length]) if length else None
+        except ProtocolError as exc:
+            raise ProtocolError(f"bad Hello in the handshake: {exc.detail}", rank=rank) from None
+        if type(msg) is not Hello:
+            raise ProtocolError("no Hello in the handshake (too long, or not a Hello)", rank=rank)
+        if msg.dp_rank != rank:
+            raise ProtocolError(
+                f"the Hello in row {rank} of the handshake claims dp_rank {msg.dp_rank}", rank=rank
+            )
+        hellos.append(msg)
+    return hellos
+
+
+def admit(hellos: Sequence[Hello]) -> Rejected | None:
+    """Register the Hellos in rank order by coordd's own rules: the first rejection, or None."""
+    coordinator = Coordinator(len(hellos), epoch=DEVICE_EPOCH)
+    for rank, hello in enumerate(hellos):
+        for send in coordinator.receive(f"device-rank-{rank}".encode(), hello, 0.0):
+            if type(send.message) is Reject:
+                return error_from_reject(send.message)
+    return None
+
+
+class _Exchange:
+    """One all-reduce in flight: the work handle and the tensor it sums into."""
+
+    __slots__ = ("client", "tensor", "work")
+
+    def __init__(self, client: DeviceCoordClient, tensor: torch.Tensor) -> None:
+        self.client = client
+        self.tensor = tensor
+        with client._stream_context():
+            self.work = dist.all_reduce(tensor, group=client.process_group, async_op=True)
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def result(self, deadline: float, timeout: float) -> torch.Tensor:
+        """The summed matrix on the host; `StepTimeout` (retryable) past `deadline`."""
+        client = self.client
+        with client._stream_context():
+            if client._poll_work:
+                self._poll(deadline, timeout)
+                self._join()
+            else:
+                self._wait(deadline, timeout)
+            return self.tensor if self.tensor.device.type == "cpu" else self.tensor.cpu()
+
+    def _wait(self, deadline: float, timeout: float) -> None:
+        remaining = max(deadline - time.monotonic(), 1e-3)
+        try:
+            self.work.wait(timeout=datetime.timedelta(seconds=remaining))
+        except RuntimeError:
+            if not self.work.is_completed():
+                raise StepTimeout((), timeout) from None
+            self._join()  # it failed, or completed just after the deadline
+
+    def _poll(self, deadline: float, timeout: float) -> None:
+        """NCCL's wait(timeout) sleeps in 1-10 ms steps; an event query costs microseconds."""
+        spin_until = time.monotonic() + 0.002
+        while not self.work.is_completed():
+            now = time.monotonic()
+            if now >= deadline:
+                raise StepTimeout((), timeout)
+            time.sleep(0 if now < spin_until else 0.0001)
+
+    def _join(self) -> None:
+        """The work is complete: make the stream wait on it, or raise the collective's error."""
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            raise RankLost((), f"the device path's all-reduce failed: {exc}") from None
+
+
+class DevicePendingStep:
+    """A round this rank has reported for; `wait()` returns its decision or raises its error."""
+
+    __slots__ = ("_client", "_exchange", "_outcome", "kind", "seq", "shared_seq")
+
+    def __init__(
+        self,
+        client: DeviceCoordClient,
+        seq: int,
+        kind: StepKind,
+        shared_seq: int,
+        exchange: _Exchange,
+    ) -> None:
+        self._client = client
+        self._exchange = exchange
+        self._outcome: StepDecision | CoordError | None = None
+        self.seq = seq
+        self.kind = kind
+        self.shared_seq = shared_seq
+
+    def wait(self, timeout: float | None = None) -> StepDecision:
+        """Block until the decision is known (at most `timeout`, default the client's)."""
+        return self._client._wait(self, timeout)
+
+    def done(self) -> bool:
+        """True if `wait()` would return or raise without waiting on the collective."""
+        return self._client._done(self)
+
+
+class DeviceCoordClient:
+    """One DP rank's agreement over a torch.distributed process group the engine already has.
+
+    Same surface as `CoordClient`: `connect`, `start` -> pending, `wait`, `coordinate`,
+    `close`. `process_group=None` means the default group; the group's rank is the dp rank.
+    Tensors live on `device`: CUDA for NCCL (default: the current CUDA device), else the CPU.
+    On CUDA the exchange runs on a side stream, so it does not queue behind the engine's
+    kernels, and the result is read with one device-to-host copy.
+    """
+
+    def __init__(
+        self,
+        *,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        config_fingerprint: str = "",
+        group: str = "default",
+        num_ubatches: int = 2,
+        incarnation: str | None = None,
+        wait_timeout: float = 60.0,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        cuda_wait: str = "poll",
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "the device path needs an initialized torch.distributed process group "
+                "(dist.init_process_group) or process_group="
+            )
+        rank = dist.get_rank(process_group)
+        if rank < 0:
+            raise ValueError("this process is not a member of process_group")
+        if dp_rank is not None and dp_rank != rank:
+            raise ValueError(f"dp_rank={dp_rank}, but this process is rank {rank} of the group")
+        if cuda_wait not in ("poll", "work"):
+            raise ValueError(f"cuda_wait must be 'poll' or 'work', got {cuda_wait!r}")
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.session = RankSession(
+            dp_rank=rank,
+            dp_size=self.world_size if dp_size is None else dp_size,
+            config_fingerprint=config_fingerprint,
+            group=group,
+            num_ubatches=num_ubatches,
+            incarnation=incarnation,
+        )
+        self.wait_timeout = wait_timeout
+        backend = str(dist.get_backend(process_group))
+        if device is None:
+            on_cuda = backend == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu"
+        self.device = torch.device(device)
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._poll_work = backend == "nccl" and cuda_wait == "poll"
+        self._fingerprint = fingerprint_hash(config_fingerprint)
+        self._num_ubatches = num_ubatches
+        self._hellos: list[Hello] = []
+        self._shared_seq = 0
+        self._failed_seq: int | None = None
+        self._unresolved: collections.deque[DevicePendingStep] = collections.deque()
+        self._handshake: _Exchange | None = None
+        self._closed = False
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def dp_rank(self) -> int:
+        return self.session.dp_rank
+
+    @property
+    def epoch(self) -> int | None:
+        return self.session.epoch
+
+    def connect(self, timeout: float = 5.0) -> Welcome:
+        """Exchange Hellos with every rank of the group (a collective: all ranks call it).
+
+        Raises the `Rejected` coordd would give for the first rank (in rank order) whose Hello
+        it would refuse, on every rank; `CoordinatorUnavailable` if not every rank joins within
+        `timeout` (calling again keeps waiting for the same handshake).
+        """
+        if self._closed:
+            raise CoordinatorUnavailable("the device-path client is closed")
+        if self._handshake is None:
+            row = torch.frombuffer(
+                bytearray(encode_hello_row(self.session.hello_message)), dtype=torch.uint8
+            )
+            self._handshake = self._post(row, HELLO_BYTES, torch.uint8)
+        try:
+            matrix = self._handshake.result(time.monotonic() + timeout, timeout)
+        except StepTimeout:
+            raise CoordinatorUnavailable(
+                f"not every rank of the process group joined the handshake within {timeout:g}s"
+            ) from None
+        except RankLost as exc:
+            self._handshake = None
+            raise CoordinatorUnavailable(exc.detail) from None
+        self._handshake = None
+        lengths = (matrix[:, 0].long() + matrix[:, 1].long() * 256).tolist()
+        rows = [bytes(matrix[r, : 2 + n].tolist()) for r, n in enumerate(lengths)]
+        hellos = decode_hellos(rows)
+        rejected = admit(hellos)
+        if rejected is not None:
+            raise rejected
+        for pending in self._unresolved:
+            pending._outcome = CoordinatorUnavailable("superseded by connect()")
+        self._unresolved.clear()
+        next_seq = self._shared_seq if self._failed_seq is None else self._failed_seq + 1
+        welcome = Welcome(epoch=DEVICE_EPOCH, next_seq=next_seq, dp_size=self.world_size)
+        self.session.receive(welcome)
+        self._hellos = hellos
+        self._shared_seq = next_seq
+        self._failed_seq = None
+        return welcome
+
+    def start(
+        self, report: StepReport, kind: StepKind | str = StepKind.FORWARD
+    ) -> DevicePendingStep:
+        """Post this rank's report for the next round (one async all-reduce); returns at once."""
+        kind = StepKind(kind)
+        check_fits(report)
+        stamped = self.session.report(report, kind)
+        row = encode_row(stamped, self._fingerprint, self._num_ubatches)
+        exchange = self._post(torch.tensor(row, dtype=torch.int64), NUM_FIELDS, torch.int64)
+        pending = DevicePendingStep(self, stamped.seq, kind, self._shared_seq, exchange)
+        self._shared_seq += 1
+        self._unresolved.append(pending)
+        return pending
+
+    def coordinate(
+        self,
+        report: StepReport,
+        kind: StepKind | str = StepKind.FORWARD,
+        timeout: float | None = None,
+    ) -> StepDecision:
+        """start() and wait() in one call."""
+        return self.start(report, kind).wait(timeout)
+
+    def close(self) -> None:
+        """Stop taking rounds; idempotent. The process group stays the engine's."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.session.failed is None:
+            self.session.fail(CoordinatorUnavailable("the device-path client is closed"))
+
+    def __enter__(self) -> DeviceCoordClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _stream_context(self) -> contextlib.AbstractContextManager[object]:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
+    def _post(self, row: torch.Tensor, width: int, dtype: torch.dtype) -> _Exchange:
+        """Zeroed [world, width] matrix with `row` at this rank, summed across the group."""
+        rank = self.session.dp_rank
+        if self.device.type == "cpu":
+            matrix = torch.zeros((self.world_size, width), dtype=dtype)
+            matrix[rank] = row
+            return _Exchange(self, matrix)
+        with self._stream_context():
+            staged = row.pin_memory()
+            matrix = torch.zeros((self.world_size, width), dtype=dtype, device=self.device)
+            matrix[rank].copy_(staged, non_blocking=True)
+        return _Exchange(self, matrix)
+
+    def _done(self, pending: DevicePendingStep) -> bool:
+        if pending._outcome is not None or self.session.failed is not None:
+            return True
+        for earlier in self._unresolved:
+            if earlier._outcome is None and not earlier._exchange.is_completed():
+                return False
+            if earlier is pending:
+                break
+        return True
+
+    def _wait(self, pending: DevicePendingStep, timeout: float | None) -> StepDecision:
+        timeout = self.wait_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        # Rounds resolve in order, so a failed round fails every later one, as on coordd.
+        while pending._outcome is None and self._unresolved:
+            self._resolve(self._unresolved[0], deadline, timeout)
+            self._unresolved.popleft()
+        outcome = pending._outcome
+        if outcome is None:  # never started on this client, or superseded without a result
+            raise CoordinatorUnavailable("this round is not pending on this client")
+        if isinstance(outcome, CoordError):
+            raise outcome
+        return outcome
+
+    def _resolve(self, pending: DevicePendingStep, deadline: float, timeout: float) -> None:
+        if pending._outcome is not None:
+            return
+        if self.session.failed is not None:
+            pending._outcome = self.session.failed
+            return
+        try:
+            rows = pending._exchange.result(deadline, timeout).tolist()
+            pending._outcome = resolve_round(rows, seq=pending.shared_seq, hellos=self._hellos)
+        except StepTimeout:
+            raise  # the all-reduce is still in flight: waiting again may succeed
+        except CoordError as error:
+            pending._outcome = error
+            self.session.fail(error)
+            self._failed_seq = pending.shared_seq

@@ -1,0 +1,107 @@
+"""One way to choose the path: coordd (default) or the device path, behind the same methods.
+
+Engine code builds its client here and then calls `connect`, `start`/`wait` and `close` the
+same way on either; only this choice knows that torch exists (imported on the device path).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Protocol
+
+from proto.messages import StepDecision, StepKind, StepReport, Welcome
+
+if TYPE_CHECKING:
+    from client.device import DeviceCoordClient
+    from client.sync import CoordClient
+
+#: Set to 1 (or true/yes/on) to choose the device path when the caller does not say.
+DEVICE_PATH_ENV = "COORDD_DEVICE_PATH"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+class PendingDecision(Protocol):
+    """What `start()` returns on either path."""
+
+    seq: int
+
+    def wait(self, timeout: float | None = None) -> StepDecision: ...
+
+    def done(self) -> bool: ...
+
+
+class StepClient(Protocol):
+    """The methods engine code calls, the same on both paths."""
+
+    def connect(self, timeout: float = 5.0) -> Welcome: ...
+
+    def start(self, report: StepReport, kind: StepKind | str = ...) -> PendingDecision: ...
+
+    def coordinate(
+        self, report: StepReport, kind: StepKind | str = ..., timeout: float | None = None
+    ) -> StepDecision: ...
+
+    def close(self) -> None: ...
+
+
+def device_path_enabled(device_path: bool | None = None) -> bool:
+    """`device_path` if given, else `COORDD_DEVICE_PATH`; a value that is not a boolean raises."""
+    if device_path is not None:
+        return device_path
+    raw = os.environ.get(DEVICE_PATH_ENV, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{DEVICE_PATH_ENV}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+def connect_coordinator(
+    address: str | None = None,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    config_fingerprint: str = "",
+    group: str = "default",
+    num_ubatches: int = 2,
+    incarnation: str | None = None,
+    wait_timeout: float = 60.0,
+    device_path: bool | None = None,
+    process_group: Any = None,
+    device: Any = None,
+    **coordd_options: Any,
+) -> CoordClient | DeviceCoordClient:
+    """A `CoordClient` for coordd at `address`, or a `DeviceCoordClient` on the device path.
+
+    The device path is chosen by `device_path=True`, or by `COORDD_DEVICE_PATH=1` when
+    `device_path` is None. It runs over `process_group` (None: torch's default group) on
+    `device`; `address` and `coordd_options` (heartbeats, curve, context) only concern coordd
+    and are ignored there, so the caller can pass the same arguments either way. The client
+    is not yet registered: call `connect()` next, as with either client.
+    """
+    common: dict[str, Any] = dict(
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        config_fingerprint=config_fingerprint,
+        group=group,
+        num_ubatches=num_ubatches,
+        incarnation=incarnation,
+        wait_timeout=wait_timeout,
+    )
+    if device_path_enabled(device_path):
+        from client.device import DeviceCoordClient
+
+        return DeviceCoordClient(process_group=process_group, device=device, **common)
+    from client.sync import CoordClient
+
+    return CoordClient(address, **common, **coordd_options)
+
+
+if TYPE_CHECKING:
+
+    def _both_are_step_clients(
+        coordd: CoordClient, device: DeviceCoordClient
+    ) -> tuple[StepClient, StepClient]:
+        """mypy checks here that either client has the surface engine code relies on."""
+        return coordd, device
