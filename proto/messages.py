@@ -221,9 +221,14 @@ def failure_message(error: CoordError, *, epoch: int, seq: int, kind: StepKind) 
     )
 
 
+_NEEDS_CULPRIT = frozenset({FailReason.MISMATCH, FailReason.CONFLICT, FailReason.INVALID})
+
+
 def error_from_failure(msg: StepFailed) -> CoordError:
     """The typed error that a `StepFailed` stands for, equal to the one coordd raised."""
     r = msg.reason
+    if not msg.culprits and r in _NEEDS_CULPRIT:
+        return ProtocolError(f"malformed {r.value} failure without a culprit rank: {msg.text}")
     if r is FailReason.MISMATCH:
         return StepMismatch(
             msg.culprits[0], msg.expected_seq, msg.expected_kind, msg.got_seq, msg.got_kind

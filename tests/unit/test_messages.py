@@ -431,3 +431,16 @@ def test_fuzz_mutated_frames(msg, data) -> None:  # type: ignore[no-untyped-def]
 def test_protocol_version_is_sent_by_default() -> None:
     hello = Hello(dp_size=1, dp_rank=0, config_fingerprint="", incarnation="")
     assert decode_to_coordinator(encode(hello)).protocol_version == PROTOCOL_VERSION  # type: ignore[union-attr]
+
+
+def test_a_failure_without_its_culprit_is_a_protocol_error_not_a_crash() -> None:
+    from proto.errors import ProtocolError as _ProtocolError
+    from proto.messages import FailReason as _FailReason
+    from proto.messages import StepFailed as _StepFailed
+    from proto.messages import StepKind as _StepKind
+    from proto.messages import error_from_failure as _error_from_failure
+
+    for reason in (_FailReason.MISMATCH, _FailReason.CONFLICT, _FailReason.INVALID):
+        msg = _StepFailed(epoch=1, seq=2, kind=_StepKind.FORWARD, reason=reason, culprits=[],
+                          text="damaged")
+        assert isinstance(_error_from_failure(msg), _ProtocolError)
