@@ -434,13 +434,7 @@ def test_protocol_version_is_sent_by_default() -> None:
 
 
 def test_a_failure_without_its_culprit_is_a_protocol_error_not_a_crash() -> None:
-    from proto.errors import ProtocolError as _ProtocolError
-    from proto.messages import FailReason as _FailReason
-    from proto.messages import StepFailed as _StepFailed
-    from proto.messages import StepKind as _StepKind
-    from proto.messages import error_from_failure as _error_from_failure
-
-    for reason in (_FailReason.MISMATCH, _FailReason.CONFLICT, _FailReason.INVALID):
-        msg = _StepFailed(epoch=1, seq=2, kind=_StepKind.FORWARD, reason=reason, culprits=[],
-                          text="damaged")
-        assert isinstance(_error_from_failure(msg), _ProtocolError)
+    for reason in (FailReason.MISMATCH, FailReason.CONFLICT, FailReason.INVALID):
+        msg = StepFailed(epoch=1, seq=2, kind=StepKind.FORWARD, reason=reason, culprits=[],
+                         text="damaged")
+        assert isinstance(error_from_failure(msg), ProtocolError)
