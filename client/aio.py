@@ -12,7 +12,13 @@ import time
 import zmq
 
 from client.session import GroupFailed, Pong, RankSession, Registered, RegistrationFailed, Resolved
-from client.transport import CurveKeys, close_dealer, drain_disconnects, open_dealer
+from client.transport import (
+    CurveKeys,
+    close_dealer,
+    drain_disconnects,
+    handshake_failure,
+    open_dealer,
+)
 from proto.address import default_address
 from proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from proto.messages import (
@@ -181,7 +187,9 @@ class AsyncCoordClient:
     async def _send_before(self, data: bytes, deadline: float) -> None:
         while not int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
             if time.monotonic() >= deadline:
-                raise CoordinatorUnavailable(f"cannot reach coordd at {self.address}")
+                raise CoordinatorUnavailable(
+                    f"cannot reach coordd at {self.address}" + _why(self._monitor)
+                )
             await asyncio.sleep(0.01)
         self._sock.send(data, zmq.NOBLOCK)
         self._drain()
@@ -232,3 +240,8 @@ class AsyncCoordClient:
         for future in pending.values():
             if not future.done():
                 future.set_exception(error)
+
+
+def _why(monitor: zmq.Socket) -> str:
+    reason = handshake_failure(monitor)
+    return f": {reason}" if reason else ""

@@ -19,7 +19,13 @@ from client.session import (
     RegistrationFailed,
     Resolved,
 )
-from client.transport import CurveKeys, close_dealer, drain_disconnects, open_dealer
+from client.transport import (
+    CurveKeys,
+    close_dealer,
+    drain_disconnects,
+    handshake_failure,
+    open_dealer,
+)
 from proto.address import default_address
 from proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from proto.messages import (
@@ -177,7 +183,9 @@ class CoordClient:
         """Send once the connection is up (IMMEDIATE queues nothing before), or give up."""
         remaining_ms = max(0.0, deadline - time.monotonic()) * 1000
         if not self._sock.poll(int(remaining_ms), zmq.POLLOUT):
-            raise CoordinatorUnavailable(f"cannot reach coordd at {self.address}")
+            raise CoordinatorUnavailable(
+                f"cannot reach coordd at {self.address}" + _why(self._monitor)
+            )
         self._sock.send(data, zmq.NOBLOCK)
 
     def _ready(self, seq: int) -> bool:
@@ -242,3 +250,8 @@ class CoordClient:
     def _fail(self, error: CoordError) -> CoordError:
         self.session.fail(error)
         return error
+
+
+def _why(monitor: zmq.Socket) -> str:
+    reason = handshake_failure(monitor)
+    return f": {reason}" if reason else ""

@@ -25,6 +25,8 @@ from proto.coordinator import Coordinator, OnRankLoss
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("coordd.demo", "coordd plus simulated engine ranks, with round latency"),
     "bench": ("coordd.bench", "latency, overlap and scale against torch.distributed gloo"),
+    "status": ("coordd.status", "a running coordd's status as a table (or --probe livez|readyz)"),
+    "keygen": ("coordd.keys", "write CURVE key pairs (NAME.key, NAME.key_secret) for tcp"),
 }
 
 
@@ -36,6 +38,19 @@ def _env(option: str, default: Any, kind: Callable[[str], Any] = str) -> Any:
         return kind(raw)
     except ValueError:
         raise SystemExit(f"coordd: bad value {raw!r} for COORDD_{option.upper()}") from None
+
+
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+def _paths(raw: str) -> list[str]:
+    return [p for p in (part.strip() for part in raw.split(",")) if p]
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
@@ -75,45 +90,133 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         default=_env("log_level", "info"),
         choices=["debug", "info", "warning", "error"],
     )
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+    p.add_argument(
+        "--log-format",
+        default=_env("log_format", "text"),
+        choices=["text", "json"],
+        help="text, or one JSON object per line (fault lines carry group, epoch, seq, kind, ranks)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env("metrics_port", None, int),
+        help="serve /metrics, /livez, /readyz and /status over HTTP on this port "
+        "(0: any free port; default: off; the deploy files use 9180)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=_env("metrics_host", "127.0.0.1"),
+        help="address for the HTTP endpoints (default 127.0.0.1; 0.0.0.0 only if you ask)",
+    )
+    p.add_argument(
+        "--curve-secret-key",
+        default=_env("curve_secret_key", None),
+        help="coordd's CURVE key pair file (NAME.key_secret from `coordd keygen`)",
+    )
+    p.add_argument(
+        "--curve-client-keys",
+        type=_paths,
+        default=_env("curve_client_keys", [], _paths),
+        help="comma list of client public key files (NAME.key) or directories of them: "
+        "coordd admits only these",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=_env("insecure", False, _flag),
+        help="allow a tcp bind without CURVE (any host that reaches the port can join)",
     )
 
 
-def serve(args: argparse.Namespace) -> int:
-    from coordd.server import CoordServer
+def check_server_args(args: argparse.Namespace) -> bool:
+    """Reject unsafe or incomplete option sets before anything starts; True if CURVE is on."""
+    from coordd.keys import SecurityConfigError, check_security_options
 
-    _setup_logging(args.log_level)
     if args.dp < 1:
         raise SystemExit(f"coordd: --dp must be >= 1, got {args.dp}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(f"coordd: --metrics-port must be 0..65535, got {args.metrics_port}")
+    try:
+        return check_security_options(
+            args.bind or default_address(),
+            args.curve_secret_key,
+            args.curve_client_keys,
+            args.insecure,
+        )
+    except SecurityConfigError as exc:
+        raise SystemExit(f"coordd: {exc}") from None
+
+
+def serve(args: argparse.Namespace) -> int:
+    import zmq
+
+    from client.transport import KeyFileError
+    from coordd.keys import CurveGate, SecurityConfigError
+    from coordd.logs import setup_logging
+    from coordd.server import CoordServer
+
+    setup_logging(args.log_level, args.log_format)
+    log = logging.getLogger("coordd")
+    curve = check_server_args(args)
+    bind = args.bind or default_address()
+    if args.insecure and bind.startswith("tcp://"):
+        log.warning("tcp without CURVE (--insecure): any host that reaches %s can join", bind)
     coordinator = Coordinator(
         args.dp,
         epoch=int(time.time() * 1000),
         step_timeout=args.step_timeout,
         on_rank_loss=OnRankLoss(args.on_rank_loss),
     )
-    server = CoordServer(
-        coordinator,
-        args.bind or default_address(),
-        heartbeat_interval=args.heartbeat_interval,
-        heartbeat_timeout=args.heartbeat_timeout,
-    )
+    context = zmq.Context()
+    gate = None
+    try:
+        if curve:
+            try:
+                gate = CurveGate.start(context, args.curve_secret_key, args.curve_client_keys)
+            except (KeyFileError, SecurityConfigError) as exc:
+                raise SystemExit(f"coordd: {exc}") from None
+        server = CoordServer(
+            coordinator,
+            bind,
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
+            context=context,
+            configure_socket=gate.configure if gate else None,
+        )
+        if gate is not None:
+            server.observer.curve_refused = lambda: gate.refused
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        print(f"coordd ready on {server.bound_address}", flush=True)
-        await server.serve(stop)
+        async def main() -> None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            endpoints = None
+            if args.metrics_port is not None:
+                from coordd.endpoints import HttpEndpoints, coordd_routes
 
-    _run(main)
-    logging.getLogger("coordd").info("coordd stopped: %s", dict(server.stats.rounds))
+                endpoints = HttpEndpoints(coordd_routes(server, server.observer))
+                try:
+                    await endpoints.start(args.metrics_host, args.metrics_port)
+                except OSError as exc:
+                    server.close()
+                    where = f"{args.metrics_host}:{args.metrics_port}"
+                    raise SystemExit(f"coordd: cannot serve HTTP on {where}: {exc}") from None
+            # the ready line comes first: launchers (CoorddProcess) wait for it as line one
+            print(f"coordd ready on {server.bound_address}", flush=True)
+            if endpoints is not None:
+                print(f"coordd metrics on {endpoints.url}", flush=True)
+            try:
+                await server.serve(stop)
+            finally:
+                if endpoints is not None:
+                    await endpoints.close()
+
+        _run(main)
+    finally:
+        if gate is not None:
+            gate.stop()
+    log.info("coordd stopped: %s", dict(server.stats.rounds))
     return 0
 
 
@@ -126,8 +229,11 @@ def _run(main: Callable[[], Any]) -> None:
         uvloop.run(main())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Any]:
+    """Parse a coordd command line: (args, the chosen subcommand's module or None for serve).
+
+    The tests parse every command the deploy files run with this same function."""
+    argv = list(argv)
     known = ("serve", "-h", "--help", *SUBCOMMANDS)
     if not argv or argv[0] not in known:
         argv.insert(0, "serve")
@@ -140,7 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[0] == name:
             chosen = importlib.import_module(module_name)
             chosen.add_arguments(sub_parser)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv), chosen
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, chosen = parse(sys.argv[1:] if argv is None else argv)
     if chosen is not None:
         return int(chosen.run(args))
     return serve(args)

@@ -109,6 +109,8 @@ class Observer:
         self._seen_round: CompletedRound | None = None
         self._registering: tuple[bytes, Hello] | None = None
         self._group = "-"
+        #: Clients refused by the CURVE gate (set when coordd runs with CURVE).
+        self.curve_refused: Any = None
 
     # -- what the server tells it -------------------------------------------------------------
 
@@ -398,6 +400,12 @@ class CoorddCollector:
         yield _counter(
             "coordd_disconnects", "Registered ranks whose connection closed", s.disconnects
         )
+        if o.curve_refused is not None:
+            yield _counter(
+                "coordd_curve_refused",
+                "Connections refused: a CURVE client key coordd was not given",
+                o.curve_refused(),
+            )
 
 
 def _bound(bound: float) -> str:

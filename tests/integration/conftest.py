@@ -7,7 +7,7 @@ import pytest
 
 from coordd.procs import CoorddProcess
 
-TCP_ARGS: list[str] = []
+TCP_ARGS: list[str] = ["--insecure"]  # tcp without CURVE keys needs it (coordd keys)
 
 
 def bind_for(transport: str, tmp_path: Path) -> str:

@@ -1,0 +1,238 @@
+"""CURVE for coordd over tcp: `coordd keygen`, the checks on the bind options, and the ZAP gate.
+
+A tcp bind is refused unless CURVE is configured (coordd's secret key and the public keys of
+the clients it admits) or `--insecure` is given. With CURVE, libzmq encrypts every connection
+and asks a ZAP handler (pyzmq's authenticator, in its own thread, once per connection
+handshake, never per message) whether the client's public key is one coordd was given;
+`ZAP_ENFORCE_DOMAIN` makes the socket refuse every client if that handler were missing.
+
+Key files use ZeroMQ's certificate format (as `zmq.auth` reads them): `NAME.key` holds the
+public key, `NAME.key_secret` the pair; `coordd keygen` writes both with mode 0600.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import stat
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from client.transport import KeyFileError, read_key_file
+
+log = logging.getLogger("coordd")
+
+PUBLIC_SUFFIX = ".key"
+SECRET_SUFFIX = ".key_secret"
+ZAP_DOMAIN = "coordd"
+#: A refused key is logged at most this often (a client retries its handshake every second).
+REFUSAL_LOG_INTERVAL = 60.0
+
+_SECRET_BANNER = (
+    "#   ZeroMQ CURVE **Secret** Certificate, written by coordd keygen\n"
+    "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.\n\n"
+)
+_PUBLIC_BANNER = (
+    "#   ZeroMQ CURVE Public Certificate, written by coordd keygen\n"
+    "#   Give it to the other side: coordd needs each client's, clients need coordd's.\n\n"
+)
+
+
+class SecurityConfigError(ValueError):
+    """The bind and CURVE options do not make a safe, complete configuration."""
+
+
+def check_security_options(
+    bind: str, secret_key: str | None, client_keys: Sequence[str], insecure: bool
+) -> bool:
+    """Validate the options (reading no file); True if CURVE is to be used."""
+    if secret_key and insecure:
+        raise SecurityConfigError(
+            "--insecure contradicts --curve-secret-key: give one or the other"
+        )
+    if secret_key and not client_keys:
+        raise SecurityConfigError(
+            "--curve-secret-key needs --curve-client-keys: coordd admits only the client "
+            "public keys it is given"
+        )
+    if client_keys and not secret_key:
+        raise SecurityConfigError(
+            "--curve-client-keys needs --curve-secret-key (coordd's own NAME.key_secret)"
+        )
+    if bind.startswith("tcp://") and not secret_key and not insecure:
+        raise SecurityConfigError(
+            f"a tcp bind ({bind}) needs CURVE: give --curve-secret-key and --curve-client-keys "
+            "(make them with `coordd keygen`), or --insecure to accept unauthenticated ranks"
+        )
+    return bool(secret_key)
+
+
+# -- key files ---------------------------------------------------------------------------------
+
+
+def _write_private(path: str, text: str, force: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        raise KeyFileError(path, "exists (pass --force to replace it)") from None
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        os.fchmod(f.fileno(), 0o600)  # whatever the umask, or the mode of a replaced file
+        f.write(text)
+
+
+def write_keypair(directory: str, name: str, *, force: bool = False) -> tuple[str, str]:
+    """Write DIR/NAME.key and DIR/NAME.key_secret (mode 0600); returns their paths."""
+    if not name or os.sep in name or name.startswith("."):
+        raise ValueError(f"key name must be a plain file name, got {name!r}")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    public, secret = zmq.curve_keypair()
+    pub = public.decode("ascii")
+    public_path = os.path.join(directory, name + PUBLIC_SUFFIX)
+    secret_path = os.path.join(directory, name + SECRET_SUFFIX)
+    body = f'metadata\ncurve\n    public-key = "{pub}"\n'
+    _write_private(
+        secret_path,
+        _SECRET_BANNER + body + f'    secret-key = "{secret.decode("ascii")}"\n',
+        force,
+    )
+    _write_private(public_path, _PUBLIC_BANNER + body, force)
+    return public_path, secret_path
+
+
+def load_secret_key(path: str) -> tuple[bytes, bytes]:
+    """coordd's own (public, secret) from NAME.key_secret; warns if others may read it."""
+    public, secret = read_key_file(path)
+    if secret is None:
+        raise KeyFileError(path, "has no secret-key: give coordd's NAME.key_secret file")
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # pragma: no cover - read_key_file just read it
+        mode = 0
+    if mode & stat.S_IROTH:
+        log.warning("CURVE secret key %s is readable by other users (mode %o)", path, mode & 0o777)
+    return public, secret
+
+
+def load_client_keys(paths: Sequence[str]) -> dict[bytes, str]:
+    """Admitted client public keys (z85) -> the file each came from: each path is a key file
+    or a directory whose *.key files are read."""
+    keys: dict[bytes, str] = {}
+    for path in paths:
+        if os.path.isdir(path):
+            files = sorted(
+                os.path.join(path, n) for n in os.listdir(path) if n.endswith(PUBLIC_SUFFIX)
+            )
+            if not files:
+                raise KeyFileError(path, f"directory holds no *{PUBLIC_SUFFIX} file")
+        else:
+            files = [path]
+        for file in files:
+            public, _ = read_key_file(file)
+            keys.setdefault(public, file)
+    if not keys:
+        raise SecurityConfigError("no client public key given: coordd would admit nobody")
+    return keys
+
+
+# -- the ZAP gate ------------------------------------------------------------------------------
+
+
+@dataclass
+class CurveGate:
+    """coordd's CURVE identity and the ZAP handler that admits only the given client keys."""
+
+    public: bytes
+    secret: bytes
+    allowed: dict[bytes, str]
+    refused: int = 0
+    _auth: Any = None
+    _last_logged: dict[bytes, float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def start(cls, context: zmq.Context, secret_key: str, client_keys: Sequence[str]) -> CurveGate:
+        """Load the keys and start the authenticator on `context` (before any bind)."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        public, secret = load_secret_key(secret_key)
+        gate = cls(public, secret, load_client_keys(client_keys))
+        auth = ThreadAuthenticator(context, log=logging.getLogger("coordd.zap"))
+        auth.start()
+        auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=gate)
+        gate._auth = auth
+        log.info(
+            "CURVE on: coordd key %s, %d client key(s) admitted",
+            public.decode("ascii"),
+            len(gate.allowed),
+        )
+        return gate
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """The ZAP handler's question (in the authenticator's thread): admit this client?"""
+        if key in self.allowed:
+            return True
+        self.refused += 1
+        now = time.monotonic()
+        with self._lock:
+            last = self._last_logged.get(key)
+            if last is None or now - last >= REFUSAL_LOG_INTERVAL:
+                self._last_logged[key] = now
+                log.warning(
+                    "refused a client: CURVE key %s is not among the %d admitted",
+                    key.decode("ascii", "replace"),
+                    len(self.allowed),
+                )
+        return False
+
+    def configure(self, sock: zmq.Socket) -> None:
+        """Make `sock` a CURVE server that asks this gate (call before bind)."""
+        sock.curve_server = True
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.public
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+
+    def stop(self) -> None:
+        auth = self._auth
+        self._auth = None
+        if auth is not None:
+            auth.stop()
+
+
+# -- `coordd keygen` ---------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "names",
+        nargs="*",
+        default=["coordd", "rank"],
+        help="one key pair per name (default: coordd rank)",
+    )
+    p.add_argument("--dir", default=".", help="where to write NAME.key and NAME.key_secret")
+    p.add_argument("--force", action="store_true", help="replace existing key files")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        for name in args.names:
+            public_path, secret_path = write_keypair(args.dir, name, force=args.force)
+            public, _ = read_key_file(public_path)
+            print(f"{name}: public {public_path}, secret {secret_path} ({public.decode()})")
+    except (KeyFileError, ValueError, OSError) as exc:
+        print(f"coordd keygen: {exc}", file=sys.stderr)
+        return 1
+    print(
+        "coordd takes --curve-secret-key coordd.key_secret --curve-client-keys <rank .key "
+        "files or their directory>; a rank takes COORDD_CURVE_SERVER_KEY=coordd.key and "
+        "COORDD_CURVE_CLIENT_KEY=<its>.key_secret"
+    )
+    return 0
