@@ -147,7 +147,7 @@ class Observer:
         if failure is None:
             return
         self.failed[failure.kind.value] += 1
-        self._fault(failure, "round failed")
+        self._fault(failure, "group failed")
 
     def lost(self, rank: int | None, peer: bytes, detail: str) -> None:
         """A registered rank's connection closed (called after the coordinator was told)."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from coordd.metrics import Observer
+from proto.address import runtime_dir
 from proto.coordinator import Coordinator, Send
 from proto.errors import ProtocolError
 from proto.messages import (
@@ -51,12 +52,30 @@ class ServerStats:
 
 
 def prepare_ipc_path(address: str) -> str | None:
-    """For ipc://, create the socket's directory private (0700); return the path to unlink."""
+    """For ipc://, create the socket's directory private (0700); return the path to unlink.
+
+    A directory that exists is left as the operator made it (a pod's shared emptyDir), except
+    the default runtime directory, which must be ours and private: made looser, it is made
+    0700 again; owned by another user (who could swap the socket), it is refused."""
     if not address.startswith("ipc://"):
         return None
     path = address[len("ipc://") :]
     directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if not os.path.isdir(directory):
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.chmod(directory, 0o700)  # makedirs applies the umask
+    elif os.path.realpath(directory) == os.path.realpath(runtime_dir()):
+        info = os.stat(directory)
+        if info.st_uid != os.getuid():
+            raise PermissionError(
+                f"runtime directory {directory} belongs to uid {info.st_uid}, not to coordd's "
+                f"uid {os.getuid()}: remove it or bind elsewhere"
+            )
+        if info.st_mode & 0o077:
+            log.warning(
+                "runtime directory %s had mode %o: made 0700", directory, info.st_mode & 0o777
+            )
+            os.chmod(directory, 0o700)
     if os.path.exists(path):
         os.unlink(path)
     return path
