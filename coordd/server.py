@@ -152,8 +152,20 @@ class CoordServer:
     # -- the hot path -----------------------------------------------------------------------
 
     def _drain(self) -> None:
-        """Handle every frame queued on the socket (the FD is edge-triggered: empty it)."""
-        self._drain_monitor()
+        """Handle every queued frame, then closed connections, until both are empty.
+
+        The FDs are edge-triggered, and a send can swallow the edge: so both are re-checked
+        after any work. Frames go first, so that what a rank sent before its connection
+        closed (a last report, a Goodbye) counts before the loss does.
+        """
+        self._drain_frames()
+        while self._drain_monitor():
+            self._drain_frames()
+        if self.coordinator.last_failure is not self.observer.seen_failure:
+            self.observer.group_failed()  # once per drain: also failures nobody was sent
+        self._schedule_deadline()
+
+    def _drain_frames(self) -> None:
         sock = self._sock
         coordinator = self.coordinator
         stats = self.stats
@@ -180,9 +192,6 @@ class CoordServer:
                 self._track_connection(peer, frame.get(zmq.SRCFD))
                 self.observer.registering(peer, message, frame.get("Peer-Address"))
             self._send(coordinator.receive(peer, message, clock()))
-        if coordinator.last_failure is not self.observer.seen_failure:
-            self.observer.group_failed()  # once per drain: also failures nobody was sent
-        self._schedule_deadline()
 
     def _track_connection(self, peer: bytes, fd: int) -> None:
         old = self._peer_fd.get(peer)
@@ -191,10 +200,12 @@ class CoordServer:
         self._peer_fd[peer] = fd
         self._fd_peer[fd] = peer
 
-    def _drain_monitor(self) -> None:
-        """Closed connections: the rank that registered over one is lost."""
+    def _drain_monitor(self) -> bool:
+        """Closed connections: the rank that registered over one is lost. True if any event."""
         monitor = self._monitor
+        seen = False
         while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            seen = True
             frames = monitor.recv_multipart(zmq.NOBLOCK)
             event, fd = struct.unpack("=HI", frames[0][:6])
             if event != zmq.EVENT_DISCONNECTED:
@@ -207,6 +218,7 @@ class CoordServer:
             rank = self.coordinator.peer_rank.get(peer)
             self._send(self.coordinator.peer_lost(peer, self.clock(), "connection closed"))
             self.observer.lost(rank, peer, "connection closed")
+        return seen
 
     def _send(self, sends: Sequence[Send]) -> None:
         sock = self._sock
