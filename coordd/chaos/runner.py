@@ -1,0 +1,383 @@
+"""Run chaos scenarios: a real coordd, real rank processes, one injected fault, then the checker.
+
+Each scenario lives in its own directory (coordd's log, one JSON-lines history per process, the
+runner's own events and `scenario.json`), so a failing one can be read afterwards. Every wait has
+a deadline: a process still running at the scenario's budget is killed and counted as a hang.
+Scenarios run a few at a time in threads; each owns its processes and ends all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from coordd.chaos.checker import ScenarioResult, check_scenario
+from coordd.chaos.history import End, HistoryWriter, Inject, Note, Record, tail_records
+from coordd.chaos.scenarios import SCENARIOS, Scenario, ScenarioInfo, Skip
+from coordd.chaos.spec import Fault, Settings, WorkerSpec
+from coordd.procs import CoorddProcess
+
+
+def _insecure_tcp_flag(bind: str) -> list[str]:
+    """Plain tcp (no CURVE keys) where coordd asks for it to be said out loud."""
+    import argparse
+
+    from coordd.cli import add_server_options
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_server_options(parser)
+    known = "--insecure" in parser._option_string_actions
+    return ["--insecure"] if known and bind.startswith("tcp://") else []
+
+
+class ChaosCoordd(CoorddProcess):
+    """A real `coordd serve`, started through `coordd.chaos.serve` so its log lands in a file."""
+
+    def __init__(self, dp: int, bind: str, settings: Settings, log_path: str) -> None:
+        super().__init__(
+            dp,
+            bind,
+            [
+                *_insecure_tcp_flag(bind),
+                "--step-timeout",
+                str(settings.step_timeout),
+                "--heartbeat-interval",
+                str(settings.heartbeat_interval),
+                "--heartbeat-timeout",
+                str(settings.heartbeat_timeout),
+                "--log-level",
+                "debug",
+            ],
+        )
+        assert self.argv[1:4] == ["-m", "coordd", "serve"]
+        self.argv = [sys.executable, "-m", "coordd.chaos.serve", log_path, *self.argv[3:]]
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: str
+    offset: int = 0
+    records: list[Record] = field(default_factory=list)
+
+    def poll_log(self) -> list[Record]:
+        new, self.offset = tail_records(self.log_path, self.offset)
+        self.records.extend(new)
+        return new
+
+
+class ScenarioRun:
+    """One fault kind, one seed: the processes, the injection, and the record of it all."""
+
+    def __init__(self, scenario: Scenario, seed: int, settings: Settings, directory: str) -> None:
+        self.scenario = scenario
+        self.seed = seed
+        self.settings = settings
+        self.dir = directory
+        self.rng = random.Random(f"scenario:{scenario.fault.value}:{seed}")
+        self.dp = self.rng.randint(settings.min_dp, settings.max_dp)
+        self.culprit = self.rng.randrange(self.dp)
+        self.inject_seq = self.rng.randint(3, max(3, settings.rounds // 2))
+        self.end_seq = settings.rounds
+        self.transport = scenario.transport or settings.transport
+        self.started = time.monotonic()
+        self.deadline = self.started + settings.budget
+        self.processes: dict[str, Process] = {}
+        self.coordd: ChaosCoordd | None = None
+        self.coordd_log = os.path.join(directory, "coordd.log")
+        self.address = ""
+        self.bind_host = "127.0.0.1"
+        self.culprit_name = ""
+        self.harness_kills: set[str] = set()
+        self.resources: dict[str, Any] = {}
+        os.makedirs(directory, exist_ok=True)
+        self.events = HistoryWriter(
+            os.path.join(directory, "runner.jsonl"), role="runner", rank=-1, name="runner"
+        )
+
+    # -- the scenario's building blocks -------------------------------------------------------
+
+    def event(self, record: Inject | Note) -> None:
+        self.events.write(record)
+
+    def start_coordd(self, bind: str | None = None) -> ChaosCoordd:
+        if bind is None:
+            bind = (
+                f"ipc://{self.dir}/c.sock"
+                if self.transport == "ipc"
+                else f"tcp://{self.bind_host}:*"
+            )
+        coordd = ChaosCoordd(self.dp, bind, self.settings, self.coordd_log)
+        coordd.start(timeout=max(5.0, self.deadline - time.monotonic()))
+        self.coordd = coordd
+        self.address = coordd.address
+        return coordd
+
+    def spec(self, name: str, role: str, rank: int, **extra: object) -> WorkerSpec:
+        s = self.settings
+        return WorkerSpec(
+            role=role,
+            name=name,
+            address=self.address,
+            dp_size=self.dp,
+            dp_rank=rank,
+            seed=self.seed,
+            end_seq=self.end_seq,
+            log_path=os.path.join(self.dir, f"{name}.jsonl"),
+            deadline=self.deadline,
+            step_timeout=s.step_timeout,
+            heartbeat_interval=s.heartbeat_interval,
+            heartbeat_timeout=s.heartbeat_timeout,
+            wait_timeout=s.wait_timeout,
+            fault=self.scenario.fault.value,
+            **extra,  # type: ignore[arg-type]
+        )
+
+    def start_worker(self, spec: WorkerSpec, prefix: Iterable[str] = ()) -> Process:
+        spec_path = os.path.join(self.dir, f"{spec.name}.spec.json")
+        with open(spec_path, "wb") as f:
+            f.write(msgspec.json.encode(spec))
+        with open(os.path.join(self.dir, f"{spec.name}.stderr"), "wb") as err:
+            popen = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "coordd.chaos.worker", spec_path],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+            )
+        process = Process(spec.name, popen, spec.log_path)
+        self.processes[spec.name] = process
+        self.event(Note(t=time.monotonic(), what="started", detail=spec.name, pid=popen.pid))
+        return process
+
+    def start_ranks(self, roles: dict[int, str] | None = None, **extra: object) -> None:
+        for rank in range(self.dp):
+            role = (roles or {}).get(rank, "rank")
+            self.start_worker(self.spec(f"rank{rank}", role, rank, **extra))
+
+    def signal_worker(self, name: str, sig: signal.Signals) -> None:
+        process = self.processes[name]
+        if process.popen.poll() is None:
+            os.kill(process.popen.pid, sig)
+        if sig == signal.SIGKILL:
+            self.harness_kills.add(name)
+
+    def wait_until(self, condition: Callable[[], bool], step: float = 0.005) -> bool:
+        """Poll `condition` until true or the scenario's deadline; False on the deadline."""
+        while time.monotonic() < self.deadline:
+            if condition():
+                return True
+            time.sleep(step)
+        return False
+
+    def wait_seq(self, name: str, seq: int) -> bool:
+        """Until process `name` has begun round `seq` (or ended)."""
+        process = self.processes[name]
+
+        def reached() -> bool:
+            process.poll_log()
+            return process.popen.poll() is not None or any(
+                getattr(r, "seq", -1) >= seq and r.__class__.__name__ == "Begin"
+                for r in process.records
+            )
+
+        return self.wait_until(reached)
+
+    def wait_registered(self, names: Iterable[str]) -> bool:
+        procs = [self.processes[n] for n in names]
+
+        def registered() -> bool:
+            for p in procs:
+                p.poll_log()
+            return all(
+                p.popen.poll() is not None
+                or any(r.__class__.__name__ == "Registered" for r in p.records)
+                for p in procs
+            )
+
+        return self.wait_until(registered)
+
+    def wait_detected(self, names: Iterable[str], since: float) -> bool:
+        """Until every process in `names` has logged a typed error after `since` (or ended)."""
+        procs = [self.processes[n] for n in names]
+
+        def detected() -> bool:
+            for p in procs:
+                p.poll_log()
+            return all(
+                p.popen.poll() is not None
+                or any(
+                    isinstance(r, End) and r.error is not None and r.t >= since for r in p.records
+                )
+                for p in procs
+            )
+
+        return self.wait_until(detected)
+
+    def honest_names(self) -> list[str]:
+        return [f"rank{r}" for r in range(self.dp) if r != self.culprit]
+
+    def restart_coordd(self, sig: signal.Signals) -> None:
+        """Kill coordd with `sig` and start a fresh one (a new epoch) on the same address."""
+        assert self.coordd is not None
+        old = self.coordd
+        address = old.address
+        self.event(
+            Inject(
+                t=time.monotonic(),
+                fault=self.scenario.fault.value,
+                detail=f"coordd {sig.name}",
+                pid=old.pid,
+            )
+        )
+        old.signal(sig)
+        assert old.proc is not None
+        try:
+            old.proc.wait(timeout=10)
+        finally:
+            old.stop()
+        self.event(Note(t=time.monotonic(), what="coordd exited", count=old.proc.returncode or 0))
+        time.sleep(self.rng.uniform(0.0, 0.3))
+        self.start_coordd(address)
+        self.event(Note(t=time.monotonic(), what="coordd restarted", detail=address))
+
+    # -- running it ---------------------------------------------------------------------------
+
+    def execute(self) -> ScenarioResult:
+        skipped = ""
+        try:
+            try:
+                self.scenario.prepare(self)
+            except Skip as why:
+                skipped = str(why)
+            else:
+                if self.coordd is None:
+                    self.start_coordd()
+                self.scenario.run(self)
+                self._wait_all()
+        except Exception as exc:  # a harness failure is a failed scenario, never a hang
+            self.event(Note(t=time.monotonic(), what="harness error", detail=repr(exc)))
+        finally:
+            self._end_everything()
+            self.scenario.cleanup(self)
+            self.events.close()
+            self._write_info(skipped)
+        return check_scenario(self.dir)
+
+    def _wait_all(self) -> None:
+        hard_deadline = self.deadline + 3.0
+        for process in self.processes.values():
+            remaining = hard_deadline - time.monotonic()
+            try:
+                process.popen.wait(timeout=max(0.0, remaining))
+            except subprocess.TimeoutExpired:
+                self.event(
+                    Note(
+                        t=time.monotonic(),
+                        what="killed at deadline",
+                        detail=process.name,
+                        pid=process.popen.pid,
+                    )
+                )
+                process.popen.kill()
+                process.popen.wait(timeout=10)
+
+    def _end_everything(self) -> None:
+        for process in self.processes.values():
+            if process.popen.poll() is None:
+                with contextlib.suppress(OSError):
+                    os.kill(process.popen.pid, signal.SIGCONT)
+                process.popen.kill()
+                process.popen.wait(timeout=10)
+            self.event(
+                Note(
+                    t=time.monotonic(),
+                    what="exited",
+                    detail=process.name,
+                    count=process.popen.returncode,
+                    pid=process.popen.pid,
+                )
+            )
+        if self.coordd is not None and self.coordd.proc is not None:
+            alive = self.coordd.proc.poll() is None
+            code = self.coordd.stop()
+            self.event(
+                Note(
+                    t=time.monotonic(),
+                    what="coordd stopped" if alive else "coordd died",
+                    count=code or 0,
+                )
+            )
+
+    def _write_info(self, skipped: str) -> None:
+        info = ScenarioInfo(
+            fault=self.scenario.fault.value,
+            seed=self.seed,
+            dp=self.dp,
+            transport=self.transport,
+            culprit=self.culprit,
+            culprit_name=self.culprit_name,
+            inject_seq=self.inject_seq,
+            end_seq=self.end_seq,
+            settings=self.settings,
+            expect=self.scenario.expect,
+            harness_kills=sorted(self.harness_kills),
+            skipped=skipped,
+        )
+        with open(os.path.join(self.dir, "scenario.json"), "wb") as f:
+            f.write(msgspec.json.encode(info))
+
+
+def run_scenario(fault: Fault, seed: int, settings: Settings, directory: str) -> ScenarioResult:
+    return ScenarioRun(SCENARIOS[fault], seed, settings, directory).execute()
+
+
+def run_suite(
+    faults: Iterable[Fault],
+    seeds: Iterable[int],
+    settings: Settings,
+    *,
+    parallel: int = 2,
+    keep: str | None = None,
+    on_result: Callable[[ScenarioResult], None] | None = None,
+) -> list[ScenarioResult]:
+    """Every fault with every seed, `parallel` scenarios at a time; results in submission order.
+
+    Scenario directories go under `keep` (kept), else a temporary directory that is removed,
+    except for the scenarios that failed, whose directories are kept and named in the result.
+    """
+    base = keep or tempfile.mkdtemp(prefix="cc-", dir="/tmp")
+    os.makedirs(base, exist_ok=True)
+    jobs = [(f, s) for f in faults for s in seeds]
+    results: list[ScenarioResult] = []
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        futures = [
+            pool.submit(run_scenario, f, s, settings, os.path.join(base, f"{f.value}-{s}"))
+            for f, s in jobs
+        ]
+        for future in futures:
+            result = future.result()
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+    if keep is None:
+        for result in results:
+            if result.ok or result.skipped:
+                shutil.rmtree(result.directory, ignore_errors=True)
+        if not os.listdir(base):
+            os.rmdir(base)
+    return results

@@ -1,0 +1,373 @@
+"""The fault kinds: for each, how it is injected into a running group and what must come of it.
+
+Every scenario starts a real coordd and `dp` rank processes (2..4, from the seed), lets them run
+rounds, injects its one fault at a seeded point and, where the group fails, lets it recover:
+the ranks register again (a new epoch) and run on to the end, and a rank that is gone (killed,
+or refused at the door) is replaced as a supervisor would. `Expect` is what the checker holds
+the history to; it is written into each scenario's `scenario.json`.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from coordd.chaos import netns
+from coordd.chaos.history import Inject, Note
+from coordd.chaos.spec import Fault, Settings
+from coordd.chaos.workload import kind_for
+from proto.messages import PROTOCOL_VERSION, StepKind
+
+if TYPE_CHECKING:
+    from coordd.chaos.runner import ScenarioRun
+
+
+class Skip(Exception):
+    """This scenario cannot run here; the message says why."""
+
+
+class Expect(msgspec.Struct, frozen=True, kw_only=True):
+    """What the history of one scenario must show."""
+
+    #: The group must see a typed failure (every live rank, after the injection).
+    failure: bool = False
+    #: Error types the group may see after the injection (anything else is a violation).
+    errors: list[str] = []
+    #: ...and those errors must name the culprit rank.
+    names_culprit: bool = True
+    #: The culprit process's own view: "same" as the group's, "any" typed error, "gone".
+    culprit_view: str = "same"
+    #: The culprit process must itself get a typed error after the injection.
+    culprit_must_fail: bool = False
+    #: The culprit process must be refused with this error ("Rejected:dp_size", "ProtocolError").
+    refusal: str = ""
+    #: coordd crashed: a round's broadcast may reach some ranks and not others.
+    split_allowed: bool = False
+    #: Wrong kind: if the culprit reported first, the mismatch names the rank that disagreed
+    #: with it (the round's kind is set by its first report); the fields must still show it.
+    mirror_ok: bool = False
+
+
+class ScenarioInfo(msgspec.Struct, frozen=True, kw_only=True):
+    fault: str
+    seed: int
+    dp: int
+    transport: str
+    culprit: int
+    culprit_name: str
+    inject_seq: int
+    end_seq: int
+    settings: Settings
+    expect: Expect
+    harness_kills: list[str] = []
+    skipped: str = ""
+
+
+class Scenario:
+    fault: Fault
+    expect: Expect
+    transport: str | None = None
+    summary = ""
+
+    def prepare(self, run: ScenarioRun) -> None:
+        """Before coordd starts; raise `Skip` if the scenario cannot run here."""
+
+    def run(self, run: ScenarioRun) -> None:
+        raise NotImplementedError
+
+    def cleanup(self, run: ScenarioRun) -> None:
+        """After every process has ended (also after a failure)."""
+
+
+# -- a rank that breaks the protocol (raw wire messages) ------------------------------------
+
+
+class RawFault(Scenario):
+    def __init__(self, fault: Fault, summary: str, expect: Expect) -> None:
+        self.fault = fault
+        self.summary = summary
+        self.expect = expect
+
+    def fault_seq(self, run: ScenarioRun) -> int:
+        return run.inject_seq
+
+    def run(self, run: ScenarioRun) -> None:
+        run.inject_seq = self.fault_seq(run)
+        run.culprit_name = f"rank{run.culprit}"
+        run.start_ranks({run.culprit: "raw"}, fault_seq=run.inject_seq)
+
+
+class WrongKind(RawFault):
+    def fault_seq(self, run: ScenarioRun) -> int:
+        """The first drafter round from the seeded point on: the rogue reports it as forward."""
+        for seq in range(run.inject_seq, run.end_seq - 3):
+            if kind_for(run.seed, seq) is StepKind.DRAFT:
+                return seq
+        return run.inject_seq
+
+
+# -- a rank whose Hello disagrees with the group ----------------------------------------------
+
+
+class JoinMismatch(Scenario):
+    def __init__(self, fault: Fault, summary: str, field: str, reason: str) -> None:
+        self.fault = fault
+        self.summary = summary
+        self.field = field
+        self.expect = Expect(
+            failure=True,
+            errors=["StepTimeout"],
+            culprit_view="refused",
+            refusal=f"Rejected:{reason}",
+        )
+
+    def bad_value(self, run: ScenarioRun) -> str:
+        if self.field == "dp_size":
+            return str(run.dp + run.rng.choice([1, 2]) if run.rng.random() < 0.5 else run.dp - 1)
+        if self.field == "protocol_version":
+            return str(PROTOCOL_VERSION + run.rng.choice([1, -1]))
+        return f"other-config-{run.rng.getrandbits(16):04x}"
+
+    def run(self, run: ScenarioRun) -> None:
+        c = run.culprit
+        run.inject_seq = 0
+        run.culprit_name = f"joiner{c}"
+        for rank in range(run.dp):
+            if rank != c:
+                run.start_worker(run.spec(f"rank{rank}", "rank", rank))
+        run.wait_registered(run.honest_names())
+        since = time.monotonic()
+        joiner = run.start_worker(
+            run.spec(
+                run.culprit_name,
+                "joiner",
+                c,
+                hello_field=self.field,
+                hello_value=self.bad_value(run),
+            )
+        )
+        run.wait_until(lambda: joiner.popen.poll() is not None)
+        run.wait_detected(run.honest_names(), since)
+        # the operator fixes the config: the rank comes back right, and the group recovers
+        run.start_worker(run.spec(f"rank{c}", "rank", c))
+
+
+class DuplicateRank(Scenario):
+    fault = Fault.DUPLICATE_RANK
+    summary = "a second process claims a rank the group has"
+    expect = Expect(refusal="Rejected:rank_taken", culprit_view="refused")
+
+    def run(self, run: ScenarioRun) -> None:
+        run.culprit_name = f"impostor{run.culprit}"
+        run.start_ranks()
+        trigger = run.processes[f"rank{run.culprit}"].log_path
+        run.start_worker(
+            run.spec(
+                run.culprit_name,
+                "impostor",
+                run.culprit,
+                trigger_log=trigger,
+                trigger_seq=run.inject_seq,
+            )
+        )
+
+
+# -- a rank process that dies, stops, or straggles -------------------------------------------
+
+
+class RankKilled(Scenario):
+    fault = Fault.RANK_KILLED
+    summary = "SIGKILL a rank in the middle of a round; a fresh process replaces it"
+    expect = Expect(failure=True, errors=["RankLost", "StepTimeout"], culprit_view="gone")
+
+    def run(self, run: ScenarioRun) -> None:
+        name = run.culprit_name = f"rank{run.culprit}"
+        run.start_ranks()
+        run.wait_seq(name, run.inject_seq)
+        time.sleep(run.rng.uniform(0.0, 0.004))
+        t = time.monotonic()
+        run.event(
+            Inject(t=t, fault=self.fault.value, rank=run.culprit, pid=run.processes[name].popen.pid)
+        )
+        run.signal_worker(name, signal.SIGKILL)
+        run.wait_detected(run.honest_names(), t)
+        run.start_worker(run.spec(f"rank{run.culprit}b", "rank", run.culprit))
+
+
+class RankPaused(Scenario):
+    fault = Fault.RANK_PAUSED
+    summary = "SIGSTOP a rank past the heartbeat timeout, then SIGCONT"
+    expect = Expect(
+        failure=True,
+        errors=["RankLost", "StepTimeout"],
+        culprit_view="any",
+        culprit_must_fail=True,
+    )
+
+    def run(self, run: ScenarioRun) -> None:
+        name = run.culprit_name = f"rank{run.culprit}"
+        run.start_ranks()
+        run.wait_seq(name, run.inject_seq)
+        time.sleep(run.rng.uniform(0.0, 0.004))
+        t = time.monotonic()
+        run.event(
+            Inject(t=t, fault=self.fault.value, rank=run.culprit, pid=run.processes[name].popen.pid)
+        )
+        run.signal_worker(name, signal.SIGSTOP)
+        run.wait_until(lambda: time.monotonic() - t > run.settings.heartbeat_timeout)
+        run.wait_detected(run.honest_names(), t)
+        time.sleep(run.rng.uniform(0.0, 0.5))
+        run.signal_worker(name, signal.SIGCONT)
+        run.event(Note(t=time.monotonic(), what="resumed", detail=name))
+
+
+class Straggler(Scenario):
+    fault = Fault.STRAGGLER
+    summary = "one rank reports late (25-50% of the step timeout) in a few rounds"
+    expect = Expect()
+
+    def run(self, run: ScenarioRun) -> None:
+        run.culprit_name = f"rank{run.culprit}"
+        seqs = sorted(run.rng.sample(range(run.inject_seq, run.end_seq), 3))
+        delay = run.rng.uniform(0.25, 0.5) * run.settings.step_timeout
+        for rank in range(run.dp):
+            extra: dict[str, object] = {}
+            if rank == run.culprit:
+                extra = dict(straggle_seqs=seqs, straggle_delay=delay)
+            run.start_worker(run.spec(f"rank{rank}", "rank", rank, **extra))
+
+
+# -- coordd itself ----------------------------------------------------------------------------
+
+
+class CoorddRestart(Scenario):
+    fault = Fault.COORDD_RESTART
+    summary = "kill coordd (SIGKILL or SIGTERM) and start a new one on the same address"
+    expect = Expect(
+        failure=True,
+        errors=["CoordinatorUnavailable"],
+        names_culprit=False,
+        split_allowed=True,
+    )
+
+    def run(self, run: ScenarioRun) -> None:
+        observed = f"rank{run.culprit}"
+        run.culprit = -1
+        run.culprit_name = "coordd"
+        run.start_ranks()
+        run.wait_seq(observed, run.inject_seq)
+        time.sleep(run.rng.uniform(0.0, 0.004))
+        run.restart_coordd(run.rng.choice([signal.SIGKILL, signal.SIGTERM]))
+
+
+class GarbageFrames(Scenario):
+    fault = Fault.GARBAGE_FRAMES
+    summary = "a rogue peer sends garbage, truncated, oversized and misdirected frames"
+    expect = Expect(culprit_view="refused", refusal="rogue")
+
+    def run(self, run: ScenarioRun) -> None:
+        run.culprit = -1
+        run.culprit_name = "rogue"
+        run.end_seq = 4 * run.settings.rounds  # the group runs on through the whole flood
+        run.start_ranks()
+        trigger = run.processes["rank0"].log_path
+        run.start_worker(
+            run.spec(
+                "rogue", "garbage", -1, frames=40, trigger_log=trigger, trigger_seq=run.inject_seq
+            )
+        )
+
+
+class NetworkCut(Scenario):
+    fault = Fault.NETWORK_CUT
+    transport = "tcp"
+    summary = "over tcp, one rank's link goes down (network namespace + veth), then back up"
+    expect = Expect(
+        failure=True,
+        errors=["RankLost", "StepTimeout"],
+        culprit_view="any",
+        culprit_must_fail=True,
+    )
+
+    def prepare(self, run: ScenarioRun) -> None:
+        reason = netns.unavailable()
+        if reason is not None:
+            raise Skip(f"network cut needs a network namespace: {reason}")
+        netns.remove_stale()
+        cut = netns.CutNamespace()
+        run.resources["netns"] = cut
+        cut.create()
+        run.bind_host = cut.host_ip
+
+    def run(self, run: ScenarioRun) -> None:
+        cut: netns.CutNamespace = run.resources["netns"]
+        name = run.culprit_name = f"rank{run.culprit}"
+        for rank in range(run.dp):
+            prefix = cut.prefix_argv() if rank == run.culprit else []
+            run.start_worker(run.spec(f"rank{rank}", "rank", rank), prefix)
+        run.wait_seq(name, run.inject_seq)
+        t = time.monotonic()
+        run.event(Inject(t=t, fault=self.fault.value, rank=run.culprit, detail=cut.name))
+        cut.cut()
+        run.wait_until(lambda: time.monotonic() - t > run.settings.heartbeat_timeout)
+        run.wait_detected(run.honest_names(), t)
+        time.sleep(run.rng.uniform(0.0, 0.5))
+        cut.restore()
+        run.event(Note(t=time.monotonic(), what="link restored", detail=cut.name))
+
+    def cleanup(self, run: ScenarioRun) -> None:
+        cut = run.resources.get("netns")
+        if cut is not None:
+            cut.remove()
+
+
+_MISMATCH = Expect(failure=True, errors=["StepMismatch"])
+
+SCENARIOS: dict[Fault, Scenario] = {
+    s.fault: s
+    for s in [
+        RawFault(Fault.SKIPPED_SEQ, "a rank skips a sync (reports seq + 1)", _MISMATCH),
+        RawFault(Fault.REPEATED_SEQ, "a rank re-sends an earlier seq with other data", _MISMATCH),
+        WrongKind(
+            Fault.WRONG_KIND,
+            "a rank reports forward where the round is a drafter step",
+            Expect(failure=True, errors=["StepMismatch"], mirror_ok=True),
+        ),
+        RawFault(
+            Fault.CONFLICTING_DUPLICATE,
+            "a rank sends two different reports for one round",
+            Expect(failure=True, errors=["ConflictingReport", "StepMismatch"]),
+        ),
+        JoinMismatch(
+            Fault.DP_SIZE_MISMATCH, "a rank joins with another dp_size", "dp_size", "dp_size"
+        ),
+        JoinMismatch(
+            Fault.FINGERPRINT_MISMATCH,
+            "a rank joins with another config",
+            "config_fingerprint",
+            "fingerprint",
+        ),
+        JoinMismatch(
+            Fault.VERSION_MISMATCH,
+            "a rank speaks another protocol version",
+            "protocol_version",
+            "version",
+        ),
+        DuplicateRank(),
+        RankKilled(),
+        RankPaused(),
+        Straggler(),
+        CoorddRestart(),
+        GarbageFrames(),
+        RawFault(
+            Fault.SPOOFED_RANK,
+            "a rank registered as r reports as another rank",
+            Expect(refusal="ProtocolError", culprit_view="same"),
+        ),
+        NetworkCut(),
+    ]
+}
+assert set(SCENARIOS) == set(Fault), "one scenario per fault kind"

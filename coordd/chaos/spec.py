@@ -1,0 +1,89 @@
+"""The settings a chaos run is made of, and what one worker process is told to do (as JSON)."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class Fault(str, enum.Enum):
+    """The fault kinds, one scenario each (numbered as in the issue that asked for them)."""
+
+    SKIPPED_SEQ = "skipped_seq"
+    REPEATED_SEQ = "repeated_seq"
+    WRONG_KIND = "wrong_kind"
+    CONFLICTING_DUPLICATE = "conflicting_duplicate"
+    DP_SIZE_MISMATCH = "dp_size_mismatch"
+    FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+    VERSION_MISMATCH = "version_mismatch"
+    DUPLICATE_RANK = "duplicate_rank"
+    RANK_KILLED = "rank_killed"
+    RANK_PAUSED = "rank_paused"
+    STRAGGLER = "straggler"
+    COORDD_RESTART = "coordd_restart"
+    GARBAGE_FRAMES = "garbage_frames"
+    SPOOFED_RANK = "spoofed_rank"
+    NETWORK_CUT = "network_cut"
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """What a user points the harness at: timeouts and transport as their deployment has them."""
+
+    transport: str = "ipc"
+    step_timeout: float = 2.0
+    heartbeat_interval: float = 0.2
+    heartbeat_timeout: float = 1.0
+    min_dp: int = 2
+    max_dp: int = 4
+    #: Rounds each scenario runs (the fault lands somewhere in the first half).
+    rounds: int = 30
+    #: Scheduling slack added to the detection bound (step timeout + heartbeat timeout).
+    grace: float = 1.0
+
+    @property
+    def detection_bound(self) -> float:
+        return self.step_timeout + self.heartbeat_timeout + self.grace
+
+    @property
+    def wait_timeout(self) -> float:
+        """How long a rank waits on its own before it calls the round a hang."""
+        return self.step_timeout + self.heartbeat_timeout + self.heartbeat_interval + 2.0
+
+    @property
+    def budget(self) -> float:
+        """Wall time one scenario may take before its processes are killed (and hangs counted)."""
+        return 10.0 + 5 * (self.step_timeout + self.heartbeat_timeout) + self.rounds * 0.05
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one chaos process needs; the runner writes it as JSON for the worker to read."""
+
+    role: str  # rank | raw | joiner | impostor | garbage
+    name: str
+    address: str
+    dp_size: int
+    dp_rank: int
+    seed: int
+    end_seq: int
+    log_path: str
+    deadline: float  # time.monotonic() by which the worker stops on its own
+    step_timeout: float
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    wait_timeout: float
+    fingerprint: str = "chaos"
+    recover: bool = True
+    fault: str = ""
+    fault_seq: int = -1
+    straggle_seqs: list[int] = []
+    straggle_delay: float = 0.0
+    #: joiner: the bad Hello field and value (dp_size, config_fingerprint, protocol_version)
+    hello_field: str = ""
+    hello_value: str = ""
+    #: garbage: how many bad frames to send
+    frames: int = 0
+    #: Start only once the process logging to `trigger_log` has begun round `trigger_seq`
+    #: (the process is already up then, so the fault lands while the group is running).
+    trigger_log: str = ""
+    trigger_seq: int = -1
