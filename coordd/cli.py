@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("coordd.bench", "latency, overlap and scale against torch.distributed gloo"),
     "status": ("coordd.status", "a running coordd's status as a table (or --probe livez|readyz)"),
     "keygen": ("coordd.keys", "write CURVE key pairs (NAME.key, NAME.key_secret) for tcp"),
+    "chaos": ("coordd.chaos.cli", "inject faults into real coordd and ranks, check every history"),
 }
 
 
