@@ -31,6 +31,12 @@ the coordd path and the device path apply the very same code):
 - The drafter's own agreement (`_pad_batch_across_dp` in vllm/v1/spec_decode/eagle.py) never
   micro-batches; here it is a round of kind "draft" (`pad_batch_across_dp`), so a rank that
   skips it makes every rank raise `StepMismatch` at once instead of hanging a collective.
+- The DP engine loop's state sync (`ParallelConfig.sync_dp_state` in vllm/config/parallel.py,
+  called every 32 steps from `_has_global_unfinished_reqs` in vllm/v1/engine/core.py) is a
+  round of kind "state" (`sync_dp_state`): the group has work if any rank has, or if some but
+  not all ranks wait to pause; it pauses only when every live rank wants to. Every forward and
+  draft decision carries `any_unfinished` and `should_pause` too (`handle.decision`), so an
+  engine can drop the separate collective altogether.
 
 The adapter takes any client with `start(report, kind) -> pending` and `pending.wait(timeout)`:
 `client.sync.CoordClient`, or the device-path client, which has the same surface.
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Protocol
 
@@ -209,11 +216,37 @@ def vllm_result(decision: StepDecision, torch_module: Any = None) -> VllmResult:
     return decision.should_ubatch, across, decision.cudagraph_mode
 
 
-class StateResult(NamedTuple):
-    """A state round's outcome: does any rank have work, and do all ranks agree to pause."""
+class DPState(NamedTuple):
+    """`sync_dp_state`'s answer, as vLLM's (vllm/config/parallel.py) gives it."""
 
-    any_unfinished: bool
-    should_pause: bool
+    #: Some rank has work, or some but not all ranks wait to pause (so none stops alone).
+    has_unfinished: bool
+    #: Every live rank wants to pause.
+    pause_consensus: bool
+
+
+def state_report(has_unfinished: bool, pending_pause: bool) -> StepReport:
+    """A state round's report. A state round has no batch, so its token count carries this
+    rank's own `has_unfinished` (1 or 0: `all_idle` then says whether any rank has work), while
+    the `has_unfinished` field carries "has work or waits to pause"; see `dp_state`."""
+    unfinished = bool(has_unfinished)
+    return StepReport(
+        num_tokens=int(unfinished),
+        num_tokens_padded=int(unfinished),
+        has_unfinished=unfinished or bool(pending_pause),
+        want_pause=bool(pending_pause),
+    )
+
+
+def dp_state(decision: StepDecision) -> DPState:
+    """vLLM's rule: work anywhere, or a pause that not every rank wants yet, keeps all running.
+
+    With reports from `state_report`: `not all_idle` is "some rank has work";
+    `any_unfinished` is "some rank has work or waits to pause"; `should_pause` is "all wait".
+    """
+    some_work = not decision.all_idle
+    pause_pending_somewhere = decision.any_unfinished and not decision.should_pause
+    return DPState(some_work or pause_pending_somewhere, decision.should_pause)
 
 
 class DPCoordinationHandle:
@@ -293,14 +326,24 @@ class VllmAdapter:
         *,
         as_tensor: bool | None = None,
         connect_timeout: float = 10.0,
+        client_factory: Callable[..., Any] | None = None,
         **client_kwargs: Any,
     ) -> VllmAdapter:
-        """Register a `CoordClient` for `dp_rank` with the group's settings; dp=1 needs none."""
+        """Register a client for `dp_rank` with the group's settings; dp=1 needs none.
+
+        `client_factory(address, dp_rank=, dp_size=, config_fingerprint=, num_ubatches=,
+        **client_kwargs)` builds the client: `CoordClient` by default; the path-choosing
+        factory (`client.factory.connect_coordinator`) takes the same arguments.
+        """
         if config.data_parallel_size == 1:
             return cls(config, None, dp_rank=dp_rank, as_tensor=as_tensor)
-        from client.sync import CoordClient
+        if client_factory is None:
+            from client.sync import CoordClient
 
-        client = CoordClient(address, dp_rank=dp_rank, **config.client_options(), **client_kwargs)
+            client_factory = CoordClient
+        client = client_factory(
+            address, dp_rank=dp_rank, **config.client_options(), **client_kwargs
+        )
         try:
             client.connect(timeout=connect_timeout)
         except BaseException:
@@ -404,26 +447,32 @@ class VllmAdapter:
             return int(num_tokens_padded), None
         return int(across[self.dp_rank]), across
 
-    def has_unfinished_dp(
-        self, has_unfinished: bool, want_pause: bool = False, timeout: float | None = None
-    ) -> StateResult:
-        """A state round (vLLM's `ParallelConfig.has_unfinished_dp` all-reduce, plus the pause
-        consensus): any rank unfinished; pause only if every live rank wants to."""
+    def has_unfinished_dp(self, has_unfinished: bool, timeout: float | None = None) -> bool:
+        """Does any live rank have unfinished requests? A state round in place of vLLM's
+        `ParallelConfig.has_unfinished_dp` MAX all-reduce (vllm/config/parallel.py)."""
         if self.config.data_parallel_size == 1:
-            return StateResult(bool(has_unfinished), bool(want_pause))
-        report = StepReport(
-            num_tokens=0,
-            num_tokens_padded=0,
-            has_unfinished=bool(has_unfinished),
-            want_pause=bool(want_pause),
-        )
+            return bool(has_unfinished)
+        report = StepReport(num_tokens=0, num_tokens_padded=0, has_unfinished=bool(has_unfinished))
+        return self._state_round(report, timeout).any_unfinished
+
+    def sync_dp_state(
+        self, has_unfinished: bool, pending_pause: bool, timeout: float | None = None
+    ) -> DPState:
+        """vLLM's `ParallelConfig.sync_dp_state` (vllm/config/parallel.py), which its DP engine
+        loop calls every 32 steps (`_has_global_unfinished_reqs`, vllm/v1/engine/core.py): one
+        state round answers whether the group still has work and whether it pauses."""
+        if self.config.data_parallel_size == 1:
+            return DPState(bool(has_unfinished), bool(pending_pause))
+        report = state_report(has_unfinished, pending_pause)
+        return dp_state(self._state_round(report, timeout))
+
+    def _state_round(self, report: StepReport, timeout: float | None) -> StepDecision:
         assert self.client is not None
-        handle = DPCoordinationHandle(
-            self, report, StepKind.STATE, self.client.start(report, StepKind.STATE)
-        )
+        pending = self.client.start(report, StepKind.STATE)
+        handle = DPCoordinationHandle(self, report, StepKind.STATE, pending)
         handle.finish(timeout)
         assert handle.decision is not None
-        return StateResult(handle.decision.any_unfinished, handle.decision.should_pause)
+        return handle.decision
 
 
 # -- the module-level binding: vLLM calls free functions, one rank per process ---------------
@@ -506,15 +555,17 @@ __all__ = [
     "AdapterNotBound",
     "DPCoordinationHandle",
     "DPGroupConfig",
-    "StateResult",
+    "DPState",
     "StepClient",
     "VllmAdapter",
     "bind",
     "bound",
     "build_report",
+    "dp_state",
     "coordinate_batch_across_dp",
     "finish_dp_coordination",
     "start_dp_coordination_async",
+    "state_report",
     "vllm_result",
     "wants_microbatching",
 ]

@@ -8,11 +8,14 @@ clients, through `start_dp_coordination_async`/`finish_dp_coordination` and thro
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -186,18 +189,23 @@ def test_pause_consensus_in_forward_and_state_rounds(start_coordd) -> None:
             for a, h in zip(ranks, handles, strict=True):
                 a.finish_dp_coordination(h, WAIT)
                 assert h.decision is not None and h.decision.should_pause is agreed
+        # vLLM's sync_dp_state: work anywhere, or a pause not all want yet, keeps all running.
         for unfinished, wants, expected in [
             ([False, False, True], [True, True, True], (True, True)),
-            ([False, False, False], [True, False, True], (False, False)),
+            ([False, False, False], [True, False, True], (True, False)),
             ([False, False, False], [True, True, True], (False, True)),
+            ([False, False, False], [False, False, False], (False, False)),
         ]:
             results = in_threads([
-                lambda a=a, u=u, w=w: a.has_unfinished_dp(u, w, timeout=WAIT)
+                lambda a=a, u=u, w=w: a.sync_dp_state(u, w, timeout=WAIT)
                 for a, u, w in zip(ranks, unfinished, wants, strict=True)
             ])
             assert results == [expected] * 3
             assert all(a.last_decision is not None and a.last_decision.kind is StepKind.STATE
                        for a in ranks)
+        results = in_threads([lambda a=a, u=u: a.has_unfinished_dp(u, timeout=WAIT)
+                              for a, u in zip(ranks, [False, True, False], strict=True)])
+        assert results == [True] * 3
 
 
 def test_ranks_with_other_group_settings_are_refused(start_coordd) -> None:
@@ -229,3 +237,61 @@ def test_the_adapter_takes_any_client_with_the_same_surface(start_coordd) -> Non
     finally:
         for c in clients:
             c.close()
+
+
+def _device_rank(store: str, rank: int, conn: Connection) -> None:
+    """One rank of a gloo group running the rule table through the adapter on the device path."""
+    import torch.distributed as dist
+
+    from client.device import DeviceCoordClient
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        out = []
+        for name, cfg in CONFIGS.items():
+            client = DeviceCoordClient(dp_rank=rank, **cfg.client_options())
+            client.connect(timeout=WAIT)
+            adapter = VllmAdapter(cfg, client, dp_rank=rank, as_tensor=True)
+            for _, calls, _ in live_cases(cfg):
+                c = calls[rank]
+                handle = adapter.start_dp_coordination_async(c.tokens, c.allow, c.padded,
+                                                             c.uniform, c.mode)
+                should_ubatch, across, mode = adapter.finish_dp_coordination(handle, WAIT)
+                out.append([name, should_ubatch, across.tolist(), mode])
+            out.append([name, *adapter.pad_batch_across_dp(rank + 1, 8, 2, timeout=WAIT)[1:]])
+            out[-1][1] = out[-1][1].tolist()
+            out.append([name, *adapter.sync_dp_state(False, rank == 0, timeout=WAIT)])
+            client.close()
+        conn.send_bytes(msgspec.msgpack.encode(out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_the_adapter_runs_on_the_device_path(tmp_path) -> None:
+    """The same table through the device-path client (a gloo group of 2): same results."""
+    pytest.importorskip("client.device", reason="the device path (client/device.py) is absent")
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=_device_rank, args=(str(tmp_path / "store"), r, pipes[r][1]),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = []
+        for receiver, _ in pipes:
+            assert receiver.poll(120), "a device-path rank sent nothing"
+            results.append(msgspec.msgpack.decode(receiver.recv_bytes()))
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    expected = []
+    for name, cfg in CONFIGS.items():
+        expected += [[name, e[0], e[1], e[2]] for _, _, e in live_cases(cfg)]
+        expected += [[name, [8, 8]], [name, True, False]]
+    for rank, got in enumerate(results):
+        assert len(got) == len(expected), f"rank {rank}"
+        for g, e in zip(got, expected, strict=True):
+            assert g == e, f"rank {rank}"

@@ -11,6 +11,7 @@ produces (its report per rank -> proto.policy.decide -> vLLM's result shape).
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -24,8 +25,10 @@ from client.vllm import (
     bind,
     build_report,
     coordinate_batch_across_dp,
+    dp_state,
     finish_dp_coordination,
     start_dp_coordination_async,
+    state_report,
     vllm_result,
     wants_microbatching,
 )
@@ -272,7 +275,8 @@ def test_dp1_needs_no_client_and_both_entry_points_agree() -> None:
     assert coordinate_batch_across_dp(64, True, 64, True, RuntimeMode.PIECEWISE,
                                       adapter=adapter) == (False, None, 1)
     assert adapter.pad_batch_across_dp(5, 8, 2) == (8, None)
-    assert adapter.has_unfinished_dp(True, want_pause=True) == (True, True)
+    assert adapter.has_unfinished_dp(True) is True
+    assert adapter.sync_dp_state(False, True) == (False, True)
 
 
 def test_dp_above_1_needs_a_client_and_a_rank_in_range() -> None:
@@ -292,3 +296,17 @@ def test_module_level_calls_need_a_binding() -> None:
         assert coordinate_batch_across_dp(1, False, cudagraph_mode=2) == (False, None, 2)
     finally:
         bind(None)
+
+
+def sync_dp_state_reference(unfinished: list[bool], pending: list[bool]) -> tuple[bool, bool]:
+    """vllm/config/parallel.py `sync_dp_state`: one SUM all-reduce of [has_unfinished, pause]."""
+    dp, pause_count = len(pending), sum(pending)
+    return sum(unfinished) > 0 or pause_count % dp != 0, pause_count == dp
+
+
+@pytest.mark.parametrize("bits", list(itertools.product([False, True], repeat=6)))
+def test_state_round_answers_sync_dp_state(bits: tuple[bool, ...]) -> None:
+    unfinished, pending = list(bits[:3]), list(bits[3:])
+    decision = decide([state_report(u, p) for u, p in zip(unfinished, pending, strict=True)])
+    assert dp_state(decision) == sync_dp_state_reference(unfinished, pending)
+    assert decision.any_unfinished == (any(unfinished) or any(pending))
