@@ -1,0 +1,400 @@
+"""deploy/: every manifest is schema-valid, and every command it runs is a valid coordd command.
+
+Kubernetes objects are validated with kubernetes-validate (strict: unknown fields fail). The
+LeaderWorkerSet is a custom resource that kubernetes-validate has no schema for, so it gets a
+structural check written from its CRD (leaderworkerset.x-k8s.io/v1: the fields of spec and of
+spec.leaderWorkerTemplate, the enums, workerTemplate required), and its leader and worker pod
+templates are validated strictly as Kubernetes PodTemplates. Commands are parsed by coordd's
+own CLI (`coordd.cli.parse`, the parser `coordd` runs) with the environment the file gives
+them, and must pass the same option checks `coordd serve` does before it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import json
+import os
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from coordd import cli
+from coordd.status import DEFAULT_METRICS_PORT
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+K8S_FILES = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+#: Native sidecars (initContainers with restartPolicy: Always) are GA from 1.33.
+K8S_VERSIONS = ["1.33", kubernetes_validate.utils.latest_version()]
+COORDD_IMAGE = "coordd:"
+
+LWS_SPEC_FIELDS = {"leaderWorkerTemplate", "networkConfig", "replicas", "rolloutStrategy",
+                   "startupPolicy"}
+LWS_TEMPLATE_FIELDS = {"leaderTemplate", "workerTemplate", "size", "restartPolicy",
+                       "subGroupPolicy"}
+LWS_RESTART_POLICIES = {"Default", "None", "RecreateGroupOnPodRestart"}
+LWS_STARTUP_POLICIES = {"LeaderCreated", "LeaderReady"}
+LWS_TEMPLATE_METADATA = {"annotations", "finalizers", "labels", "name", "namespace"}
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def k8s_docs() -> list[tuple[str, dict[str, Any]]]:
+    return [(f.name, d) for f in K8S_FILES for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def image_env() -> dict[str, str]:
+    """The ENV of deploy/Containerfile's final stage (what every coordd container starts with)."""
+    env: dict[str, str] = {}
+    text = (DEPLOY / "Containerfile").read_text().replace("\\\n", " ")
+    final = text.split("\nFROM ")[-1]
+    for line in final.splitlines():
+        if line.startswith("ENV "):
+            for pair in shlex.split(line[4:]):
+                key, _, value = pair.partition("=")
+                env[key] = value
+    return env
+
+
+def containerfile_instruction(name: str) -> str:
+    text = (DEPLOY / "Containerfile").read_text().replace("\\\n", " ")
+    lines = [line for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(lines) == 1, f"expected one {name} in the Containerfile, found {len(lines)}"
+    return lines[0][len(name) + 1:].strip()
+
+
+def parse_coordd(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+                 ) -> tuple[argparse.Namespace, Any]:
+    """Parse `coordd ARGS` as the coordd CLI does, in exactly `env` (COORDD_* variables)."""
+    assert argv and os.path.basename(argv[0]) == "coordd", f"not a coordd command: {argv}"
+    for key in list(os.environ):
+        if key.startswith("COORDD_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        args, chosen = cli.parse(argv[1:])
+    except SystemExit as exc:
+        raise AssertionError(f"coordd cannot parse {argv} (env {env}): exit {exc.code}") from None
+    if chosen is None:
+        cli.check_server_args(args)  # the checks `coordd serve` makes before it starts
+    return args, chosen
+
+
+def pod_specs(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    kind = doc["kind"]
+    if kind in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+        yield "template", doc["spec"]["template"]["spec"]
+    elif kind == "LeaderWorkerSet":
+        lwt = doc["spec"]["leaderWorkerTemplate"]
+        if "leaderTemplate" in lwt:
+            yield "leader", lwt["leaderTemplate"]["spec"]
+        yield "worker", lwt["workerTemplate"]["spec"]
+    elif kind == "Pod":
+        yield "pod", doc["spec"]
+
+
+def containers(spec: dict[str, Any]) -> Iterator[tuple[dict[str, Any], bool]]:
+    for c in spec.get("initContainers", []):
+        yield c, True
+    for c in spec.get("containers", []):
+        yield c, False
+
+
+def is_coordd(container: dict[str, Any]) -> bool:
+    return str(container.get("image", "")).startswith(COORDD_IMAGE)
+
+
+def container_env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def coordd_argv(container: dict[str, Any]) -> list[str]:
+    """What the container runs: its command, else the image's ENTRYPOINT (coordd), plus args."""
+    return [*(container.get("command") or ["coordd"]), *container.get("args", [])]
+
+
+def mount_source(spec: dict[str, Any], container: dict[str, Any], path: str
+                 ) -> tuple[dict[str, Any], str]:
+    """The volume a file path in `container` comes from, and the path inside that volume."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    best = None
+    for m in container.get("volumeMounts", []):
+        root = m["mountPath"].rstrip("/") + "/"
+        if path.startswith(root) and (best is None or len(root) > len(best[1])):
+            best = (m, root)
+    assert best is not None, f"{path} is on no volume of container {container['name']}"
+    return volumes[best[0]["name"]], path[len(best[1]):]
+
+
+def secret_holds(volume: dict[str, Any], inner: str) -> str:
+    """The Secret key that a secret volume puts at `inner` (a file, or a directory's files)."""
+    assert "secret" in volume, f"volume {volume['name']} is not a Secret"
+    items = volume["secret"].get("items")
+    assert items, f"secret volume {volume['name']} should list its items"
+    for item in items:
+        if item["path"] == inner or item["path"].startswith(inner.rstrip("/") + "/"):
+            return str(item["key"])
+    raise AssertionError(f"secret volume {volume['name']} has nothing at {inner}")
+
+
+def probe_paths(container: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    out = {}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        if probe in container:
+            get = container[probe]["httpGet"]
+            out[probe] = (get["path"], get["port"])
+    return out
+
+
+def port_number(container: dict[str, Any], port: Any) -> int:
+    if isinstance(port, int):
+        return port
+    for p in container.get("ports", []):
+        if p.get("name") == port:
+            return int(p["containerPort"])
+    raise AssertionError(f"container {container['name']} has no port named {port}")
+
+
+# -- Kubernetes ---------------------------------------------------------------------------------
+
+
+def test_there_are_manifests_for_both_layouts() -> None:
+    kinds = {d["kind"] for _, d in k8s_docs()}
+    assert {"Deployment", "LeaderWorkerSet"} <= kinds
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_kubernetes_object_is_schema_valid(version: str) -> None:
+    checked = 0
+    for name, doc in k8s_docs():
+        assert doc.get("metadata", {}).get("name"), name
+        if doc["kind"] == "LeaderWorkerSet":
+            check_leaderworkerset(doc, version)
+        else:
+            kubernetes_validate.validate(doc, version, strict=True)
+        checked += 1
+    assert checked >= 3
+
+
+def check_leaderworkerset(doc: dict[str, Any], version: str) -> None:
+    """The structural check from the LeaderWorkerSet CRD (see the module docstring)."""
+    assert doc["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert isinstance(doc["metadata"]["name"], str) and doc["metadata"]["name"]
+    spec = doc["spec"]
+    assert set(spec) <= LWS_SPEC_FIELDS, f"unknown spec fields {set(spec) - LWS_SPEC_FIELDS}"
+    assert "leaderWorkerTemplate" in spec
+    assert isinstance(spec.get("replicas", 1), int) and spec.get("replicas", 1) >= 0
+    assert spec.get("startupPolicy", "LeaderCreated") in LWS_STARTUP_POLICIES
+    lwt = spec["leaderWorkerTemplate"]
+    assert set(lwt) <= LWS_TEMPLATE_FIELDS, f"unknown fields {set(lwt) - LWS_TEMPLATE_FIELDS}"
+    assert "workerTemplate" in lwt, "the CRD requires workerTemplate"
+    assert isinstance(lwt.get("size", 1), int) and lwt.get("size", 1) >= 1
+    assert lwt.get("restartPolicy", "Default") in LWS_RESTART_POLICIES
+    for key in ("leaderTemplate", "workerTemplate"):
+        if key in lwt:
+            template = lwt[key]
+            assert set(template.get("metadata", {})) <= LWS_TEMPLATE_METADATA
+            kubernetes_validate.validate(
+                {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": key},
+                 "template": template},
+                version,
+                strict=True,
+            )
+
+
+def test_the_structural_check_catches_mistakes() -> None:
+    (doc,) = [d for _, d in k8s_docs() if d["kind"] == "LeaderWorkerSet"]
+    version = K8S_VERSIONS[0]
+    broken = []
+    for mutate in (
+        lambda d: d["spec"].update(leaderWorkerTemplat={}),
+        lambda d: d["spec"]["leaderWorkerTemplate"].pop("workerTemplate"),
+        lambda d: d["spec"]["leaderWorkerTemplate"].update(restartPolicy="Always"),
+        lambda d: d["spec"]["leaderWorkerTemplate"].update(size="4"),
+        lambda d: d["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+        .update(imag="x"),
+    ):
+        copy = json.loads(json.dumps(doc))
+        mutate(copy)
+        with pytest.raises((AssertionError, kubernetes_validate.ValidationError)):
+            check_leaderworkerset(copy, version)
+        broken.append(copy)
+    assert len(broken) == 5
+
+
+def test_every_coordd_container_runs_a_valid_coordd_command(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    base_env = image_env()
+    seen = 0
+    for name, doc in k8s_docs():
+        for where, spec in pod_specs(doc):
+            for container, _ in containers(spec):
+                if not is_coordd(container):
+                    continue
+                env = {**base_env, **container_env(container)}
+                _, chosen = parse_coordd(coordd_argv(container), env, monkeypatch)
+                assert chosen is None, f"{name} {where}: coordd should serve"
+                seen += 1
+    assert seen == 2
+
+
+@pytest.mark.parametrize("name", [f.name for f in K8S_FILES])
+def test_coordd_is_a_probed_native_sidecar(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = [d for n, d in k8s_docs() if n == name]
+    sidecars = [(spec, c, init) for d in docs for _, spec in pod_specs(d)
+                for c, init in containers(spec) if is_coordd(c)]
+    assert len(sidecars) == 1, "one coordd per manifest, beside rank 0"
+    spec, container, init = sidecars[0]
+    assert init and container.get("restartPolicy") == "Always", "a native sidecar"
+    args, _ = parse_coordd(coordd_argv(container), {**image_env(), **container_env(container)},
+                           monkeypatch)
+    assert args.metrics_port == DEFAULT_METRICS_PORT
+    assert args.metrics_host == "0.0.0.0", "the kubelet probes the pod IP"
+    probes = probe_paths(container)
+    assert probes["livenessProbe"][0] == "/livez"
+    assert probes["startupProbe"][0] == "/livez"
+    assert probes["readinessProbe"][0] == "/readyz"
+    for path, port in probes.values():
+        assert port_number(container, port) == args.metrics_port, path
+    security = container["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert spec["securityContext"]["runAsNonRoot"] is True
+
+
+def test_single_node_ranks_share_the_ipc_socket_directory(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    (doc,) = [d for n, d in k8s_docs() if n == "vllm-dp-sidecar.yaml" and d["kind"] ==
+              "Deployment"]
+    spec = doc["spec"]["template"]["spec"]
+    coordd = next(c for c, _ in containers(spec) if is_coordd(c))
+    vllm = next(c for c, _ in containers(spec) if not is_coordd(c))
+    args, _ = parse_coordd(coordd_argv(coordd), {**image_env(), **container_env(coordd)},
+                           monkeypatch)
+    assert args.bind.startswith("ipc://")
+    socket_path = args.bind[len("ipc://"):]
+    volume, _ = mount_source(spec, coordd, socket_path)
+    assert "emptyDir" in volume
+    assert mount_source(spec, vllm, socket_path)[0] is volume, "the ranks see the same socket"
+    assert container_env(vllm)["COORDD_ADDRESS"] == args.bind
+    dp_flag = vllm["args"][vllm["args"].index("--data-parallel-size") + 1]
+    assert int(dp_flag) == args.dp
+
+
+def test_multi_node_uses_curve_keys_from_one_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    (doc,) = [d for _, d in k8s_docs() if d["kind"] == "LeaderWorkerSet"]
+    assert doc["spec"].get("startupPolicy") != "LeaderReady", (
+        "the leader is ready only once every rank registered: LeaderReady would deadlock"
+    )
+    lwt = doc["spec"]["leaderWorkerTemplate"]
+    leader = lwt["leaderTemplate"]["spec"]
+    coordd = next(c for c, _ in containers(leader) if is_coordd(c))
+    args, _ = parse_coordd(coordd_argv(coordd), {**image_env(), **container_env(coordd)},
+                           monkeypatch)
+    assert args.bind.startswith("tcp://") and not args.insecure
+    assert args.dp == lwt["size"], "one rank per pod of the group"
+    secret_key = secret_holds(*mount_source(leader, coordd, args.curve_secret_key))
+    assert secret_key.endswith(".key_secret")
+    (clients,) = args.curve_client_keys
+    client_public = secret_holds(*mount_source(leader, coordd, clients))
+    assert client_public.endswith(".key")
+    secrets = set()
+    port = int(args.bind.rsplit(":", 1)[1])
+    for where, spec in pod_specs(doc):
+        vllm = [c for c, _ in containers(spec) if not is_coordd(c)]
+        assert vllm, where
+        for c in vllm:
+            env = container_env(c)
+            server = secret_holds(*mount_source(spec, c, env["COORDD_CURVE_SERVER_KEY"]))
+            client = secret_holds(*mount_source(spec, c, env["COORDD_CURVE_CLIENT_KEY"]))
+            assert server == secret_key.removesuffix("_secret"), "coordd's public key"
+            assert client == client_public + "_secret", "the admitted client's own pair"
+            script = " ".join(c.get("command", []) + c.get("args", []))
+            assert "${LWS_WORKER_INDEX}" in script, "the rank is the pod's worker index"
+            assert f"COORDD_ADDRESS=\"tcp://${{LWS_LEADER_ADDRESS}}:{port}\"" in script
+            for volume in spec["volumes"]:
+                if "secret" in volume:
+                    secrets.add(volume["secret"]["secretName"])
+                    assert volume["secret"]["defaultMode"] & 0o007 == 0, "not world-readable"
+    assert len(secrets) == 1
+    assert not any(is_coordd(c) for c, _ in containers(lwt["workerTemplate"]["spec"]))
+
+
+# -- container image, systemd, compose ------------------------------------------------------------
+
+
+def test_containerfile_runs_coordd_as_non_root_with_a_health_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    user = containerfile_instruction("USER")
+    assert user.split(":")[0] not in ("0", "root")
+    entrypoint = json.loads(containerfile_instruction("ENTRYPOINT"))
+    cmd = json.loads(containerfile_instruction("CMD"))
+    env = image_env()
+    assert env["COORDD_METRICS_PORT"] == str(DEFAULT_METRICS_PORT)
+    assert containerfile_instruction("EXPOSE") == env["COORDD_METRICS_PORT"]
+    # `docker run coordd:0.1.0` with COORDD_DP set, as the deploy files do
+    args, chosen = parse_coordd(entrypoint + cmd, {**env, "COORDD_DP": "8"}, monkeypatch)
+    assert chosen is None and args.metrics_port == DEFAULT_METRICS_PORT
+    assert args.bind is None, "the default bind: ipc in a private runtime directory"
+    health = containerfile_instruction("HEALTHCHECK")
+    health_argv = json.loads(health.split(" CMD ", 1)[1])
+    args, chosen = parse_coordd(health_argv, env, monkeypatch)
+    assert chosen is not None and chosen.__name__ == "coordd.status"
+    assert args.probe == "livez" and args.url == f"http://127.0.0.1:{DEFAULT_METRICS_PORT}"
+
+
+def test_systemd_unit_runs_a_valid_coordd_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    unit = configparser.ConfigParser(interpolation=None, strict=True)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(DEPLOY / "systemd" / "coordd.service")
+    assert {"Unit", "Service", "Install"} <= set(unit.sections())
+    service = unit["Service"]
+    assert service["User"] not in ("root", "0")
+    env = dict(part.split("=", 1) for part in shlex.split(service["Environment"]))
+    env_file = DEPLOY / "systemd" / "coordd.env"
+    for line in env_file.read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            env[key] = value
+    args, chosen = parse_coordd(shlex.split(service["ExecStart"]), env, monkeypatch)
+    assert chosen is None
+    assert args.bind == f"ipc:///run/{service['RuntimeDirectory']}/coordd.sock"
+    assert service["RuntimeDirectoryMode"] == "0700"
+    assert args.metrics_host == "127.0.0.1"
+
+
+def test_compose_example_runs_valid_coordd_commands(monkeypatch: pytest.MonkeyPatch) -> None:
+    compose = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())
+    coordd = compose["services"]["coordd"]
+    vllm = compose["services"]["vllm"]
+    assert coordd["build"]["dockerfile"] == "deploy/Containerfile"
+    env = {**image_env(), **coordd.get("environment", {})}
+    args, chosen = parse_coordd(["coordd", *coordd["command"]], env, monkeypatch)
+    assert chosen is None and args.bind.startswith("ipc://")
+    check = coordd["healthcheck"]["test"]
+    assert check[0] == "CMD"
+    _, chosen = parse_coordd(check[1:], env, monkeypatch)
+    assert chosen is not None
+    socket_dir = os.path.dirname(args.bind[len("ipc://"):])
+    shared = {v.split(":")[0] for v in coordd["volumes"] if v.split(":")[1] == socket_dir}
+    assert shared and shared == {v.split(":")[0] for v in vllm["volumes"]
+                                 if v.split(":")[1] == socket_dir}
+    assert vllm["environment"]["COORDD_ADDRESS"] == args.bind
+    assert all(p.startswith("127.0.0.1:") for p in coordd["ports"]), "loopback only"
+    assert coordd["user"].split(":")[0] == vllm["user"].split(":")[0], "same uid: the socket"
+
+
+def test_a_tcp_bind_without_keys_is_refused_by_the_same_checks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(SystemExit, match="needs CURVE"):
+        parse_coordd(["coordd", "serve", "--dp", "2", "--bind", "tcp://0.0.0.0:5555"], {},
+                     monkeypatch)
