@@ -26,9 +26,10 @@ import collections
 import contextlib
 import datetime
 import enum
+import functools
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -80,12 +81,17 @@ class Field(enum.IntEnum):
 
 
 NUM_FIELDS = len(Field)
+# Plain ints for the per-round code (an enum member lookup costs more than the check).
+_SEQ, _KIND, _FINGERPRINT, _NUM_UBATCHES, _PRESENT = (
+    int(f) for f in (Field.SEQ, Field.KIND, Field.FINGERPRINT, Field.NUM_UBATCHES, Field.PRESENT)
+)
 #: 0 is "no kind", so a row nobody wrote cannot pass for a forward step.
 KIND_CODES: dict[StepKind, int] = {kind: i + 1 for i, kind in enumerate(StepKind)}
 _KINDS_BY_CODE = {code: kind for kind, code in KIND_CODES.items()}
 _INT64_MAX = 2**63 - 1
 
 
+@functools.lru_cache(maxsize=256)
 def fingerprint_hash(fingerprint: str) -> int:
     """A 31-bit hash of the config fingerprint: fits every backend's integer type."""
     digest = hashlib.blake2b(fingerprint.encode(), digest_size=4).digest()
@@ -130,51 +136,67 @@ def resolve_round(
     """The gathered matrix of one round -> the decision, or the `CoordError` every rank raises.
 
     `seq` is the shared sequence (the round's expected seq), `hellos` the group's Hellos from
-    `connect` (rank order; the lowest rank's sets the group's settings, as in coordd).
+    `connect` (rank order; the lowest rank's sets the group's settings, as in coordd). Checks
+    run column by column (one pass in C when all is well); the first faulty rank is named.
     """
-    for rank, row in enumerate(rows):
-        if row[Field.PRESENT] != 1:
-            raise ProtocolError(
-                f"row {rank} of the step matrix has present={row[Field.PRESENT]} (expected 1): "
-                "the ranks disagree on the process group or the matrix layout",
-                rank=rank,
-            )
-    _check_config(rows, hellos)
-    kinds = []
-    for rank, row in enumerate(rows):
-        got_kind = _KINDS_BY_CODE.get(row[Field.KIND])
-        if got_kind is None:
-            raise ProtocolError(f"unknown step kind code {row[Field.KIND]}", rank=rank)
-        kinds.append(got_kind)
-    kind = _KINDS_BY_CODE[_majority_kind([row[Field.KIND] for row in rows])]
+    n = len(rows)
+    cols = list(zip(*rows, strict=True))
+    present = cols[_PRESENT]
+    if present.count(1) != n:
+        rank = _first(present, lambda v: v != 1)
+        raise ProtocolError(
+            f"row {rank} of the step matrix has present={present[rank]} (expected 1): "
+            "the ranks disagree on the process group or the matrix layout",
+            rank=rank,
+        )
+    _check_config(cols, hellos)
+    codes = cols[_KIND]
+    if not _KINDS_BY_CODE.keys() >= set(codes):
+        rank = _first(codes, lambda c: c not in _KINDS_BY_CODE)
+        raise ProtocolError(f"unknown step kind code {codes[rank]}", rank=rank)
+    code = _majority_kind(codes)
+    kind = _KINDS_BY_CODE[code]
+    seqs = cols[_SEQ]
+    in_step = seqs.count(seq) == n and codes.count(code) == n
     reports: list[StepReport | None] = []
-    for rank, (row, got_kind) in enumerate(zip(rows, kinds, strict=True)):
-        if row[Field.SEQ] != seq or got_kind is not kind:
-            raise StepMismatch(rank, seq, kind.value, row[Field.SEQ], got_kind.value)
+    for rank, (tokens, padded, ubatch, mode, unfinished, pause) in enumerate(
+        zip(*cols[:_SEQ], strict=True)
+    ):
+        if not in_step and (seqs[rank] != seq or codes[rank] != code):
+            got = _KINDS_BY_CODE[codes[rank]].value
+            raise StepMismatch(rank, seq, kind.value, seqs[rank], got)
         report = StepReport(
-            num_tokens=row[Field.NUM_TOKENS],
-            num_tokens_padded=row[Field.NUM_TOKENS_PADDED],
-            want_ubatch=bool(row[Field.WANT_UBATCH]),
-            cudagraph_mode=row[Field.CUDAGRAPH_MODE],
-            has_unfinished=bool(row[Field.HAS_UNFINISHED]),
+            num_tokens=tokens,
+            num_tokens_padded=padded,
+            want_ubatch=bool(ubatch),
+            cudagraph_mode=mode,
+            has_unfinished=bool(unfinished),
             dp_rank=rank,
             epoch=DEVICE_EPOCH,
             seq=seq,
             kind=kind,
-            want_pause=bool(row[Field.WANT_PAUSE]),
+            want_pause=bool(pause),
         )
         validate_report(rank, report)
         reports.append(report)
     return decide(reports, hellos[0].num_ubatches, epoch=DEVICE_EPOCH, seq=seq, kind=kind)
 
 
-def _check_config(rows: Sequence[Sequence[int]], hellos: Sequence[Hello]) -> None:
+def _first(column: Sequence[int], bad: Callable[[int], bool]) -> int:
+    return next(rank for rank, value in enumerate(column) if bad(value))
+
+
+def _check_config(cols: Sequence[Sequence[int]], hellos: Sequence[Hello]) -> None:
     """Every row must carry the group's fingerprint and num_ubatches (coordd's Reject texts)."""
     group = hellos[0]
     want_hash = fingerprint_hash(group.config_fingerprint)
-    for rank, row in enumerate(rows):
-        if row[Field.FINGERPRINT] != want_hash:
-            got = _fingerprint_named(row[Field.FINGERPRINT], hellos)
+    n = len(hellos)
+    hashes, ubatches = cols[_FINGERPRINT], cols[_NUM_UBATCHES]
+    if hashes.count(want_hash) == n and ubatches.count(group.num_ubatches) == n:
+        return
+    for rank, (hashed, got_n) in enumerate(zip(hashes, ubatches, strict=True)):
+        if hashed != want_hash:
+            got = _fingerprint_named(hashed, hellos)
             raise Rejected(
                 "fingerprint",
                 f"rank {rank} has config_fingerprint={got!r}, "
@@ -182,8 +204,7 @@ def _check_config(rows: Sequence[Sequence[int]], hellos: Sequence[Hello]) -> Non
                 expected=group.config_fingerprint,
                 got=got,
             )
-        if row[Field.NUM_UBATCHES] != group.num_ubatches:
-            got_n = row[Field.NUM_UBATCHES]
+        if got_n != group.num_ubatches:
             raise Rejected(
                 "num_ubatches",
                 f"rank {rank} has num_ubatches={got_n!r}, "
