@@ -1,0 +1,171 @@
+"""`coordd bench`: coordd against torch.distributed gloo and a raw-socket floor, in one run.
+
+Latency (p50/p90/p99) per method and dp with the same rank processes for every method; overlap
+(exposed wait when the round runs under W of sleeping or spinning work); scale (dp 16..256
+simulated asyncio ranks: latency, coordd's CPU per round and resident memory); the targets of
+issue 5 with their measured ratios. `--json` keeps every figure, `--plot` draws them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+from coordd.bench.methods import ALL_METHODS
+
+
+def _numbers(kind: type) -> Any:
+    def parse(text: str) -> list[Any]:
+        if text.strip().lower() in ("", "none", "0"):
+            return []
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma list of numbers, got {text!r}"
+            ) from None
+
+    return parse
+
+
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in ALL_METHODS]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown method {bad[0]!r}: choose from {', '.join(ALL_METHODS)}"
+        )
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dp", type=_numbers(int), default=[2, 4, 8], help="rank counts (2,4,8)")
+    p.add_argument("--methods", type=_names, default=list(ALL_METHODS), help=", ".join(ALL_METHODS))
+    p.add_argument("--rounds", type=int, default=2000, help="timed rounds per method and dp")
+    p.add_argument("--blocks", type=int, default=10, help="interleaved blocks per phase")
+    p.add_argument("--warmup", type=int, default=5, help="untimed rounds per method per block")
+    p.add_argument(
+        "--overlap-rounds", type=int, default=400, help="timed rounds per overlap case (0: skip)"
+    )
+    p.add_argument(
+        "--work",
+        type=_numbers(float),
+        default=[1.0, 2.0, 5.0],
+        help="overlap work W as multiples of coordd-ipc's round p50 (1,2,5)",
+    )
+    p.add_argument(
+        "--variants",
+        type=lambda s: [v for v in s.split(",") if v],
+        default=["sleep", "spin"],
+        help="overlap work: sleep and/or spin",
+    )
+    p.add_argument(
+        "--scale-dp", type=_numbers(int), default=[16, 64, 256], help="simulated dp (none: skip)"
+    )
+    p.add_argument("--scale-procs", type=int, default=4, help="simulator processes")
+    p.add_argument("--scale-rounds", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0, help="seed of the reports")
+    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs coordd[plot])")
+
+
+def _versions() -> dict[str, str]:
+    import msgspec
+    import zmq
+
+    out = {
+        "python": platform.python_version(),
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "msgspec": msgspec.__version__,
+    }
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from coordd.bench import report
+    from coordd.bench.runner import BenchError, LatencyOptions, available_methods, run_latency
+    from coordd.bench.scale import ScaleOptions, run_scale
+
+    if args.rounds < 1 or args.blocks < 1 or args.warmup < 1:
+        raise SystemExit("coordd bench: --rounds, --blocks and --warmup must be >= 1")
+    if any(v not in ("sleep", "spin") for v in args.variants):
+        raise SystemExit(f"coordd bench: --variants takes sleep and/or spin, got {args.variants}")
+    if any(dp < 1 for dp in [*args.dp, *args.scale_dp]):
+        raise SystemExit("coordd bench: every dp must be >= 1")
+    methods, skipped = available_methods(args.methods)
+    began = time.time()
+    results: dict[str, Any] = {
+        "meta": {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(began)),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "kernel": platform.release(),
+            "loadavg_start": list(os.getloadavg()),
+            "argv": sys.argv[1:],
+            "versions": _versions(),
+        },
+        "methods": methods,
+        "skipped": skipped,
+        "latency": [],
+        "overlap": [],
+        "scale": [],
+    }
+
+    def log(text: str) -> None:
+        print(f"[{time.time() - began:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+    for name, why in skipped.items():
+        log(f"skipping {name}: {why}")
+    try:
+        if args.dp and methods:
+            opts = LatencyOptions(
+                dps=args.dp,
+                methods=methods,
+                rounds=args.rounds,
+                blocks=min(args.blocks, args.rounds),
+                warmup=args.warmup,
+                overlap=args.overlap_rounds > 0 and bool(args.work),
+                overlap_rounds=args.overlap_rounds,
+                work_multiples=args.work,
+                variants=args.variants,
+                seed=args.seed,
+            )
+            results.update(run_latency(opts, log))
+        if args.scale_dp:
+            results["scale"] = run_scale(
+                ScaleOptions(
+                    dps=args.scale_dp,
+                    procs=args.scale_procs,
+                    rounds=args.scale_rounds,
+                    seed=args.seed,
+                ),
+                log,
+            )
+    except BenchError as error:
+        print(f"coordd bench: {error}", file=sys.stderr)
+        return 2
+    results["meta"]["seconds"] = time.time() - began
+    results["meta"]["loadavg_end"] = list(os.getloadavg())
+    results["targets"] = report.targets(results)
+    print(report.render(results))
+    if args.json:
+        report.write_json(results, args.json)
+    if args.plot:
+        from coordd.bench.plot import plot
+
+        plot(results, args.plot)
+    rows = [*results["latency"], *results["overlap"], *results["scale"]]
+    incomplete = [r for r in rows if r["completed"] != r["rounds"]]
+    wrong = [r for r in rows if r["mismatches"]]
+    return 1 if incomplete or wrong else 0

@@ -1,0 +1,203 @@
+"""The exchanges the benchmark compares, as one rank sees them: `start(i)` then `wait(handle)`.
+
+Every method carries the same reports (round i's report of rank r comes from the shared table),
+and every one but the floor ends with the round's decision in hand, so the figures compare
+like with like: coordd over ipc and tcp, a gloo all_reduce(SUM) of the int32 [fields x dp]
+matrix as vLLM runs it today, the device-path client, and the raw-socket floor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Protocol
+
+from coordd.bench.workload import (
+    FIELDS,
+    TABLE_SIZE,
+    column,
+    decision_from_matrix,
+    expected_floor_reply,
+    expected_payload,
+    floor_report,
+    payload,
+)
+from proto.messages import StepReport
+
+COORDD_IPC = "coordd-ipc"
+COORDD_TCP = "coordd-tcp"
+GLOO = "gloo"
+DEVICE = "device-gloo"
+FLOOR = "floor"
+#: Every method, in the order the tables list them.
+ALL_METHODS = (COORDD_IPC, COORDD_TCP, GLOO, DEVICE, FLOOR)
+#: Longest a rank waits for one round before the run fails (no hang, ever).
+ROUND_TIMEOUT = 60.0
+
+
+class Method(Protocol):
+    name: str
+
+    def start(self, i: int) -> Any: ...
+    def wait(self, handle: Any) -> Any: ...
+    def check(self, i: int, result: Any) -> bool: ...
+    def close(self) -> None: ...
+
+
+class _Checked:
+    """Shared check: a decision must equal the policy applied to every rank's round-i report."""
+
+    tables: Sequence[Sequence[StepReport]]
+
+    def check(self, i: int, result: Any) -> bool:
+        return bool(payload(result) == expected_payload(self.tables, i))
+
+
+class CoorddMethod(_Checked):
+    """The blocking client (`CoordClient.start` / `PendingStep.wait`) against a coordd."""
+
+    def __init__(
+        self, name: str, address: str, rank: int, tables: Sequence[Sequence[StepReport]]
+    ) -> None:
+        from client.sync import CoordClient
+
+        self.name = name
+        self.tables = tables
+        self.reports = tables[rank]
+        self.client = CoordClient(
+            address,
+            dp_rank=rank,
+            dp_size=len(tables),
+            config_fingerprint="coordd-bench",
+            wait_timeout=ROUND_TIMEOUT,
+        )
+        self.client.connect(timeout=30)
+
+    def start(self, i: int) -> Any:
+        return self.client.start(self.reports[i % TABLE_SIZE])
+
+    def wait(self, handle: Any) -> Any:
+        return handle.wait()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def init_gloo(store_path: str, rank: int, dp: int) -> None:
+    """Join the default torch.distributed group (gloo over loopback) once per rank process."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=dp,
+            timeout=timedelta(seconds=ROUND_TIMEOUT),
+        )
+
+
+def shutdown_gloo() -> None:
+    """Leave the torch.distributed group, if this process joined one."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class GlooMethod(_Checked):
+    """vLLM's exchange: zeros([fields, dp], int32), own column set, all_reduce(SUM), then rules."""
+
+    name = GLOO
+
+    def __init__(self, rank: int, tables: Sequence[Sequence[StepReport]]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch = torch
+        self._dist = dist
+        self.tables = tables
+        self.rank = rank
+        self.dp = len(tables)
+        self.columns = [torch.tensor(column(r), dtype=torch.int32) for r in tables[rank]]
+
+    def start(self, i: int) -> Any:
+        matrix = self._torch.zeros(len(FIELDS), self.dp, dtype=self._torch.int32)
+        matrix[:, self.rank] = self.columns[i % TABLE_SIZE]
+        return matrix, self._dist.all_reduce(matrix, async_op=True)
+
+    def wait(self, handle: Any) -> Any:
+        matrix, work = handle
+        work.wait()
+        return decision_from_matrix(matrix.tolist())
+
+    def close(self) -> None:
+        pass
+
+
+def device_client_class() -> type | None:
+    """The device-path client (client/device.py, `DeviceCoordClient`), if it exists yet."""
+    try:
+        from client.device import DeviceCoordClient
+    except ImportError:
+        return None
+    return DeviceCoordClient
+
+
+class DeviceMethod(_Checked):
+    """The device-path client on gloo: the same surface as `CoordClient` (start, wait, close)."""
+
+    name = DEVICE
+
+    def __init__(self, rank: int, tables: Sequence[Sequence[StepReport]]) -> None:
+        cls = device_client_class()
+        if cls is None:
+            raise RuntimeError("client/device.py (DeviceCoordClient) is not there yet")
+        self.tables = tables
+        self.reports = tables[rank]
+        self.client = cls(
+            dp_rank=rank,
+            dp_size=len(tables),
+            config_fingerprint="coordd-bench",
+            wait_timeout=ROUND_TIMEOUT,
+        )
+        self.client.connect(timeout=30)
+
+    def start(self, i: int) -> Any:
+        return self.client.start(self.reports[i % TABLE_SIZE])
+
+    def wait(self, handle: Any) -> Any:
+        return handle.wait()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class FloorMethod:
+    """Raw UNIX sockets to the floor hub: fixed-size reports out, their concatenation back."""
+
+    name = FLOOR
+
+    def __init__(self, path: str, rank: int, tables: Sequence[Sequence[StepReport]]) -> None:
+        from coordd.bench.floor import FloorRank
+
+        self.tables = tables
+        self.reports = tables[rank]
+        self.conn = FloorRank(path, rank, len(tables), timeout=ROUND_TIMEOUT)
+
+    def start(self, i: int) -> Any:
+        self.conn.start(floor_report(self.reports[i % TABLE_SIZE], i))
+
+    def wait(self, handle: Any) -> Any:
+        return self.conn.wait()
+
+    def check(self, i: int, result: Any) -> bool:
+        return bool(result == expected_floor_reply(self.tables, i))
+
+    def close(self) -> None:
+        self.conn.close()
