@@ -1,106 +1,327 @@
-"""`coordd demo --dp N`: a real coordd and N simulated engine ranks, printing round latency.
+"""`coordd demo --dp N`: a real coordd and N engine-like rank processes, with a live view.
 
-Each rank draws a batch (decode-heavy with occasional prefills), starts the round, "runs"
-the step (sleeps), waits for the decision and checks that every rank saw the same one.
+Each rank (coordd/demo_rank.py) runs a vLLM-shaped step loop over the vLLM adapter: draw a
+batch, start the forward round, sleep the previous step's GPU time while the round is in
+flight, finish it, then run the drafter's round. The view shows steps/s, the round latency
+(drafter rounds, which nothing overlaps), the exposed wait of the forward rounds (what the
+overlap leaves visible), and the share of padded tokens. At the end the demo checks that every
+rank got the same decision in every round, equal to the policy applied to all reports.
+
+The view uses rich on a terminal and prints plain lines otherwise (or without rich).
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import random
-import statistics
+import sys
 import tempfile
 import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
 
-from client.sync import CoordClient
+import msgspec
+
+from coordd.demo_rank import Finished, Progress, RankMessage, demo_config, run_rank
 from coordd.procs import CoorddProcess
-from proto.messages import StepReport
 from proto.policy import decide
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dp", type=int, default=4, help="simulated ranks")
-    p.add_argument("--rounds", type=int, default=500)
-    p.add_argument("--step-ms", type=float, default=0.5, help="simulated GPU time per step")
+    p.add_argument("--dp", type=int, default=4, help="engine ranks (processes)")
+    p.add_argument(
+        "--seconds", type=float, default=None, help="run this long (default 5 unless --rounds)"
+    )
+    p.add_argument("--rounds", type=int, default=None, help="run this many steps")
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=2.0,
+        help="simulated GPU time scale: a step takes step_ms * (0.6 + tokens/1024) ms",
+    )
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bind", default=None, help="default: ipc in a temporary directory")
+    p.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
 
 
-def _draw(rng: random.Random) -> StepReport:
-    tokens = rng.choice([0, rng.randint(1, 64), rng.randint(1, 256), rng.randint(512, 4096)])
-    bucket = next((b for b in (8, 16, 32, 64, 128, 256, 512) if b >= tokens), tokens)
-    return StepReport(
-        num_tokens=tokens,
-        num_tokens_padded=bucket,
-        want_ubatch=tokens >= 32,
-        cudagraph_mode=rng.choice([0, 1, 2, 2]) if tokens <= 512 else 0,
-        has_unfinished=tokens > 0,
+# -- what the view shows ------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    """Aggregated progress of all ranks: whole run, and a window of recent samples."""
+
+    dp: int
+    started: float = 0.0  # the first progress report: the ranks' start-up is not counted
+    steps: dict[int, int] = field(default_factory=dict)
+    history: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))
+    exposed: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)
+    recent_exposed: deque[float] = field(default_factory=lambda: deque(maxlen=4000))
+    recent_latency: deque[float] = field(default_factory=lambda: deque(maxlen=4000))
+    tokens_run: int = 0
+    tokens_real: int = 0
+    ubatched: int = 0
+    votes: int = 0
+    voters: int = 0
+
+    def add(self, p: Progress) -> None:
+        if not self.started:
+            self.started = time.monotonic()
+        self.steps[p.rank] = p.steps
+        self.exposed += p.exposed
+        self.latency += p.latency
+        self.recent_exposed.extend(p.exposed)
+        self.recent_latency.extend(p.latency)
+        self.tokens_run += p.tokens_run
+        self.tokens_real += p.tokens_real
+        if p.rank == 0:
+            self.ubatched += p.ubatched
+        self.votes += p.votes
+        self.history.append((time.monotonic(), self.group_steps))
+
+    @property
+    def group_steps(self) -> int:
+        return min(self.steps.values()) if len(self.steps) == self.dp else 0
+
+    def steps_per_s(self) -> float:
+        now = time.monotonic()
+        window = [(t, s) for t, s in self.history if now - t <= 1.5]
+        if len(window) < 2 or window[-1][0] <= window[0][0]:
+            return 0.0
+        return (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
+
+    def padded_share(self) -> float:
+        return 1 - self.tokens_real / self.tokens_run if self.tokens_run else 0.0
+
+    def ubatched_share(self) -> float:
+        steps = self.steps.get(0, 0)
+        return self.ubatched / steps if steps else 0.0
+
+    def vote_share(self) -> float:
+        """How often a rank voted to micro-batch (the group needs every vote, and a split
+        whose last micro-batch is not empty)."""
+        steps = sum(self.steps.values())
+        return self.votes / steps if steps else 0.0
+
+
+def pct(samples: Any, q: float) -> float:
+    """The q-quantile in microseconds (0 without samples)."""
+    xs = sorted(samples)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e6 if xs else 0.0
+
+
+def plain_line(s: Stats) -> str:
+    return (
+        f"t={time.monotonic() - s.started if s.started else 0.0:5.1f}s steps={s.group_steps:6d} "
+        f"steps/s={s.steps_per_s():7.1f} "
+        f"round p50={pct(s.recent_latency, 0.5):6.0f}us p99={pct(s.recent_latency, 0.99):6.0f}us "
+        f"exposed p50={pct(s.recent_exposed, 0.5):5.0f}us "
+        f"p99={pct(s.recent_exposed, 0.99):6.0f}us "
+        f"padded={100 * s.padded_share():4.1f}% ubatch={100 * s.ubatched_share():4.1f}%"
     )
 
 
-def _rank(address: str, rank: int, dp: int, rounds: int, step_s: float, out: mp.Queue) -> None:
-    rng = random.Random(rank)
-    reports, decisions, latencies, exposed = [], [], [], []
-    with CoordClient(address, dp_rank=rank, dp_size=dp, config_fingerprint="demo") as client:
-        client.connect(timeout=10)
-        for _ in range(rounds):
-            report = _draw(rng)
-            t0 = time.perf_counter()
-            pending = client.start(report)
-            time.sleep(step_s)
-            t1 = time.perf_counter()
-            decisions.append(pending.wait(timeout=30))
-            t2 = time.perf_counter()
-            reports.append(report)
-            latencies.append(t2 - t0)
-            exposed.append(t2 - t1)
-        # a synchronous pass for the plain round latency
-        sync = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            client.coordinate(_draw(rng), timeout=30)
-            sync.append(time.perf_counter() - t0)
-    out.put((rank, reports, decisions, exposed, sync))
+class PlainView:
+    """One line a second: for logs, pipes and CI."""
+
+    def __init__(self, title: str) -> None:
+        print(title, flush=True)
+        self._next = time.monotonic() + 1.0
+
+    def update(self, s: Stats) -> None:
+        if time.monotonic() >= self._next and s.group_steps:
+            print("  " + plain_line(s), flush=True)
+            self._next = time.monotonic() + 1.0
+
+    def close(self) -> None:
+        pass
 
 
-def _pct(xs: list[float], q: float) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e6
+class RichView:
+    """A live table on a terminal."""
+
+    def __init__(self, title: str) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.title = title
+        self.console = Console()
+        self.live = Live(console=self.console, refresh_per_second=8, transient=False)
+        self.live.start()
+
+    def update(self, s: Stats) -> None:
+        from rich.table import Table
+
+        title, _, caption = self.title.partition(" | ")
+        table = Table(title=title, caption=caption, title_justify="left", caption_justify="left")
+        table.add_column("")
+        table.add_column("recent", justify="right")
+        table.add_column("whole run", justify="right")
+        elapsed = time.monotonic() - s.started if s.started else 0.0
+        whole = s.group_steps / elapsed if elapsed > 0 else 0.0
+        table.add_row("steps", "", f"{s.group_steps}")
+        table.add_row("steps/s", f"{s.steps_per_s():.0f}", f"{whole:.0f}")
+        for name, recent, every in (
+            ("round latency (drafter rounds)", s.recent_latency, s.latency),
+            ("exposed wait (forward rounds)", s.recent_exposed, s.exposed),
+        ):
+            for q in (0.5, 0.99):
+                table.add_row(
+                    f"{name} p{int(q * 100)}",
+                    f"{pct(recent, q):.0f} us",
+                    f"{pct(every, q):.0f} us",
+                )
+        table.add_row("padded tokens (graph buckets + DP)", "", f"{100 * s.padded_share():.1f}%")
+        table.add_row("micro-batching votes (per rank)", "", f"{100 * s.vote_share():.1f}%")
+        table.add_row("micro-batched steps (group)", "", f"{100 * s.ubatched_share():.1f}%")
+        self.live.update(table)
+
+    def close(self) -> None:
+        self.live.stop()
+
+
+def make_view(title: str, plain: bool) -> PlainView | RichView:
+    if plain or not sys.stdout.isatty():
+        return PlainView(title)
+    try:
+        return RichView(title)
+    except ImportError:
+        return PlainView(title)
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def verify(finished: list[Finished], num_ubatches: int) -> tuple[int, list[str]]:
+    """Every rank got the same decision for every round, equal to the policy: (rounds, problems)."""
+    problems = [f"rank {f.rank}: {f.error}" for f in finished if f.error]
+    lengths = {len(f.records) for f in finished}
+    if len(lengths) != 1:
+        problems.append(f"ranks logged different numbers of rounds: {sorted(lengths)}")
+        return 0, problems
+    for i in range(lengths.pop()):
+        round_records = [f.records[i] for f in finished]
+        first = round_records[0].decision
+        if any(r.decision != first for r in round_records):
+            problems.append(f"seq {first.seq}: ranks got different decisions")
+            continue
+        expected = decide(
+            [r.report for r in round_records],
+            num_ubatches,
+            epoch=first.epoch,
+            seq=first.seq,
+            kind=first.kind,
+        )
+        if first != expected:
+            problems.append(f"seq {first.seq}: decision differs from the policy")
+    return len(finished[0].records), problems
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.dp < 2:
+        raise SystemExit(
+            f"coordd demo: --dp must be >= 2 (at dp=1 nothing is agreed), got {args.dp}"
+        )
+    seconds = args.seconds if args.seconds is not None or args.rounds is not None else 5.0
+    limit = (seconds or 0) + (args.rounds or 0) * 0.05 + 60  # a hard stop: never hang
+    decoder = msgspec.msgpack.Decoder(RankMessage)
     with tempfile.TemporaryDirectory(prefix="coordd-demo-") as tmp:
         bind = args.bind or f"ipc://{tmp}/coordd.sock"
-        with CoorddProcess(args.dp, bind, ["--log-level", "warning"]) as coordd:
+        with CoorddProcess(args.dp, bind, ["--log-level", "error"]) as coordd:
             ctx = mp.get_context("spawn")
-            out: mp.Queue = ctx.Queue()
+            pipes = [ctx.Pipe(duplex=False) for _ in range(args.dp)]
             procs = [
                 ctx.Process(
-                    target=_rank,
-                    args=(coordd.address, r, args.dp, args.rounds, args.step_ms / 1000, out),
+                    target=run_rank,
+                    args=(
+                        coordd.address,
+                        r,
+                        args.dp,
+                        args.rounds,
+                        seconds,
+                        args.step_ms,
+                        args.seed,
+                        pipes[r][1],
+                    ),
+                    daemon=True,
                 )
                 for r in range(args.dp)
             ]
-            for p in procs:
-                p.start()
-            results = sorted(out.get(timeout=120) for _ in procs)
-            for p in procs:
-                p.join(timeout=10)
-    agree = all(
-        len({repr(res[2][i]) for res in results}) == 1
-        and results[0][2][i]
-        == decide([res[1][i] for res in results], seq=i, epoch=results[0][2][i].epoch)
-        for i in range(args.rounds)
-    )
-    sync = [x for res in results for x in res[4]]
-    exposed = [x for res in results for x in res[3]]
+            bound = f"{args.rounds} steps" if args.rounds else f"{seconds:g} s"
+            title = (
+                f"coordd demo: dp={args.dp} engine-like ranks, {bound} | "
+                f"GPU time scale {args.step_ms:g} ms; coordd on {coordd.address}"
+            )
+            stats = Stats(args.dp)
+            finished: dict[int, Finished] = {}
+            view = make_view(title, args.plain)
+            try:
+                for p in procs:
+                    p.start()
+                open_pipes: dict[Connection, int] = {pipes[r][0]: r for r in range(args.dp)}
+                hard_stop = time.monotonic() + limit
+                while open_pipes and time.monotonic() < hard_stop:
+                    for conn in wait(list(open_pipes), timeout=0.1):
+                        assert isinstance(conn, Connection)
+                        try:
+                            message = decoder.decode(conn.recv_bytes())
+                        except EOFError:
+                            rank = open_pipes.pop(conn)
+                            finished.setdefault(rank, Finished(rank, 0, [], "exited early"))
+                            continue
+                        if isinstance(message, Progress):
+                            stats.add(message)
+                        else:
+                            finished[message.rank] = message
+                            open_pipes.pop(conn, None)
+                    view.update(stats)
+            finally:
+                view.close()
+                for p in procs:
+                    p.join(timeout=5)
+                    if p.is_alive():
+                        p.kill()
+                        p.join(timeout=5)
+    for r in range(args.dp):
+        finished.setdefault(r, Finished(r, 0, [], f"no result within {limit:g}s"))
+    ordered = [finished[r] for r in range(args.dp)]
+    rounds, problems = verify(ordered, demo_config(args.dp).num_ubatches)
+    return report(args, stats, ordered, rounds, problems)
+
+
+def report(
+    args: argparse.Namespace, s: Stats, finished: list[Finished], rounds: int, problems: list[str]
+) -> int:
+    elapsed = time.monotonic() - s.started if s.started else 0.0
+    steps = finished[0].steps
+    ok = not problems
     print(
-        f"coordd demo: dp={args.dp}, {args.rounds} overlapped + {args.rounds} sync rounds on {bind}"
+        f"coordd demo: dp={args.dp}, {steps} steps ({rounds} rounds: forward + drafter) "
+        f"in {elapsed:.1f} s"
     )
-    print(f"  every rank got the same decision, equal to the policy: {'yes' if agree else 'NO'}")
-    print(f"  sync round latency   p50 {_pct(sync, 0.5):7.1f} us   p99 {_pct(sync, 0.99):7.1f} us")
     print(
-        f"  exposed wait after a {args.step_ms} ms step: p50 {_pct(exposed, 0.5):7.1f} us   "
-        f"p99 {_pct(exposed, 0.99):7.1f} us"
+        f"  every rank got the same decision in all {rounds} rounds, equal to the policy: "
+        f"{'yes' if ok else 'NO'}"
     )
-    print(f"  mean sync latency {statistics.mean(sync) * 1e6:.1f} us")
-    return 0 if agree else 1
+    for problem in problems[:10]:
+        print(f"    {problem}")
+    print(
+        f"  round latency (drafter rounds, nothing overlapped): p50 {pct(s.latency, 0.5):6.0f} us"
+        f"   p99 {pct(s.latency, 0.99):6.0f} us"
+    )
+    print(
+        f"  exposed wait (forward rounds, overlapped with the GPU): p50 "
+        f"{pct(s.exposed, 0.5):6.0f} us   p99 {pct(s.exposed, 0.99):6.0f} us"
+    )
+    print(
+        f"  padded tokens (CUDA-graph buckets + DP padding): {100 * s.padded_share():.1f}% of "
+        f"the tokens run"
+    )
+    print(
+        f"  micro-batching: a rank voted yes in {100 * s.vote_share():.1f}% of its steps, "
+        f"the group micro-batched {100 * s.ubatched_share():.1f}% of the steps"
+    )
+    return 0 if ok else 1
