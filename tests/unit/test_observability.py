@@ -1,0 +1,308 @@
+"""coordd's observer, metrics, status, endpoints and log lines, driven without sockets or clocks.
+
+`Daemon` feeds a real `Coordinator` and passes what it sends to the `Observer` the way
+coordd/server.py does (every Send, the Hello before it is handled, the failure check after),
+so the numbers here are the ones a scrape of a real coordd shows; the integration test
+(tests/integration/test_operability.py) checks the same against a real process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordd.endpoints import HttpEndpoints, coordd_routes
+from coordd.logs import JsonFormatter, event, fault_fields, setup_logging
+from coordd.metrics import DURATION_BUCKETS, Observer
+from coordd.server import ServerStats
+from coordd.status import readiness, render, status_document
+from proto.coordinator import Coordinator, OnRankLoss
+from proto.messages import Hello, StepKind, StepReport
+
+EPOCH = 9
+
+
+def peer(rank: int) -> bytes:
+    return f"{rank}:inc{rank}".encode()
+
+
+class Daemon:
+    """A Coordinator and an Observer wired as CoordServer wires them, with a settable clock."""
+
+    def __init__(self, dp: int, **kw: Any) -> None:
+        self.now = 100.0
+        self.coordinator = Coordinator(dp, epoch=EPOCH, step_timeout=10.0, **kw)
+        self.observer = Observer(self.coordinator, wall=lambda: 1_700_000_000.0 + self.now)
+        self.stats = ServerStats()
+        self.bound_address = "ipc:///run/coordd/coordd.sock"
+        self.sent: list[Any] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def _after(self, sends: Any) -> None:
+        for s in sends:
+            self.sent.append(s.message)
+            self.observer.sent(s.peers, s.message)
+        if self.coordinator.last_failure is not self.observer.seen_failure:
+            self.observer.group_failed()
+
+    def hello(self, rank: int, at: float, **kw: Any) -> None:
+        self.now = at
+        kw.setdefault("config_fingerprint", "fp")
+        message = Hello(dp_size=self.coordinator.dp_size, dp_rank=rank,
+                        incarnation=f"inc{rank}", **kw)
+        self.observer.registering(peer(rank), message, f"10.0.0.{rank}")
+        self._after(self.coordinator.receive(peer(rank), message, at))
+
+    def report(self, rank: int, seq: int, at: float, kind: StepKind = StepKind.FORWARD,
+               epoch: int = EPOCH) -> None:
+        self.now = at
+        message = StepReport(num_tokens=rank, num_tokens_padded=rank, dp_rank=rank, epoch=epoch,
+                             seq=seq, kind=kind)
+        self._after(self.coordinator.receive(peer(rank), message, at))
+
+    def lose(self, rank: int, at: float) -> None:
+        self.now = at
+        c = self.coordinator
+        who = c.peer_rank.get(peer(rank))
+        for s in c.peer_lost(peer(rank), at, "connection closed"):
+            self.sent.append(s.message)
+            self.observer.sent(s.peers, s.message)
+        self.observer.lost(who, peer(rank), "connection closed")
+        self._after(())
+
+    def metrics(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        routes = coordd_routes(self, self.observer)  # type: ignore[arg-type]
+        status, ctype, body = routes["/metrics"]()
+        assert status == 200 and ctype.startswith("text/plain")
+        out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = (
+                    sample.value
+                )
+        return out
+
+
+def registered(dp: int, **kw: Any) -> Daemon:
+    d = Daemon(dp, **kw)
+    for r in range(dp):
+        d.hello(r, 100.0)
+    return d
+
+
+def value(m: dict[str, Any], name: str, **labels: str) -> float:
+    return m[name][tuple(sorted(labels.items()))]
+
+
+def test_rounds_durations_and_stragglers_are_counted_once_per_round() -> None:
+    d = registered(3)
+    # round 0: rank 2 last, 3 ms; round 1 (draft): rank 0 last, 40 ms; round 2: rank 2 last
+    d.report(0, 0, 101.000)
+    d.report(1, 0, 101.001)
+    d.report(2, 0, 101.003)
+    d.report(1, 1, 102.000, StepKind.DRAFT)
+    d.report(2, 1, 102.010, StepKind.DRAFT)
+    d.report(0, 1, 102.040, StepKind.DRAFT)
+    d.report(2, 1, 102.5, StepKind.DRAFT)  # rank 2 repeats its last report: decision re-sent
+    d.report(0, 2, 103.0)
+    d.report(1, 2, 103.0)
+    d.report(2, 2, 103.2)
+    o = d.observer
+    assert o.rounds_completed == 3
+    assert dict(o.decided) == {"forward": 2, "draft": 1}
+    assert o.stragglers == [1, 0, 2]
+    assert [o.rounds_of(r) for r in range(3)] == [3, 3, 3]
+    lateness = o.mean_lateness()
+    assert lateness[0] == pytest.approx((0 + 0.040 + 0) / 3)
+    assert lateness[2] == pytest.approx((0.003 + 0.010 + 0.2) / 3)
+
+    m = d.metrics()
+    assert value(m, "coordd_rounds_total", kind="forward", outcome="decided") == 2
+    assert value(m, "coordd_rounds_total", kind="draft", outcome="decided") == 1
+    assert value(m, "coordd_round_duration_seconds_count", kind="forward") == 2
+    assert value(m, "coordd_round_duration_seconds_sum", kind="forward") == pytest.approx(0.203)
+    # cumulative buckets: 3 ms is in le=0.005 and above; 200 ms only from le=0.25
+    assert value(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.0025") == 0
+    assert value(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.005") == 1
+    assert value(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.1") == 1
+    assert value(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.25") == 2
+    assert value(m, "coordd_round_duration_seconds_bucket", kind="forward", le="+Inf") == 2
+    assert value(m, "coordd_round_duration_seconds_bucket", kind="draft", le="0.05") == 1
+    assert value(m, "coordd_straggler_rounds_total", rank="2") == 2
+    assert value(m, "coordd_straggler_rounds_total", rank="0") == 1
+    assert ("rank", "1") not in {k[0] for k in m["coordd_straggler_rounds_total"]}
+    assert value(m, "coordd_registered_ranks") == 3
+    assert value(m, "coordd_round_seq") == 3
+    assert value(m, "coordd_ready") == 1
+    assert value(m, "coordd_registrations_total") == 3
+    assert m["coordd_build_info"]
+    assert len(DURATION_BUCKETS) + 1 == len(m["coordd_round_duration_seconds_bucket"]) // 2
+
+
+def test_a_group_failure_is_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    d = registered(2)
+    caplog.set_level(logging.WARNING, "coordd")
+    d.report(0, 0, 101.0)
+    d.report(1, 3, 101.1)  # rank 1 skipped ahead: the round fails for both
+    d.report(0, 1, 101.2)  # later reports get the same failure again
+    d.report(1, 1, 101.3)
+    o = d.observer
+    assert dict(o.faults) == {"mismatch": 1}
+    assert dict(o.failed) == {"forward": 1}
+    (line,) = [r for r in caplog.records if getattr(r, "event", "") == "group failed"]
+    assert line.fields == {  # type: ignore[attr-defined]
+        "group": "default", "epoch": EPOCH, "seq": 0, "kind": "forward", "ranks": [1],
+        "reason": "mismatch", "detail": line.fields["detail"],  # type: ignore[attr-defined]
+    }
+    m = d.metrics()
+    assert value(m, "coordd_faults_total", reason="mismatch") == 1
+    assert value(m, "coordd_rounds_total", kind="forward", outcome="failed") == 1
+    assert value(m, "coordd_group_failed") == 1
+    assert value(m, "coordd_ready") == 0
+    (recent,) = o.recent_failures
+    assert recent["ranks"] == [1] and recent["reason"] == "mismatch"
+
+
+def test_a_loss_between_rounds_is_a_fault_though_nobody_is_sent_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    d = registered(2)
+    d.report(0, 0, 101.0)
+    d.report(1, 0, 101.0)
+    caplog.set_level(logging.WARNING, "coordd")
+    d.lose(1, 105.0)
+    assert d.sent[-1].__class__.__name__ == "StepDecision", "nothing was sent for the loss"
+    assert dict(d.observer.faults) == {"lost": 1}
+    events = [getattr(r, "event", "") for r in caplog.records]
+    assert events == ["rank lost", "group failed"]
+    lost = caplog.records[0].fields  # type: ignore[attr-defined]
+    assert (lost["group"], lost["epoch"], lost["seq"], lost["ranks"]) == ("default", EPOCH, 1, [1])
+    assert lost["peer"] == "10.0.0.1"
+
+
+def test_a_report_from_a_stranger_is_a_fault_but_not_a_failed_round() -> None:
+    d = registered(2)
+    d.report(0, 0, 101.0, epoch=EPOCH - 1)  # a report from an old epoch: refused alone
+    assert dict(d.observer.faults) == {"unavailable": 1}
+    assert not d.observer.failed
+    assert d.coordinator.failure is None
+
+
+def test_a_refused_registration_is_counted_and_names_the_rank(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    d = registered(2)
+    caplog.set_level(logging.WARNING, "coordd")
+    d.hello(1, 101.0, config_fingerprint="other")
+    assert dict(d.observer.rejected) == {"fingerprint": 1}
+    (record,) = caplog.records
+    assert record.event == "registration rejected"  # type: ignore[attr-defined]
+    assert record.fields["ranks"] == [1]  # type: ignore[attr-defined]
+    assert record.fields["kind"] == "register"  # type: ignore[attr-defined]
+    m = d.metrics()
+    assert value(m, "coordd_registrations_rejected_total", reason="fingerprint") == 1
+
+
+def test_readiness() -> None:
+    d = Daemon(3)
+    assert readiness(d.coordinator) == (False, "0/3 ranks registered")
+    d.hello(0, 100.0)
+    d.hello(1, 100.0)
+    assert readiness(d.coordinator) == (False, "2/3 ranks registered")
+    d.hello(2, 100.0)
+    assert readiness(d.coordinator) == (True, "3/3 ranks registered")
+    d.lose(2, 101.0)
+    ready, why = readiness(d.coordinator)
+    assert not ready and why.startswith("group failed at seq 0")
+
+    elastic = registered(3, on_rank_loss=OnRankLoss.NEUTRALIZE)
+    elastic.lose(2, 101.0)
+    assert readiness(elastic.coordinator) == (
+        True, "2/3 ranks registered, left out: [2]"
+    )
+
+
+def test_status_document_and_table() -> None:
+    d = registered(2)
+    d.report(0, 0, 101.0)
+    d.report(1, 0, 101.5)
+    d.report(1, 1, 102.0)  # round 1 open: rank 1 reported
+    d.now = 103.0
+    doc = json.loads(json.dumps(status_document(d, d.observer)))  # type: ignore[arg-type]
+    assert doc["dp_size"] == 2 and doc["epoch"] == EPOCH and doc["seq"] == 1
+    assert doc["ready"] is True
+    assert doc["round"] == {"open": True, "kind": "forward", "reported": 1, "age_s": 1.0}
+    r0, r1 = doc["ranks"]
+    assert r0["state"] == "registered" and r0["address"] == "10.0.0.0"
+    assert r0["incarnation"] == "inc0" and r0["peer"] == "0:inc0"
+    assert r0["last_seen_s"] == 2.0 and r1["last_seen_s"] == 1.0
+    assert r0["reported_open_round"] is False and r1["reported_open_round"] is True
+    assert r0["rounds"] == r1["rounds"] == 1
+    assert r1["mean_lateness_s"] == 0.5 and r1["straggler_rounds"] == 1
+    table = render(doc)
+    assert "group default  dp 2" in table
+    assert "round 1: open, forward, 1/2 reported" in table
+    rows = [line.split() for line in table.splitlines() if line[:1].isdigit()]
+    assert [row[:3] for row in rows] == [["0", "registered", "10.0.0.0"],
+                                         ["1", "registered", "10.0.0.1"]]
+
+
+def test_endpoints_answer_get_head_and_refuse_the_rest() -> None:
+    d = registered(2)
+    routes = coordd_routes(d, d.observer)  # type: ignore[arg-type]
+    endpoints = HttpEndpoints(routes)
+    assert endpoints.respond("GET", "/livez") == (200, "text/plain; charset=utf-8", b"ok\n")
+    assert endpoints.respond("GET", "/readyz?verbose=1")[0] == 200
+    assert endpoints.respond("POST", "/livez")[0] == 405
+    status, _, body = endpoints.respond("GET", "/nope")
+    assert status == 404 and b"/metrics" in body
+
+    async def exchange(request: bytes) -> bytes:
+        url = await endpoints.start("127.0.0.1", 0)
+        port = int(url.rsplit(":", 1)[1])
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            await writer.drain()
+            data = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return data
+        finally:
+            await endpoints.close()
+
+    got = asyncio.run(exchange(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n"))
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK") and b"application/json" in head
+    assert json.loads(body)["dp_size"] == 2
+    got = asyncio.run(exchange(b"HEAD /metrics HTTP/1.1\r\n\r\n"))
+    assert got.startswith(b"HTTP/1.1 200 OK") and got.endswith(b"\r\n\r\n")
+    assert asyncio.run(exchange(b"garbage\r\n\r\n")).startswith(b"HTTP/1.1 400")
+    d.lose(1, 101.0)
+    assert asyncio.run(exchange(b"GET /readyz HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 503")
+
+
+def test_log_lines_carry_their_fields_in_both_formats(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("coordd.test")
+    caplog.set_level(logging.WARNING, "coordd.test")
+    fields = fault_fields(group="g", epoch=3, seq=41, kind="draft", ranks=(2, 5))
+    event(log, logging.WARNING, "group failed", **fields, reason="timeout", detail="late rank")
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        'group failed group=g epoch=3 seq=41 kind=draft ranks=[2,5] reason=timeout '
+        'detail="late rank"'
+    )
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "group failed" and line["level"] == "warning"
+    assert {k: line[k] for k in ("group", "epoch", "seq", "kind", "ranks", "reason")} == {
+        "group": "g", "epoch": 3, "seq": 41, "kind": "draft", "ranks": [2, 5],
+        "reason": "timeout",
+    }
+    with pytest.raises(ValueError, match="log format"):
+        setup_logging("info", "xml")
