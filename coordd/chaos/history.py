@@ -180,6 +180,17 @@ def tail_records(path: str, offset: int) -> tuple[list[Record], int]:
     return out, offset + end
 
 
+def wait_for_round(path: str, seq: int, deadline: float) -> bool:
+    """Poll the log at `path` until it shows round `seq` begun (or its process done)."""
+    offset = 0
+    while time.monotonic() < deadline:
+        records, offset = tail_records(path, offset)
+        if any((isinstance(r, Begin) and r.seq >= seq) or isinstance(r, Done) for r in records):
+            return True
+        time.sleep(0.002)
+    return False
+
+
 def report_dict(report: StepReport) -> dict[str, Any]:
     return msgspec.to_builtins(msgspec.structs.asdict(report))
 

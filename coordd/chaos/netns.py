@@ -26,8 +26,18 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=check)
 
 
+_probed: list[str | None] = []
+
+
 def unavailable() -> str | None:
-    """None if namespaces can be made here, else the reason they cannot."""
+    """None if namespaces can be made here, else the reason they cannot (probed once)."""
+    with _lock:
+        if not _probed:
+            _probed.append(_probe())
+        return _probed[0]
+
+
+def _probe() -> str | None:
     if shutil.which("ip") is None:
         return "the `ip` command (iproute2) is not installed"
     if os.geteuid() != 0:

@@ -16,7 +16,7 @@ import msgspec
 import zmq
 
 from client.transport import close_dealer, open_dealer
-from coordd.chaos.history import HistoryWriter, Inject, Note, Refused, error_info
+from coordd.chaos.history import HistoryWriter, Inject, Note, Refused, error_info, wait_for_round
 from coordd.chaos.spec import WorkerSpec
 from proto.errors import ProtocolError
 from proto.messages import (
@@ -153,6 +153,7 @@ def run_rogue(spec: WorkerSpec, log: HistoryWriter) -> int:
         if not sock.poll(5000, zmq.POLLOUT):
             log.write(Note(t=time.monotonic(), what="rogue could not connect"))
             return 0
+        wait_for_round(spec.trigger_log, spec.trigger_seq, spec.deadline)
         log.write(Inject(t=time.monotonic(), fault=spec.fault, detail=f"{spec.frames} frames"))
         categories = APP_LEVEL + TRANSPORT_LEVEL
         for i in range(spec.frames):

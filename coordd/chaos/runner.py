@@ -92,7 +92,9 @@ class ScenarioRun:
         self.dp = self.rng.randint(settings.min_dp, settings.max_dp)
         self.culprit = self.rng.randrange(self.dp)
         self.inject_seq = self.rng.randint(3, max(3, settings.rounds // 2))
-        self.end_seq = settings.rounds
+        # enough rounds after the fault that the group is still running when a process the
+        # runner starts, or the runner itself, gets to it on a loaded machine
+        self.end_seq = max(settings.rounds, self.inject_seq + 40)
         self.transport = scenario.transport or settings.transport
         self.started = time.monotonic()
         self.deadline = self.started + settings.budget
@@ -129,7 +131,7 @@ class ScenarioRun:
 
     def spec(self, name: str, role: str, rank: int, **extra: object) -> WorkerSpec:
         s = self.settings
-        return WorkerSpec(
+        fields: dict[str, object] = dict(
             role=role,
             name=name,
             address=self.address,
@@ -137,15 +139,17 @@ class ScenarioRun:
             dp_rank=rank,
             seed=self.seed,
             end_seq=self.end_seq,
-            log_path=os.path.join(self.dir, f"{name}.jsonl"),
+            log_path=self.log_path(name),
+            go_file=os.path.join(self.dir, "go"),
             deadline=self.deadline,
             step_timeout=s.step_timeout,
             heartbeat_interval=s.heartbeat_interval,
             heartbeat_timeout=s.heartbeat_timeout,
             wait_timeout=s.wait_timeout,
             fault=self.scenario.fault.value,
-            **extra,  # type: ignore[arg-type]
         )
+        fields.update(extra)
+        return WorkerSpec(**fields)  # type: ignore[arg-type]
 
     def start_worker(self, spec: WorkerSpec, prefix: Iterable[str] = ()) -> Process:
         spec_path = os.path.join(self.dir, f"{spec.name}.spec.json")
@@ -164,10 +168,29 @@ class ScenarioRun:
         self.event(Note(t=time.monotonic(), what="started", detail=spec.name, pid=popen.pid))
         return process
 
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.dir, f"{name}.jsonl")
+
+    def start_observer(self, spec: WorkerSpec) -> Process:
+        """Start a process that injects on a trigger, and wait until it is up (its log exists):
+        a process still starting when the group is done would find no group to disturb."""
+        process = self.start_worker(spec)
+        self.wait_until(lambda: os.path.exists(spec.log_path) or process.popen.poll() is not None)
+        return process
+
     def start_ranks(self, roles: dict[int, str] | None = None, **extra: object) -> None:
+        """Start the group's rank processes and let them go once every one has registered."""
         for rank in range(self.dp):
             role = (roles or {}).get(rank, "rank")
             self.start_worker(self.spec(f"rank{rank}", role, rank, **extra))
+        self.release([f"rank{r}" for r in range(self.dp)])
+
+    def release(self, names: Iterable[str], go_file: str = "go") -> None:
+        """Open a startup barrier once the processes `names` have registered (or ended)."""
+        self.wait_registered(names)
+        with open(os.path.join(self.dir, go_file), "w"):
+            pass
+        self.event(Note(t=time.monotonic(), what="released", detail=go_file))
 
     def signal_worker(self, name: str, sig: signal.Signals) -> None:
         process = self.processes[name]

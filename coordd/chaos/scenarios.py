@@ -9,6 +9,7 @@ the history to; it is written into each scenario's `scenario.json`.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import TYPE_CHECKING
@@ -135,21 +136,25 @@ class JoinMismatch(Scenario):
         c = run.culprit
         run.inject_seq = 0
         run.culprit_name = f"joiner{c}"
-        for rank in range(run.dp):
-            if rank != c:
-                run.start_worker(run.spec(f"rank{rank}", "rank", rank))
-        run.wait_registered(run.honest_names())
-        since = time.monotonic()
-        joiner = run.start_worker(
+        joiner = run.start_observer(
             run.spec(
                 run.culprit_name,
                 "joiner",
                 c,
                 hello_field=self.field,
                 hello_value=self.bad_value(run),
+                go_file=os.path.join(run.dir, "join"),
             )
         )
+        for rank in range(run.dp):
+            if rank != c:
+                run.start_worker(run.spec(f"rank{rank}", "rank", rank))
+        since = time.monotonic()
+        # the joiner says Hello once the others are in (so it is checked against the group),
+        # and they begin their rounds once it has been turned away
+        run.release(run.honest_names(), "join")
         run.wait_until(lambda: joiner.popen.poll() is not None)
+        run.release(run.honest_names())
         run.wait_detected(run.honest_names(), since)
         # the operator fixes the config: the rank comes back right, and the group recovers
         run.start_worker(run.spec(f"rank{c}", "rank", c))
@@ -162,9 +167,8 @@ class DuplicateRank(Scenario):
 
     def run(self, run: ScenarioRun) -> None:
         run.culprit_name = f"impostor{run.culprit}"
-        run.start_ranks()
-        trigger = run.processes[f"rank{run.culprit}"].log_path
-        run.start_worker(
+        trigger = run.log_path(f"rank{run.culprit}")
+        run.start_observer(
             run.spec(
                 run.culprit_name,
                 "impostor",
@@ -173,6 +177,7 @@ class DuplicateRank(Scenario):
                 trigger_seq=run.inject_seq,
             )
         )
+        run.start_ranks()
 
 
 # -- a rank process that dies, stops, or straggles -------------------------------------------
@@ -238,6 +243,7 @@ class Straggler(Scenario):
             if rank == run.culprit:
                 extra = dict(straggle_seqs=seqs, straggle_delay=delay)
             run.start_worker(run.spec(f"rank{rank}", "rank", rank, **extra))
+        run.release([f"rank{r}" for r in range(run.dp)])
 
 
 # -- coordd itself ----------------------------------------------------------------------------
@@ -272,13 +278,17 @@ class GarbageFrames(Scenario):
         run.culprit = -1
         run.culprit_name = "rogue"
         run.end_seq = 4 * run.settings.rounds  # the group runs on through the whole flood
-        run.start_ranks()
-        trigger = run.processes["rank0"].log_path
-        run.start_worker(
+        run.start_observer(
             run.spec(
-                "rogue", "garbage", -1, frames=40, trigger_log=trigger, trigger_seq=run.inject_seq
+                "rogue",
+                "garbage",
+                -1,
+                frames=40,
+                trigger_log=run.log_path("rank0"),
+                trigger_seq=run.inject_seq,
             )
         )
+        run.start_ranks()
 
 
 class NetworkCut(Scenario):
@@ -308,6 +318,7 @@ class NetworkCut(Scenario):
         for rank in range(run.dp):
             prefix = cut.prefix_argv() if rank == run.culprit else []
             run.start_worker(run.spec(f"rank{rank}", "rank", rank), prefix)
+        run.release([f"rank{r}" for r in range(run.dp)])
         run.wait_seq(name, run.inject_seq)
         t = time.monotonic()
         run.event(Inject(t=t, fault=self.fault.value, rank=run.culprit, detail=cut.name))

@@ -87,3 +87,6 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: (the process is already up then, so the fault lands while the group is running).
     trigger_log: str = ""
     trigger_seq: int = -1
+    #: A startup barrier: begin (rounds, or a joiner's Hello) once the runner creates this file,
+    #: so a process slow to start cannot make the group time out before the fault is injected.
+    go_file: str = ""

@@ -8,6 +8,7 @@ A rank runs rounds until the group's seq reaches `end_seq`, logging every sync (
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -27,7 +28,7 @@ from coordd.chaos.history import (
     decision_dict,
     error_info,
     report_dict,
-    tail_records,
+    wait_for_round,
 )
 from coordd.chaos.rawrank import RawRank
 from coordd.chaos.spec import Fault, WorkerSpec
@@ -127,6 +128,7 @@ class Worker:
         if not self.register(driver):
             self.log.write(Done(t=now(), next_seq=driver.next_seq, reason="not registered"))
             return 0
+        wait_for_go(spec)
         while True:
             seq = driver.next_seq
             if seq >= spec.end_seq:
@@ -272,17 +274,20 @@ def run_joiner(spec: WorkerSpec, log: HistoryWriter) -> int:
             heartbeat_timeout=spec.heartbeat_timeout,
         )
         hello = msgspec.structs.replace(rank.session.hello_message, protocol_version=int(value))
+        wait_for_go(spec)
         return _try_join(log, spec, lambda: rank.register(timeout, hello), rank.close)
     overrides: dict[str, object] = {"dp_size": int(value)} if field == "dp_size" else {}
     if field == "config_fingerprint":
         overrides["config_fingerprint"] = value
     driver = ClientDriver(spec, **overrides)
+    wait_for_go(spec)
     return _try_join(log, spec, lambda: driver.register(timeout), driver.close)
 
 
 def run_impostor(spec: WorkerSpec, log: HistoryWriter) -> int:
     """A second real client that claims a rank the group already has."""
-    driver = ClientDriver(spec)
+    driver = ClientDriver(spec)  # connected before the trigger: the Hello goes out at once
+    wait_for_trigger(spec)
     return _try_join(log, spec, lambda: driver.register(min(5.0, spec.wait_timeout)), driver.close)
 
 
@@ -300,17 +305,16 @@ def _try_join(log: HistoryWriter, spec: WorkerSpec, join, close) -> int:  # type
     return 0
 
 
+def wait_for_go(spec: WorkerSpec) -> None:
+    """The runner's startup barrier (see `WorkerSpec.go_file`)."""
+    while spec.go_file and not os.path.exists(spec.go_file) and now() < spec.deadline:
+        time.sleep(0.002)
+
+
 def wait_for_trigger(spec: WorkerSpec) -> None:
     """Until the trigger process has begun round `trigger_seq` (or ended, or the deadline)."""
-    offset = 0
-    while now() < spec.deadline:
-        records, offset = tail_records(spec.trigger_log, offset)
-        if any(
-            (isinstance(r, Begin) and r.seq >= spec.trigger_seq) or isinstance(r, Done)
-            for r in records
-        ):
-            return
-        time.sleep(0.002)
+    if spec.trigger_log:
+        wait_for_round(spec.trigger_log, spec.trigger_seq, spec.deadline)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,8 +322,6 @@ def main(argv: list[str] | None = None) -> int:
     with open(args[0], "rb") as f:
         spec = msgspec.json.decode(f.read(), type=WorkerSpec)
     log = HistoryWriter(spec.log_path, role=spec.role, rank=spec.dp_rank, name=spec.name)
-    if spec.trigger_log:
-        wait_for_trigger(spec)
     if spec.role == "joiner":
         return run_joiner(spec, log)
     if spec.role == "impostor":

@@ -1,0 +1,50 @@
+"""CI's short chaos run: every fault kind, a few seeds each, real coordd and rank processes.
+
+Short timeouts (step 2 s, heartbeat 0.2/1.0 s) and dp 2..4 keep the whole file near a minute on
+two cores; `coordd chaos --seeds 20` is the full suite (see the README). A failing scenario keeps
+its directory (coordd's log, every process's history) and the assertion message says where.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from coordd.chaos import netns
+from coordd.chaos.report import failures, summarize, table
+from coordd.chaos.runner import run_suite
+from coordd.chaos.spec import Fault, Settings
+
+SEEDS = range(int(os.environ.get("COORDD_CHAOS_SEEDS", "3")))
+SETTINGS = Settings(step_timeout=2.0, heartbeat_interval=0.2, heartbeat_timeout=1.0,
+                    min_dp=2, max_dp=4, rounds=30)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fault", list(Fault), ids=[f.value for f in Fault])
+def test_fault_is_detected_with_no_wrong_decision_and_no_hang(fault: Fault) -> None:
+    results = run_suite([fault], SEEDS, SETTINGS, parallel=len(SEEDS))
+    print("\n" + table(summarize(results)))
+    if fault is Fault.NETWORK_CUT and netns.unavailable() is None:
+        mine = f"{netns.PREFIX}{os.getpid()}-"
+        assert not [n for n in netns.namespaces() if n.startswith(mine)], "namespace left behind"
+    skipped = [r.skipped for r in results if r.skipped]
+    if skipped:
+        assert len(skipped) == len(results), "a kind is skipped for every seed or none"
+        pytest.skip(skipped[0])
+    assert all(r.ok for r in results), failures(results)
+    assert all(r.injected for r in results)
+    assert sum(r.wrong_decisions for r in results) == 0
+    assert sum(r.hangs for r in results) == 0
+    if SCENARIO_DETECTS[fault]:
+        assert all(r.detected for r in results)
+        assert all(r.ttd is not None and r.ttd <= SETTINGS.detection_bound for r in results
+                   if fault is not Fault.GARBAGE_FRAMES)
+    else:
+        assert all(r.detected is None and r.failed_rounds == 0 for r in results)
+
+
+#: Which kinds have something to detect (a straggler under the timeout must just be absorbed).
+SCENARIO_DETECTS = {f: f is not Fault.STRAGGLER for f in Fault}
+

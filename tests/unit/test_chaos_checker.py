@@ -1,0 +1,259 @@
+"""The chaos checker must be able to fail: fabricated histories with a wrong decision, a hang, a
+mismatched or misattributed error, a late or missing detection, each reported as such."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from coordd.chaos.checker import ProcessLog, check_history
+from coordd.chaos.history import (
+    Begin,
+    Done,
+    End,
+    ErrorInfo,
+    Header,
+    Inject,
+    Note,
+    Record,
+    Refused,
+    Registered,
+    decision_dict,
+    report_dict,
+)
+from coordd.chaos.scenarios import SCENARIOS, ScenarioInfo
+from coordd.chaos.spec import Fault, Settings
+from coordd.chaos.workload import kind_for, report_for
+from proto.policy import decide
+
+SEED = 3
+DP = 2
+E1, E2 = 100, 101
+FAIL_SEQ = 5
+END_SEQ = 8
+T_INJECT = 10.0 + FAIL_SEQ
+
+
+def info(fault: Fault = Fault.SKIPPED_SEQ, culprit: int = 0, **kw: object) -> ScenarioInfo:
+    fields: dict[str, object] = dict(
+        fault=fault.value,
+        seed=SEED,
+        dp=DP,
+        transport="ipc",
+        culprit=culprit,
+        culprit_name=f"rank{culprit}",
+        inject_seq=FAIL_SEQ,
+        end_seq=END_SEQ,
+        settings=Settings(),
+        expect=SCENARIOS[fault].expect,
+    )
+    fields.update(kw)
+    return ScenarioInfo(**fields)  # type: ignore[arg-type]
+
+
+def stamped(rank: int, epoch: int, seq: int) -> dict[str, object]:
+    report = msgspec.structs.replace(
+        report_for(SEED, rank, seq), dp_rank=rank, epoch=epoch, seq=seq, kind=kind_for(SEED, seq)
+    )
+    return report_dict(report)
+
+
+def decision(epoch: int, seq: int) -> dict[str, object]:
+    reports = [report_for(SEED, r, seq) for r in range(DP)]
+    return decision_dict(decide(reports, epoch=epoch, seq=seq, kind=kind_for(SEED, seq)))
+
+
+MISMATCH = ErrorInfo(
+    type="StepMismatch",
+    reason="mismatch",
+    culprits=[0],
+    text="rank 0 reported seq=6, the round expects seq=5",
+    fields={"rank": 0, "expected_seq": 5, "expected_kind": "forward", "got_seq": 6,
+            "got_kind": "forward"},
+)
+
+
+def rank_history(rank: int) -> list[Record]:
+    """Rounds 0..4 decided, round 5 fails (the culprit skipped), recovery runs 6..7."""
+    out: list[Record] = [Registered(t=9.0, epoch=E1, next_seq=0)]
+    for seq in range(END_SEQ):
+        epoch = E1 if seq <= FAIL_SEQ else E2
+        t = 10.0 + seq
+        if seq == FAIL_SEQ + 1:
+            out.append(Registered(t=t - 0.5, epoch=E2, next_seq=seq))
+        out.append(Begin(t=t, epoch=epoch, seq=seq, kind=kind_for(SEED, seq).value,
+                         sent=[stamped(rank, epoch, seq)]))
+        if seq == FAIL_SEQ:
+            if rank == 0:
+                out.insert(-1, Inject(t=T_INJECT, fault="skipped_seq", rank=0))
+            out.append(End(t=t + 0.01, epoch=epoch, seq=seq, error=MISMATCH))
+        else:
+            out.append(End(t=t + 0.01, epoch=epoch, seq=seq, decision=decision(epoch, seq)))
+    out.append(Done(t=20.0, next_seq=END_SEQ))
+    return out
+
+
+def logs(h0: list[Record] | None = None, h1: list[Record] | None = None) -> list[ProcessLog]:
+    return [
+        ProcessLog("rank0", Header(t=8.0, role="raw", rank=0, pid=1, name="rank0"),
+                   h0 if h0 is not None else rank_history(0)),
+        ProcessLog("rank1", Header(t=8.0, role="rank", rank=1, pid=2, name="rank1"),
+                   h1 if h1 is not None else rank_history(1)),
+    ]
+
+
+def replace_end(history: list[Record], seq: int, **changes: object) -> list[Record]:
+    return [
+        msgspec.structs.replace(r, **changes) if isinstance(r, End) and r.seq == seq else r
+        for r in history
+    ]
+
+
+def test_a_clean_history_passes() -> None:
+    result = check_history(info(), logs(), [])
+    assert result.ok, result.violations
+    assert result.injected and result.detected
+    assert result.ttd == pytest.approx(0.01)
+    assert (result.rounds, result.failed_rounds) == (END_SEQ - 1, 1)
+
+
+def test_ranks_that_disagree_are_a_wrong_decision() -> None:
+    other = decision(E1, 2)
+    other["num_tokens_across_dp"] = [1, 1]
+    result = check_history(info(), logs(h1=replace_end(rank_history(1), 2, decision=other)), [])
+    assert result.wrong_decisions == 1
+    assert any("different decisions" in v for v in result.violations)
+
+
+def test_a_decision_the_policy_would_not_make_is_wrong() -> None:
+    bad = decision(E1, 3)
+    bad["should_pad"] = not bad["should_pad"]
+    h0 = replace_end(rank_history(0), 3, decision=bad)
+    h1 = replace_end(rank_history(1), 3, decision=bad)
+    result = check_history(info(), logs(h0, h1), [])
+    assert result.wrong_decisions == 1
+    assert any("differs from the policy" in v for v in result.violations)
+
+
+def test_a_decision_of_another_round_is_wrong() -> None:
+    result = check_history(
+        info(), logs(h1=replace_end(rank_history(1), 4, decision=decision(E1, 3))), []
+    )
+    assert result.wrong_decisions == 1
+    assert any("got the decision of epoch" in v for v in result.violations)
+
+
+def test_a_decision_built_without_a_rank_report_is_wrong() -> None:
+    """rank1's only message for seq 1 claims rank 0: no report of rank 1 was ever sent."""
+    spoofed = [
+        msgspec.structs.replace(r, sent=[{**r.sent[0], "dp_rank": 0}])
+        if isinstance(r, Begin) and r.seq == 1 else r
+        for r in rank_history(1)
+    ]
+    result = check_history(info(), logs(h1=spoofed), [])
+    assert result.wrong_decisions >= 1
+    assert any("did not report for" in v or "without the reports" in v
+               for v in result.violations)
+
+
+def test_a_round_begun_and_never_ended_is_a_hang() -> None:
+    h1 = [r for r in rank_history(1)
+          if not (isinstance(r, End) and r.seq == END_SEQ - 1) and not isinstance(r, Done)]
+    result = check_history(info(), logs(h1=h1), [])
+    assert result.hangs == 1
+    assert not result.ok
+
+
+def test_a_wait_coordd_never_answered_is_a_hang() -> None:
+    h1 = replace_end(rank_history(1), 6, decision=None, no_answer=True)
+    result = check_history(info(), logs(h1=h1), [])
+    assert result.hangs == 1
+
+
+def test_a_process_killed_at_the_deadline_is_a_hang() -> None:
+    runner: list[Record] = [Note(t=30.0, what="killed at deadline", detail="rank1")]
+    result = check_history(info(), logs(), runner)
+    assert result.hangs == 1
+
+
+def test_ranks_with_different_errors_for_one_round_are_reported() -> None:
+    lost = ErrorInfo(type="RankLost", reason="lost", culprits=[0], text="rank(s) [0] lost")
+    result = check_history(info(), logs(h1=replace_end(rank_history(1), FAIL_SEQ, error=lost)),
+                           [])
+    assert any("different errors" in v for v in result.violations)
+
+
+def test_an_error_that_names_someone_else_is_reported() -> None:
+    wrong = msgspec.structs.replace(MISMATCH, culprits=[1])
+    h0 = replace_end(rank_history(0), FAIL_SEQ, error=wrong)
+    h1 = replace_end(rank_history(1), FAIL_SEQ, error=wrong)
+    result = check_history(info(), logs(h0, h1), [])
+    assert any("does not name the culprit" in v for v in result.violations)
+
+
+def test_an_error_the_fault_does_not_explain_is_reported() -> None:
+    timeout = ErrorInfo(type="StepTimeout", reason="timeout", culprits=[0], text="late")
+    h0 = replace_end(rank_history(0), FAIL_SEQ, error=timeout)
+    h1 = replace_end(rank_history(1), FAIL_SEQ, error=timeout)
+    result = check_history(info(), logs(h0, h1), [])
+    assert any("does not explain" in v for v in result.violations)
+
+
+def test_a_failure_before_the_injection_is_a_false_alarm() -> None:
+    h1 = replace_end(rank_history(1), 2, decision=None, error=MISMATCH)
+    h0 = replace_end(rank_history(0), 2, decision=None, error=MISMATCH)
+    result = check_history(info(), logs(h0, h1), [])
+    assert any("before the fault was injected" in v for v in result.violations)
+
+
+def test_a_split_round_is_reported() -> None:
+    h1 = replace_end(rank_history(1), 4, decision=None, error=MISMATCH)
+    result = check_history(info(), logs(h1=h1), [])
+    assert any("split outcome" in v for v in result.violations)
+
+
+def test_late_detection_is_reported() -> None:
+    late = settings_bound = Settings().detection_bound
+    h1 = replace_end(rank_history(1), FAIL_SEQ, t=T_INJECT + late + 0.5)
+    result = check_history(info(), logs(h1=h1), [])
+    assert any(f"{settings_bound:g}s" in v and "detected after" in v for v in result.violations)
+
+
+def test_a_failure_that_never_reached_a_rank_is_missed_detection() -> None:
+    h1 = replace_end(rank_history(1), FAIL_SEQ, error=None, decision=decision(E1, FAIL_SEQ))
+    h0 = replace_end(rank_history(0), FAIL_SEQ, error=None, decision=decision(E1, FAIL_SEQ))
+    result = check_history(info(), logs(h0, h1), [])
+    assert result.detected is False
+    assert any("never reached" in v for v in result.violations)
+
+
+def test_a_fault_never_injected_fails_the_scenario() -> None:
+    h0 = [r for r in rank_history(0) if not isinstance(r, Inject)]
+    result = check_history(info(), logs(h0=h0), [])
+    assert not result.injected
+    assert any("never injected" in v for v in result.violations)
+
+
+def test_a_refusal_must_name_the_sender() -> None:
+    """A spoofer (registered as rank 0, claiming rank 1) must be named itself, not its victim."""
+    clean0 = [r for r in rank_history(0) if not (isinstance(r, (Begin, End)) and r.seq >= FAIL_SEQ)]
+    clean1 = [r for r in rank_history(1) if not (isinstance(r, (Begin, End)) and r.seq >= FAIL_SEQ)]
+
+    def with_refusal(culprits: list[int]) -> list[Record]:
+        refusal = ErrorInfo(type="ProtocolError", reason="protocol", culprits=culprits,
+                            text="peer registered as rank 0 reported as rank 1")
+        return [*clean0[:-1], Inject(t=T_INJECT, fault="spoofed_rank", rank=0),
+                Refused(t=T_INJECT + 0.001, error=refusal, what="spoofed report"), clean0[-1]]
+
+    later = [Begin(t=T_INJECT + 1, epoch=E1, seq=FAIL_SEQ, kind=kind_for(SEED, FAIL_SEQ).value,
+                   sent=[stamped(r, E1, FAIL_SEQ)]) for r in range(DP)]
+    ends = [End(t=T_INJECT + 1.01, epoch=E1, seq=FAIL_SEQ, decision=decision(E1, FAIL_SEQ))] * DP
+
+    def history(h: list[Record], rank: int) -> list[Record]:
+        return [*h[:-1], later[rank], ends[rank], h[-1]]
+
+    spoof = info(Fault.SPOOFED_RANK)
+    good = check_history(spoof, logs(history(with_refusal([0]), 0), history(clean1, 1)), [])
+    assert good.ok, good.violations
+    bad = check_history(spoof, logs(history(with_refusal([1]), 0), history(clean1, 1)), [])
+    assert any("not the sender" in v for v in bad.violations)
