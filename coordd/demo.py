@@ -258,9 +258,12 @@ def run(args: argparse.Namespace) -> int:
             stats = Stats(args.dp)
             finished: dict[int, Finished] = {}
             view = make_view(title, args.plain)
+            interrupted = False
             try:
                 for p in procs:
                     p.start()
+                for _, sender in pipes:
+                    sender.close()  # the children hold theirs: a rank that dies reads as EOF
                 open_pipes: dict[Connection, int] = {pipes[r][0]: r for r in range(args.dp)}
                 hard_stop = time.monotonic() + limit
                 while open_pipes and time.monotonic() < hard_stop:
@@ -278,13 +281,20 @@ def run(args: argparse.Namespace) -> int:
                             finished[message.rank] = message
                             open_pipes.pop(conn, None)
                     view.update(stats)
+            except KeyboardInterrupt:
+                interrupted = True
             finally:
                 view.close()
                 for p in procs:
+                    if interrupted and p.is_alive():
+                        p.kill()
                     p.join(timeout=5)
                     if p.is_alive():
                         p.kill()
                         p.join(timeout=5)
+    if interrupted:
+        print("coordd demo: interrupted; every rank and coordd stopped", file=sys.stderr)
+        return 130
     for r in range(args.dp):
         finished.setdefault(r, Finished(r, 0, [], f"no result within {limit:g}s"))
     ordered = [finished[r] for r in range(args.dp)]

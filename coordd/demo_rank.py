@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -173,6 +174,7 @@ def run_rank(
     conn: Connection,
 ) -> None:
     """The process body: connect, step until the group agrees to pause, report everything."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the ranks
     encoder = msgspec.msgpack.Encoder()
     records: list[RoundRecord] = []
     steps = 0
