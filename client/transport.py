@@ -11,6 +11,7 @@ import contextlib
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 from zmq.utils import z85
@@ -122,6 +123,7 @@ def open_dealer(
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+    _handshakes[monitor] = [curve is not None, None]
     sock.connect(address)
     return sock, monitor
 
@@ -145,11 +147,11 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-#: The last handshake failure each monitor reported, read by `handshake_failure`.
-_handshake_failures: weakref.WeakKeyDictionary[zmq.Socket, str] = weakref.WeakKeyDictionary()
+#: Whether each monitor's socket uses CURVE, and the last handshake failure it reported.
+_handshakes: weakref.WeakKeyDictionary[zmq.Socket, list[Any]] = weakref.WeakKeyDictionary()
 
 
-def _explain_handshake(event: int, value: int) -> str:
+def _explain_handshake(event: int, value: int, curve: bool) -> str:
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (
             f"coordd refused this rank's CURVE key (ZAP status {value}): it is not among "
@@ -160,6 +162,11 @@ def _explain_handshake(event: int, value: int) -> str:
             "the security handshake failed (ZMTP protocol error): one side uses CURVE and the "
             f"other does not, or they disagree (code {value:#x})"
         )
+    if not curve:
+        return (
+            "the security handshake failed: coordd may require CURVE (set "
+            f"{SERVER_KEY_ENV} and {CLIENT_KEY_ENV}, or pass curve=)"
+        )
     return (
         "the CURVE handshake failed: is COORDD_CURVE_SERVER_KEY (curve.server_public) "
         "coordd's public key?"
@@ -169,7 +176,8 @@ def _explain_handshake(event: int, value: int) -> str:
 def handshake_failure(monitor: zmq.Socket) -> str | None:
     """Why the last connection attempt's security handshake failed, if one did."""
     drain_disconnects(monitor)
-    return _handshake_failures.get(monitor)
+    state = _handshakes.get(monitor)
+    return None if state is None else state[1]
 
 
 def drain_disconnects(monitor: zmq.Socket) -> bool:
@@ -185,4 +193,5 @@ def drain_disconnects(monitor: zmq.Socket) -> bool:
         seen = seen or event == zmq.EVENT_DISCONNECTED
         if event & _HANDSHAKE_FAILED:
             value = int.from_bytes(frames[0][2:6], "little")
-            _handshake_failures[monitor] = _explain_handshake(event, value)
+            state = _handshakes.setdefault(monitor, [False, None])
+            state[1] = _explain_handshake(event, value, state[0])
