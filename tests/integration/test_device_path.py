@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 
 from client.factory import DEVICE_PATH_ENV, connect_coordinator  # noqa: E402
 from coordd.procs import CoorddProcess  # noqa: E402
-from proto.errors import CoordError, InvalidReport, Rejected, StepMismatch  # noqa: E402
+from proto.errors import CoordError, InvalidReport, Rejected, StepMismatch, StepTimeout  # noqa: E402
 from proto.messages import StepDecision, StepKind, StepReport  # noqa: E402
 from proto.policy import decide  # noqa: E402
 from tests.integration.ranks import kind_for, random_report  # noqa: E402
@@ -382,3 +382,107 @@ def test_nccl_device_path_equals_coordd_path(tmp_path: Path, coordd_procs) -> No
     logs = run_group(plan)
     check_run(plan, logs)
     assert all(log.client_types[2].startswith("cuda") for log in logs), logs[0].client_types
+
+
+# -- no hang: a late rank, a late handshake, a crashed rank ------------------------------------
+
+
+class LivenessLog(msgspec.Struct):
+    rank: int
+    connect_error: ErrorLog | None = None
+    late_errors: list[ErrorLog | None] = []
+    late_decisions: list[StepDecision] = []
+    crash_errors: list[ErrorLog | None] = []
+    error: str | None = None
+
+
+def liveness_rank(rank: int, plan_bytes: bytes, events: list[mp.synchronize.Event],
+                  out: mp.Queue) -> None:
+    """Rank 1 is late (it waits for rank 0 to have timed out), then crashes."""
+    plan = msgspec.msgpack.decode(plan_bytes, type=Plan)
+    connect_timed_out, round_timed_out = events
+    log = LivenessLog(rank)
+    try:
+        _init_group(rank, plan)
+        device, coordd = _clients(rank, plan, plan.address)
+        report = random_report(random.Random(rank))
+        if rank == 0:
+            try:
+                device.connect(timeout=0.5)
+            except CoordError as exc:
+                log.connect_error = error_log(exc)
+            connect_timed_out.set()
+            device.connect(timeout=WAIT_S)  # the same handshake, now complete
+            coordd.connect(timeout=WAIT_S)
+            pending = [device.start(report), coordd.start(report)]
+            for p in pending:
+                try:
+                    p.wait(timeout=0.5)
+                    log.late_errors.append(None)
+                except CoordError as exc:
+                    log.late_errors.append(error_log(exc))
+            round_timed_out.set()
+            log.late_decisions = [p.wait(timeout=WAIT_S) for p in pending]
+            pending = [device.start(report), coordd.start(report)]
+            for p in pending:  # rank 1 dies instead of reporting
+                try:
+                    p.wait(timeout=WAIT_S)
+                    log.crash_errors.append(None)
+                except CoordError as exc:
+                    log.crash_errors.append(error_log(exc))
+        else:
+            assert connect_timed_out.wait(timeout=60)
+            device.connect(timeout=WAIT_S)
+            coordd.connect(timeout=WAIT_S)
+            assert round_timed_out.wait(timeout=60)
+            pending = [device.start(report), coordd.start(report)]
+            log.late_decisions = [p.wait(timeout=WAIT_S) for p in pending]
+            time.sleep(0.5)
+            out.put(msgspec.msgpack.encode(log))
+            out.close()
+            out.join_thread()
+            os._exit(0)  # a crash: no goodbye, sockets closed by the kernel
+        device.close()
+        coordd.close()
+    except BaseException as exc:
+        log.error = f"{type(exc).__name__}: {exc}"
+    out.put(msgspec.msgpack.encode(log))
+
+
+@pytest.mark.timeout(180)
+def test_no_hang_late_rank_late_handshake_crashed_rank(tmp_path: Path, coordd_procs) -> None:
+    plan = make_plan(tmp_path, coordd_procs, 2, "gloo", [], 0)
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    events = [ctx.Event(), ctx.Event()]
+    data = msgspec.msgpack.encode(plan)
+    procs = [ctx.Process(target=liveness_rank, args=(r, data, events, out), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        logs = sorted((msgspec.msgpack.decode(out.get(timeout=120), type=LivenessLog)
+                       for _ in procs), key=lambda log: log.rank)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    for log in logs:
+        assert log.error is None, f"rank {log.rank}: {log.error}"
+    zero, one = logs
+    # a handshake that not every rank joined in time: unavailable, and calling again completes it
+    assert zero.connect_error is not None
+    assert zero.connect_error.type == "CoordinatorUnavailable", zero.connect_error
+    # a late rank: the same StepTimeout on both paths, and waiting again gets the decision
+    timeout = error_log(StepTimeout((), 0.5))
+    assert zero.late_errors == [timeout, timeout]
+    device, coordd = zero.late_decisions
+    assert device == msgspec.structs.replace(coordd, epoch=0) == one.late_decisions[0]
+    # a crashed rank: the round fails at once with RankLost (device: no rank named; coordd: 1)
+    crash_device, crash_coordd = zero.crash_errors
+    assert crash_device is not None and crash_device.type == "RankLost", crash_device
+    assert crash_device.attrs["ranks"] == "()"
+    assert crash_coordd is not None and crash_coordd.type == "RankLost", crash_coordd
+    assert crash_coordd.attrs["ranks"] == "(1,)"
