@@ -277,11 +277,16 @@ def test_the_adapter_runs_on_the_device_path(tmp_path) -> None:
                          daemon=True) for r in range(2)]
     for p in procs:
         p.start()
+    for _, sender in pipes:
+        sender.close()  # a rank that dies then reads as EOF at once
     try:
         results = []
-        for receiver, _ in pipes:
-            assert receiver.poll(120), "a device-path rank sent nothing"
-            results.append(msgspec.msgpack.decode(receiver.recv_bytes()))
+        for rank, (receiver, _) in enumerate(pipes):
+            assert receiver.poll(120), f"device-path rank {rank} sent nothing"
+            try:
+                results.append(msgspec.msgpack.decode(receiver.recv_bytes()))
+            except EOFError:
+                pytest.fail(f"device-path rank {rank} died (its traceback is above)")
     finally:
         for p in procs:
             p.join(timeout=20)
