@@ -7,6 +7,11 @@ what) and the fault rules. It never reads a clock or touches a socket: the daemo
 Fail-stop: the first fault ends the round for every rank with one `StepFailed`; the group then
 stays failed, and every later report gets that same failure at once, until a rank registers
 again, which opens a new epoch.
+
+Elastic (`OnRankLoss.NEUTRALIZE`): a lost rank is left out instead; it counts as a neutral
+value in every later decision (`dead_ranks`, as vLLM's `neutralize_dead_dp_columns` in
+vllm/v1/worker/dp_utils.py does), its peer gets `RankLost` if it reports without registering,
+and a returning rank is admitted only at a round boundary. Other faults still fail the round.
 """
 
 from __future__ import annotations
