@@ -147,7 +147,7 @@ def check_history(
         r.detail for r in runner if isinstance(r, Note) and r.what == "killed at deadline"
     }
     for r in runner:
-        if isinstance(r, Note) and r.what in ("harness error", "coordd died"):
+        if isinstance(r, Note) and r.what in ("harness error", "coordd died", "crashed", "gave up"):
             found.violations.append(f"{r.what}: {r.detail}".rstrip(": "))
     if "Traceback" in coordd_log:
         found.violations.append("coordd logged a traceback")

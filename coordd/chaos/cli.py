@@ -9,7 +9,8 @@ import json
 import sys
 import time
 
-from coordd.chaos.report import as_json, failures, table
+from coordd.chaos.checker import ScenarioResult
+from coordd.chaos.report import as_json, failures, notable, summarize, table
 from coordd.chaos.runner import run_suite
 from coordd.chaos.spec import Fault, Settings
 
@@ -56,8 +57,8 @@ def parse_kinds(text: str) -> list[Fault]:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    if not 1 <= args.min_dp <= args.max_dp:
-        raise SystemExit("coordd chaos: need 1 <= --min-dp <= --max-dp")
+    if not 2 <= args.min_dp <= args.max_dp:
+        raise SystemExit("coordd chaos: need 2 <= --min-dp <= --max-dp (a fault needs a group)")
     return Settings(
         transport=args.transport,
         step_timeout=args.step_timeout,
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     began = time.monotonic()
 
-    def progress(result) -> None:  # type: ignore[no-untyped-def]
+    def progress(result: ScenarioResult) -> None:
         if args.quiet or args.json:
             return
         status = "skipped" if result.skipped else ("ok" if result.ok else "FAILED")
@@ -94,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(as_json(results, settings, seconds), indent=2))
     else:
-        from coordd.chaos.report import summarize
-
         print(
             f"coordd chaos: {len(kinds)} fault kinds x {args.seeds} seeds, transport "
             f"{settings.transport}, step timeout {settings.step_timeout:g}s, heartbeat "
@@ -103,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
             f"{seconds:.0f}s"
         )
         print(table(summarize(results)))
+        remarks = notable(results)
+        if remarks:
+            print(remarks)
         bad = failures(results)
         if bad:
             print(bad)

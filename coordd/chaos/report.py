@@ -115,6 +115,16 @@ def table(rows: list[KindRow]) -> str:
     return "\n".join(out)
 
 
+def notable(results: list[ScenarioResult]) -> str:
+    """What passed but is worth knowing (a round split by a coordd crash, a mirrored mismatch)."""
+    out = []
+    for r in results:
+        for note in r.notes:
+            if "mid-broadcast" in note or "reported first" in note:
+                out.append(f"note: {r.fault} seed {r.seed}: {note}")
+    return "\n".join(out)
+
+
 def failures(results: list[ScenarioResult]) -> str:
     """Each failing scenario with its violations and where its logs are."""
     out = []

@@ -25,7 +25,16 @@ from typing import Any
 import msgspec
 
 from coordd.chaos.checker import ScenarioResult, check_scenario
-from coordd.chaos.history import End, HistoryWriter, Inject, Note, Record, tail_records
+from coordd.chaos.history import (
+    Begin,
+    End,
+    HistoryWriter,
+    Inject,
+    Note,
+    Record,
+    Registered,
+    tail_records,
+)
 from coordd.chaos.scenarios import SCENARIOS, Scenario, ScenarioInfo, Skip
 from coordd.chaos.spec import Fault, Settings, WorkerSpec
 from coordd.procs import CoorddProcess
@@ -41,6 +50,10 @@ def _insecure_tcp_flag(bind: str) -> list[str]:
     add_server_options(parser)
     known = "--insecure" in parser._option_string_actions
     return ["--insecure"] if known and bind.startswith("tcp://") else []
+
+
+class GaveUp(Exception):
+    """A step of the scenario did not happen by its deadline (the checker says what broke)."""
 
 
 class ChaosCoordd(CoorddProcess):
@@ -105,6 +118,7 @@ class ScenarioRun:
         self.bind_host = "127.0.0.1"
         self.culprit_name = ""
         self.harness_kills: set[str] = set()
+        self.deadline_kills: set[str] = set()
         self.resources: dict[str, Any] = {}
         os.makedirs(directory, exist_ok=True)
         self.events = HistoryWriter(
@@ -175,7 +189,10 @@ class ScenarioRun:
         """Start a process that injects on a trigger, and wait until it is up (its log exists):
         a process still starting when the group is done would find no group to disturb."""
         process = self.start_worker(spec)
-        self.wait_until(lambda: os.path.exists(spec.log_path) or process.popen.poll() is not None)
+        self.wait_until(
+            lambda: os.path.exists(spec.log_path) or process.popen.poll() is not None,
+            f"{spec.name} to start",
+        )
         return process
 
     def start_ranks(self, roles: dict[int, str] | None = None, **extra: object) -> None:
@@ -199,42 +216,40 @@ class ScenarioRun:
         if sig == signal.SIGKILL:
             self.harness_kills.add(name)
 
-    def wait_until(self, condition: Callable[[], bool], step: float = 0.005) -> bool:
-        """Poll `condition` until true or the scenario's deadline; False on the deadline."""
+    def wait_until(self, condition: Callable[[], bool], what: str, step: float = 0.005) -> None:
+        """Poll `condition` until true; at the scenario's deadline give the scenario up."""
         while time.monotonic() < self.deadline:
             if condition():
-                return True
+                return
             time.sleep(step)
-        return False
+        raise GaveUp(f"gave up waiting for {what} at the scenario's deadline")
 
-    def wait_seq(self, name: str, seq: int) -> bool:
+    def wait_seq(self, name: str, seq: int) -> None:
         """Until process `name` has begun round `seq` (or ended)."""
         process = self.processes[name]
 
         def reached() -> bool:
             process.poll_log()
             return process.popen.poll() is not None or any(
-                getattr(r, "seq", -1) >= seq and r.__class__.__name__ == "Begin"
-                for r in process.records
+                isinstance(r, Begin) and r.seq >= seq for r in process.records
             )
 
-        return self.wait_until(reached)
+        self.wait_until(reached, f"{name} to begin seq {seq}")
 
-    def wait_registered(self, names: Iterable[str]) -> bool:
+    def wait_registered(self, names: Iterable[str]) -> None:
         procs = [self.processes[n] for n in names]
 
         def registered() -> bool:
             for p in procs:
                 p.poll_log()
             return all(
-                p.popen.poll() is not None
-                or any(r.__class__.__name__ == "Registered" for r in p.records)
+                p.popen.poll() is not None or any(isinstance(r, Registered) for r in p.records)
                 for p in procs
             )
 
-        return self.wait_until(registered)
+        self.wait_until(registered, "the ranks to register")
 
-    def wait_detected(self, names: Iterable[str], since: float) -> bool:
+    def wait_detected(self, names: Iterable[str], since: float) -> None:
         """Until every process in `names` has logged a typed error after `since` (or ended)."""
         procs = [self.processes[n] for n in names]
 
@@ -249,7 +264,7 @@ class ScenarioRun:
                 for p in procs
             )
 
-        return self.wait_until(detected)
+        self.wait_until(detected, "every rank to see the failure")
 
     def honest_names(self) -> list[str]:
         return [f"rank{r}" for r in range(self.dp) if r != self.culprit]
@@ -292,6 +307,8 @@ class ScenarioRun:
                     self.start_coordd()
                 self.scenario.run(self)
                 self._wait_all()
+        except GaveUp as exc:
+            self.event(Note(t=time.monotonic(), what="gave up", detail=str(exc)))
         except Exception as exc:  # a harness failure is a failed scenario, never a hang
             self.event(Note(t=time.monotonic(), what="harness error", detail=repr(exc)))
         finally:
@@ -318,23 +335,53 @@ class ScenarioRun:
                 )
                 process.popen.kill()
                 process.popen.wait(timeout=10)
+                self.deadline_kills.add(process.name)
+
+    def _stderr_tail(self, name: str) -> str:
+        try:
+            with open(os.path.join(self.dir, f"{name}.stderr"), errors="replace") as f:
+                lines = [line.strip() for line in f if line.strip()]
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
 
     def _end_everything(self) -> None:
+        """End every process still running (the scenario gave up: each counts as a hang)."""
         for process in self.processes.values():
             if process.popen.poll() is None:
                 with contextlib.suppress(OSError):
                     os.kill(process.popen.pid, signal.SIGCONT)
                 process.popen.kill()
                 process.popen.wait(timeout=10)
+                self.deadline_kills.add(process.name)
+                self.event(
+                    Note(
+                        t=time.monotonic(),
+                        what="killed at deadline",
+                        detail=process.name,
+                        pid=process.popen.pid,
+                    )
+                )
+            code = process.popen.returncode
             self.event(
                 Note(
                     t=time.monotonic(),
                     what="exited",
                     detail=process.name,
-                    count=process.popen.returncode,
+                    count=code,
                     pid=process.popen.pid,
                 )
             )
+            if code != 0 and process.name not in self.harness_kills | self.deadline_kills:
+                tail = self._stderr_tail(process.name)
+                self.event(
+                    Note(
+                        t=time.monotonic(),
+                        what="crashed",
+                        pid=process.popen.pid,
+                        detail=f"{process.name} exited with {code}: {tail}",
+                    )
+                )
         if self.coordd is not None and self.coordd.proc is not None:
             alive = self.coordd.proc.poll() is None
             code = self.coordd.stop()

@@ -153,7 +153,7 @@ class JoinMismatch(Scenario):
         # the joiner says Hello once the others are in (so it is checked against the group),
         # and they begin their rounds once it has been turned away
         run.release(run.honest_names(), "join")
-        run.wait_until(lambda: joiner.popen.poll() is not None)
+        run.wait_until(lambda: joiner.popen.poll() is not None, f"{run.culprit_name} to exit")
         run.release(run.honest_names())
         run.wait_detected(run.honest_names(), since)
         # the operator fixes the config: the rank comes back right, and the group recovers
@@ -222,7 +222,7 @@ class RankPaused(Scenario):
             Inject(t=t, fault=self.fault.value, rank=run.culprit, pid=run.processes[name].popen.pid)
         )
         run.signal_worker(name, signal.SIGSTOP)
-        run.wait_until(lambda: time.monotonic() - t > run.settings.heartbeat_timeout)
+        run.wait_until(lambda: time.monotonic() - t > run.settings.heartbeat_timeout, "a while")
         run.wait_detected(run.honest_names(), t)
         time.sleep(run.rng.uniform(0.0, 0.5))
         run.signal_worker(name, signal.SIGCONT)
@@ -323,7 +323,7 @@ class NetworkCut(Scenario):
         t = time.monotonic()
         run.event(Inject(t=t, fault=self.fault.value, rank=run.culprit, detail=cut.name))
         cut.cut()
-        run.wait_until(lambda: time.monotonic() - t > run.settings.heartbeat_timeout)
+        run.wait_until(lambda: time.monotonic() - t > run.settings.heartbeat_timeout, "a while")
         run.wait_detected(run.honest_names(), t)
         time.sleep(run.rng.uniform(0.0, 0.5))
         cut.restore()

@@ -12,6 +12,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
@@ -291,7 +292,9 @@ def run_impostor(spec: WorkerSpec, log: HistoryWriter) -> int:
     return _try_join(log, spec, lambda: driver.register(min(5.0, spec.wait_timeout)), driver.close)
 
 
-def _try_join(log: HistoryWriter, spec: WorkerSpec, join, close) -> int:  # type: ignore[no-untyped-def]
+def _try_join(
+    log: HistoryWriter, spec: WorkerSpec, join: Callable[[], Welcome], close: Callable[[], None]
+) -> int:
     log.write(Inject(t=now(), fault=spec.fault, rank=spec.dp_rank))
     try:
         welcome = join()
