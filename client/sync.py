@@ -40,6 +40,10 @@ from proto.messages import (
 )
 
 _GOODBYE = encode(Goodbye(text="rank closed"))
+# Plain ints: pyzmq's constants are enum.Flag members, slow to combine in Python.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class PendingStep:
@@ -133,10 +137,11 @@ class CoordClient:
 
     def start(self, report: StepReport, kind: StepKind | str = StepKind.FORWARD) -> PendingStep:
         """Send this rank's report for the next round; returns at once."""
-        kind = StepKind(kind)
+        if type(kind) is not StepKind:
+            kind = StepKind(kind)
         stamped = self.session.report(report, kind)
         try:
-            self._sock.send(encode(stamped), zmq.NOBLOCK)
+            self._sock.send(encode(stamped), _NOBLOCK)
         except zmq.Again:
             raise self._fail(
                 CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
@@ -208,13 +213,10 @@ class CoordClient:
                 raise StepTimeout((), timeout)
 
     def _read_available(self) -> None:
+        # EVENTS, not recv-until-Again: raising zmq.Again costs several times the check.
         sock = self._sock
-        while True:
-            try:
-                frame = sock.recv(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            self._on_frame(frame)
+        while sock.getsockopt(_EVENTS) & _POLLIN:
+            self._on_frame(sock.recv(_NOBLOCK))
 
     def _pump(self, deadline: float, registering: bool = False) -> bool:
         """Wait for traffic until `deadline`; False if none came."""
