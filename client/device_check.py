@@ -1,4 +1,4 @@
-"""Check and time the device path: `python scripts/device_check.py` (one command, < 3 minutes).
+"""Check and time the device path: `python -m client.device_check` (one command, < 3 minutes).
 
 Sections (each in freshly spawned rank processes, skipped with a reason where they cannot run):
 - `nccl`: NCCL over CUDA tensors, world size 1 (2 where there are 2 GPUs), once with each
@@ -25,14 +25,8 @@ import time
 
 import msgspec
 
-# Runnable from a plain checkout too (python scripts/device_check.py): the repo root on the path.
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
-
-from proto.messages import StepDecision, StepKind, StepReport  # noqa: E402
-from proto.policy import decide  # noqa: E402
+from proto.messages import StepDecision, StepKind, StepReport
+from proto.policy import decide
 
 WARMUP = 50
 KINDS = [StepKind.FORWARD, StepKind.FORWARD, StepKind.DRAFT, StepKind.STATE]
@@ -304,15 +298,15 @@ def main(argv: list[str] | None = None) -> int:
                 sections.append(
                     (Section(f"cpu N={n}", "gloo", n, "cpu", args.rounds, f"{tmp}/cpu-{n}"), proc)
                 )
-        for s, proc in sections:
+        for s, coordd in sections:
             started = time.monotonic()
             try:
-                if proc is not None:
-                    s = msgspec.structs.replace(s, coordd=proc.start().address)
+                if coordd is not None:
+                    s = msgspec.structs.replace(s, coordd=coordd.start().address)
                 results = run_section(s)
             finally:
-                if proc is not None:
-                    proc.stop()
+                if coordd is not None:
+                    coordd.stop()
             for r in results:
                 if r.error:
                     failures.append(f"{s.name} rank {r.rank}: {r.error}")

@@ -127,6 +127,7 @@ def test_mismatched_kind_fails_the_round_for_every_rank(start_coordd) -> None:
     cs = clients(coordd.address, 2)
     try:
         a = cs[0].start(REPORT, "draft")
+        cs[0].ping()  # same connection, in order: coordd has rank 0's report before rank 1's
         b = cs[1].start(REPORT, "forward")
         errors = []
         for p in (a, b):
