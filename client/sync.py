@@ -215,7 +215,7 @@ class CoordClient:
     def _read_available(self) -> None:
         # EVENTS, not recv-until-Again: raising zmq.Again costs several times the check.
         sock = self._sock
-        while sock.getsockopt(_EVENTS) & _POLLIN:
+        while int(sock.getsockopt(_EVENTS)) & _POLLIN:
             self._on_frame(sock.recv(_NOBLOCK))
 
     def _pump(self, deadline: float, registering: bool = False) -> bool:

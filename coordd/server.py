@@ -212,7 +212,7 @@ class CoordServer:
         """Closed connections: the rank that registered over one is lost. True if any event."""
         monitor = self._monitor
         seen = False
-        while monitor.getsockopt(_EVENTS) & _POLLIN:
+        while int(monitor.getsockopt(_EVENTS)) & _POLLIN:
             seen = True
             frames = monitor.recv_multipart(_NOBLOCK)
             event, fd = struct.unpack("=HI", frames[0][:6])
