@@ -16,6 +16,9 @@ import configparser
 import json
 import os
 import shlex
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -369,6 +372,21 @@ def test_systemd_unit_runs_a_valid_coordd_command(monkeypatch: pytest.MonkeyPatc
     assert args.bind == f"ipc:///run/{service['RuntimeDirectory']}/coordd.sock"
     assert service["RuntimeDirectoryMode"] == "0700"
     assert args.metrics_host == "127.0.0.1"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
+    """systemd's own check: unknown keys or bad values are reported (it exits 0 on those, so
+    any output fails the test); ExecStart points at this environment's coordd."""
+    beside = Path(sys.executable).parent / "coordd"  # the venv's console script
+    coordd = str(beside) if beside.exists() else shutil.which("coordd")
+    assert coordd, "the coordd console script is installed"
+    text = (DEPLOY / "systemd" / "coordd.service").read_text()
+    unit = tmp_path / "coordd.service"
+    unit.write_text(text.replace("/usr/local/bin/coordd", coordd))
+    done = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done
 
 
 def test_compose_example_runs_valid_coordd_commands(monkeypatch: pytest.MonkeyPatch) -> None:
