@@ -178,10 +178,16 @@ class CoordServer:
         coordinator = self.coordinator
         stats = self.stats
         clock = self.clock
-        while sock.getsockopt(_EVENTS) & _POLLIN:
-            peer = sock.recv(_NOBLOCK)
+        while True:
+            # Until Again, not EVENTS per frame: getsockopt is a syscall plus an enum lookup
+            # in pyzmq each time, Again one exception per drain; `head.more` saves RCVMORE.
+            try:
+                head = sock.recv(_NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer = head.bytes
             stats.frames_in += 1
-            if not sock.getsockopt(_RCVMORE):
+            if not head.more:
                 self._bad_frame(peer, "no payload frame")
                 continue
             frame = sock.recv(_NOBLOCK, copy=False)
