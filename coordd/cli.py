@@ -186,6 +186,7 @@ def serve(args: argparse.Namespace) -> int:
         )
         if gate is not None:
             server.observer.curve_refused = lambda: gate.refused
+            gate.where = lambda: server.observer.fault_fields("connect")
 
         async def main() -> None:
             stop = asyncio.Event()

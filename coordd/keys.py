@@ -19,13 +19,14 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from client.transport import KeyFileError, read_key_file
+from coordd import logs
 
 log = logging.getLogger("coordd")
 
@@ -154,6 +155,11 @@ class CurveGate:
     allowed: dict[bytes, str]
     refused: int = 0
     _auth: Any = None
+    #: The group's fields for the refusal's log line (set by `coordd serve`; read from the
+    #: authenticator's thread, which only reads).
+    where: Callable[[], dict[str, Any]] = field(
+        default=lambda: logs.fault_fields(group="-", epoch=0, seq=0, kind="connect", ranks=[])
+    )
     _last_logged: dict[bytes, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -185,10 +191,14 @@ class CurveGate:
             last = self._last_logged.get(key)
             if last is None or now - last >= REFUSAL_LOG_INTERVAL:
                 self._last_logged[key] = now
-                log.warning(
-                    "refused a client: CURVE key %s is not among the %d admitted",
-                    key.decode("ascii", "replace"),
-                    len(self.allowed),
+                logs.event(
+                    log,
+                    logging.WARNING,
+                    "client refused",
+                    **self.where(),
+                    reason="curve_key",
+                    key=key.decode("ascii", "replace"),
+                    detail=f"CURVE key not among the {len(self.allowed)} admitted",
                 )
         return False
 

@@ -188,6 +188,11 @@ class Observer:
             self._group = hello.group
         return self._group
 
+    def fault_fields(self, kind: str) -> dict[str, Any]:
+        """Fault-line fields for an event outside a round (a refused connection)."""
+        c = self.coordinator
+        return logs.fault_fields(group=self.group, epoch=c.epoch, seq=c.seq, kind=kind, ranks=[])
+
     @property
     def _open_kind(self) -> str:
         kind = self.coordinator.kind

@@ -283,9 +283,11 @@ def test_curve_admits_only_the_given_client_keys(coordd: Callable[..., Coordd], 
     refused = coordd_cli("serve", "--dp", "2", "--bind", "tcp://127.0.0.1:*")
     assert refused.returncode == 1 and "needs CURVE" in refused.stderr
 
+    log = tmp_path / "coordd.log"
     c = coordd("serve", "--dp", "2", "--bind", "tcp://127.0.0.1:*",
                "--curve-secret-key", str(keys / "coordd.key_secret"),
-               "--curve-client-keys", str(keys / "rank.key"), *http_args())
+               "--curve-client-keys", str(keys / "rank.key"), *http_args(),
+               "--log-format", "json", stderr=log)
     assert c.address.startswith("tcp://127.0.0.1:")
     monkeypatch.delenv("COORDD_CURVE_SERVER_KEY", raising=False)
     monkeypatch.delenv("COORDD_CURVE_CLIENT_KEY", raising=False)
@@ -322,6 +324,13 @@ def test_curve_admits_only_the_given_client_keys(coordd: Callable[..., Coordd], 
     assert metric(m, "coordd_curve_refused_total") >= 1
     assert metric(m, "coordd_rounds_total", kind="forward", outcome="decided") == 3
     assert metric(m, "coordd_registrations_total") == 2, "no refused client ever registered"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    (refusal,) = [r for r in lines if r["message"] == "client refused"]
+    intruder = (keys / "intruder.key").read_text().split('public-key = "')[1][:40]
+    assert (refusal["kind"], refusal["ranks"], refusal["reason"], refusal["key"]) == (
+        "connect", [], "curve_key", intruder
+    )
+    assert {"group", "epoch", "seq"} <= set(refusal)
 
 
 def test_an_oversize_frame_is_cut_while_the_ranks_keep_coordinating(
