@@ -35,34 +35,34 @@ class CoorddProcess:
             *extra_args,
         ]
         self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.address = bind
 
     def start(self, timeout: float = 15.0) -> CoorddProcess:
+        """Start coordd and wait for its ready line (read unbuffered: no line is missed)."""
         self.proc = subprocess.Popen(
-            self.argv,
-            stdout=subprocess.PIPE,
-            stderr=None,
-            text=True,
-            env=self.env,
-            start_new_session=True,
+            self.argv, stdout=subprocess.PIPE, stderr=None, env=self.env, start_new_session=True
         )
         assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        seen = b""
         deadline = time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            sel.register(fd, selectors.EVENT_READ)
             while True:
+                for line in seen.decode(errors="replace").splitlines(keepends=True):
+                    if line.startswith(READY) and line.endswith("\n"):
+                        self.address = line[len(READY) :].strip()
+                        return self
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not sel.select(remaining):
                     self.stop()
                     raise TimeoutError(f"coordd not ready within {timeout}s: {self.argv}")
-                line = self.proc.stdout.readline()
-                if not line:
+                chunk = os.read(fd, 4096)
+                if not chunk:
                     code = self.proc.wait(timeout=5)
                     raise RuntimeError(f"coordd exited with {code} before it was ready")
-                if line.startswith(READY):
-                    self.address = line[len(READY) :].strip()
-                    return self
+                seen += chunk
 
     @property
     def pid(self) -> int:
