@@ -33,6 +33,10 @@ from proto.messages import (
 )
 
 _GOODBYE = encode(Goodbye(text="rank closed"))
+# Plain ints: pyzmq's constants are enum.Flag members, slow to combine in Python.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class AsyncCoordClient:
@@ -106,8 +110,10 @@ class AsyncCoordClient:
         assert self._loop is not None, "connect() first"
         future: asyncio.Future[StepDecision] = self._loop.create_future()
         try:
-            stamped = self.session.report(report, StepKind(kind))
-            self._sock.send(encode(stamped), zmq.NOBLOCK)
+            stamped = self.session.report(
+                report, kind if type(kind) is StepKind else StepKind(kind)
+            )
+            self._sock.send(encode(stamped), _NOBLOCK)
         except CoordError as error:
             future.set_exception(error)
             return future
@@ -201,8 +207,8 @@ class AsyncCoordClient:
 
     def _drain(self) -> None:
         sock = self._sock
-        while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            frame = sock.recv(zmq.NOBLOCK)
+        while int(sock.getsockopt(_EVENTS)) & _POLLIN:
+            frame = sock.recv(_NOBLOCK)
             try:
                 msg = decode_from_coordinator(frame)
             except ProtocolError:
