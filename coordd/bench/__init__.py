@@ -66,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scale-dp", type=_numbers(int), default=[16, 64, 256], help="simulated dp (none: skip)"
     )
+    p.add_argument(
+        "--scale-clients",
+        type=lambda s: [v for v in s.split(",") if v],
+        default=["lean", "aio"],
+        help="simulated ranks: lean (least CPU per rank) and/or aio (AsyncCoordClient)",
+    )
     p.add_argument("--scale-procs", type=int, default=4, help="simulator processes")
     p.add_argument("--scale-rounds", type=int, default=300)
     p.add_argument("--seed", type=int, default=0, help="seed of the reports")
@@ -101,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("coordd bench: --rounds, --blocks and --warmup must be >= 1")
     if any(v not in ("sleep", "spin") for v in args.variants):
         raise SystemExit(f"coordd bench: --variants takes sleep and/or spin, got {args.variants}")
+    if any(c not in ("lean", "aio") for c in args.scale_clients):
+        raise SystemExit(
+            f"coordd bench: --scale-clients takes lean and/or aio, got {args.scale_clients}"
+        )
     if any(dp < 1 for dp in [*args.dp, *args.scale_dp]):
         raise SystemExit("coordd bench: every dp must be >= 1")
     methods, skipped = available_methods(args.methods)
@@ -146,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             results["scale"] = run_scale(
                 ScaleOptions(
                     dps=args.scale_dp,
+                    clients=args.scale_clients,
                     procs=args.scale_procs,
                     rounds=args.scale_rounds,
                     seed=args.seed,

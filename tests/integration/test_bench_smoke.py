@@ -90,12 +90,13 @@ def test_bench_smoke(tmp_path: Path) -> None:
         _positive_ordered(row, "p50_us", "p99_us")
         assert row["sync_p50_us"] == latency[row["method"]]["p50_us"]
 
-    (scale,) = results["scale"]
-    assert scale["dp"] == 4 and scale["procs"] == 2
-    assert scale["completed"] == scale["rounds"] == SCALE_ROUNDS, scale
-    assert scale["checked"] > 0 and scale["mismatches"] == 0, scale
-    _positive_ordered(scale, "p50_us", "p90_us", "p99_us")
-    assert scale["coordd_cpu_us_per_round"] > 0 and scale["coordd_rss_mb"] > 0, scale
+    assert sorted(r["client"] for r in results["scale"]) == ["aio", "lean"]
+    for scale in results["scale"]:
+        assert scale["dp"] == 4 and scale["procs"] == 2
+        assert scale["completed"] == scale["rounds"] == SCALE_ROUNDS, scale
+        assert scale["checked"] > 0 and scale["mismatches"] == 0, scale
+        _positive_ordered(scale, "p50_us", "p90_us", "p99_us")
+        assert scale["coordd_cpu_us_per_round"] > 0 and scale["coordd_rss_mb"] > 0, scale
 
     assert len(results["targets"]) >= 6
     assert all(t["met"] in (True, False, None) for t in results["targets"])
