@@ -98,7 +98,7 @@ class AsyncCoordClient:
             return await asyncio.wait_for(self._welcome, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             raise CoordinatorUnavailable(
-                f"no answer from coordd at {self.address} within {timeout:g}s"
+                f"no answer from coordd at {self.address} within {timeout:g}s" + _why(self._monitor)
             ) from None
         finally:
             self._welcome = None
@@ -201,9 +201,10 @@ class AsyncCoordClient:
         self._drain()
 
     def _check_monitor(self) -> None:
-        if drain_disconnects(self._monitor) and self._welcome is None and self._pending:
+        dropped = drain_disconnects(self._monitor)
+        self._drain()  # what coordd sent before the close is still this rank's
+        if dropped and self._welcome is None and self._pending and self.session.failed is None:
             self._fail(CoordinatorUnavailable(f"connection to coordd at {self.address} dropped"))
-        self._drain()
 
     def _drain(self) -> None:
         sock = self._sock

@@ -132,6 +132,7 @@ class CoordClient:
             if not self._pump(deadline, registering=True):
                 raise CoordinatorUnavailable(
                     f"no answer from coordd at {self.address} within {timeout:g}s"
+                    + _why(self._monitor)
                 )
         return self._welcome
 
@@ -185,7 +186,7 @@ class CoordClient:
     # -- internals ----------------------------------------------------------------------------
 
     def _send_before(self, data: bytes, deadline: float) -> None:
-        """Send once the connection is up (IMMEDIATE queues nothing before), or give up."""
+        """Send (queued until the connection is up, IMMEDIATE is off), or give up."""
         remaining_ms = max(0.0, deadline - time.monotonic()) * 1000
         if not self._sock.poll(int(remaining_ms), zmq.POLLOUT):
             raise CoordinatorUnavailable(
@@ -227,7 +228,10 @@ class CoordClient:
         if not events:
             return False
         if self._monitor in events and drain_disconnects(self._monitor) and not registering:
-            self._fail(CoordinatorUnavailable(f"connection to coordd at {self.address} dropped"))
+            self._read_available()  # what coordd sent before the close is still this rank's
+            if self.session.failed is None:
+                dropped = f"connection to coordd at {self.address} dropped"
+                self._fail(CoordinatorUnavailable(dropped))
         if self._sock in events:
             self._read_available()
         return True

@@ -112,7 +112,9 @@ def open_dealer(
     sock.setsockopt(zmq.ROUTING_ID, identity)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    sock.setsockopt(zmq.IMMEDIATE, 1)
+    # Not IMMEDIATE: with it, libzmq drops what coordd sent and the rank has not read yet when
+    # the connection closes (a decision, then the Goodbye of a coordd that shuts down).
+    sock.setsockopt(zmq.IMMEDIATE, 0)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
