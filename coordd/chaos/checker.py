@@ -161,7 +161,9 @@ def check_history(
 
     syncs = _syncs(logs, info, deadline_kills, found)
     culprit_log = by_name.get(info.culprit_name)
-    _check_rounds(info, syncs, t_inject, culprit_log, result, found)
+    # only a crash can cut a broadcast short; coordd that shuts down cleanly (SIGTERM) cannot
+    crashed = any(isinstance(r, Inject) and "SIGKILL" in r.detail for r in runner)
+    _check_rounds(info, syncs, t_inject, culprit_log, crashed, result, found)
     _check_detection(info, logs, syncs, t_inject, culprit_log, coordd_log, result, found)
     _check_finished(info, logs, deadline_kills, found)
 
@@ -244,6 +246,7 @@ def _check_rounds(
     syncs: list[Sync],
     t_inject: float | None,
     culprit_log: ProcessLog | None,
+    crashed: bool,
     result: ScenarioResult,
     found: _Findings,
 ) -> None:
@@ -267,7 +270,7 @@ def _check_rounds(
         group_failed = [s for s in failed if not (own_view and s.process == info.culprit_name)]
         if decided and group_failed:
             types = {s.end.error.type for s in group_failed if s.end and s.end.error}
-            if expect.split_allowed and types == {"CoordinatorUnavailable"}:
+            if expect.split_allowed and crashed and types == {"CoordinatorUnavailable"}:
                 found.notes.append(
                     f"{where}: coordd died mid-broadcast (decision for "
                     f"{len(decided)}, unavailable for {len(group_failed)})"

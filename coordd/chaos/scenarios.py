@@ -45,7 +45,7 @@ class Expect(msgspec.Struct, frozen=True, kw_only=True):
     culprit_must_fail: bool = False
     #: The culprit process must be refused with this error ("Rejected:dp_size", "ProtocolError").
     refusal: str = ""
-    #: coordd crashed: a round's broadcast may reach some ranks and not others.
+    #: coordd crashed (SIGKILL): a round's broadcast may reach some ranks and not others.
     split_allowed: bool = False
     #: Wrong kind: if the culprit reported first, the mismatch names the rank that disagreed
     #: with it (the round's kind is set by its first report); the fields must still show it.

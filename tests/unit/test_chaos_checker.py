@@ -257,3 +257,37 @@ def test_a_refusal_must_name_the_sender() -> None:
     assert good.ok, good.violations
     bad = check_history(spoof, logs(history(with_refusal([1]), 0), history(clean1, 1)), [])
     assert any("not the sender" in v for v in bad.violations)
+
+
+def test_a_split_is_excused_only_when_coordd_crashed() -> None:
+    """coordd killed mid-broadcast (SIGKILL) may leave one round decided for some ranks only;
+    a coordd that shuts down cleanly (SIGTERM) must not."""
+    down = ErrorInfo(type="CoordinatorUnavailable", reason="unavailable", culprits=[],
+                     text="connection to coordd dropped")
+
+    def history(rank: int, got_seq1: bool) -> list[Record]:
+        def sync(epoch: int, seq: int, t: float, outcome: dict[str, object]) -> list[Record]:
+            return [Begin(t=t, epoch=epoch, seq=seq, kind=kind_for(SEED, seq).value,
+                          sent=[stamped(rank, epoch, seq)]),
+                    End(t=t + 0.01, epoch=epoch, seq=seq, **outcome)]  # type: ignore[arg-type]
+
+        out: list[Record] = [Registered(t=9.0, epoch=E1, next_seq=0)]
+        out += sync(E1, 0, 10.0, {"decision": decision(E1, 0)})
+        out += sync(E1, 1, 10.6, {"decision": decision(E1, 1)} if got_seq1 else {"error": down})
+        if got_seq1:
+            out += sync(E1, 2, 10.7, {"error": down})
+        out.append(Registered(t=10.9, epoch=E2, next_seq=0))
+        out += sync(E2, 0, 11.0, {"decision": decision(E2, 0)})
+        return [*out, Done(t=12.0, next_seq=1)]
+
+    def check(signal_name: str):  # type: ignore[no-untyped-def]
+        runner: list[Record] = [Inject(t=10.5, fault="coordd_restart",
+                                       detail=f"coordd {signal_name}")]
+        restart = info(Fault.COORDD_RESTART, culprit=-1, culprit_name="coordd", end_seq=1)
+        return check_history(restart, logs(history(0, True), history(1, False)), runner)
+
+    crashed = check("SIGKILL")
+    assert crashed.ok, crashed.violations
+    assert any("mid-broadcast" in n for n in crashed.notes)
+    clean = check("SIGTERM")
+    assert any("split outcome" in v for v in clean.violations)
