@@ -47,20 +47,46 @@ def decide(
     `None` stands for a dead rank (elastic mode): it never lowers the minimum, never vetoes
     micro-batching, never raises the maximum, and is listed in `dead_ranks`.
     """
-    live = [r for r in reports if r is not None]
+    # One pass over the reports (it runs once per round in coordd, on every rank on the
+    # device path): the max, the mins, the ANDs and the OR of the rules below.
+    live = 0
+    dead_ranks: list[int] = []
+    max_padded = min_tokens = cudagraph_mode = 0
+    all_ubatch = all_idle = all_pause = True
+    any_unfinished = False
+    for rank, r in enumerate(reports):
+        if r is None:
+            dead_ranks.append(rank)
+            continue
+        padded, tokens, mode = r.num_tokens_padded, r.num_tokens, r.cudagraph_mode
+        if live:
+            if padded > max_padded:
+                max_padded = padded
+            if tokens < min_tokens:
+                min_tokens = tokens
+            if mode < cudagraph_mode:
+                cudagraph_mode = mode
+        else:
+            max_padded, min_tokens, cudagraph_mode = padded, tokens, mode
+        live += 1
+        if not r.want_ubatch:
+            all_ubatch = False
+        if tokens != 0:
+            all_idle = False
+        if r.has_unfinished:
+            any_unfinished = True
+        if not r.want_pause:
+            all_pause = False
     if not live:
         raise ValueError("decide() needs at least one live report")
-    max_padded = max(r.num_tokens_padded for r in live)
-    min_tokens = min(r.num_tokens for r in live)
-    cudagraph_mode = min(r.cudagraph_mode for r in live)
-    should_ubatch = all(r.want_ubatch for r in live) and not last_ubatch_empty(
-        max_padded, min_tokens, num_ubatches
-    )
+    should_ubatch = all_ubatch and not last_ubatch_empty(max_padded, min_tokens, num_ubatches)
     should_pad = cudagraph_mode != 0 or should_ubatch
     if should_pad:
         across = [max_padded] * len(reports)
-    else:
+    elif dead_ranks:
         across = [0 if r is None else r.num_tokens_padded for r in reports]
+    else:
+        across = [r.num_tokens_padded for r in reports]  # type: ignore[union-attr]
     return StepDecision(
         epoch=epoch,
         seq=seq,
@@ -69,8 +95,8 @@ def decide(
         should_ubatch=should_ubatch,
         should_pad=should_pad,
         cudagraph_mode=cudagraph_mode,
-        any_unfinished=any(r.has_unfinished for r in live),
-        all_idle=all(r.num_tokens == 0 for r in live),
-        dead_ranks=[i for i, r in enumerate(reports) if r is None],
-        should_pause=all(r.want_pause for r in live),
+        any_unfinished=any_unfinished,
+        all_idle=all_idle,
+        dead_ranks=dead_ranks,
+        should_pause=all_pause,
     )
