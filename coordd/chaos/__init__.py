@@ -4,5 +4,6 @@ spoofing, a network cut), every sync of every rank logged, and a checker that ho
 history to the rules. `coordd chaos` runs it and prints the table.
 
 runner.py runs scenarios; scenarios.py defines one per fault kind; worker.py, rawrank.py and
-rogue.py are the processes; history.py is what they log; checker.py judges; report.py tabulates.
+rogue.py are the processes; history.py is what they log; checker.py judges (its rules in
+rounds.py and detection.py, its types in verdict.py); report.py tabulates.
 """

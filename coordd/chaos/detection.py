@@ -1,0 +1,160 @@
+"""The checker's rules across the run: every rank saw the failure, soon enough; the culprit was
+turned away where it had to be, and the group went on."""
+
+from __future__ import annotations
+
+from coordd.chaos.history import Done, Note, Refused, Registered
+from coordd.chaos.rogue import APP_LEVEL
+from coordd.chaos.scenarios import ScenarioInfo
+from coordd.chaos.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
+
+
+def check_detection(
+    info: ScenarioInfo,
+    logs: list[ProcessLog],
+    syncs: list[Sync],
+    t_inject: float | None,
+    culprit_log: ProcessLog | None,
+    coordd_log: str,
+    result: ScenarioResult,
+    found: Findings,
+) -> None:
+    expect = info.expect
+    if t_inject is None:
+        result.detected = False if (expect.failure or expect.refusal) else None
+        return
+    detected: list[bool] = []
+    times: list[float] = []
+    if expect.failure:
+        ok, t = _group_detection(info, logs, syncs, t_inject, found)
+        detected.append(ok)
+        if t is not None:
+            times.append(t)
+    if expect.culprit_must_fail:
+        failed = [
+            s
+            for s in syncs
+            if s.process == info.culprit_name and s.end and s.end.error and s.end.t >= t_inject
+        ]
+        if not failed:
+            found.violations.append(
+                f"the culprit {info.culprit_name} never got a typed error after the fault"
+            )
+    if expect.refusal:
+        ok, t = _refusal(info, culprit_log, t_inject, coordd_log, found)
+        detected.append(ok)
+        if t is not None and not expect.failure:
+            times.append(t)
+        if ok and not expect.failure and culprit_log is not None:
+            # unaffected: the group went on deciding rounds after the culprit was done
+            last = [r.t for r in culprit_log.records if not isinstance(r, Done)]
+            if culprit_log.role in PARTICIPANTS:  # a member: from its refusal on
+                last = [r.t for r in culprit_log.records if isinstance(r, Refused)]
+            t_after = max(last)
+            if not any(s.end and s.end.decision and s.end.t > t_after for s in syncs):
+                found.violations.append(
+                    f"no round was decided after {info.culprit_name} was turned away: the "
+                    "scenario did not show the group going on"
+                )
+    if detected:
+        result.detected = all(detected)
+    if times and result.detected:
+        result.ttd = max(times)
+        if result.ttd > info.settings.detection_bound:
+            found.violations.append(
+                f"detected after {result.ttd:.3f}s, beyond the step timeout + heartbeat "
+                f"timeout + grace ({info.settings.detection_bound:g}s)"
+            )
+
+
+def _group_detection(
+    info: ScenarioInfo,
+    logs: list[ProcessLog],
+    syncs: list[Sync],
+    t_inject: float,
+    found: Findings,
+) -> tuple[bool, float | None]:
+    """Every rank process that was running at the injection saw a typed error after it."""
+    latest: list[float] = []
+    missed: list[str] = []
+    for log in logs:
+        if log.role not in PARTICIPANTS or log.name == info.culprit_name:
+            continue
+        if log.header.t > t_inject or not log.records or log.records[-1].t < t_inject:
+            continue  # started after the fault (a replacement), or ended before it
+        errors = [
+            s.end.t
+            for s in syncs
+            if s.process == log.name and s.end and s.end.error and s.end.t >= t_inject
+        ]
+        if errors:
+            latest.append(min(errors) - t_inject)
+        else:
+            missed.append(log.name)
+    if missed:
+        found.violations.append(f"the failure never reached {missed}")
+        return False, None
+    if not latest:
+        found.violations.append("no rank was running when the fault was injected")
+        return False, None
+    return True, max(latest)
+
+
+def _refusal(
+    info: ScenarioInfo,
+    culprit: ProcessLog | None,
+    t_inject: float,
+    coordd_log: str,
+    found: Findings,
+) -> tuple[bool, float | None]:
+    """The culprit was turned away, with the right typed error, and never let in."""
+    want = info.expect.refusal
+    if culprit is None:
+        found.violations.append(f"no history from the culprit {info.culprit_name}")
+        return False, None
+    refused = [r for r in culprit.records if isinstance(r, Refused)]
+    if want == "rogue":
+        return _rogue_refused(culprit, refused, coordd_log, found), None
+    if culprit.role not in PARTICIPANTS and any(isinstance(r, Registered) for r in culprit.records):
+        found.violations.append(f"coordd admitted {info.culprit_name}, which it must refuse")
+        return False, None
+    kind, _, reason = want.partition(":")
+    for r in refused:
+        if r.error.type != kind or (reason and r.error.reason != reason):
+            continue
+        if kind == "ProtocolError" and r.error.culprits != [info.culprit]:
+            found.violations.append(
+                f"the refusal names ranks {r.error.culprits}, not the sender {info.culprit}: "
+                f"{r.error.text}"
+            )
+            return False, None
+        return True, r.t - t_inject
+    got = [f"{r.error.type}:{r.error.reason}" for r in refused]
+    found.violations.append(f"{info.culprit_name} was not refused with {want} (got {got})")
+    return False, None
+
+
+def _rogue_refused(
+    rogue: ProcessLog, refused: list[Refused], coordd_log: str, found: Findings
+) -> bool:
+    notes = [r for r in rogue.records if isinstance(r, Note)]
+    sent_app = sum(n.count for n in notes if n.what == "sent" and n.detail in APP_LEVEL)
+    dropped = coordd_log.count("dropped a bad frame")
+    ok = True
+    if not any(n.what == "pong" for n in notes):
+        found.violations.append("coordd did not answer a heartbeat after the garbage")
+        ok = False
+    if not any(r.what == "stranger report" for r in refused):
+        found.violations.append("coordd did not refuse a report from an unregistered peer")
+        ok = False
+    if not any(r.what == "hello" and r.error.reason == "rank_range" for r in refused):
+        found.violations.append("coordd did not refuse a Hello for a rank out of range")
+        ok = False
+    if dropped < sent_app:
+        found.violations.append(f"coordd logged {dropped} dropped frames of {sent_app} bad ones")
+        ok = False
+    found.notes.append(
+        f"rogue sent {sum(n.count for n in notes if n.what == 'sent')} bad frames; "
+        f"coordd dropped {dropped} at the protocol layer"
+    )
+    return ok
