@@ -134,7 +134,7 @@ class CoordServer:
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then say goodbye to every rank and close."""
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._sock.fileno(), self._drain)
+        self._loop.add_reader(self._sock.fileno(), self._on_frames)
         self._loop.add_reader(self._monitor.fileno(), self._drain)
         self._drain()
         log.info("coordd serving dp=%d on %s", self.coordinator.dp_size, self.bound_address)
@@ -169,6 +169,16 @@ class CoordServer:
         self._drain_frames()
         while self._drain_monitor():
             self._drain_frames()
+        self._drained()
+
+    def _on_frames(self) -> None:
+        """The ROUTER's FD fired: frames only. The monitor's own FD brings closed connections
+        (to `_drain`), and only work on the monitor socket can swallow its edge; checking it
+        here too cost a syscall and an enum lookup on every wakeup (~4.6 per round at dp=8)."""
+        self._drain_frames()
+        self._drained()
+
+    def _drained(self) -> None:
         if self.coordinator.last_failure is not self.observer.seen_failure:
             self.observer.group_failed()  # once per drain: also failures nobody was sent
         self._schedule_deadline()
