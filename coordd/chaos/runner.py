@@ -439,11 +439,16 @@ def run_suite(
             pool.submit(run_scenario, f, s, settings, os.path.join(base, f"{f.value}-{s}"))
             for f, s in jobs
         ]
-        for future in futures:
-            result = future.result()
-            results.append(result)
-            if on_result is not None:
-                on_result(result)
+        try:
+            for future in futures:
+                result = future.result()
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
+        except BaseException:  # Ctrl-C: start nothing new; the running ones end their processes
+            for future in futures:
+                future.cancel()
+            raise
     if keep is None:
         for result in results:
             if result.ok or result.skipped:
