@@ -214,8 +214,15 @@ class CoordClient:
                 raise StepTimeout((), timeout)
 
     def _read_available(self) -> None:
-        # EVENTS, not recv-until-Again: raising zmq.Again costs several times the check.
+        # Try the first frame straight away: wait() mostly finds the decision queued, and a
+        # cold getsockopt (a syscall plus pyzmq's enum lookup) costs more than the recv. After
+        # it, EVENTS rather than recv-until-Again: raising zmq.Again costs several times that.
         sock = self._sock
+        try:
+            frame = sock.recv(_NOBLOCK)
+        except zmq.Again:
+            return
+        self._on_frame(frame)
         while int(sock.getsockopt(_EVENTS)) & _POLLIN:
             self._on_frame(sock.recv(_NOBLOCK))
 
