@@ -22,8 +22,16 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from coordd import logs
-from proto.coordinator import CompletedRound, Coordinator
-from proto.messages import PROTOCOL_VERSION, Hello, Reject, StepDecision, StepFailed, Welcome
+from proto.coordinator import LEFT_THE_GROUP, CompletedRound, Coordinator
+from proto.messages import (
+    PROTOCOL_VERSION,
+    FailReason,
+    Hello,
+    Reject,
+    StepDecision,
+    StepFailed,
+    Welcome,
+)
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -158,7 +166,8 @@ class Observer:
         if failure is None:
             return
         self.failed[failure.kind.value] += 1
-        self._fault(failure, "group failed")
+        departed = failure.reason is FailReason.LOST and failure.value == LEFT_THE_GROUP
+        self._fault(failure, "group failed", level=logging.INFO if departed else logging.WARNING)
 
     def lost(self, rank: int | None, peer: bytes, detail: str) -> None:
         """A registered rank's connection closed (called after the coordinator was told)."""
@@ -231,7 +240,9 @@ class Observer:
         """An error for one peer's report only (unregistered, spoofed, stale epoch)."""
         self._fault(failure, "report refused", peer=", ".join(_peer_text(p) for p in peers))
 
-    def _fault(self, failure: StepFailed, name: str, **extra: Any) -> None:
+    def _fault(
+        self, failure: StepFailed, name: str, level: int = logging.WARNING, **extra: Any
+    ) -> None:
         self.faults[failure.reason.value] += 1
         fields = logs.fault_fields(
             group=self.group,
@@ -250,7 +261,7 @@ class Observer:
         self.recent_failures.append(record)
         logs.event(
             log,
-            logging.WARNING,
+            level,
             name,
             **fields,
             reason=failure.reason.value,

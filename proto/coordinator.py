@@ -85,6 +85,9 @@ class CompletedRound(NamedTuple):
 
 _NOTHING: tuple[Send, ...] = ()
 
+#: `RankLost.detail` of a rank that said Goodbye: an orderly departure, not a crash.
+LEFT_THE_GROUP = "left the group"
+
 
 class Coordinator:
     """One DP group's membership, rounds and faults."""
@@ -131,7 +134,7 @@ class Coordinator:
         if type(message) is Heartbeat:
             return (Send((peer,), message),)
         if type(message) is Goodbye:
-            return self.peer_lost(peer, now, detail="left the group")
+            return self.peer_lost(peer, now, detail=LEFT_THE_GROUP)
         raise TypeError(f"not a message to the coordinator: {message!r}")
 
     def peer_lost(self, peer: bytes, now: float, detail: str = "disconnected") -> Sequence[Send]:
