@@ -13,7 +13,8 @@ _STYLE = {
     "gloo": ("tab:red", "^"),
     "device-gloo": ("tab:orange", "v"),
     "floor": ("tab:gray", "D"),
-    "coordd-ipc (asyncio ranks)": ("tab:purple", "P"),
+    "coordd-ipc (lean ranks)": ("tab:green", "P"),
+    "coordd-ipc (aio ranks)": ("tab:purple", "X"),
 }
 
 
@@ -27,12 +28,12 @@ def plot(results: dict[str, Any], path: str) -> None:
         raise SystemExit(
             "coordd bench --plot needs matplotlib: pip install 'coordd[plot]'"
         ) from None
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.6))
     series: dict[str, list[tuple[int, float, float]]] = {}
     for row in results.get("latency", []):
         series.setdefault(row["method"], []).append((row["dp"], row["p50_us"], row["p99_us"]))
     for row in results.get("scale", []):
-        series.setdefault("coordd-ipc (asyncio ranks)", []).append(
+        series.setdefault(f"coordd-ipc ({row.get('client', 'aio')} ranks)", []).append(
             (row["dp"], row["p50_us"], row["p99_us"])
         )
     for name, points in series.items():
@@ -43,7 +44,7 @@ def plot(results: dict[str, Any], path: str) -> None:
         left.plot(dps, [p[2] for p in points], color=color, marker=marker, ls=":", alpha=0.6)
     left.set_xscale("log", base=2)
     left.set_yscale("log")
-    left.set_xlabel("dp (rank processes; asyncio ranks for the scale run)")
+    left.set_xlabel("dp (rank processes; simulated ranks, 4 processes, for dp >= 16)")
     left.set_ylabel("round latency, us (solid p50, dotted p99)")
     left.set_title("Round latency against dp")
     left.grid(True, which="both", alpha=0.3)
@@ -77,7 +78,7 @@ def plot(results: dict[str, Any], path: str) -> None:
         right.set_ylabel("exposed wait p50, us (dotted: sync round p50)")
         right.set_title(f"Overlap at dp={dp}: solid sleeping work, dashed spinning")
         right.grid(True, which="both", alpha=0.3)
-        right.legend(fontsize=8)
+        right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
         right.set_axis_off()
     meta = results.get("meta", {})
