@@ -218,7 +218,8 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         if gate is not None:
             gate.stop()
-    log.info("coordd stopped: %s", dict(server.stats.rounds))
+    decided = {kind: h.count for kind, h in server.observer.durations.items()}
+    log.info("coordd stopped: rounds decided by kind %s", decided)
     return 0
 
 

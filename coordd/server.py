@@ -17,9 +17,8 @@ import logging
 import os
 import struct
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
@@ -30,8 +29,6 @@ from proto.errors import ProtocolError
 from proto.messages import (
     MAX_MESSAGE_BYTES,
     Hello,
-    StepDecision,
-    StepFailed,
     decode_to_coordinator,
     encode,
 )
@@ -55,8 +52,6 @@ class ServerStats:
     bad_frames: int = 0
     frames_out: int = 0
     disconnects: int = 0
-    rounds: Counter[str] = field(default_factory=Counter)
-    failures: Counter[str] = field(default_factory=Counter)
 
 
 def prepare_ipc_path(address: str) -> str | None:
@@ -247,7 +242,7 @@ class CoordServer:
     def _send(self, sends: Sequence[Send]) -> None:
         sock = self._sock
         for peers, message in sends:
-            self._count(peers, message)
+            self.observer.sent(peers, message)
             payload = encode(message)
             for peer in peers:
                 try:
@@ -257,14 +252,6 @@ class CoordServer:
                     log.debug("dropped a frame to %r: %s", peer, exc)
                     continue
                 self.stats.frames_out += 1
-
-    def _count(self, peers: tuple[bytes, ...], message: object) -> None:
-        """Once per Send (a decision: once per round); faults are logged by the observer."""
-        if type(message) is StepDecision:
-            self.stats.rounds[message.kind.value] += 1
-        elif type(message) is StepFailed:
-            self.stats.failures[message.reason.value] += 1
-        self.observer.sent(peers, message)
 
     def _bad_frame(self, peer: bytes, why: str) -> None:
         self.stats.bad_frames += 1
