@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 
 READY = "coordd ready on "
 
@@ -75,18 +76,7 @@ class CoorddProcess:
 
     def stop(self, timeout: float = 5.0) -> int | None:
         """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return self.proc.returncode
+        return None if self.proc is None else stop_process(self.proc, timeout)
 
     def __enter__(self) -> CoorddProcess:
         return self.start()
@@ -95,3 +85,17 @@ class CoorddProcess:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 5.0) -> int:
+    """End a child: SIGTERM, then SIGKILL after `timeout`; close its stdout; the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout)
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return proc.returncode

@@ -22,6 +22,7 @@ import sys
 import time
 
 from coordd.bench.workload import FLOOR_REPORT
+from coordd.procs import stop_process
 
 READY = "floor ready on "
 _HELLO = struct.Struct("<i")
@@ -160,17 +161,8 @@ class FloorProcess:
         return self.proc.pid
 
     def stop(self, timeout: float = 5.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        if self.proc is not None:
+            stop_process(self.proc, timeout)
 
 
 def main() -> int:

@@ -6,13 +6,13 @@ Results travel back to the test as msgpack bytes (msgspec), never pickled protoc
 from __future__ import annotations
 
 import multiprocessing as mp
-import random
 import time
 from collections.abc import Sequence
 
 import msgspec
 
 from client.sync import CoordClient
+from coordd.chaos.workload import kind_for, report_for
 from proto.errors import CoordError
 from proto.messages import StepDecision, StepKind, StepReport
 
@@ -33,26 +33,6 @@ class RankLog(msgspec.Struct):
     error: str | None = None
 
 
-def random_report(rng: random.Random) -> StepReport:
-    tokens = rng.choice([0, rng.randint(1, 16), rng.randint(1, 300), rng.randint(256, 8192)])
-    padded = tokens + rng.choice([0, 0, rng.randint(0, 64)])
-    return StepReport(
-        num_tokens=tokens,
-        num_tokens_padded=padded,
-        want_ubatch=rng.random() < 0.7,
-        cudagraph_mode=rng.choice([0, 1, 2]),
-        has_unfinished=rng.random() < 0.8,
-        want_pause=rng.random() < 0.1,
-    )
-
-
-def kind_for(seq: int, seed: int) -> StepKind:
-    """All ranks derive each round's kind from the shared seed, as an engine's step loop does."""
-    return random.Random(seed * 1_000_003 + seq).choice(
-        [StepKind.FORWARD, StepKind.FORWARD, StepKind.DRAFT, StepKind.STATE]
-    )
-
-
 def run_rank(
     address: str,
     rank: int,
@@ -63,7 +43,6 @@ def run_rank(
     out: mp.Queue,
     client_args: Sequence[tuple[str, object]] = (),
 ) -> None:
-    rng = random.Random(seed * 7919 + rank)
     logs: list[RoundLog] = []
     error = None
     try:
@@ -71,8 +50,8 @@ def run_rank(
                          **dict(client_args)) as client:  # type: ignore[arg-type]
             welcome = client.connect(timeout=20)
             for seq in range(welcome.next_seq, welcome.next_seq + rounds):
-                report = random_report(rng)
-                kind = kind_for(seq, seed)
+                report = report_for(seed, rank, seq)
+                kind = kind_for(seed, seq)
                 t0 = time.perf_counter()
                 pending = client.start(report, kind)
                 if work_s:
