@@ -21,8 +21,12 @@ def kind_for(seed: int, seq: int) -> StepKind:
 
 
 def report_for(seed: int, rank: int, seq: int, salt: str = "") -> StepReport:
-    """The report rank `rank` makes for round `seq` (decode-heavy, with prefills and idle ranks)."""
-    rng = random.Random(f"report:{seed}:{rank}:{seq}:{salt}")
+    """The report rank `rank` makes for round `seq`: every process can recompute it."""
+    return random_report(random.Random(f"report:{seed}:{rank}:{seq}:{salt}"))
+
+
+def random_report(rng: random.Random) -> StepReport:
+    """A valid report drawn from `rng`: decode-heavy, with prefills and idle ranks."""
     tokens = rng.choice([0, rng.randint(1, 16), rng.randint(1, 300), rng.randint(256, 8192)])
     padded = tokens + rng.choice([0, 0, rng.randint(0, 64)])
     return StepReport(

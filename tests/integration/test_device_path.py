@@ -25,11 +25,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from client.factory import DEVICE_PATH_ENV, connect_coordinator  # noqa: E402
+from coordd.chaos.workload import kind_for, random_report  # noqa: E402
 from coordd.procs import CoorddProcess  # noqa: E402
 from proto.errors import CoordError, InvalidReport, Rejected, StepMismatch, StepTimeout  # noqa: E402
 from proto.messages import StepDecision, StepKind, StepReport  # noqa: E402
 from proto.policy import decide  # noqa: E402
-from tests.integration.ranks import kind_for, random_report  # noqa: E402
 
 FINGERPRINT = "device-it"
 WAIT_S = 30.0
@@ -138,7 +138,7 @@ def _random_rounds(device, coordd, rng: random.Random, plan: Plan, n: int,  # ty
     for _ in range(n):
         seq = device.session.next_seq
         report = random_report(rng)
-        kind = kind_for(seq, plan.seed)
+        kind = kind_for(plan.seed, seq)
         got_seq, d, c = _both(device, coordd, report, kind)
         if isinstance(d, BaseException) or isinstance(c, BaseException):
             raise AssertionError(f"seq {got_seq}: device={d!r} coordd={c!r}")
@@ -149,7 +149,7 @@ def _fault_round(rank: int, name: str, device, coordd, rng: random.Random, plan:
                  barrier: mp.synchronize.Barrier, log: RankLog) -> None:
     """The faulty rank reports last (so coordd's round already has its kind), with the fault."""
     seq = device.session.next_seq
-    kind = kind_for(seq, plan.seed)
+    kind = kind_for(plan.seed, seq)
     report = random_report(rng)
     faulty = rank == plan.faulty
     if faulty:
@@ -172,7 +172,7 @@ def _fault_round(rank: int, name: str, device, coordd, rng: random.Random, plan:
             errors.append(None)
         except CoordError as exc:
             errors.append(exc)
-    fault = FaultLog(name, seq, kind_for(seq, plan.seed), error_log(errors[0]),
+    fault = FaultLog(name, seq, kind_for(plan.seed, seq), error_log(errors[0]),
                      error_log(errors[1]))
     fault.device_next_seq = device.connect(timeout=WAIT_S).next_seq
     fault.coordd_next_seq = coordd.connect(timeout=WAIT_S).next_seq
