@@ -163,7 +163,7 @@ class Coordinator:
             self._reset_group()
             return _NOTHING
         was_open = self.round_open
-        sends = self._fail(RankLost([rank], detail))
+        sends = self._fail(RankLost([rank], detail), now)
         # Between rounds nobody waits: each rank gets the failure when it next reports.
         return sends if was_open else _NOTHING
 
@@ -178,7 +178,7 @@ class Coordinator:
         if deadline is None or now < deadline:
             return _NOTHING
         missing = [r for r in range(self.dp_size) if self.reports[r] is None and r not in self.dead]
-        return self._fail(StepTimeout(missing, self.step_timeout))
+        return self._fail(StepTimeout(missing, self.step_timeout), now)
 
     def shutdown(self, text: str = "coordd is shutting down") -> Sequence[Send]:
         peers = self.peers()
@@ -221,21 +221,21 @@ class Coordinator:
                 return (Send((peer,), self.last_decision),)
             expected_kind = (self.kind or report.kind).value
             return self._fail(
-                StepMismatch(rank, self.seq, expected_kind, report.seq, report.kind.value)
+                StepMismatch(rank, self.seq, expected_kind, report.seq, report.kind.value), now
             )
         if self.kind is not None and report.kind is not self.kind:
             return self._fail(
-                StepMismatch(rank, self.seq, self.kind.value, report.seq, report.kind.value)
+                StepMismatch(rank, self.seq, self.kind.value, report.seq, report.kind.value), now
             )
         previous = self.reports[rank]
         if previous is not None:
-            return (
-                _NOTHING if previous == report else self._fail(ConflictingReport(rank, report.seq))
-            )
+            if previous == report:
+                return _NOTHING
+            return self._fail(ConflictingReport(rank, report.seq), now)
         try:
             validate_report(rank, report)
         except InvalidReport as error:
-            return self._fail(error)
+            return self._fail(error, now)
         self.reports[rank] = report
         self.arrivals[rank] = now
         self.reported += 1
@@ -296,7 +296,7 @@ class Coordinator:
     def _failure_of(self, error: CoordError, report: StepReport) -> StepFailed:
         return failure_message(error, epoch=self.epoch, seq=report.seq, kind=report.kind)
 
-    def _fail(self, error: CoordError) -> Sequence[Send]:
+    def _fail(self, error: CoordError, now: float) -> Sequence[Send]:
         failure = failure_message(
             error, epoch=self.epoch, seq=self.seq, kind=self.kind or StepKind.FORWARD
         )
@@ -306,9 +306,13 @@ class Coordinator:
         self.reported = 0
         self.kind = None
         self.round_started = None
+        sends = [Send(self.peers(), failure)]
+        # A rank queued to rejoin was not part of the failed round: its Hello now counts as the
+        # first Hello after the failure (it opens the new epoch), as if it had come a moment later.
         joining, self._joining = self._joining, []
-        peers = self.peers() + tuple(p for p, _ in joining)
-        return (Send(peers, failure),)
+        for peer, hello in joining:
+            sends.extend(self._on_hello(peer, hello, now))
+        return sends
 
     # -- membership -------------------------------------------------------------------------
 

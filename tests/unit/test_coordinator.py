@@ -712,13 +712,19 @@ def test_neutralize_other_faults_still_fail_the_round() -> None:
            reported=[peer(0)])
 
 
-def test_neutralize_a_queued_rejoin_gets_the_failure_of_its_round() -> None:
+def test_neutralize_a_queued_rejoin_opens_the_next_epoch_when_its_round_fails() -> None:
+    """The queued rank took no part in the failed round: it is not left waiting on it, its
+    Hello counts as the first after the failure and gets a Welcome into the new epoch."""
     g = Group(on_rank_loss=N)
     g.c.peer_lost(peer(1), g.now)
     assert g.send(rep(0, 0)) == []
     assert g.hello(1) == []
-    sends = list(g.c.on_deadline(g.now + TIMEOUT))
-    failed(sends, StepTimeout([2, 3], TIMEOUT), to=all_peers(), reported=[peer(0)])
+    fail_send, welcome_send = g.c.on_deadline(g.now + TIMEOUT)
+    failed([fail_send], StepTimeout([2, 3], TIMEOUT), to=(peer(0), peer(2), peer(3)),
+           reported=[peer(0)])
+    assert welcome_send.peers == (peer(1),)
+    assert welcome_send.message == Welcome(epoch=EPOCH + 1, next_seq=1, dp_size=4)
+    assert g.c.peer_rank == {peer(1): 1}
 
 
 def test_neutralize_a_queued_rejoin_that_leaves_is_forgotten() -> None:
