@@ -221,21 +221,25 @@ class Coordinator:
                 return (Send((peer,), self.last_decision),)
             expected_kind = (self.kind or report.kind).value
             return self._fail(
-                StepMismatch(rank, self.seq, expected_kind, report.seq, report.kind.value), now
+                StepMismatch(rank, self.seq, expected_kind, report.seq, report.kind.value),
+                now,
+                report,
             )
         if self.kind is not None and report.kind is not self.kind:
             return self._fail(
-                StepMismatch(rank, self.seq, self.kind.value, report.seq, report.kind.value), now
+                StepMismatch(rank, self.seq, self.kind.value, report.seq, report.kind.value),
+                now,
+                report,
             )
         previous = self.reports[rank]
         if previous is not None:
             if previous == report:
                 return _NOTHING
-            return self._fail(ConflictingReport(rank, report.seq), now)
+            return self._fail(ConflictingReport(rank, report.seq), now, report)
         try:
             validate_report(rank, report)
         except InvalidReport as error:
-            return self._fail(error, now)
+            return self._fail(error, now, report)
         self.reports[rank] = report
         self.arrivals[rank] = now
         self.reported += 1
@@ -296,10 +300,12 @@ class Coordinator:
     def _failure_of(self, error: CoordError, report: StepReport) -> StepFailed:
         return failure_message(error, epoch=self.epoch, seq=report.seq, kind=report.kind)
 
-    def _fail(self, error: CoordError, now: float) -> Sequence[Send]:
-        failure = failure_message(
-            error, epoch=self.epoch, seq=self.seq, kind=self.kind or StepKind.FORWARD
-        )
+    def _fail(
+        self, error: CoordError, now: float, report: StepReport | None = None
+    ) -> Sequence[Send]:
+        """End the round (and the group) with `error`; `report` is the one that caused it."""
+        kind = self.kind or (report.kind if report is not None else StepKind.FORWARD)
+        failure = failure_message(error, epoch=self.epoch, seq=self.seq, kind=kind)
         self.failure = self.last_failure = failure
         self.reports = [None] * self.dp_size
         self.arrivals = [None] * self.dp_size

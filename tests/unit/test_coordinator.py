@@ -889,3 +889,16 @@ def test_model_without_faults_makes_progress() -> None:
             m.act(k, (3, 1, True, 1, False), F, False)
     m.settle()
     assert m.decisions >= 5
+
+
+def test_a_failure_before_the_round_opens_carries_the_faulty_reports_kind() -> None:
+    """No report has set the round's kind yet: the failure is tagged with the report's, not a
+    default, so logs and metrics name the kind of sync that went wrong."""
+    g = Group()
+    sends = g.send(rep(0, 1, kind=D))
+    msg = failed(sends, StepMismatch(0, 0, "draft", 1, "draft"), to=all_peers(), seq=0)
+    assert msg.kind is D
+    g2 = Group()
+    sends = g2.send(rep(1, 0, kind=S, num_tokens_padded=0))
+    assert failed(sends, InvalidReport(1, "num_tokens_padded", 0, ">= num_tokens (8)"),
+                  to=all_peers(), seq=0).kind is S
