@@ -54,7 +54,23 @@ class _Checked:
         return bool(payload(result) == expected_payload(self.tables, i))
 
 
-class CoorddMethod(_Checked):
+class _ClientMethod(_Checked):
+    """A client with `CoordClient`'s surface: `start(report)` -> pending, `pending.wait()`."""
+
+    client: Any
+    reports: Sequence[StepReport]
+
+    def start(self, i: int) -> Any:
+        return self.client.start(self.reports[i % TABLE_SIZE])
+
+    def wait(self, handle: Any) -> Any:
+        return handle.wait()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class CoorddMethod(_ClientMethod):
     """The blocking client (`CoordClient.start` / `PendingStep.wait`) against a coordd."""
 
     def __init__(
@@ -73,15 +89,6 @@ class CoorddMethod(_Checked):
             wait_timeout=ROUND_TIMEOUT,
         )
         self.client.connect(timeout=30)
-
-    def start(self, i: int) -> Any:
-        return self.client.start(self.reports[i % TABLE_SIZE])
-
-    def wait(self, handle: Any) -> Any:
-        return handle.wait()
-
-    def close(self) -> None:
-        self.client.close()
 
 
 def init_gloo(store_path: str, rank: int, dp: int) -> None:
@@ -141,7 +148,7 @@ class GlooMethod(_Checked):
 
 
 def device_client_class() -> type | None:
-    """The device-path client (client/device.py, `DeviceCoordClient`), if it exists yet."""
+    """The device-path client, or None where it cannot import (torch is the `device` extra)."""
     try:
         from client.device import DeviceCoordClient
     except ImportError:
@@ -149,7 +156,7 @@ def device_client_class() -> type | None:
     return DeviceCoordClient
 
 
-class DeviceMethod(_Checked):
+class DeviceMethod(_ClientMethod):
     """The device-path client on gloo: the same surface as `CoordClient` (start, wait, close)."""
 
     name = DEVICE
@@ -157,7 +164,7 @@ class DeviceMethod(_Checked):
     def __init__(self, rank: int, tables: Sequence[Sequence[StepReport]]) -> None:
         cls = device_client_class()
         if cls is None:
-            raise RuntimeError("client/device.py (DeviceCoordClient) is not there yet")
+            raise RuntimeError("the device path needs torch: pip install 'coordd[device]'")
         self.tables = tables
         self.reports = tables[rank]
         self.client = cls(
@@ -167,15 +174,6 @@ class DeviceMethod(_Checked):
             wait_timeout=ROUND_TIMEOUT,
         )
         self.client.connect(timeout=30)
-
-    def start(self, i: int) -> Any:
-        return self.client.start(self.reports[i % TABLE_SIZE])
-
-    def wait(self, handle: Any) -> Any:
-        return handle.wait()
-
-    def close(self) -> None:
-        self.client.close()
 
 
 class FloorMethod:
