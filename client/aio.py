@@ -11,17 +11,24 @@ import time
 
 import zmq
 
-from client.session import GroupFailed, Pong, RankSession, Registered, RegistrationFailed, Resolved
-from client.transport import (
+from coordd.client.session import (
+    GroupFailed,
+    Pong,
+    RankSession,
+    Registered,
+    RegistrationFailed,
+    Resolved,
+)
+from coordd.client.transport import (
     CurveKeys,
     close_dealer,
     drain_disconnects,
     handshake_failure,
     open_dealer,
 )
-from proto.address import default_address
-from proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
-from proto.messages import (
+from coordd.proto.address import default_address
+from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
+from coordd.proto.messages import (
     Goodbye,
     Heartbeat,
     StepDecision,

@@ -2,9 +2,10 @@
 
 Each rank writes its report into its own row of a zeroed `[dp, FIELDS]` int64 matrix; a SUM
 all-reduce then hands every rank every row (an all-gather made of the one collective every
-backend has, as vLLM does it). Every rank applies `proto.policy.decide` to the same matrix, so
-all get the same `StepDecision`, equal to the coordd path's for the same reports; and since
-every rank sees every row, every rank finds the same fault and raises the same typed error.
+backend has, as vLLM does it). Every rank applies `coordd.proto.policy.decide` to the same
+matrix, so all get the same `StepDecision`, equal to the coordd path's for the same reports;
+and since every rank sees every row, every rank finds the same fault and raises the same typed
+error.
 
 `connect()` exchanges the ranks' `Hello`s the same way and replays them, in rank order, through
 the coordinator's own registration rules, so a config mismatch raises the very `Rejected` that
@@ -34,9 +35,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from client.session import RankSession
-from proto.coordinator import Coordinator
-from proto.errors import (
+from coordd.client.session import RankSession
+from coordd.proto.coordinator import Coordinator
+from coordd.proto.errors import (
     CoordError,
     CoordinatorUnavailable,
     ProtocolError,
@@ -45,7 +46,7 @@ from proto.errors import (
     StepMismatch,
     StepTimeout,
 )
-from proto.messages import (
+from coordd.proto.messages import (
     Hello,
     Reject,
     StepDecision,
@@ -56,7 +57,7 @@ from proto.messages import (
     encode,
     error_from_reject,
 )
-from proto.policy import decide, validate_report
+from coordd.proto.policy import decide, validate_report
 
 #: The epoch of every device-path decision and Welcome (coordd's is its start time in ms).
 DEVICE_EPOCH = 0

@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Protocol
 
-from proto.messages import StepDecision, StepKind, StepReport, Welcome
+from coordd.proto.messages import StepDecision, StepKind, StepReport, Welcome
 
 if TYPE_CHECKING:
-    from client.device import DeviceCoordClient
-    from client.sync import CoordClient
+    from coordd.client.device import DeviceCoordClient
+    from coordd.client.sync import CoordClient
 
 #: Set to 1 (or true/yes/on) to choose the device path when the caller does not say.
 DEVICE_PATH_ENV = "COORDD_DEVICE_PATH"
@@ -90,10 +90,10 @@ def connect_coordinator(
         wait_timeout=wait_timeout,
     )
     if device_path_enabled(device_path):
-        from client.device import DeviceCoordClient
+        from coordd.client.device import DeviceCoordClient
 
         return DeviceCoordClient(process_group=process_group, device=device, **common)
-    from client.sync import CoordClient
+    from coordd.client.sync import CoordClient
 
     return CoordClient(address, **common, **coordd_options)
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, Rejected
-from proto.messages import (
+from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, Rejected
+from coordd.proto.messages import (
     FailReason,
     FromCoordinator,
     Goodbye,

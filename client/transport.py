@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from proto.messages import MAX_MESSAGE_BYTES
+from coordd.proto.messages import MAX_MESSAGE_BYTES
 
 #: Environment variables that name the key files a rank uses when `curve` is not given.
 SERVER_KEY_ENV = "COORDD_CURVE_SERVER_KEY"

@@ -39,7 +39,7 @@ the coordd path and the device path apply the very same code):
   engine can drop the separate collective altogether.
 
 The adapter takes any client with `start(report, kind) -> pending` and `pending.wait(timeout)`:
-`client.sync.CoordClient`, or the device-path client, which has the same surface.
+`coordd.client.sync.CoordClient`, or the device-path client, which has the same surface.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Protocol
 
-from proto.errors import InvalidReport
-from proto.messages import StepDecision, StepKind, StepReport
+from coordd.proto.errors import InvalidReport
+from coordd.proto.messages import StepDecision, StepKind, StepReport
 
 CUDAGRAPH_NONE, CUDAGRAPH_PIECEWISE, CUDAGRAPH_FULL = 0, 1, 2
 
@@ -333,12 +333,12 @@ class VllmAdapter:
 
         `client_factory(address, dp_rank=, dp_size=, config_fingerprint=, num_ubatches=,
         **client_kwargs)` builds the client: `CoordClient` by default; the path-choosing
-        factory (`client.factory.connect_coordinator`) takes the same arguments.
+        factory (`coordd.client.factory.connect_coordinator`) takes the same arguments.
         """
         if config.data_parallel_size == 1:
             return cls(config, None, dp_rank=dp_rank, as_tensor=as_tensor)
         if client_factory is None:
-            from client.sync import CoordClient
+            from coordd.client.sync import CoordClient
 
             client_factory = CoordClient
         client = client_factory(
@@ -493,7 +493,7 @@ def bind(adapter: VllmAdapter | None) -> None:
 def bound() -> VllmAdapter:
     if _bound is None:
         raise AdapterNotBound(
-            "no adapter bound: call client.vllm.bind(VllmAdapter.connect(config, dp_rank)) "
+            "no adapter bound: call coordd.client.vllm.bind(VllmAdapter.connect(config, dp_rank)) "
             "once per rank process, or pass adapter="
         )
     return _bound

@@ -17,17 +17,20 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from proto.address import default_address
-from proto.coordinator import Coordinator, OnRankLoss
+from coordd.proto.address import default_address
+from coordd.proto.coordinator import Coordinator, OnRankLoss
 
 #: Subcommands besides `serve`: name -> (module, help). Each module has
 #: `add_arguments(parser)` and `run(args) -> int`, and is imported only when chosen.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("coordd.demo", "coordd plus simulated engine ranks, with round latency"),
-    "bench": ("coordd.bench", "latency, overlap and scale against torch.distributed gloo"),
+    "demo": ("coordd.tools.demo", "coordd plus simulated engine ranks, with round latency"),
+    "bench": ("coordd.tools.bench", "latency, overlap and scale against torch.distributed gloo"),
     "status": ("coordd.status", "a running coordd's status as a table (or --probe livez|readyz)"),
     "keygen": ("coordd.keys", "write CURVE key pairs (NAME.key, NAME.key_secret) for tcp"),
-    "chaos": ("coordd.chaos.cli", "inject faults into real coordd and ranks, check every history"),
+    "chaos": (
+        "coordd.tools.chaos.cli",
+        "inject faults into real coordd and ranks, check every history",
+    ),
 }
 
 
@@ -151,7 +154,7 @@ def check_server_args(args: argparse.Namespace) -> bool:
 def serve(args: argparse.Namespace) -> int:
     import zmq
 
-    from client.transport import KeyFileError
+    from coordd.client.transport import KeyFileError
     from coordd.keys import CurveGate, SecurityConfigError
     from coordd.logs import setup_logging
     from coordd.server import CoordServer

@@ -25,8 +25,8 @@ from typing import Any
 
 import zmq
 
-from client.transport import KeyFileError, read_key_file
 from coordd import logs
+from coordd.client.transport import KeyFileError, read_key_file
 
 log = logging.getLogger("coordd")
 

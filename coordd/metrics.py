@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from coordd import logs
-from proto.coordinator import LEFT_THE_GROUP, CompletedRound, Coordinator
-from proto.messages import (
+from coordd.proto.coordinator import LEFT_THE_GROUP, CompletedRound, Coordinator
+from coordd.proto.messages import (
     PROTOCOL_VERSION,
     FailReason,
     Hello,

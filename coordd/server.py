@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import zmq
 
 from coordd.metrics import Observer
-from proto.address import runtime_dir
-from proto.coordinator import Coordinator, Send
-from proto.errors import ProtocolError
-from proto.messages import (
+from coordd.proto.address import runtime_dir
+from coordd.proto.coordinator import Coordinator, Send
+from coordd.proto.errors import ProtocolError
+from coordd.proto.messages import (
     MAX_MESSAGE_BYTES,
     Hello,
     decode_to_coordinator,

@@ -18,8 +18,8 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
-from proto.coordinator import Coordinator, OnRankLoss
-from proto.messages import PROTOCOL_VERSION
+from coordd.proto.coordinator import Coordinator, OnRankLoss
+from coordd.proto.messages import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from coordd.metrics import Observer

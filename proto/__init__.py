@@ -3,8 +3,8 @@
 Pure Python: no sockets, no clocks (time is passed in), nothing imported from coordd/ or client/.
 """
 
-from proto.coordinator import Coordinator, OnRankLoss, Send
-from proto.errors import (
+from coordd.proto.coordinator import Coordinator, OnRankLoss, Send
+from coordd.proto.errors import (
     ConflictingReport,
     CoordError,
     CoordinatorUnavailable,
@@ -15,7 +15,7 @@ from proto.errors import (
     StepMismatch,
     StepTimeout,
 )
-from proto.messages import (
+from coordd.proto.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     FailReason,
@@ -35,7 +35,7 @@ from proto.messages import (
     error_from_failure,
     failure_message,
 )
-from proto.policy import decide, validate_report
+from coordd.proto.policy import decide, validate_report
 
 __all__ = [
     "MAX_MESSAGE_BYTES",

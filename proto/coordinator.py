@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from proto.errors import (
+from coordd.proto.errors import (
     ConflictingReport,
     CoordError,
     CoordinatorUnavailable,
@@ -32,7 +32,7 @@ from proto.errors import (
     StepMismatch,
     StepTimeout,
 )
-from proto.messages import (
+from coordd.proto.messages import (
     PROTOCOL_VERSION,
     FromCoordinator,
     Goodbye,
@@ -48,7 +48,7 @@ from proto.messages import (
     failure_message,
     reject_message,
 )
-from proto.policy import decide, validate_report
+from coordd.proto.policy import decide, validate_report
 
 
 class Send(NamedTuple):

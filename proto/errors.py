@@ -12,7 +12,7 @@ from collections.abc import Iterable
 class CoordError(Exception):
     """Base of every coordd error."""
 
-    #: The wire reason code for this failure (see `proto.messages.FailReason`).
+    #: The wire reason code for this failure (see `coordd.proto.messages.FailReason`).
     reason: str = "error"
 
     def __eq__(self, other: object) -> bool:

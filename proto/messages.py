@@ -13,7 +13,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-from proto.errors import (
+from coordd.proto.errors import (
     ConflictingReport,
     CoordError,
     CoordinatorUnavailable,

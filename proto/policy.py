@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from proto.errors import InvalidReport
-from proto.messages import StepDecision, StepKind, StepReport
+from coordd.proto.errors import InvalidReport
+from coordd.proto.messages import StepDecision, StepKind, StepReport
 
 CUDAGRAPH_MODES = (0, 1, 2)  # NONE, PIECEWISE, FULL
 

@@ -11,10 +11,10 @@ import os
 
 import pytest
 
-from coordd.chaos import netns
-from coordd.chaos.report import failures, summarize, table
-from coordd.chaos.runner import run_suite
-from coordd.chaos.spec import Fault, Settings
+from coordd.tools.chaos import netns
+from coordd.tools.chaos.report import failures, summarize, table
+from coordd.tools.chaos.runner import run_suite
+from coordd.tools.chaos.spec import Fault, Settings
 
 SEEDS = range(int(os.environ.get("COORDD_CHAOS_SEEDS", "3")))
 SETTINGS = Settings(step_timeout=2.0, heartbeat_interval=0.2, heartbeat_timeout=1.0,

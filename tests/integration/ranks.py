@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import msgspec
 
-from client.sync import CoordClient
-from coordd.chaos.workload import kind_for, report_for
-from proto.errors import CoordError
-from proto.messages import StepDecision, StepKind, StepReport
+from coordd.client.sync import CoordClient
+from coordd.proto.errors import CoordError
+from coordd.proto.messages import StepDecision, StepKind, StepReport
+from coordd.tools.chaos.workload import kind_for, report_for
 
 
 class RoundLog(msgspec.Struct, array_like=True):

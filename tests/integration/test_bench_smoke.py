@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coordd.bench.methods import ALL_METHODS
+from coordd.tools.bench.methods import ALL_METHODS
 
 ROUNDS = 20
 OVERLAP_ROUNDS = 10

@@ -12,9 +12,8 @@ import time
 import pytest
 import zmq
 
-from client import AsyncCoordClient, CoordClient
-from coordd.procs import CoorddProcess
-from proto import (
+from coordd.client import AsyncCoordClient, CoordClient
+from coordd.proto import (
     CoordinatorUnavailable,
     RankLost,
     Rejected,
@@ -24,6 +23,7 @@ from proto import (
     StepTimeout,
     decide,
 )
+from coordd.testing.procs import CoorddProcess
 
 REPORT = StepReport(num_tokens=5, num_tokens_padded=8, want_ubatch=True, cudagraph_mode=2,
                     has_unfinished=True)

@@ -24,12 +24,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from client.factory import DEVICE_PATH_ENV, connect_coordinator  # noqa: E402
-from coordd.chaos.workload import kind_for, random_report  # noqa: E402
-from coordd.procs import CoorddProcess  # noqa: E402
-from proto.errors import CoordError, InvalidReport, Rejected, StepMismatch, StepTimeout  # noqa: E402
-from proto.messages import StepDecision, StepKind, StepReport  # noqa: E402
-from proto.policy import decide  # noqa: E402
+from coordd.client.factory import DEVICE_PATH_ENV, connect_coordinator  # noqa: E402
+from coordd.proto.errors import CoordError, InvalidReport, Rejected, StepMismatch, StepTimeout  # noqa: E402
+from coordd.proto.messages import StepDecision, StepKind, StepReport  # noqa: E402
+from coordd.proto.policy import decide  # noqa: E402
+from coordd.testing.procs import CoorddProcess  # noqa: E402
+from coordd.tools.chaos.workload import kind_for, random_report  # noqa: E402
 
 FINGERPRINT = "device-it"
 WAIT_S = 30.0

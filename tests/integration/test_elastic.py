@@ -18,10 +18,10 @@ import msgspec
 import pytest
 import zmq
 
-from client.sync import CoordClient
-from client.vllm import DPGroupConfig, VllmAdapter, build_report
-from proto.errors import RankLost, StepTimeout
-from proto.messages import (
+from coordd.client.sync import CoordClient
+from coordd.client.vllm import DPGroupConfig, VllmAdapter, build_report
+from coordd.proto.errors import RankLost, StepTimeout
+from coordd.proto.messages import (
     FailReason,
     StepDecision,
     StepFailed,
@@ -30,7 +30,7 @@ from proto.messages import (
     decode_from_coordinator,
     encode,
 )
-from proto.policy import decide
+from coordd.proto.policy import decide
 
 WAIT = 20.0
 CFG = DPGroupConfig(data_parallel_size=3, enable_dbo=True)

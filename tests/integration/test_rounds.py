@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from proto.policy import decide
+from coordd.proto.policy import decide
 from tests.integration.ranks import RankLog, run_ranks
 
 

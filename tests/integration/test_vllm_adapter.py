@@ -19,8 +19,8 @@ import msgspec
 import pytest
 import torch
 
-from client.sync import CoordClient
-from client.vllm import (
+from coordd.client.sync import CoordClient
+from coordd.client.vllm import (
     DPGroupConfig,
     VllmAdapter,
     bind,
@@ -28,9 +28,9 @@ from client.vllm import (
     finish_dp_coordination,
     start_dp_coordination_async,
 )
-from proto.errors import Rejected, StepMismatch
-from proto.messages import StepKind
-from proto.policy import decide
+from coordd.proto.errors import Rejected, StepMismatch
+from coordd.proto.messages import StepKind
+from coordd.proto.policy import decide
 from tests.unit.test_vllm_rules import CASES, Call
 
 WAIT = 20.0
@@ -243,7 +243,7 @@ def _device_rank(store: str, rank: int, conn: Connection) -> None:
     """One rank of a gloo group running the rule table through the adapter on the device path."""
     import torch.distributed as dist
 
-    from client.device import DeviceCoordClient
+    from coordd.client.device import DeviceCoordClient
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
@@ -270,7 +270,7 @@ def _device_rank(store: str, rank: int, conn: Connection) -> None:
 @pytest.mark.timeout(180)
 def test_the_adapter_runs_on_the_device_path(tmp_path) -> None:
     """The same table through the device-path client (a gloo group of 2): same results."""
-    pytest.importorskip("client.device", reason="the device path (client/device.py) is absent")
+    pytest.importorskip("coordd.client.device", reason="the device path is absent")
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
     procs = [ctx.Process(target=_device_rank, args=(str(tmp_path / "store"), r, pipes[r][1]),

@@ -6,8 +6,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from coordd.chaos.checker import ProcessLog, check_history
-from coordd.chaos.history import (
+from coordd.proto.policy import decide
+from coordd.tools.chaos.checker import ProcessLog, check_history
+from coordd.tools.chaos.history import (
     Begin,
     Done,
     End,
@@ -21,10 +22,9 @@ from coordd.chaos.history import (
     decision_dict,
     report_dict,
 )
-from coordd.chaos.scenarios import SCENARIOS, ScenarioInfo
-from coordd.chaos.spec import Fault, Settings
-from coordd.chaos.workload import kind_for, report_for
-from proto.policy import decide
+from coordd.tools.chaos.scenarios import SCENARIOS, ScenarioInfo
+from coordd.tools.chaos.spec import Fault, Settings
+from coordd.tools.chaos.workload import kind_for, report_for
 
 SEED = 3
 DP = 2

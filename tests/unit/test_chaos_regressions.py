@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from client import AsyncCoordClient, CoordClient
-from coordd.procs import CoorddProcess
-from proto import CoordinatorUnavailable, StepReport
+from coordd.client import AsyncCoordClient, CoordClient
+from coordd.proto import CoordinatorUnavailable, StepReport
+from coordd.testing.procs import CoorddProcess
 
 REPORT = StepReport(num_tokens=4, num_tokens_padded=8, want_ubatch=True, has_unfinished=True)
 

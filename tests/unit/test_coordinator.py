@@ -1,4 +1,4 @@
-"""proto.coordinator: membership, rounds, faults and deadlines, driven with a fake clock."""
+"""coordd.proto.coordinator: membership, rounds, faults and deadlines, driven with a fake clock."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proto import (
+from coordd.proto import (
     PROTOCOL_VERSION,
     ConflictingReport,
     CoordError,

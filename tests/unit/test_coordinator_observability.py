@@ -1,9 +1,9 @@
-"""proto.coordinator's `last_round`: what metrics and status read once per completed round."""
+"""coordd.proto.coordinator's `last_round`: what metrics and status read once per round."""
 
 from __future__ import annotations
 
-from proto.coordinator import CompletedRound, Coordinator, OnRankLoss
-from proto.messages import Hello, StepDecision, StepFailed, StepKind, StepReport
+from coordd.proto.coordinator import CompletedRound, Coordinator, OnRankLoss
+from coordd.proto.messages import Hello, StepDecision, StepFailed, StepKind, StepReport
 
 DP = 3
 EPOCH = 5

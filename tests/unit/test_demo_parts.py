@@ -7,9 +7,11 @@ import random
 import msgspec
 import pytest
 
-from client.vllm import CUDAGRAPH_FULL, CUDAGRAPH_NONE, CUDAGRAPH_PIECEWISE, build_report
-from coordd.demo import verify
-from coordd.demo_rank import (
+from coordd.client.vllm import CUDAGRAPH_FULL, CUDAGRAPH_NONE, CUDAGRAPH_PIECEWISE, build_report
+from coordd.proto.messages import StepKind
+from coordd.proto.policy import decide
+from coordd.tools.demo import verify
+from coordd.tools.demo_rank import (
     MAX_NUM_BATCHED_TOKENS,
     Finished,
     RoundRecord,
@@ -17,8 +19,6 @@ from coordd.demo_rank import (
     demo_config,
     pad_to_graph,
 )
-from proto.messages import StepKind
-from proto.policy import decide
 
 
 @pytest.mark.parametrize(("tokens", "uniform", "expected"), [

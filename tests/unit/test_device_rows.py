@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
-from client.device import (
+from coordd.client.device import (
     HELLO_BYTES,
     Field,
     admit,
@@ -26,12 +26,12 @@ from client.device import (
     fingerprint_hash,
     resolve_round,
 )
-from client.factory import DEVICE_PATH_ENV, connect_coordinator, device_path_enabled
-from client.sync import CoordClient
-from proto.coordinator import Coordinator
-from proto.errors import InvalidReport, ProtocolError, Rejected, StepMismatch
-from proto.messages import Hello, Reject, StepKind, StepReport, error_from_reject
-from proto.policy import decide
+from coordd.client.factory import DEVICE_PATH_ENV, connect_coordinator, device_path_enabled
+from coordd.client.sync import CoordClient
+from coordd.proto.coordinator import Coordinator
+from coordd.proto.errors import InvalidReport, ProtocolError, Rejected, StepMismatch
+from coordd.proto.messages import Hello, Reject, StepKind, StepReport, error_from_reject
+from coordd.proto.policy import decide
 
 FP = "fp"
 
@@ -202,8 +202,9 @@ def test_the_device_path_without_a_process_group_says_so(monkeypatch) -> None:
 
 
 def test_the_coordd_path_never_imports_torch() -> None:
-    code = ("import sys, client, client.factory; "
-            "c = client.connect_coordinator('ipc:///nonexistent/x.sock', dp_rank=0, dp_size=1); "
+    code = ("import sys, coordd.client; "
+            "c = coordd.client.connect_coordinator('ipc:///nonexistent/x.sock', "
+            "dp_rank=0, dp_size=1); "
             "c.close(); assert 'torch' not in sys.modules, 'torch was imported'")
     env = {**os.environ, DEVICE_PATH_ENV: "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -8,7 +8,7 @@ the re-formed group after a failure going on without the dead.
 
 from __future__ import annotations
 
-from proto import (
+from coordd.proto import (
     Coordinator,
     FailReason,
     Goodbye,

@@ -1,4 +1,4 @@
-"""proto.messages: the wire round trip, the refusals, the error <-> StepFailed mapping, fuzz."""
+"""coordd.proto.messages: the wire round trip, refusals, error <-> StepFailed mapping, fuzz."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proto import (
+from coordd.proto import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     ConflictingReport,
@@ -36,7 +36,7 @@ from proto import (
     error_from_failure,
     failure_message,
 )
-from proto.messages import MAX_DP_SIZE, error_from_reject, reject_message
+from coordd.proto.messages import MAX_DP_SIZE, error_from_reject, reject_message
 
 # -- strategies ----------------------------------------------------------------------------
 

@@ -19,10 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from coordd.endpoints import HttpEndpoints, coordd_routes
 from coordd.logs import JsonFormatter, event, fault_fields, setup_logging
 from coordd.metrics import DURATION_BUCKETS, Observer
+from coordd.proto.coordinator import Coordinator, OnRankLoss
+from coordd.proto.messages import Hello, StepKind, StepReport
 from coordd.server import ServerStats
 from coordd.status import readiness, render, status_document
-from proto.coordinator import Coordinator, OnRankLoss
-from proto.messages import Hello, StepKind, StepReport
 
 EPOCH = 9
 

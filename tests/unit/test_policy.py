@@ -1,4 +1,4 @@
-"""proto.policy: the agreement rules of DESIGN.md, as properties and as hand-worked examples."""
+"""coordd.proto.policy: the agreement rules, as properties and as hand-worked examples."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proto import InvalidReport, StepKind, StepReport, decide, validate_report
+from coordd.proto import InvalidReport, StepKind, StepReport, decide, validate_report
 
 # -- strategies ----------------------------------------------------------------------------
 
@@ -40,7 +40,7 @@ def reports_with_dead(draw: st.DrawFn) -> list[StepReport | None]:
 
 
 def reference(rs: list[StepReport | None], n: int) -> dict[str, object]:
-    """DESIGN.md's rules, written out independently of proto.policy."""
+    """DESIGN.md's rules, written out independently of coordd.proto.policy."""
     live = [r for r in rs if r is not None]
     p = max(r.num_tokens_padded for r in live)
     u = min(r.num_tokens for r in live)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from client.transport import (
+from coordd import cli
+from coordd.client.transport import (
     CLIENT_KEY_ENV,
     SERVER_KEY_ENV,
     CurveKeys,
@@ -17,7 +18,6 @@ from client.transport import (
     curve_keys_from_env,
     read_key_file,
 )
-from coordd import cli
 from coordd.keys import (
     SecurityConfigError,
     check_security_options,
@@ -25,8 +25,8 @@ from coordd.keys import (
     load_secret_key,
     write_keypair,
 )
+from coordd.proto.address import default_address, runtime_dir
 from coordd.server import prepare_ipc_path
-from proto.address import default_address, runtime_dir
 
 
 def mode(path: str | Path) -> int:

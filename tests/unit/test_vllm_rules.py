@@ -5,7 +5,7 @@
 dead ranks' columns filled with neutral values as `neutralize_dead_dp_columns` does), and
 `vote` what vllm/v1/worker/ubatch_utils.py's `check_ubatch_thresholds` does. Every table row
 states its expected outcome by hand; the row must match the transcription *and* what the adapter
-produces (its report per rank -> proto.policy.decide -> vLLM's result shape).
+produces (its report per rank -> coordd.proto.policy.decide -> vLLM's result shape).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from client.vllm import (
+from coordd.client.vllm import (
     AdapterNotBound,
     DPGroupConfig,
     VllmAdapter,
@@ -32,9 +32,9 @@ from client.vllm import (
     vllm_result,
     wants_microbatching,
 )
-from proto.errors import InvalidReport
-from proto.messages import StepReport
-from proto.policy import decide
+from coordd.proto.errors import InvalidReport
+from coordd.proto.messages import StepReport
+from coordd.proto.policy import decide
 
 INT32_MAX = 2**31 - 1
 

@@ -3,10 +3,10 @@ turned away where it had to be, and the group went on."""
 
 from __future__ import annotations
 
-from coordd.chaos.history import Done, Note, Refused, Registered
-from coordd.chaos.rogue import APP_LEVEL
-from coordd.chaos.scenarios import ScenarioInfo
-from coordd.chaos.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
+from coordd.tools.chaos.history import Done, Note, Refused, Registered
+from coordd.tools.chaos.rogue import APP_LEVEL
+from coordd.tools.chaos.scenarios import ScenarioInfo
+from coordd.tools.chaos.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
 
 
 def check_detection(

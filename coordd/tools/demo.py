@@ -1,6 +1,6 @@
 """`coordd demo --dp N`: a real coordd and N engine-like rank processes, with a live view.
 
-Each rank (coordd/demo_rank.py) runs a vLLM-shaped step loop over the vLLM adapter: draw a
+Each rank (coordd/tools/demo_rank.py) runs a vLLM-shaped step loop over the vLLM adapter: draw a
 batch, start the forward round, sleep the previous step's GPU time while the round is in
 flight, finish it, then run the drafter's round. The view shows steps/s, the round latency
 (drafter rounds, which nothing overlaps), the exposed wait of the forward rounds (what the
@@ -24,9 +24,9 @@ from typing import Any
 
 import msgspec
 
-from coordd.demo_rank import Finished, Progress, RankMessage, demo_config, run_rank
-from coordd.procs import CoorddProcess
-from proto.policy import decide
+from coordd.proto.policy import decide
+from coordd.testing.procs import CoorddProcess
+from coordd.tools.demo_rank import Finished, Progress, RankMessage, demo_config, run_rank
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,8 +8,8 @@ from typing import Any
 
 import msgspec
 
-from coordd.chaos.checker import ScenarioResult
-from coordd.chaos.spec import Fault, Settings
+from coordd.tools.chaos.checker import ScenarioResult
+from coordd.tools.chaos.spec import Fault, Settings
 
 COLUMNS = (
     "fault kind",

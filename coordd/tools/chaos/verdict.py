@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from coordd.chaos.history import End, Header, Record
-from proto.messages import StepReport
+from coordd.proto.messages import StepReport
+from coordd.tools.chaos.history import End, Header, Record
 
 PARTICIPANTS = ("rank", "raw")
 

@@ -24,8 +24,9 @@ from typing import Any
 
 import msgspec
 
-from coordd.chaos.checker import ScenarioResult, check_scenario
-from coordd.chaos.history import (
+from coordd.testing.procs import CoorddProcess
+from coordd.tools.chaos.checker import ScenarioResult, check_scenario
+from coordd.tools.chaos.history import (
     Begin,
     End,
     HistoryWriter,
@@ -35,9 +36,8 @@ from coordd.chaos.history import (
     Registered,
     tail_records,
 )
-from coordd.chaos.scenarios import SCENARIOS, Scenario, ScenarioInfo, Skip
-from coordd.chaos.spec import Fault, Settings, WorkerSpec
-from coordd.procs import CoorddProcess
+from coordd.tools.chaos.scenarios import SCENARIOS, Scenario, ScenarioInfo, Skip
+from coordd.tools.chaos.spec import Fault, Settings, WorkerSpec
 
 
 def _insecure_tcp_flag(bind: str) -> list[str]:
@@ -57,7 +57,7 @@ class GaveUp(Exception):
 
 
 class ChaosCoordd(CoorddProcess):
-    """A real `coordd serve`, started through `coordd.chaos.serve` so its log lands in a file."""
+    """A real `coordd serve`, run through `coordd.tools.chaos.serve` so its log lands in a file."""
 
     def __init__(self, dp: int, bind: str, settings: Settings, log_path: str) -> None:
         super().__init__(
@@ -76,7 +76,7 @@ class ChaosCoordd(CoorddProcess):
             ],
         )
         assert self.argv[1:4] == ["-m", "coordd", "serve"]
-        self.argv = [sys.executable, "-m", "coordd.chaos.serve", log_path, *self.argv[3:]]
+        self.argv = [sys.executable, "-m", "coordd.tools.chaos.serve", log_path, *self.argv[3:]]
 
 
 @dataclass
@@ -171,7 +171,7 @@ class ScenarioRun:
             f.write(msgspec.json.encode(spec))
         with open(os.path.join(self.dir, f"{spec.name}.stderr"), "wb") as err:
             popen = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "coordd.chaos.worker", spec_path],
+                [*prefix, sys.executable, "-m", "coordd.tools.chaos.worker", spec_path],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from coordd.bench import stats
-from coordd.bench.floor import FloorProcess
-from coordd.bench.methods import (
+from coordd.testing.procs import CoorddProcess
+from coordd.tools.bench import stats
+from coordd.tools.bench.floor import FloorProcess
+from coordd.tools.bench.methods import (
     ALL_METHODS,
     COORDD_IPC,
     COORDD_TCP,
@@ -31,7 +32,7 @@ from coordd.bench.methods import (
     GLOO,
     device_client_class,
 )
-from coordd.bench.rank import (
+from coordd.tools.bench.rank import (
     SETTLE_ROUNDS,
     Config,
     ConfigResult,
@@ -44,7 +45,6 @@ from coordd.bench.rank import (
     encode,
     rank_main,
 )
-from coordd.procs import CoorddProcess
 
 #: Upper bound on one round while estimating a phase's deadline (a loaded 2-core machine).
 _SLOW_ROUND_S = 0.02

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
-from coordd.bench.workload import (
+from coordd.proto.messages import StepReport
+from coordd.tools.bench.workload import (
     FIELDS,
     TABLE_SIZE,
     column,
@@ -23,7 +24,6 @@ from coordd.bench.workload import (
     floor_report,
     payload,
 )
-from proto.messages import StepReport
 
 COORDD_IPC = "coordd-ipc"
 COORDD_TCP = "coordd-tcp"
@@ -76,7 +76,7 @@ class CoorddMethod(_ClientMethod):
     def __init__(
         self, name: str, address: str, rank: int, tables: Sequence[Sequence[StepReport]]
     ) -> None:
-        from client.sync import CoordClient
+        from coordd.client.sync import CoordClient
 
         self.name = name
         self.tables = tables
@@ -150,7 +150,7 @@ class GlooMethod(_Checked):
 def device_client_class() -> type | None:
     """The device-path client, or None where it cannot import (torch is the `device` extra)."""
     try:
-        from client.device import DeviceCoordClient
+        from coordd.client.device import DeviceCoordClient
     except ImportError:
         return None
     return DeviceCoordClient
@@ -182,7 +182,7 @@ class FloorMethod:
     name = FLOOR
 
     def __init__(self, path: str, rank: int, tables: Sequence[Sequence[StepReport]]) -> None:
-        from coordd.bench.floor import FloorRank
+        from coordd.tools.bench.floor import FloorRank
 
         self.tables = tables
         self.reports = tables[rank]

@@ -16,8 +16,8 @@ from typing import Any, Union
 
 import msgspec
 
-from proto.errors import CoordError
-from proto.messages import StepDecision, StepKind, StepReport
+from coordd.proto.errors import CoordError
+from coordd.proto.messages import StepDecision, StepKind, StepReport
 
 
 class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):

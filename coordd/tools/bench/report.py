@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from coordd.bench.methods import COORDD_IPC, COORDD_TCP, FLOOR, GLOO
+from coordd.tools.bench.methods import COORDD_IPC, COORDD_TCP, FLOOR, GLOO
 
 TARGET_DP = 8
 SCALE_DP = 256

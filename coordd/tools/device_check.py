@@ -1,4 +1,4 @@
-"""Check and time the device path: `python -m client.device_check` (one command, < 3 minutes).
+"""Check and time the device path: `python -m coordd.tools.device_check` (one command, < 3 minutes).
 
 Sections (each in freshly spawned rank processes, skipped with a reason where they cannot run):
 - `nccl`: NCCL over CUDA tensors, world size 1 (2 where there are 2 GPUs), once with each
@@ -7,7 +7,7 @@ Sections (each in freshly spawned rank processes, skipped with a reason where th
 - `gloo-cuda`: gloo over CUDA tensors, 2 processes on one GPU;
 - `cpu`: gloo over CPU tensors beside a real coordd, N = 2 and 4, the two paths (and, for
   reference, a bare all_reduce of the same matrix) interleaved round by round in one run.
-Every round's decision is checked against `proto.policy.decide` of all ranks' reports (every
+Every round's decision is checked against `coordd.proto.policy.decide` of all ranks' reports (every
 rank draws every rank's report from the shared seed). Prints a table and one JSON line; exits
 1 on any wrong decision or error.
 """
@@ -25,8 +25,8 @@ import time
 
 import msgspec
 
-from proto.messages import StepDecision, StepKind, StepReport
-from proto.policy import decide
+from coordd.proto.messages import StepDecision, StepKind, StepReport
+from coordd.proto.policy import decide
 
 WARMUP = 50
 KINDS = [StepKind.FORWARD, StepKind.FORWARD, StepKind.DRAFT, StepKind.STATE]
@@ -147,8 +147,8 @@ def rank_main(rank: int, data: bytes, out: mp.Queue) -> None:
         import torch
         import torch.distributed as dist
 
-        from client.device import NUM_FIELDS, DeviceCoordClient
-        from client.sync import CoordClient
+        from coordd.client.device import NUM_FIELDS, DeviceCoordClient
+        from coordd.client.sync import CoordClient
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from coordd.procs import CoorddProcess
+    from coordd.testing.procs import CoorddProcess
 
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0

@@ -15,11 +15,9 @@ from collections import Counter
 import msgspec
 import zmq
 
-from client.transport import close_dealer, open_dealer
-from coordd.chaos.history import HistoryWriter, Inject, Note, Refused, error_info, wait_for_round
-from coordd.chaos.spec import WorkerSpec
-from proto.errors import ProtocolError
-from proto.messages import (
+from coordd.client.transport import close_dealer, open_dealer
+from coordd.proto.errors import ProtocolError
+from coordd.proto.messages import (
     MAX_MESSAGE_BYTES,
     Heartbeat,
     Hello,
@@ -34,6 +32,15 @@ from proto.messages import (
     error_from_failure,
     error_from_reject,
 )
+from coordd.tools.chaos.history import (
+    HistoryWriter,
+    Inject,
+    Note,
+    Refused,
+    error_info,
+    wait_for_round,
+)
+from coordd.tools.chaos.spec import WorkerSpec
 
 #: Frames coordd's own decoder sees (and must count as dropped); the rest libzmq refuses.
 APP_LEVEL = ("invalid_msgpack", "truncated", "wrong_shape", "wrong_direction", "multipart", "empty")

@@ -16,8 +16,8 @@ from typing import Any, Union
 
 import msgspec
 
-from coordd.bench import procstat
-from coordd.bench.methods import (
+from coordd.tools.bench import procstat
+from coordd.tools.bench.methods import (
     COORDD_IPC,
     COORDD_TCP,
     DEVICE,
@@ -31,7 +31,7 @@ from coordd.bench.methods import (
     init_gloo,
     shutdown_gloo,
 )
-from coordd.bench.workload import report_table
+from coordd.tools.bench.workload import report_table
 
 #: Unrecorded rounds between reading /proc and the timed rounds (the read delays this rank).
 SETTLE_ROUNDS = 2

@@ -30,14 +30,14 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from client.vllm import (
+from coordd.client.vllm import (
     CUDAGRAPH_FULL,
     CUDAGRAPH_NONE,
     CUDAGRAPH_PIECEWISE,
     DPGroupConfig,
     VllmAdapter,
 )
-from proto.messages import StepDecision, StepKind, StepReport
+from coordd.proto.messages import StepDecision, StepKind, StepReport
 
 CAPTURE_SIZES = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
 MAX_NUM_BATCHED_TOKENS = 2048

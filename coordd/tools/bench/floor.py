@@ -21,8 +21,8 @@ import subprocess
 import sys
 import time
 
-from coordd.bench.workload import FLOOR_REPORT
-from coordd.procs import stop_process
+from coordd.testing.procs import stop_process
+from coordd.tools.bench.workload import FLOOR_REPORT
 
 READY = "floor ready on "
 _HELLO = struct.Struct("<i")
@@ -128,7 +128,7 @@ class FloorProcess:
         self.argv = [
             sys.executable,
             "-m",
-            "coordd.bench.floor",
+            "coordd.tools.bench.floor",
             "--dp",
             str(dp),
             "--path",

@@ -22,9 +22,9 @@ from typing import Any, Union
 import msgspec
 import zmq
 
-from coordd.bench import procstat
-from coordd.bench.workload import TABLE_SIZE, expected_payload, payload, report_table
-from proto.messages import StepDecision, StepKind, decode_from_coordinator, encode
+from coordd.proto.messages import StepDecision, StepKind, decode_from_coordinator, encode
+from coordd.tools.bench import procstat
+from coordd.tools.bench.workload import TABLE_SIZE, expected_payload, payload, report_table
 
 IDLE_TIMEOUT = 900.0
 ROUND_TIMEOUT = 60.0
@@ -99,7 +99,7 @@ async def _all(futures: list[asyncio.Future[StepDecision]]) -> list[StepDecision
 
 
 async def _simulate_aio(conn: Connection, setup: SimSetup) -> None:
-    from client.aio import AsyncCoordClient
+    from coordd.client.aio import AsyncCoordClient
 
     tables = [report_table(r, setup.seed) for r in range(setup.dp)]
     clients = [
@@ -153,8 +153,8 @@ class _LeanRanks:
     """This process's ranks: a `RankSession` and a DEALER each, one epoll over all sockets."""
 
     def __init__(self, setup: SimSetup) -> None:
-        from client.session import RankSession
-        from client.transport import open_dealer
+        from coordd.client.session import RankSession
+        from coordd.client.transport import open_dealer
 
         self.sessions = [
             RankSession(dp_rank=r, dp_size=setup.dp, config_fingerprint="coordd-bench")
@@ -180,7 +180,7 @@ class _LeanRanks:
             self.index[fd] = k
 
     def register(self, timeout: float) -> None:
-        from client.session import Registered
+        from coordd.client.session import Registered
 
         deadline = time.monotonic() + timeout
         for session, sock in zip(self.sessions, self.socks, strict=True):
@@ -213,7 +213,7 @@ class _LeanRanks:
             check = [self.index[fd] for fd, _ in self.epoll.poll(remaining)]
 
     def close(self) -> None:
-        from client.transport import close_dealer
+        from coordd.client.transport import close_dealer
 
         self.epoll.close()
         for sock, monitor in self.pairs:

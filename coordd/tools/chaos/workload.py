@@ -10,7 +10,7 @@ import random
 
 import msgspec
 
-from proto.messages import StepKind, StepReport
+from coordd.proto.messages import StepKind, StepReport
 
 _KINDS = (StepKind.FORWARD, StepKind.FORWARD, StepKind.FORWARD, StepKind.DRAFT, StepKind.STATE)
 

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from coordd.bench.methods import ALL_METHODS
+from coordd.tools.bench.methods import ALL_METHODS
 
 
 def _numbers(kind: type) -> Any:
@@ -99,9 +99,9 @@ def _versions() -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from coordd.bench import report
-    from coordd.bench.runner import BenchError, LatencyOptions, available_methods, run_latency
-    from coordd.bench.scale import ScaleOptions, run_scale
+    from coordd.tools.bench import report
+    from coordd.tools.bench.runner import BenchError, LatencyOptions, available_methods, run_latency
+    from coordd.tools.bench.scale import ScaleOptions, run_scale
 
     if args.rounds < 1 or args.blocks < 1 or args.warmup < 1:
         raise SystemExit("coordd bench: --rounds, --blocks and --warmup must be >= 1")
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         report.write_json(results, args.json)
     if args.plot:
-        from coordd.bench.plot import plot
+        from coordd.tools.bench.plot import plot
 
         plot(results, args.plot)
     rows = [*results["latency"], *results["overlap"], *results["scale"]]

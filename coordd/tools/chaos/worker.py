@@ -1,8 +1,8 @@
 """One chaos process: a rank (real client, or a raw one that injects a fault), a bad joiner, an
-impostor, or the rogue that sends garbage. `python -m coordd.chaos.worker SPEC.json`.
+impostor, or the rogue that sends garbage. `python -m coordd.tools.chaos.worker SPEC.json`.
 
 A rank runs rounds until the group's seq reaches `end_seq`, logging every sync (see
-`coordd.chaos.history`). After a typed error it registers again and goes on where coordd says
+`coordd.tools.chaos.history`). After a typed error it registers again and goes on where coordd says
 (the new epoch's next seq), as an engine that survives a failed step would.
 """
 
@@ -17,8 +17,11 @@ from typing import Protocol
 
 import msgspec
 
-from client.sync import CoordClient
-from coordd.chaos.history import (
+from coordd.client.sync import CoordClient
+from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
+from coordd.proto.messages import StepDecision, StepKind, StepReport, Welcome
+from coordd.testing.rawrank import RawRank
+from coordd.tools.chaos.history import (
     Begin,
     Done,
     End,
@@ -31,11 +34,8 @@ from coordd.chaos.history import (
     report_dict,
     wait_for_round,
 )
-from coordd.chaos.rawrank import RawRank
-from coordd.chaos.spec import Fault, WorkerSpec
-from coordd.chaos.workload import kind_for, other_report, report_for
-from proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
-from proto.messages import StepDecision, StepKind, StepReport, Welcome
+from coordd.tools.chaos.spec import Fault, WorkerSpec
+from coordd.tools.chaos.workload import kind_for, other_report, report_for
 
 now = time.monotonic
 
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec.role == "impostor":
         return run_impostor(spec, log)
     if spec.role == "garbage":
-        from coordd.chaos.rogue import run_rogue
+        from coordd.tools.chaos.rogue import run_rogue
 
         return run_rogue(spec, log)
     worker = Worker(spec, log)

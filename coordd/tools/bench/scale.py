@@ -18,9 +18,10 @@ from typing import Any
 
 import msgspec
 
-from coordd.bench import procstat, stats
-from coordd.bench.runner import BenchError
-from coordd.bench.simranks import (
+from coordd.testing.procs import CoorddProcess
+from coordd.tools.bench import procstat, stats
+from coordd.tools.bench.runner import BenchError
+from coordd.tools.bench.simranks import (
     CLIENTS,
     Rounds,
     SimError,
@@ -29,7 +30,6 @@ from coordd.bench.simranks import (
     from_sim,
     sim_main,
 )
-from coordd.procs import CoorddProcess
 
 
 @dataclass

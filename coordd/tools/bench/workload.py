@@ -10,8 +10,8 @@ import random
 import struct
 from collections.abc import Sequence
 
-from proto.messages import StepDecision, StepReport
-from proto.policy import decide
+from coordd.proto.messages import StepDecision, StepReport
+from coordd.proto.policy import decide
 
 #: Reports per rank before the table repeats.
 TABLE_SIZE = 64

@@ -9,10 +9,10 @@ import json
 import sys
 import time
 
-from coordd.chaos.checker import ScenarioResult
-from coordd.chaos.report import as_json, failures, notable, summarize, table
-from coordd.chaos.runner import run_suite
-from coordd.chaos.spec import Fault, Settings
+from coordd.tools.chaos.checker import ScenarioResult
+from coordd.tools.chaos.report import as_json, failures, notable, summarize, table
+from coordd.tools.chaos.runner import run_suite
+from coordd.tools.chaos.spec import Fault, Settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,11 +13,26 @@ import time
 import msgspec
 import zmq
 
-from client.session import GroupFailed, Pong, RankSession, Registered, RegistrationFailed, Resolved
-from client.transport import close_dealer, drain_disconnects, open_dealer
-from proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
-from proto.messages import Heartbeat, Hello, StepDecision, StepKind, StepReport, Welcome, encode
-from proto.messages import decode_from_coordinator as decode
+from coordd.client.session import (
+    GroupFailed,
+    Pong,
+    RankSession,
+    Registered,
+    RegistrationFailed,
+    Resolved,
+)
+from coordd.client.transport import close_dealer, drain_disconnects, open_dealer
+from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
+from coordd.proto.messages import (
+    Heartbeat,
+    Hello,
+    StepDecision,
+    StepKind,
+    StepReport,
+    Welcome,
+    encode,
+)
+from coordd.proto.messages import decode_from_coordinator as decode
 
 
 class RawRank:

@@ -3,11 +3,11 @@ equal to the policy applied to the reports, or one typed error that the fault ex
 
 from __future__ import annotations
 
-from coordd.chaos.history import Begin, ErrorInfo, Inject, decision_of
-from coordd.chaos.scenarios import ScenarioInfo
-from coordd.chaos.verdict import Findings, ProcessLog, ScenarioResult, Sync
-from proto.messages import StepReport
-from proto.policy import decide
+from coordd.proto.messages import StepReport
+from coordd.proto.policy import decide
+from coordd.tools.chaos.history import Begin, ErrorInfo, Inject, decision_of
+from coordd.tools.chaos.scenarios import ScenarioInfo
+from coordd.tools.chaos.verdict import Findings, ProcessLog, ScenarioResult, Sync
 
 
 def _first_reports(syncs: list[Sync]) -> dict[tuple[int, int], dict[int, StepReport]]:

@@ -21,8 +21,8 @@ import os
 
 import msgspec
 
-from coordd.chaos.detection import check_detection
-from coordd.chaos.history import (
+from coordd.tools.chaos.detection import check_detection
+from coordd.tools.chaos.history import (
     Begin,
     Done,
     End,
@@ -33,9 +33,9 @@ from coordd.chaos.history import (
     read_history,
     report_of,
 )
-from coordd.chaos.rounds import check_rounds
-from coordd.chaos.scenarios import ScenarioInfo
-from coordd.chaos.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
+from coordd.tools.chaos.rounds import check_rounds
+from coordd.tools.chaos.scenarios import ScenarioInfo
+from coordd.tools.chaos.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
 
 __all__ = ["ProcessLog", "ScenarioResult", "check_history", "check_scenario"]
 

@@ -1,4 +1,4 @@
-"""`python -m coordd.chaos.serve LOG serve ARGS...`: the real `coordd serve`, its log kept in LOG.
+"""`python -m coordd.tools.chaos.serve LOG serve ARGS...`: the real `coordd serve`, logging to LOG.
 
 The chaos checker reads coordd's own log (how many bad frames it dropped, which rounds failed),
 so the harness starts coordd through this two-line shim instead of letting the log go to the

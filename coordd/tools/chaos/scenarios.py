@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from coordd.chaos import netns
-from coordd.chaos.history import Inject, Note
-from coordd.chaos.spec import Fault, Settings
-from coordd.chaos.workload import kind_for
-from proto.messages import PROTOCOL_VERSION, StepKind
+from coordd.proto.messages import PROTOCOL_VERSION, StepKind
+from coordd.tools.chaos import netns
+from coordd.tools.chaos.history import Inject, Note
+from coordd.tools.chaos.spec import Fault, Settings
+from coordd.tools.chaos.workload import kind_for
 
 if TYPE_CHECKING:
-    from coordd.chaos.runner import ScenarioRun
+    from coordd.tools.chaos.runner import ScenarioRun
 
 
 class Skip(Exception):
