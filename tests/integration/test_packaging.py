@@ -6,6 +6,7 @@ neither shadow it nor be shadowed by it, so the wheel holds `coordd` and nothing
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -26,8 +27,27 @@ UNREACHABLE = (
 )
 
 
+def _containerfile_build_context(into: Path) -> Path:
+    """What deploy/Containerfile's build stage COPYs, copied the way COPY does (links kept)."""
+    text = (ROOT / "deploy" / "Containerfile").read_text()
+    build_stage = text.split("\nFROM ")[1]
+    for line in build_stage.splitlines():
+        words = line.split()
+        if not words or words[0] != "COPY" or any(w.startswith("--") for w in words):
+            continue
+        for source in words[1:-1]:
+            src = ROOT / source
+            if src.is_dir():
+                shutil.copytree(src, into / source, symlinks=True)
+            else:
+                shutil.copy2(src, into / source)
+    return into
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel as deploy/Containerfile builds it: `pip wheel .` in the COPYed context."""
+    context = _containerfile_build_context(tmp_path_factory.mktemp("context"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [
@@ -40,7 +60,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "-q",
             "-w",
             str(out),
-            str(ROOT),
+            str(context),
         ],
         check=True,
         capture_output=True,
