@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from coordd.proto.policy import decide
-from coordd.testing.procs import CoorddProcess
+from coordd.testing.process import CoorddProcess
 from coordd.tools.demo_rank import Finished, Progress, RankMessage, demo_config, run_rank
 
 

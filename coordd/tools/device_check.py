@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from coordd.testing.procs import CoorddProcess
+    from coordd.testing.process import CoorddProcess
 
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0

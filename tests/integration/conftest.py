@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from coordd.testing.procs import CoorddProcess
+from coordd.testing import CoorddProcess
 
 TCP_ARGS: list[str] = ["--insecure"]  # tcp without CURVE keys needs it (coordd keys)
 

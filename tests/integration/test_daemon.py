@@ -23,7 +23,7 @@ from coordd.proto import (
     StepTimeout,
     decide,
 )
-from coordd.testing.procs import CoorddProcess
+from coordd.testing import CoorddProcess
 
 REPORT = StepReport(num_tokens=5, num_tokens_padded=8, want_ubatch=True, cudagraph_mode=2,
                     has_unfinished=True)

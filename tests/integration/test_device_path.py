@@ -28,7 +28,7 @@ from coordd.client.factory import DEVICE_PATH_ENV, connect_coordinator  # noqa: 
 from coordd.proto.errors import CoordError, InvalidReport, Rejected, StepMismatch, StepTimeout  # noqa: E402
 from coordd.proto.messages import StepDecision, StepKind, StepReport  # noqa: E402
 from coordd.proto.policy import decide  # noqa: E402
-from coordd.testing.procs import CoorddProcess  # noqa: E402
+from coordd.testing import CoorddProcess  # noqa: E402
 from coordd.tools.chaos.workload import kind_for, random_report  # noqa: E402
 
 FINGERPRINT = "device-it"

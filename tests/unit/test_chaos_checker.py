@@ -7,8 +7,7 @@ import msgspec
 import pytest
 
 from coordd.proto.policy import decide
-from coordd.tools.chaos.checker import ProcessLog, check_history
-from coordd.tools.chaos.history import (
+from coordd.testing import (
     Begin,
     Done,
     End,
@@ -16,13 +15,16 @@ from coordd.tools.chaos.history import (
     Header,
     Inject,
     Note,
+    ProcessLog,
     Record,
     Refused,
     Registered,
+    ScenarioInfo,
+    check_history,
     decision_dict,
     report_dict,
 )
-from coordd.tools.chaos.scenarios import SCENARIOS, ScenarioInfo
+from coordd.tools.chaos.scenarios import SCENARIOS
 from coordd.tools.chaos.spec import Fault, Settings
 from coordd.tools.chaos.workload import kind_for, report_for
 
@@ -44,8 +46,9 @@ def info(fault: Fault = Fault.SKIPPED_SEQ, culprit: int = 0, **kw: object) -> Sc
         culprit_name=f"rank{culprit}",
         inject_seq=FAIL_SEQ,
         end_seq=END_SEQ,
-        settings=Settings(),
         expect=SCENARIOS[fault].expect,
+        wait_timeout=Settings().wait_timeout,
+        detection_bound=Settings().detection_bound,
     )
     fields.update(kw)
     return ScenarioInfo(**fields)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import pytest
 
 from coordd.client import AsyncCoordClient, CoordClient
 from coordd.proto import CoordinatorUnavailable, StepReport
-from coordd.testing.procs import CoorddProcess
+from coordd.testing import CoorddProcess
 
 REPORT = StepReport(num_tokens=4, num_tokens_padded=8, want_ubatch=True, has_unfinished=True)
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from coordd.testing.procs import stop_process
+from coordd.testing.process import stop_process
 from coordd.tools.bench.workload import FLOOR_REPORT
 
 READY = "floor ready on "

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from coordd.testing.procs import CoorddProcess
+from coordd.testing.process import CoorddProcess
 from coordd.tools.bench import stats
 from coordd.tools.bench.floor import FloorProcess
 from coordd.tools.bench.methods import (

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from coordd.testing.procs import CoorddProcess
+from coordd.testing.process import CoorddProcess
 from coordd.tools.bench import procstat, stats
 from coordd.tools.bench.runner import BenchError
 from coordd.tools.bench.simranks import (

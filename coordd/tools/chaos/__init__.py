@@ -3,7 +3,8 @@
 spoofing, a network cut), every sync of every rank logged, and a checker that holds the whole
 history to the rules. `coordd chaos` runs it and prints the table.
 
-runner.py runs scenarios; scenarios.py defines one per fault kind; worker.py, rawrank.py and
-rogue.py are the processes; history.py is what they log; checker.py judges (its rules in
-rounds.py and detection.py, its types in verdict.py); report.py tabulates.
+runner.py runs scenarios; scenarios.py defines one per fault kind; worker.py is the processes
+(ranks, the raw rank and the rogue from `coordd.testing`); report.py tabulates. What the
+processes log and the checker that judges it live in `coordd.testing` (history.py, checker.py),
+so an engine's own tests can use them.
 """

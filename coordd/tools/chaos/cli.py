@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from coordd.tools.chaos.checker import ScenarioResult
+from coordd.testing.checker import ScenarioResult
 from coordd.tools.chaos.report import as_json, failures, notable, summarize, table
 from coordd.tools.chaos.runner import run_suite
 from coordd.tools.chaos.spec import Fault, Settings

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from coordd.tools.chaos.checker import ScenarioResult
+from coordd.testing.checker import ScenarioResult
 from coordd.tools.chaos.spec import Fault, Settings
 
 COLUMNS = (

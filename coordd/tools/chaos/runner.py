@@ -24,9 +24,8 @@ from typing import Any
 
 import msgspec
 
-from coordd.testing.procs import CoorddProcess
-from coordd.tools.chaos.checker import ScenarioResult, check_scenario
-from coordd.tools.chaos.history import (
+from coordd.testing.checker import ScenarioResult, check_scenario
+from coordd.testing.history import (
     Begin,
     End,
     HistoryWriter,
@@ -36,7 +35,9 @@ from coordd.tools.chaos.history import (
     Registered,
     tail_records,
 )
-from coordd.tools.chaos.scenarios import SCENARIOS, Scenario, ScenarioInfo, Skip
+from coordd.testing.process import CoorddProcess
+from coordd.testing.scenario import ScenarioInfo
+from coordd.tools.chaos.scenarios import SCENARIOS, Scenario, Skip
 from coordd.tools.chaos.spec import Fault, Settings, WorkerSpec
 
 
@@ -403,8 +404,9 @@ class ScenarioRun:
             culprit_name=self.culprit_name,
             inject_seq=self.inject_seq,
             end_seq=self.end_seq,
-            settings=self.settings,
             expect=self.scenario.expect,
+            wait_timeout=self.settings.wait_timeout,
+            detection_bound=self.settings.detection_bound,
             harness_kills=sorted(self.harness_kills),
             skipped=skipped,
         )

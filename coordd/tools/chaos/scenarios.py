@@ -4,7 +4,7 @@ Every scenario starts a real coordd and `dp` rank processes (2..4, from the seed
 rounds, injects its one fault at a seeded point and, where the group fails, lets it recover:
 the ranks register again (a new epoch) and run on to the end, and a rank that is gone (killed,
 or refused at the door) is replaced as a supervisor would. `Expect` is what the checker holds
-the history to; it is written into each scenario's `scenario.json`.
+the history to; the runner writes it into each scenario's `scenario.json`.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from coordd.proto.messages import PROTOCOL_VERSION, StepKind
+from coordd.testing.history import Inject, Note
+from coordd.testing.scenario import Expect
 from coordd.tools.chaos import netns
-from coordd.tools.chaos.history import Inject, Note
-from coordd.tools.chaos.spec import Fault, Settings
+from coordd.tools.chaos.spec import Fault
 from coordd.tools.chaos.workload import kind_for
 
 if TYPE_CHECKING:
@@ -28,43 +27,6 @@ if TYPE_CHECKING:
 
 class Skip(Exception):
     """This scenario cannot run here; the message says why."""
-
-
-class Expect(msgspec.Struct, frozen=True, kw_only=True):
-    """What the history of one scenario must show."""
-
-    #: The group must see a typed failure (every live rank, after the injection).
-    failure: bool = False
-    #: Error types the group may see after the injection (anything else is a violation).
-    errors: list[str] = []
-    #: ...and those errors must name the culprit rank.
-    names_culprit: bool = True
-    #: The culprit process's own view: "same" as the group's, "any" typed error, "gone".
-    culprit_view: str = "same"
-    #: The culprit process must itself get a typed error after the injection.
-    culprit_must_fail: bool = False
-    #: The culprit process must be refused with this error ("Rejected:dp_size", "ProtocolError").
-    refusal: str = ""
-    #: coordd crashed (SIGKILL): a round's broadcast may reach some ranks and not others.
-    split_allowed: bool = False
-    #: Wrong kind: if the culprit reported first, the mismatch names the rank that disagreed
-    #: with it (the round's kind is set by its first report); the fields must still show it.
-    mirror_ok: bool = False
-
-
-class ScenarioInfo(msgspec.Struct, frozen=True, kw_only=True):
-    fault: str
-    seed: int
-    dp: int
-    transport: str
-    culprit: int
-    culprit_name: str
-    inject_seq: int
-    end_seq: int
-    settings: Settings
-    expect: Expect
-    harness_kills: list[str] = []
-    skipped: str = ""
 
 
 class Scenario:

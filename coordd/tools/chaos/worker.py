@@ -2,7 +2,7 @@
 impostor, or the rogue that sends garbage. `python -m coordd.tools.chaos.worker SPEC.json`.
 
 A rank runs rounds until the group's seq reaches `end_seq`, logging every sync (see
-`coordd.tools.chaos.history`). After a typed error it registers again and goes on where coordd says
+`coordd.testing.history`). After a typed error it registers again and goes on where coordd says
 (the new epoch's next seq), as an engine that survives a failed step would.
 """
 
@@ -20,13 +20,13 @@ import msgspec
 from coordd.client.sync import CoordClient
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
 from coordd.proto.messages import StepDecision, StepKind, StepReport, Welcome
-from coordd.testing.rawrank import RawRank
-from coordd.tools.chaos.history import (
+from coordd.testing.history import (
     Begin,
     Done,
     End,
     HistoryWriter,
     Inject,
+    Note,
     Refused,
     Registered,
     decision_dict,
@@ -34,6 +34,8 @@ from coordd.tools.chaos.history import (
     report_dict,
     wait_for_round,
 )
+from coordd.testing.rawrank import RawRank
+from coordd.testing.rogue import RoguePeer
 from coordd.tools.chaos.spec import Fault, WorkerSpec
 from coordd.tools.chaos.workload import kind_for, other_report, report_for
 
@@ -320,6 +322,27 @@ def wait_for_trigger(spec: WorkerSpec) -> None:
         wait_for_round(spec.trigger_log, spec.trigger_seq, spec.deadline)
 
 
+def run_rogue(spec: WorkerSpec, log: HistoryWriter) -> int:
+    """The garbage scenario's culprit: a flood of bad frames once the group runs, then a probe."""
+    with RoguePeer(
+        spec.address,
+        spec.dp_size,
+        seed=spec.seed,
+        heartbeat_interval=spec.heartbeat_interval,
+        heartbeat_timeout=spec.heartbeat_timeout,
+    ) as rogue:
+        if not rogue.connected(timeout=5.0):
+            log.write(Note(t=now(), what="rogue could not connect"))
+            return 0
+        wait_for_round(spec.trigger_log, spec.trigger_seq, spec.deadline)
+        log.write(Inject(t=now(), fault=spec.fault, detail=f"{spec.frames} frames"))
+        sent = rogue.flood(spec.frames)
+        for category, count in sorted(sent.items()):
+            log.write(Note(t=now(), what="sent", detail=category, count=count))
+        rogue.probe(log, spec.wait_timeout, spec.fingerprint)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     with open(args[0], "rb") as f:
@@ -330,8 +353,6 @@ def main(argv: list[str] | None = None) -> int:
     if spec.role == "impostor":
         return run_impostor(spec, log)
     if spec.role == "garbage":
-        from coordd.tools.chaos.rogue import run_rogue
-
         return run_rogue(spec, log)
     worker = Worker(spec, log)
     driver: ClientDriver | RawRank

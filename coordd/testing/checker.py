@@ -21,8 +21,8 @@ import os
 
 import msgspec
 
-from coordd.tools.chaos.detection import check_detection
-from coordd.tools.chaos.history import (
+from coordd.testing.detection import check_detection
+from coordd.testing.history import (
     Begin,
     Done,
     End,
@@ -33,9 +33,9 @@ from coordd.tools.chaos.history import (
     read_history,
     report_of,
 )
-from coordd.tools.chaos.rounds import check_rounds
-from coordd.tools.chaos.scenarios import ScenarioInfo
-from coordd.tools.chaos.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
+from coordd.testing.rounds import check_rounds
+from coordd.testing.scenario import ScenarioInfo
+from coordd.testing.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
 
 __all__ = ["ProcessLog", "ScenarioResult", "check_history", "check_scenario"]
 
@@ -142,7 +142,7 @@ def _syncs(
                 if record.no_answer:
                     found.hangs.append(
                         f"{log.name}: coordd never answered epoch {record.epoch} seq "
-                        f"{record.seq} (waited {info.settings.wait_timeout:g}s)"
+                        f"{record.seq} (waited {info.wait_timeout:g}s)"
                     )
                 open_sync = None
         if log.name in deadline_kills:

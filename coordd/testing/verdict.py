@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from coordd.proto.messages import StepReport
-from coordd.tools.chaos.history import End, Header, Record
+from coordd.testing.history import End, Header, Record
 
 PARTICIPANTS = ("rank", "raw")
 

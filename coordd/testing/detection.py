@@ -3,10 +3,10 @@ turned away where it had to be, and the group went on."""
 
 from __future__ import annotations
 
-from coordd.tools.chaos.history import Done, Note, Refused, Registered
-from coordd.tools.chaos.rogue import APP_LEVEL
-from coordd.tools.chaos.scenarios import ScenarioInfo
-from coordd.tools.chaos.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
+from coordd.testing.history import Done, Note, Refused, Registered
+from coordd.testing.rogue import APP_LEVEL
+from coordd.testing.scenario import ScenarioInfo
+from coordd.testing.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
 
 
 def check_detection(
@@ -60,10 +60,10 @@ def check_detection(
         result.detected = all(detected)
     if times and result.detected:
         result.ttd = max(times)
-        if result.ttd > info.settings.detection_bound:
+        if result.ttd > info.detection_bound:
             found.violations.append(
                 f"detected after {result.ttd:.3f}s, beyond the step timeout + heartbeat "
-                f"timeout + grace ({info.settings.detection_bound:g}s)"
+                f"timeout + grace ({info.detection_bound:g}s)"
             )
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from coordd.proto.messages import StepReport
 from coordd.proto.policy import decide
-from coordd.tools.chaos.history import Begin, ErrorInfo, Inject, decision_of
-from coordd.tools.chaos.scenarios import ScenarioInfo
-from coordd.tools.chaos.verdict import Findings, ProcessLog, ScenarioResult, Sync
+from coordd.testing.history import Begin, ErrorInfo, Inject, decision_of
+from coordd.testing.scenario import ScenarioInfo
+from coordd.testing.verdict import Findings, ProcessLog, ScenarioResult, Sync
 
 
 def _first_reports(syncs: list[Sync]) -> dict[tuple[int, int], dict[int, StepReport]]:
