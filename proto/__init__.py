@@ -18,6 +18,7 @@ from coordd.proto.errors import (
 from coordd.proto.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
+    WIRE_ERRORS,
     FailReason,
     Goodbye,
     Heartbeat,
@@ -40,6 +41,7 @@ from coordd.proto.policy import decide, validate_report
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
+    "WIRE_ERRORS",
     "ConflictingReport",
     "CoordError",
     "Coordinator",

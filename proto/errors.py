@@ -1,112 +1,254 @@
 """The one flat error hierarchy that both paths (coordd and device) raise.
 
 Every error carries the data a caller needs to act on it (which rank, what was expected,
-what came), so engine code never parses a message string.
+what came), so engine code never parses a message string. Each docstring says who is at fault;
+`hint` says what to do next and is shown under the message in a traceback (a note).
+
+A round's error travels to every rank as one `StepFailed`: each class below declares its
+`reason` and the fields it fills (`wire_fields`) and reads back (`from_wire`), and
+`coordd.proto.messages.WIRE_ERRORS` keys the classes by reason. `Rejected` travels as a
+`Reject` instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from coordd.proto.messages import StepFailed
+
+#: After a failed round, the group stays failed (every later report gets the same error) until
+#: the ranks reconnect; most hints end with this step.
+_NEW_EPOCH = "call connect() on every rank to open a new epoch"
 
 
 class CoordError(Exception):
-    """Base of every coordd error."""
+    """Base of every coordd error: catch it to handle any failed registration or round."""
 
-    #: The wire reason code for this failure (see `coordd.proto.messages.FailReason`).
+    #: The wire reason code (a `FailReason` value; `Rejected`: a `RejectReason` value).
     reason: str = "error"
+    #: What to do next, in one sentence.
+    hint: str = ""
+    #: A `StepFailed` for this error must name a culprit rank (`from_wire` reads it).
+    names_a_rank: ClassVar[bool] = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        if self.hint:
+            self.add_note(f"hint: {self.hint}")
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and vars(self) == vars(other)
+        return type(self) is type(other) and _fields(self) == _fields(other)
 
     def __hash__(self) -> int:
         return hash((type(self), str(self)))
+
+    def wire_fields(self) -> dict[str, Any]:
+        """The `StepFailed` fields that carry this error, besides epoch/seq/kind/reason/text."""
+        raise TypeError(f"{type(self).__name__} does not travel in a StepFailed")
+
+    @classmethod
+    def from_wire(cls, msg: StepFailed) -> Self:
+        """The error back from the `StepFailed` fields that `wire_fields` filled."""
+        raise TypeError(f"{cls.__name__} does not travel in a StepFailed")
+
+
+def _fields(error: CoordError) -> dict[str, object]:
+    return {k: v for k, v in vars(error).items() if k != "__notes__"}
 
 
 def _ranks(ranks: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted(set(ranks)))
 
 
+#: What to do next for each `RejectReason` value.
+REJECT_HINTS = {
+    "version": "run the same coordd release on the ranks and the sidecar",
+    "dp_size": "check the rank's --data-parallel-size: it must equal coordd's --dp",
+    "rank_range": "check the rank's --data-parallel-rank: it must be in 0..dp_size-1",
+    "rank_taken": (
+        "another live process holds this dp_rank: stop it (coordd drops it once its "
+        "connection closes) or fix this rank's --data-parallel-rank"
+    ),
+    "group": "pass every rank of one coordd the same group name",
+    "num_ubatches": (
+        "give every rank the same micro-batching settings (vLLM: enable_dbo, ubatch_size)"
+    ),
+    "fingerprint": "deploy the same engine config to every rank (the config fingerprints differ)",
+}
+
+
 class Rejected(CoordError):
-    """Registration refused: `reason` is a `RejectReason` code, `expected`/`got` the values."""
+    """coordd (or the device path's handshake) refused this rank's `Hello`.
+
+    At fault: this rank's settings, which disagree with coordd's or with the ranks already in.
+    `reason` is a `RejectReason` value, `expected`/`got` the values; `hint` says which setting
+    to check. Fix it and call connect() again.
+    """
 
     def __init__(self, reason: str, detail: str, *, expected: str = "", got: str = "") -> None:
-        super().__init__(f"registration rejected ({reason}): {detail}")
         self.reason = reason
         self.detail = detail
         self.expected = expected
         self.got = got
+        self.hint = REJECT_HINTS.get(reason, "")
+        super().__init__(f"registration rejected ({reason}): {detail}")
 
 
 class StepMismatch(CoordError):
-    """A rank reported another seq or kind than the round expects (skipped/repeated sync)."""
+    """Rank `rank` reported another seq or kind than the round expects.
+
+    At fault: that rank's engine loop, which skipped, repeated or reordered a sync (every rank
+    must run the same syncs in the same order). Fix the rank's sync order, then call connect()
+    on every rank to open a new epoch.
+    """
 
     reason = "mismatch"
+    hint = f"make every rank run the same syncs in the same order, then {_NEW_EPOCH}"
+    names_a_rank = True
 
     def __init__(
         self, rank: int, expected_seq: int, expected_kind: str, got_seq: int, got_kind: str
     ) -> None:
-        super().__init__(
-            f"rank {rank} reported seq={got_seq} kind={got_kind}, "
-            f"the round expects seq={expected_seq} kind={expected_kind}"
-        )
         self.rank = rank
         self.expected_seq = expected_seq
         self.expected_kind = expected_kind
         self.got_seq = got_seq
         self.got_kind = got_kind
+        super().__init__(
+            f"rank {rank} reported seq={got_seq} kind={got_kind}, "
+            f"the round expects seq={expected_seq} kind={expected_kind}"
+        )
 
     @property
     def ranks(self) -> tuple[int, ...]:
         return (self.rank,)
+
+    def wire_fields(self) -> dict[str, Any]:
+        return dict(
+            culprits=[self.rank],
+            expected_seq=self.expected_seq,
+            expected_kind=self.expected_kind,
+            got_seq=self.got_seq,
+            got_kind=self.got_kind,
+        )
+
+    @classmethod
+    def from_wire(cls, msg: StepFailed) -> Self:
+        return cls(msg.culprits[0], msg.expected_seq, msg.expected_kind, msg.got_seq, msg.got_kind)
 
 
 class ConflictingReport(CoordError):
-    """One rank sent two different reports for the same round."""
+    """Rank `rank` sent two different reports for round `seq`.
+
+    At fault: that rank's engine, which changed a report it had sent (a retry with new values,
+    or one client shared by two threads). Send one report per rank per round, then call
+    connect() on every rank to open a new epoch.
+    """
 
     reason = "conflict"
+    hint = f"send one report per rank per round (one client per rank), then {_NEW_EPOCH}"
+    names_a_rank = True
 
     def __init__(self, rank: int, seq: int) -> None:
-        super().__init__(f"rank {rank} sent two different reports for seq={seq}")
         self.rank = rank
         self.seq = seq
+        super().__init__(f"rank {rank} sent two different reports for seq={seq}")
 
     @property
     def ranks(self) -> tuple[int, ...]:
         return (self.rank,)
 
+    def wire_fields(self) -> dict[str, Any]:
+        return dict(culprits=[self.rank], got_seq=self.seq)
+
+    @classmethod
+    def from_wire(cls, msg: StepFailed) -> Self:
+        return cls(msg.culprits[0], msg.got_seq)
+
 
 class InvalidReport(CoordError):
-    """A report field is out of range: `field` names it, `value` is what came."""
+    """Rank `rank` reported `field`=`value`, outside the range `expected` states.
+
+    At fault: that rank's engine code, which computed the value (the vLLM adapter raises this
+    before sending when vLLM's arguments are out of range). Fix the value; if a round failed
+    for it, call connect() on every rank to open a new epoch.
+    """
 
     reason = "invalid"
+    hint = f"fix the value the rank reports (see `expected`); after a failed round, {_NEW_EPOCH}"
+    names_a_rank = True
 
     def __init__(self, rank: int, field: str, value: object, expected: str) -> None:
-        super().__init__(f"rank {rank}: invalid {field}={value!r} (expected {expected})")
         self.rank = rank
         self.field = field
         self.value = value
         self.expected = expected
+        super().__init__(f"rank {rank}: invalid {field}={value!r} (expected {expected})")
 
     @property
     def ranks(self) -> tuple[int, ...]:
         return (self.rank,)
 
+    def wire_fields(self) -> dict[str, Any]:
+        return dict(
+            culprits=[self.rank], field=self.field, value=repr(self.value), expected=self.expected
+        )
+
+    @classmethod
+    def from_wire(cls, msg: StepFailed) -> Self:
+        return cls(msg.culprits[0], msg.field, _literal(msg.value), msg.expected)
+
+
+def _literal(text: str) -> object:
+    """Undo the repr() of an invalid report value (ints and bools only ever travel)."""
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
 
 class RankLost(CoordError):
-    """Ranks disconnected or stopped answering heartbeats."""
+    """Ranks `ranks` are gone: their connection closed, or they missed heartbeats for coordd's
+    --heartbeat-timeout (`detail` says which, or that a rank left with Goodbye).
+
+    At fault: those ranks (the process died or hung, or its network was cut), not the ranks
+    that get this error. Restart them (their own logs say why they stopped), then call
+    connect() on every rank to open a new epoch once they are back. With coordd
+    --on-rank-loss neutralize the others go on without them instead.
+    """
 
     reason = "lost"
+    hint = f"restart the lost rank(s), then {_NEW_EPOCH} once they are back"
 
     def __init__(self, ranks: Iterable[int], detail: str = "") -> None:
         self.ranks = _ranks(ranks)
-        super().__init__(f"rank(s) {list(self.ranks)} lost" + (f": {detail}" if detail else ""))
         self.detail = detail
+        super().__init__(f"rank(s) {list(self.ranks)} lost" + (f": {detail}" if detail else ""))
+
+    def wire_fields(self) -> dict[str, Any]:
+        return dict(culprits=list(self.ranks), value=self.detail)
+
+    @classmethod
+    def from_wire(cls, msg: StepFailed) -> Self:
+        return cls(msg.culprits, msg.value)
 
 
 class StepTimeout(CoordError):
-    """The round was not complete within the step timeout; `ranks` had not reported."""
+    """The round was not complete within `timeout` seconds (coordd's --step-timeout).
+
+    At fault: `ranks`, which had not reported (a slow or stuck engine step; empty if coordd
+    itself decided nothing in time). Find why they are late, or raise --step-timeout, then call
+    connect() on every rank to open a new epoch.
+    """
 
     reason = "timeout"
+    hint = f"find why the named ranks are late or raise coordd's --step-timeout, then {_NEW_EPOCH}"
 
     def __init__(self, ranks: Iterable[int], timeout: float) -> None:
         self.ranks = _ranks(ranks)
@@ -114,29 +256,63 @@ class StepTimeout(CoordError):
         who = f"rank(s) {list(self.ranks)} did not report" if self.ranks else "no decision"
         super().__init__(f"{who} within {timeout:g}s")
 
+    def wire_fields(self) -> dict[str, Any]:
+        return dict(culprits=list(self.ranks), timeout=self.timeout)
+
+    @classmethod
+    def from_wire(cls, msg: StepFailed) -> Self:
+        return cls(msg.culprits, msg.timeout)
+
 
 class CoordinatorUnavailable(CoordError):
-    """coordd cannot be reached, shut down, or restarted (a new epoch)."""
+    """coordd cannot be reached, shut down, or restarted (its new epoch ends the old rounds).
+
+    At fault: coordd or the network between it and this rank, not the ranks. Check that coordd
+    runs at the address the client uses (COORDD_ADDRESS) and is reachable, then call connect()
+    again.
+    """
 
     reason = "unavailable"
+    hint = "check that coordd is running and reachable at the client's address, then connect()"
 
     def __init__(self, detail: str) -> None:
-        super().__init__(detail)
         self.detail = detail
+        super().__init__(detail)
+
+    def wire_fields(self) -> dict[str, Any]:
+        return dict(culprits=[], value=self.detail)
+
+    @classmethod
+    def from_wire(cls, msg: StepFailed) -> Self:
+        return cls(msg.value)
 
 
 class ProtocolError(CoordError):
-    """Bytes or messages that break the protocol: undecodable, unregistered, spoofed."""
+    """Bytes or messages that break the protocol: undecodable, unregistered, spoofed.
+
+    At fault: the peer that sent them (rank `rank` if known): a different coordd release, a
+    foreign or buggy client, or a damaged frame. Run the same coordd release everywhere; if
+    they match, it is a bug in coordd or the client: report it with this message.
+    """
 
     reason = "protocol"
+    hint = "run the same coordd release on the ranks and the sidecar; if they match, report a bug"
 
     def __init__(self, detail: str, *, rank: int | None = None) -> None:
-        super().__init__(detail if rank is None else f"rank {rank}: {detail}")
         self.detail = detail
         self.rank = rank
+        super().__init__(detail if rank is None else f"rank {rank}: {detail}")
+
+    def wire_fields(self) -> dict[str, Any]:
+        return dict(culprits=[] if self.rank is None else [self.rank], value=self.detail)
+
+    @classmethod
+    def from_wire(cls, msg: StepFailed) -> Self:
+        return cls(msg.value, rank=msg.culprits[0] if msg.culprits else None)
 
 
 __all__ = [
+    "REJECT_HINTS",
     "ConflictingReport",
     "CoordError",
     "CoordinatorUnavailable",

@@ -9,6 +9,8 @@ changes meaning bumps `PROTOCOL_VERSION`, which `Hello` carries.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Union
 
 import msgspec
@@ -25,7 +27,10 @@ from coordd.proto.errors import (
     StepTimeout,
 )
 
-PROTOCOL_VERSION = 1
+#: 2: `StepFailed.expected` (InvalidReport's range, which 1 sent in `got_kind`);
+#: `StepDecision.any_pause`; a state round's report means what its fields say (1 sent the
+#: rank's has_unfinished as num_tokens, and has_unfinished as "has work or waits to pause").
+PROTOCOL_VERSION = 2
 #: Largest frame either side accepts; a dp=4096 decision is ~25 KB.
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_DP_SIZE = 4096
@@ -43,6 +48,8 @@ class StepKind(str, enum.Enum):
 
 
 class RejectReason(str, enum.Enum):
+    """Why a `Hello` was refused; `coordd.proto.errors.REJECT_HINTS` says what to fix."""
+
     VERSION = "version"
     DP_SIZE = "dp_size"
     RANK_RANGE = "rank_range"
@@ -53,6 +60,8 @@ class RejectReason(str, enum.Enum):
 
 
 class FailReason(str, enum.Enum):
+    """Why a round failed: one per round error class (see `WIRE_ERRORS`)."""
+
     MISMATCH = "mismatch"
     CONFLICT = "conflict"
     INVALID = "invalid"
@@ -92,7 +101,11 @@ class Reject(_Message, tag="reject", frozen=True):
 
 
 class StepReport(_Message, tag="report", frozen=True):
-    """One rank's view of the coming step; the client fills in rank, epoch, seq and kind."""
+    """One rank's view of the coming step; the client fills in rank, epoch, seq and kind.
+
+    A state round (kind "state") has no batch: it reports 0 tokens, and `has_unfinished` and
+    `want_pause` mean what they say (this rank has requests; this rank waits to pause).
+    """
 
     num_tokens: int
     num_tokens_padded: int
@@ -119,25 +132,40 @@ class StepDecision(_Message, tag="decision", frozen=True):
     any_unfinished: bool
     all_idle: bool
     dead_ranks: RankList = []
+    #: Every live rank wants to pause.
     should_pause: bool = False
+    #: Some live rank wants to pause (with `should_pause`: "some but not all").
+    any_pause: bool = False
 
 
 class StepFailed(_Message, tag="failed", frozen=True):
-    """A round ended in an error; every rank of the round gets the same one."""
+    """A round ended in an error; every rank of the round gets the same one.
+
+    `reason` picks the error class (`WIRE_ERRORS`); each class fills only its own fields.
+    """
 
     epoch: int
     seq: int
     kind: StepKind
     reason: FailReason
+    #: The ranks at fault (mismatch, conflict, invalid: exactly one).
     culprits: RankList
+    #: str() of the error, for logs; the fields below rebuild it.
     text: str
+    #: mismatch: the seq and kind the round expects, and what the rank reported.
     expected_seq: int = -1
     expected_kind: str = ""
+    #: mismatch: the rank's seq; conflict: the seq it reported twice.
     got_seq: int = -1
     got_kind: str = ""
+    #: invalid: the name of the report field out of range.
     field: str = ""
+    #: invalid: repr() of the value; lost, unavailable, protocol: the detail text.
     value: str = ""
+    #: timeout: the step timeout in seconds.
     timeout: float = 0.0
+    #: invalid: the range the value must be in.
+    expected: str = ""
 
 
 class Heartbeat(_Message, tag="heartbeat", frozen=True):
@@ -186,81 +214,52 @@ def decode_from_coordinator(data: bytes | memoryview) -> FromCoordinator:
     return _decode(_from_coordinator, data)
 
 
+#: The registry: each round error class by its wire reason (`Rejected` travels as `Reject`).
+WIRE_ERRORS: Mapping[FailReason, type[CoordError]] = MappingProxyType(
+    {
+        FailReason(cls.reason): cls
+        for cls in (
+            StepMismatch,
+            ConflictingReport,
+            InvalidReport,
+            RankLost,
+            StepTimeout,
+            CoordinatorUnavailable,
+            ProtocolError,
+        )
+    }
+)
+assert set(WIRE_ERRORS) == set(FailReason), "every FailReason needs its error class"
+_REASONS = {cls: reason for reason, cls in WIRE_ERRORS.items()}
+
+
 def failure_message(error: CoordError, *, epoch: int, seq: int, kind: StepKind) -> StepFailed:
     """The wire form of a round's error; `error_from_failure` turns it back."""
-    fields: dict[str, object] = {}
-    culprits: list[int] = list(getattr(error, "ranks", ()))
-    if isinstance(error, StepMismatch):
-        fields = dict(
-            expected_seq=error.expected_seq,
-            expected_kind=error.expected_kind,
-            got_seq=error.got_seq,
-            got_kind=error.got_kind,
-        )
-    elif isinstance(error, ConflictingReport):
-        fields = dict(got_seq=error.seq)
-    elif isinstance(error, InvalidReport):
-        fields = dict(field=error.field, value=repr(error.value), got_kind=error.expected)
-    elif isinstance(error, StepTimeout):
-        fields = dict(timeout=error.timeout)
-    elif isinstance(error, RankLost):
-        fields = dict(value=error.detail)
-    elif isinstance(error, ProtocolError):
-        culprits = [] if error.rank is None else [error.rank]
-        fields = dict(value=error.detail)
-    elif isinstance(error, CoordinatorUnavailable):
-        fields = dict(value=error.detail)
+    reason = _REASONS.get(type(error))
+    if reason is None:
+        raise TypeError(f"{type(error).__name__} does not travel in a StepFailed")
     return StepFailed(
-        epoch=epoch,
-        seq=seq,
-        kind=kind,
-        reason=FailReason(error.reason),
-        culprits=culprits,
-        text=str(error),
-        **fields,  # type: ignore[arg-type]
+        epoch=epoch, seq=seq, kind=kind, reason=reason, text=str(error), **error.wire_fields()
     )
-
-
-_NEEDS_CULPRIT = frozenset({FailReason.MISMATCH, FailReason.CONFLICT, FailReason.INVALID})
 
 
 def error_from_failure(msg: StepFailed) -> CoordError:
     """The typed error that a `StepFailed` stands for, equal to the one coordd raised."""
-    r = msg.reason
-    if not msg.culprits and r in _NEEDS_CULPRIT:
-        return ProtocolError(f"malformed {r.value} failure without a culprit rank: {msg.text}")
-    if r is FailReason.MISMATCH:
-        return StepMismatch(
-            msg.culprits[0], msg.expected_seq, msg.expected_kind, msg.got_seq, msg.got_kind
+    cls = WIRE_ERRORS[msg.reason]
+    if cls.names_a_rank and not msg.culprits:
+        return ProtocolError(
+            f"malformed {msg.reason.value} failure without a culprit rank: {msg.text}"
         )
-    if r is FailReason.CONFLICT:
-        return ConflictingReport(msg.culprits[0], msg.got_seq)
-    if r is FailReason.INVALID:
-        return InvalidReport(msg.culprits[0], msg.field, _literal(msg.value), msg.got_kind)
-    if r is FailReason.LOST:
-        return RankLost(msg.culprits, msg.value)
-    if r is FailReason.TIMEOUT:
-        return StepTimeout(msg.culprits, msg.timeout)
-    if r is FailReason.UNAVAILABLE:
-        return CoordinatorUnavailable(msg.value)
-    return ProtocolError(msg.value, rank=msg.culprits[0] if msg.culprits else None)
-
-
-def _literal(text: str) -> object:
-    """Undo the repr() of an invalid report value (ints and bools only ever travel)."""
-    if text in ("True", "False"):
-        return text == "True"
-    try:
-        return int(text)
-    except ValueError:
-        return text
+    return cls.from_wire(msg)
 
 
 def reject_message(error: Rejected) -> Reject:
+    """The wire form of a refused registration; `error_from_reject` turns it back."""
     return Reject(
         reason=RejectReason(error.reason), text=error.detail, expected=error.expected, got=error.got
     )
 
 
 def error_from_reject(msg: Reject) -> Rejected:
+    """The `Rejected` that a `Reject` stands for, equal to the one coordd raised."""
     return Rejected(msg.reason.value, msg.text, expected=msg.expected, got=msg.got)

@@ -252,7 +252,7 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
         assert "coordd_faults_total" not in m
         assert metric(m, "process_resident_memory_bytes") > 0
         (build,) = m["coordd_build_info"]
-        assert dict(build)["protocol_version"] == "1"
+        assert dict(build)["protocol_version"] == "2"
 
         doc = status(c.url)
         assert doc["seq"] == rounds and doc["ready"] is True and doc["failure"] is None

@@ -36,7 +36,9 @@ from coordd.proto import (
     error_from_failure,
     failure_message,
 )
-from coordd.proto.messages import MAX_DP_SIZE, error_from_reject, reject_message
+from coordd.proto.coordinator import Coordinator
+from coordd.proto.errors import REJECT_HINTS
+from coordd.proto.messages import MAX_DP_SIZE, WIRE_ERRORS, error_from_reject, reject_message
 
 # -- strategies ----------------------------------------------------------------------------
 
@@ -65,11 +67,12 @@ step_decisions = st.builds(
     num_tokens_across_dp=st.lists(i64, max_size=256), should_ubatch=st.booleans(),
     should_pad=st.booleans(), cudagraph_mode=i64, any_unfinished=st.booleans(),
     all_idle=st.booleans(), dead_ranks=rank_lists, should_pause=st.booleans(),
+    any_pause=st.booleans(),
 )
 step_faileds = st.builds(
     StepFailed, epoch=i64, seq=i64, kind=kinds, reason=st.sampled_from(FailReason),
     culprits=rank_lists, text=text, expected_seq=i64, expected_kind=text, got_seq=i64,
-    got_kind=text, field=text, value=text, timeout=finite,
+    got_kind=text, field=text, value=text, timeout=finite, expected=text,
 )
 heartbeats = st.builds(Heartbeat, nonce=i64)
 goodbyes = st.builds(Goodbye, text=text)
@@ -317,11 +320,29 @@ def _all_subclasses(cls: type) -> set[type]:
     return out
 
 
+ROUND_ERRORS = {StepMismatch, ConflictingReport, InvalidReport, RankLost, StepTimeout,
+                CoordinatorUnavailable, ProtocolError}
+
+
 def test_every_error_class_is_covered() -> None:
-    round_errors = {StepMismatch, ConflictingReport, InvalidReport, RankLost, StepTimeout,
-                    CoordinatorUnavailable, ProtocolError}
-    assert _all_subclasses(CoordError) == round_errors | {Rejected}
-    assert {FailReason(cls.reason) for cls in round_errors} == set(FailReason)
+    reasons = {r.value for r in FailReason}
+    travelling = {c for c in _all_subclasses(CoordError) if c.__dict__.get("reason") in reasons}
+    assert travelling == ROUND_ERRORS
+    assert Rejected in _all_subclasses(CoordError)
+    assert {FailReason(cls.reason) for cls in ROUND_ERRORS} == set(FailReason)
+
+
+def test_the_registry_is_keyed_by_reason() -> None:
+    assert set(WIRE_ERRORS) == set(FailReason)
+    for reason, cls in WIRE_ERRORS.items():
+        assert cls.reason == reason.value
+    assert {c for c in WIRE_ERRORS.values() if c.names_a_rank} == {
+        StepMismatch, ConflictingReport, InvalidReport}
+
+
+def test_rejected_does_not_travel_in_a_step_failed() -> None:
+    with pytest.raises(TypeError, match="Rejected"):
+        failure_message(Rejected("dp_size", "no"), epoch=1, seq=2, kind=StepKind.FORWARD)
 
 
 @given(errors, i64, i64, kinds)
@@ -438,3 +459,54 @@ def test_a_failure_without_its_culprit_is_a_protocol_error_not_a_crash() -> None
         msg = StepFailed(epoch=1, seq=2, kind=StepKind.FORWARD, reason=reason, culprits=[],
                          text="damaged")
         assert isinstance(error_from_failure(msg), ProtocolError)
+
+
+# -- protocol version 2: proper fields ---------------------------------------------------
+
+
+def test_invalid_report_expected_travels_in_its_own_field() -> None:
+    error = InvalidReport(3, "num_tokens_padded", 4, ">= num_tokens (9)")
+    msg = failure_message(error, epoch=1, seq=2, kind=StepKind.FORWARD)
+    assert (msg.field, msg.value, msg.expected, msg.got_kind) == (
+        "num_tokens_padded", "4", ">= num_tokens (9)", "")
+    assert error_from_failure(decode_from_coordinator(encode(msg))) == error
+
+
+def test_a_previous_version_hello_gets_a_clear_version_reject() -> None:
+    assert PROTOCOL_VERSION == 2
+    old = Hello(dp_size=2, dp_rank=0, config_fingerprint="fp", incarnation="i",
+                protocol_version=PROTOCOL_VERSION - 1)
+    (send,) = Coordinator(2, epoch=1).receive(b"peer", decode_to_coordinator(encode(old)), 0.0)
+    reject = decode_from_coordinator(encode(send.message))
+    assert isinstance(reject, Reject) and reject.reason is RejectReason.VERSION
+    assert (reject.expected, reject.got) == (str(PROTOCOL_VERSION), str(PROTOCOL_VERSION - 1))
+    error = error_from_reject(reject)
+    assert error.hint == REJECT_HINTS["version"]
+
+
+# -- who is at fault, what to do next ------------------------------------------------------
+
+
+def test_every_reject_reason_has_a_hint() -> None:
+    assert set(REJECT_HINTS) == {r.value for r in RejectReason}
+    assert "--data-parallel-size" in Rejected("dp_size", "x").hint
+
+
+@pytest.mark.parametrize("cls", sorted(ROUND_ERRORS, key=lambda c: c.__name__))
+def test_every_error_says_who_is_at_fault_and_what_to_do(cls: type[CoordError]) -> None:
+    assert cls.hint and "At fault" in (cls.__doc__ or "")
+
+
+@given(errors)
+def test_the_hint_is_a_traceback_note_that_survives_the_wire(error: CoordError) -> None:
+    assert error.__notes__ == [f"hint: {error.hint}"]
+    back = error_from_failure(failure_message(error, epoch=1, seq=2, kind=StepKind.FORWARD))
+    assert back.__notes__ == error.__notes__
+
+
+def test_rank_lost_says_to_reconnect() -> None:
+    error = RankLost([2], "disconnected")
+    assert str(error) == "rank(s) [2] lost: disconnected"
+    assert "connect()" in error.hint
+    error.add_note("a caller's own note")
+    assert error == RankLost([2], "disconnected")  # notes are not part of the error's data
