@@ -226,14 +226,11 @@ class DPState(NamedTuple):
 
 
 def state_report(has_unfinished: bool, pending_pause: bool) -> StepReport:
-    """A state round's report. A state round has no batch, so its token count carries this
-    rank's own `has_unfinished` (1 or 0: `all_idle` then says whether any rank has work), while
-    the `has_unfinished` field carries "has work or waits to pause"; see `dp_state`."""
-    unfinished = bool(has_unfinished)
+    """A state round's report: no batch (0 tokens), this rank's work and pause wish."""
     return StepReport(
-        num_tokens=int(unfinished),
-        num_tokens_padded=int(unfinished),
-        has_unfinished=unfinished or bool(pending_pause),
+        num_tokens=0,
+        num_tokens_padded=0,
+        has_unfinished=bool(has_unfinished),
         want_pause=bool(pending_pause),
     )
 
@@ -241,12 +238,11 @@ def state_report(has_unfinished: bool, pending_pause: bool) -> StepReport:
 def dp_state(decision: StepDecision) -> DPState:
     """vLLM's rule: work anywhere, or a pause that not every rank wants yet, keeps all running.
 
-    With reports from `state_report`: `not all_idle` is "some rank has work";
-    `any_unfinished` is "some rank has work or waits to pause"; `should_pause` is "all wait".
+    `any_unfinished` is "some rank has work"; `any_pause` "some rank waits to pause";
+    `should_pause` "every rank waits to pause".
     """
-    some_work = not decision.all_idle
-    pause_pending_somewhere = decision.any_unfinished and not decision.should_pause
-    return DPState(some_work or pause_pending_somewhere, decision.should_pause)
+    pause_pending_somewhere = decision.any_pause and not decision.should_pause
+    return DPState(decision.any_unfinished or pause_pending_somewhere, decision.should_pause)
 
 
 class DPCoordinationHandle:

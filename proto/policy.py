@@ -1,7 +1,18 @@
 """The step policy ("vllm"): the reports of all ranks become one decision.
 
 A pure function, so the coordinator, the device path and the tests all apply the very same
-rules; DESIGN.md states them, and each line below names the rule it implements.
+rules. Over the live ranks' reports, with P = max(num_tokens_padded), U = min(num_tokens) and
+n = num_ubatches (a group setting every rank shares):
+- `cudagraph_mode` = the min (NONE=0 < PIECEWISE=1 < FULL=2: what every rank can run);
+- `should_ubatch` = every rank wants it and the last micro-batch is not empty, i.e. not
+  (P // n) * (n - 1) >= U;
+- `should_pad` = cudagraph_mode != 0 or should_ubatch;
+- `num_tokens_across_dp` = [P] * dp if should_pad, else each rank's num_tokens_padded;
+- `any_unfinished` = OR of has_unfinished; `all_idle` = every rank reported 0 tokens;
+- `should_pause` = AND of want_pause; `any_pause` = OR of want_pause;
+- `dead_ranks` = the ranks left out (elastic mode), which count as neutral values.
+A report is valid when num_tokens >= 0, num_tokens_padded >= num_tokens and cudagraph_mode is
+0, 1 or 2 (`validate_report`).
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ def decide(
     dead_ranks: list[int] = []
     max_padded = min_tokens = cudagraph_mode = 0
     all_ubatch = all_idle = all_pause = True
-    any_unfinished = False
+    any_unfinished = any_pause = False
     for rank, r in enumerate(reports):
         if r is None:
             dead_ranks.append(rank)
@@ -75,7 +86,9 @@ def decide(
             all_idle = False
         if r.has_unfinished:
             any_unfinished = True
-        if not r.want_pause:
+        if r.want_pause:
+            any_pause = True
+        else:
             all_pause = False
     if not live:
         raise ValueError("decide() needs at least one live report")
@@ -99,4 +112,5 @@ def decide(
         all_idle=all_idle,
         dead_ranks=dead_ranks,
         should_pause=all_pause,
+        any_pause=any_pause,
     )

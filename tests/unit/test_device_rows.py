@@ -6,6 +6,7 @@ exactly what every rank does; the gloo runs are in tests/integration/test_device
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -28,9 +29,20 @@ from coordd.client.device import (
 )
 from coordd.client.factory import DEVICE_PATH_ENV, connect_coordinator, device_path_enabled
 from coordd.client.sync import CoordClient
+from coordd.client.vllm import dp_state, state_report
 from coordd.proto.coordinator import Coordinator
 from coordd.proto.errors import InvalidReport, ProtocolError, Rejected, StepMismatch
-from coordd.proto.messages import Hello, Reject, StepKind, StepReport, error_from_reject
+from coordd.proto.messages import (
+    Hello,
+    Reject,
+    StepKind,
+    StepReport,
+    decode_from_coordinator,
+    encode,
+    error_from_failure,
+    error_from_reject,
+    failure_message,
+)
 from coordd.proto.policy import decide
 
 FP = "fp"
@@ -109,6 +121,25 @@ def test_an_invalid_report_is_named_like_coordd_names_it() -> None:
     with pytest.raises(InvalidReport) as err:
         resolve_round(rows_for([REPORT, REPORT, bad], 0), seq=0, hellos=hellos(3))
     assert err.value == InvalidReport(2, "num_tokens_padded", 4, ">= num_tokens (9)")
+
+
+def test_the_device_error_equals_the_one_coordd_sends_over_the_wire() -> None:
+    bad = StepReport(num_tokens=9, num_tokens_padded=4)
+    with pytest.raises(InvalidReport) as err:
+        resolve_round(rows_for([REPORT, bad], 0), seq=0, hellos=hellos(2))
+    wire = failure_message(err.value, epoch=1, seq=0, kind=StepKind.FORWARD)
+    assert wire.expected == ">= num_tokens (9)"
+    assert error_from_failure(decode_from_coordinator(encode(wire))) == err.value
+
+
+@pytest.mark.parametrize("bits", list(itertools.product([False, True], repeat=4)))
+def test_a_state_round_on_the_matrix_answers_sync_dp_state(bits: tuple[bool, ...]) -> None:
+    unfinished, pending = bits[:2], bits[2:]
+    reports = [state_report(u, p) for u, p in zip(unfinished, pending, strict=True)]
+    got = dp_state(resolve_round(rows_for(reports, 3, kinds=[StepKind.STATE] * 2), seq=3,
+                                 hellos=hellos(2)))
+    # vllm/config/parallel.py sync_dp_state: one SUM all-reduce of [has_unfinished, pause]
+    assert got == (any(unfinished) or sum(pending) % 2 != 0, all(pending))
 
 
 def test_a_row_nobody_wrote_or_a_bad_kind_code_is_a_protocol_error() -> None:

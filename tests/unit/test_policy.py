@@ -40,7 +40,7 @@ def reports_with_dead(draw: st.DrawFn) -> list[StepReport | None]:
 
 
 def reference(rs: list[StepReport | None], n: int) -> dict[str, object]:
-    """DESIGN.md's rules, written out independently of coordd.proto.policy."""
+    """The rules in coordd.proto.policy's docstring, written out independently of its code."""
     live = [r for r in rs if r is not None]
     p = max(r.num_tokens_padded for r in live)
     u = min(r.num_tokens for r in live)
@@ -56,12 +56,14 @@ def reference(rs: list[StepReport | None], n: int) -> dict[str, object]:
         ),
         any_unfinished=any(r.has_unfinished for r in live),
         all_idle=all(r.num_tokens == 0 for r in live),
+        should_pause=all(r.want_pause for r in live),
+        any_pause=any(r.want_pause for r in live),
         dead_ranks=[i for i, r in enumerate(rs) if r is None],
     )
 
 
 DECISION_FIELDS = ("cudagraph_mode", "should_ubatch", "should_pad", "num_tokens_across_dp",
-                   "any_unfinished", "all_idle", "dead_ranks")
+                   "any_unfinished", "all_idle", "should_pause", "any_pause", "dead_ranks")
 
 
 def as_fields(decision: object) -> dict[str, object]:
@@ -83,7 +85,7 @@ def test_decision_does_not_depend_on_rank_order(rs, n, rnd) -> None:  # type: ig
     shuffled = [rs[i] for i in perm]
     a, b = decide(rs, n), decide(shuffled, n)
     for name in ("should_ubatch", "should_pad", "cudagraph_mode", "any_unfinished", "all_idle",
-                 "dead_ranks", "should_pause", "epoch", "seq", "kind"):
+                 "dead_ranks", "should_pause", "any_pause", "epoch", "seq", "kind"):
         assert getattr(a, name) == getattr(b, name), name
     # the per-rank column moves with its rank
     assert b.num_tokens_across_dp == [a.num_tokens_across_dp[i] for i in perm]
@@ -151,7 +153,7 @@ def test_dead_ranks_are_neutral(rs: list[StepReport | None], n: int) -> None:
     live_only = decide([r for r in rs if r is not None], n)
     # a dead rank never lowers the min, never vetoes ubatch, never raises the max
     for name in ("cudagraph_mode", "should_ubatch", "should_pad", "any_unfinished", "all_idle",
-                 "should_pause"):
+                 "should_pause", "any_pause"):
         assert getattr(with_dead, name) == getattr(live_only, name), name
     assert with_dead.dead_ranks == [i for i, r in enumerate(rs) if r is None]
     columns = zip(with_dead.num_tokens_across_dp, rs, strict=True)

@@ -309,4 +309,7 @@ def test_state_round_answers_sync_dp_state(bits: tuple[bool, ...]) -> None:
     unfinished, pending = list(bits[:3]), list(bits[3:])
     decision = decide([state_report(u, p) for u, p in zip(unfinished, pending, strict=True)])
     assert dp_state(decision) == sync_dp_state_reference(unfinished, pending)
-    assert decision.any_unfinished == (any(unfinished) or any(pending))
+    # proper fields: a state report carries no tokens, and its flags mean what they say
+    assert decision.all_idle
+    assert decision.any_unfinished == any(unfinished)
+    assert (decision.any_pause, decision.should_pause) == (any(pending), all(pending))
