@@ -2,15 +2,18 @@
 
 Like the daemon, it watches the socket's file descriptor and drains every queued frame in one
 callback; the only futures are the outcomes (one per pending round), never one per frame.
+What each answer means is `RankSession`'s; this shell only decides how to wait (the loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import zmq
 
+from coordd.client.config import ClientConfig
 from coordd.client.session import (
     GroupFailed,
     Pong,
@@ -19,15 +22,8 @@ from coordd.client.session import (
     RegistrationFailed,
     Resolved,
 )
-from coordd.client.transport import (
-    CurveKeys,
-    close_dealer,
-    drain_disconnects,
-    handshake_failure,
-    open_dealer,
-)
-from coordd.proto.address import default_address
-from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
+from coordd.client.transport import RankConnection
+from coordd.proto.errors import CoordError, CoordinatorUnavailable, StepTimeout
 from coordd.proto.messages import (
     Goodbye,
     Heartbeat,
@@ -35,78 +31,73 @@ from coordd.proto.messages import (
     StepKind,
     StepReport,
     Welcome,
-    decode_from_coordinator,
     encode,
 )
 
 _GOODBYE = encode(Goodbye(text="rank closed"))
-# Plain ints: pyzmq's constants are enum.Flag members, slow to combine in Python.
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class AsyncCoordClient:
-    """One DP rank's connection to coordd, for engines that run an asyncio loop."""
+    """One DP rank's connection to coordd, for engines that run an asyncio loop.
+
+    Takes the same settings as `CoordClient`: keyword arguments, `config=`, or both."""
 
     def __init__(
         self,
         address: str | None = None,
         *,
-        dp_rank: int,
-        dp_size: int,
-        config_fingerprint: str = "",
-        group: str = "default",
-        num_ubatches: int = 2,
-        incarnation: str | None = None,
-        wait_timeout: float = 60.0,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 5.0,
-        curve: CurveKeys | None = None,
+        config: ClientConfig | None = None,
         context: zmq.Context | None = None,
+        **options: Any,
     ) -> None:
-        self.address = address or default_address()
-        self.session = RankSession(
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            config_fingerprint=config_fingerprint,
-            group=group,
-            num_ubatches=num_ubatches,
-            incarnation=incarnation,
-        )
-        self.wait_timeout = wait_timeout
-        self._sock, self._monitor = open_dealer(
-            context or zmq.Context.instance(),
-            self.address,
-            self.session.identity,
-            heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout,
-            curve=curve,
-        )
-        self._pending: dict[int, asyncio.Future[StepDecision]] = {}
+        self.config = ClientConfig.of(config, address=address, **options).resolved()
+        self.session = RankSession(self.config)
+        self.connection = RankConnection.open(self.config, self.session.identity, context)
+        #: The futures of unanswered rounds, by seq, with the registration each began in.
+        self._pending: dict[int, tuple[int, asyncio.Future[StepDecision]]] = {}
         self._welcome: asyncio.Future[Welcome] | None = None
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
     @property
+    def address(self) -> str:
+        return self.connection.address
+
+    @property
+    def wait_timeout(self) -> float:
+        return self.config.wait_timeout
+
+    @property
     def dp_rank(self) -> int:
         return self.session.dp_rank
 
+    @property
+    def epoch(self) -> int | None:
+        return self.session.epoch
+
     async def connect(self, timeout: float = 5.0) -> Welcome:
-        """Register (Hello -> Welcome); raises `Rejected` or `CoordinatorUnavailable`."""
-        self._attach()
-        assert self._loop is not None
-        drain_disconnects(self._monitor)
-        self._welcome = self._loop.create_future()
+        """Register (Hello -> Welcome) in a new epoch; raises `Rejected` or
+        `CoordinatorUnavailable`. Rounds still pending from before get the latter."""
+        loop = self._attach()
+        self.connection.disconnected()
+        hello = encode(self.session.hello())
+        self._settle_all()
+        self._welcome = loop.create_future()
         deadline = time.monotonic() + timeout
-        await self._send_before(encode(self.session.hello_message), deadline)
         try:
+            await self._send_before(hello, deadline)
             return await asyncio.wait_for(self._welcome, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            raise CoordinatorUnavailable(
-                f"no answer from coordd at {self.address} within {timeout:g}s" + _why(self._monitor)
-            ) from None
+            error = CoordinatorUnavailable(
+                f"no answer from coordd at {self.address} within {timeout:g}s"
+                + self.connection.why_unreachable()
+            )
+            self._dispatch(self.session.registration_failed(error))
+            raise error from None
+        except CoordinatorUnavailable as error:
+            self._dispatch(self.session.registration_failed(error))
+            raise
         finally:
             self._welcome = None
 
@@ -114,26 +105,20 @@ class AsyncCoordClient:
         self, report: StepReport, kind: StepKind | str = StepKind.FORWARD
     ) -> asyncio.Future[StepDecision]:
         """Send the report now; the future resolves to the round's decision or its error."""
-        assert self._loop is not None, "connect() first"
-        future: asyncio.Future[StepDecision] = self._loop.create_future()
+        loop = self._attach()
+        future: asyncio.Future[StepDecision] = loop.create_future()
         try:
             stamped = self.session.report(
                 report, kind if type(kind) is StepKind else StepKind(kind)
             )
-            self._sock.send(encode(stamped), _NOBLOCK)
         except CoordError as error:
             future.set_exception(error)
             return future
-        except zmq.Again:
-            future.set_exception(
-                self._fail(
-                    CoordinatorUnavailable(
-                        f"cannot send to coordd at {self.address}: no connection"
-                    )
-                )
+        self._pending[stamped.seq] = (self.session.registration, future)
+        if not self.connection.send(encode(stamped)):
+            self._fail(
+                CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
             )
-            return future
-        self._pending[stamped.seq] = future
         self._drain()
         return future
 
@@ -144,8 +129,14 @@ class AsyncCoordClient:
         timeout: float | None = None,
     ) -> StepDecision:
         """start() and await the decision, within `timeout` (default the client's)."""
-        timeout = self.wait_timeout if timeout is None else timeout
-        future = self.start(report, kind)
+        return await self.wait(self.start(report, kind), timeout)
+
+    async def wait(
+        self, future: asyncio.Future[StepDecision], timeout: float | None = None
+    ) -> StepDecision:
+        """Await a `start()` future within `timeout` (default the client's); `StepTimeout`
+        if no answer came by then (the round stays pending: waiting again may succeed)."""
+        timeout = self.config.wait_timeout if timeout is None else timeout
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except asyncio.TimeoutError:
@@ -153,9 +144,9 @@ class AsyncCoordClient:
 
     async def ping(self, timeout: float = 5.0) -> float:
         """Round-trip time to coordd in seconds."""
-        assert self._loop is not None, "connect() first"
+        loop = self._attach()
         nonce = time.monotonic_ns()
-        future: asyncio.Future[None] = self._loop.create_future()
+        future: asyncio.Future[None] = loop.create_future()
         self._pongs[nonce] = future
         began = time.perf_counter()
         try:
@@ -174,9 +165,7 @@ class AsyncCoordClient:
         self._closed = True
         self._detach()
         self._fail(CoordinatorUnavailable("client closed"))
-        close_dealer(
-            self._sock, self._monitor, _GOODBYE if self.session.epoch is not None else None
-        )
+        self.connection.close(_GOODBYE if self.session.epoch is not None else None)
 
     async def __aenter__(self) -> AsyncCoordClient:
         return self
@@ -184,55 +173,47 @@ class AsyncCoordClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # -- internals ----------------------------------------------------------------------------
+    # -- waiting ------------------------------------------------------------------------------
 
-    def _attach(self) -> None:
+    def _attach(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(self._sock.fileno(), self._drain)
-            self._loop.add_reader(self._monitor.fileno(), self._check_monitor)
+            self._loop.add_reader(self.connection.socket.fileno(), self._drain)
+            self._loop.add_reader(self.connection.monitor.fileno(), self._check_monitor)
+        return self._loop
 
     def _detach(self) -> None:
         if self._loop is not None:
-            self._loop.remove_reader(self._sock.fileno())
-            self._loop.remove_reader(self._monitor.fileno())
+            self._loop.remove_reader(self.connection.socket.fileno())
+            self._loop.remove_reader(self.connection.monitor.fileno())
 
     async def _send_before(self, data: bytes, deadline: float) -> None:
-        while not int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+        while not self.connection.writable():
             if time.monotonic() >= deadline:
                 raise CoordinatorUnavailable(
-                    f"cannot reach coordd at {self.address}" + _why(self._monitor)
+                    f"cannot reach coordd at {self.address}" + self.connection.why_unreachable()
                 )
             await asyncio.sleep(0.01)
-        self._sock.send(data, zmq.NOBLOCK)
+        self.connection.send(data)
         self._drain()
 
     def _check_monitor(self) -> None:
-        dropped = drain_disconnects(self._monitor)
+        dropped = self.connection.disconnected()
         self._drain()  # what coordd sent before the close is still this rank's
-        if dropped and self._welcome is None and self._pending and self.session.failed is None:
-            self._fail(CoordinatorUnavailable(f"connection to coordd at {self.address} dropped"))
+        if dropped:
+            self._dispatch(self.session.connection_lost())
 
     def _drain(self) -> None:
-        sock = self._sock
-        while int(sock.getsockopt(_EVENTS)) & _POLLIN:
-            frame = sock.recv(_NOBLOCK)
-            try:
-                msg = decode_from_coordinator(frame)
-            except ProtocolError:
-                continue
-            self._dispatch(self.session.receive(msg))
+        self.connection.drain(self._on_frame)
+
+    def _on_frame(self, frame: bytes) -> None:
+        self._dispatch(self.session.receive_frame(frame))
 
     def _dispatch(self, event: object) -> None:
         if type(event) is Resolved:
-            future = self._pending.pop(event.seq, None)
-            if future is not None and not future.done():
-                if isinstance(event.outcome, CoordError):
-                    future.set_exception(event.outcome)
-                else:
-                    future.set_result(event.outcome)
+            self._settle(event.seq)
         elif type(event) is GroupFailed:
-            self._fail_pending(event.error)
+            self._settle_all()
         elif type(event) is Registered:
             if self._welcome is not None and not self._welcome.done():
                 self._welcome.set_result(event.welcome)
@@ -244,18 +225,26 @@ class AsyncCoordClient:
             if pong is not None and not pong.done():
                 pong.set_result(None)
 
-    def _fail(self, error: CoordError) -> CoordError:
+    def _settle(self, seq: int) -> None:
+        entry = self._pending.get(seq)
+        if entry is None:
+            return
+        registration, future = entry
+        outcome = self.session.outcome(seq, registration)
+        if outcome is None:
+            return
+        del self._pending[seq]
+        if future.done():
+            return
+        if isinstance(outcome, CoordError):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    def _settle_all(self) -> None:
+        for seq in list(self._pending):
+            self._settle(seq)
+
+    def _fail(self, error: CoordError) -> None:
         self.session.fail(error)
-        self._fail_pending(error)
-        return error
-
-    def _fail_pending(self, error: CoordError) -> None:
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(error)
-
-
-def _why(monitor: zmq.Socket) -> str:
-    reason = handshake_failure(monitor)
-    return f": {reason}" if reason else ""
+        self._settle_all()

@@ -1,7 +1,20 @@
 """The rank's side of the protocol, sans-IO: what to send, and what a received message means.
 
-Both clients (blocking and asyncio) are thin shells over this, so they cannot disagree about
-epochs, sequence numbers or which failures end the group.
+Both clients (blocking and asyncio), the device path and the raw test peer are shells over
+this, so they cannot disagree about epochs, sequence numbers, which round an answer resolves,
+or which failures end the group. No sockets and no clocks here: a shell feeds in the frames
+it read and the disconnects it saw, and asks for each round's outcome.
+
+The rules, the same for every shell:
+- A group failure (a `StepFailed` for this epoch, coordd's `Goodbye`, a dropped connection
+  while registered) fails every round not yet answered, and every later `start` and wait,
+  with that one typed error until `connect()` registers again.
+- An answer that came before the failure is still its round's: a shell reads every queued
+  frame before it reports a disconnect, and `outcome` gives a round's own answer first.
+- `connect()` opens a new registration: rounds of the old one that are still unanswered get
+  `CoordinatorUnavailable("superseded by connect()")`, and their uncollected answers are
+  dropped. Until the `Welcome`, a disconnect means nothing (libzmq reconnects and the `Hello`
+  is retried by the caller); a refused or unanswered `Hello` fails the session with its error.
 """
 
 from __future__ import annotations
@@ -9,9 +22,11 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
+from coordd.client.config import ClientConfig
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, Rejected
 from coordd.proto.messages import (
     FailReason,
@@ -25,9 +40,12 @@ from coordd.proto.messages import (
     StepKind,
     StepReport,
     Welcome,
+    decode_from_coordinator,
     error_from_failure,
     error_from_reject,
 )
+
+Outcome = StepDecision | CoordError
 
 
 @dataclass(frozen=True)
@@ -42,15 +60,15 @@ class RegistrationFailed:
 
 @dataclass(frozen=True)
 class Resolved:
-    """The outcome of one round: a decision, or an error for this rank's report alone."""
+    """One round's own answer: a decision, or an error for this rank's report alone."""
 
     seq: int
-    outcome: StepDecision | CoordError
+    outcome: Outcome
 
 
 @dataclass(frozen=True)
 class GroupFailed:
-    """Every pending and later round fails with `error` until the rank registers again."""
+    """Every unanswered and later round fails with `error` until the rank registers again."""
 
     error: CoordError
 
@@ -62,82 +80,156 @@ class Pong:
 
 Event = Registered | RegistrationFailed | Resolved | GroupFailed | Pong
 
+SUPERSEDED = "superseded by connect()"
+
 
 def new_incarnation() -> str:
     return f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
 class RankSession:
-    """One rank's registration, sequence counter and fail-stop state."""
+    """One rank's registration, sequence counter, answered rounds and fail-stop state."""
 
-    def __init__(
-        self,
-        *,
-        dp_rank: int,
-        dp_size: int,
-        config_fingerprint: str = "",
-        group: str = "default",
-        num_ubatches: int = 2,
-        incarnation: str | None = None,
-    ) -> None:
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
+    def __init__(self, config: ClientConfig | None = None, **options: Any) -> None:
+        config = ClientConfig.of(config, **options)
+        self.config = config
+        self.dp_rank = config.dp_rank
+        self.dp_size = config.dp_size
         self.hello_message = Hello(
-            dp_size=dp_size,
-            dp_rank=dp_rank,
-            config_fingerprint=config_fingerprint,
-            incarnation=incarnation or new_incarnation(),
-            group=group,
-            num_ubatches=num_ubatches,
+            dp_size=config.dp_size,
+            dp_rank=config.dp_rank,
+            config_fingerprint=config.config_fingerprint,
+            incarnation=config.incarnation or new_incarnation(),
+            group=config.group,
+            num_ubatches=config.num_ubatches,
         )
         self.epoch: int | None = None
         self.next_seq = 0
         self.failed: CoordError | None = None
+        self.registering = False
+        #: How many times `connect()` began; a round belongs to the registration it started in.
+        self.registration = 0
+        self._answers: dict[int, list[Outcome]] = {}
 
     @property
     def identity(self) -> bytes:
         """The ZeroMQ routing id: stable across reconnects of this incarnation."""
         return f"{self.dp_rank}:{self.hello_message.incarnation}".encode()
 
+    # -- what to send ---------------------------------------------------------------------------
+
+    def hello(self) -> Hello:
+        """Begin a registration (see the module's rules); returns the `Hello` to send."""
+        self.registering = True
+        self.registration += 1
+        self._answers.clear()
+        return self.hello_message
+
     def report(self, report: StepReport, kind: StepKind) -> StepReport:
         """Stamp `report` with this rank's envelope and take the next seq."""
+        stamped = self.stamp(report, kind)
+        self.next_seq += 1
+        return stamped
+
+    def stamp(
+        self,
+        report: StepReport,
+        kind: StepKind,
+        *,
+        seq: int | None = None,
+        dp_rank: int | None = None,
+    ) -> StepReport:
+        """`report` in this rank's envelope for the next seq, which is not taken; `seq` and
+        `dp_rank` replace what a proper rank would put (a test peer's faults)."""
         if self.failed is not None:
             raise self.failed
         if self.epoch is None:
             raise ProtocolError("not registered: call connect() first", rank=self.dp_rank)
-        stamped = msgspec.structs.replace(
-            report, dp_rank=self.dp_rank, epoch=self.epoch, seq=self.next_seq, kind=kind
+        return msgspec.structs.replace(
+            report,
+            dp_rank=self.dp_rank if dp_rank is None else dp_rank,
+            epoch=self.epoch,
+            seq=self.next_seq if seq is None else seq,
+            kind=kind,
         )
-        self.next_seq += 1
-        return stamped
+
+    # -- what came ------------------------------------------------------------------------------
+
+    def receive_frame(self, frame: bytes) -> Event | None:
+        """`receive` for raw bytes; a frame that does not decode is dropped."""
+        try:
+            msg = decode_from_coordinator(frame)
+        except ProtocolError:
+            return None
+        return self.receive(msg)
 
     def receive(self, msg: FromCoordinator) -> Event | None:
         """What `msg` means for this rank; None for stale messages of an older epoch."""
         if type(msg) is StepDecision:
-            return Resolved(msg.seq, msg) if msg.epoch == self.epoch else None
+            return self._answer(msg.seq, msg) if msg.epoch == self.epoch else None
         if type(msg) is StepFailed:
             return self._on_failed(msg)
         if type(msg) is Welcome:
             self.epoch = msg.epoch
             self.next_seq = msg.next_seq
             self.failed = None
+            self.registering = False
             return Registered(msg)
         if type(msg) is Reject:
-            return RegistrationFailed(error_from_reject(msg))
+            error = error_from_reject(msg)
+            self.registering = False
+            self.failed = error
+            return RegistrationFailed(error)
         if type(msg) is Heartbeat:
             return Pong(msg.nonce)
         if type(msg) is Goodbye:
             return self.fail(CoordinatorUnavailable(f"coordd said goodbye: {msg.text}"))
         return None
 
+    def connection_lost(self) -> GroupFailed | None:
+        """The connection to coordd dropped (read what it queued first): the group's failure
+        while registered and not yet failed, else nothing."""
+        if self.registering or self.epoch is None or self.failed is not None:
+            return None
+        where = f" at {self.config.address}" if self.config.address else ""
+        return self.fail(CoordinatorUnavailable(f"connection to coordd{where} dropped"))
+
+    def registration_failed(self, error: CoordError) -> GroupFailed:
+        """No `Welcome` came (the shell gave up waiting): fail with `error` until connect()."""
+        self.registering = False
+        return self.fail(error)
+
     def fail(self, error: CoordError) -> GroupFailed:
         self.failed = error
         return GroupFailed(error)
 
+    # -- what a wait finds ----------------------------------------------------------------------
+
+    def outcome(self, seq: int, registration: int) -> Outcome | None:
+        """Take round `seq`'s outcome: its own answer, else the group's failure, else None
+        while it is still open. A round started before the latest connect() is superseded."""
+        if registration != self.registration:
+            return CoordinatorUnavailable(SUPERSEDED)
+        answers = self._answers.get(seq)
+        if answers:
+            first = answers.pop(0)
+            if not answers:
+                del self._answers[seq]
+            return first
+        return self.failed
+
+    def settled(self, seq: int, registration: int) -> bool:
+        """True if `outcome` would not be None (without taking it)."""
+        return registration != self.registration or seq in self._answers or self.failed is not None
+
+    def _answer(self, seq: int, outcome: Outcome) -> Resolved:
+        self._answers.setdefault(seq, []).append(outcome)
+        return Resolved(seq, outcome)
+
     def _on_failed(self, msg: StepFailed) -> Event | None:
         error = error_from_failure(msg)
         if msg.reason is FailReason.PROTOCOL:
-            return Resolved(msg.seq, error)
+            return self._answer(msg.seq, error)
         if msg.reason is FailReason.UNAVAILABLE or msg.epoch == self.epoch:
             return self.fail(error)
         return None

@@ -1,4 +1,4 @@
-"""The rank's ZeroMQ DEALER socket: options shared by the blocking and the asyncio client.
+"""The rank's ZeroMQ DEALER to coordd: socket options, the disconnect monitor, CURVE keys.
 
 Liveness is left to libzmq: ZMTP heartbeats (PING/PONG) are sent and answered by ZeroMQ's
 I/O thread, so a rank blocked on the GPU, or idle between steps, stays alive without any
@@ -8,89 +8,154 @@ Python running; a socket monitor tells the client when the connection to coordd 
 from __future__ import annotations
 
 import contextlib
-import os
-import weakref
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
 import zmq
-from zmq.utils import z85
 
+from coordd.client.config import (
+    CLIENT_KEY_ENV,
+    SERVER_KEY_ENV,
+    ClientConfig,
+    CurveKeys,
+    curve_keys_from_env,
+)
+from coordd.proto.keyfile import KeyFileError, read_key_file
 from coordd.proto.messages import MAX_MESSAGE_BYTES
 
-#: Environment variables that name the key files a rank uses when `curve` is not given.
-SERVER_KEY_ENV = "COORDD_CURVE_SERVER_KEY"
-CLIENT_KEY_ENV = "COORDD_CURVE_CLIENT_KEY"
+# Plain ints: pyzmq's constants are enum.Flag members, slow to combine in Python.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_NOBLOCK = int(zmq.NOBLOCK)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+_HANDSHAKE_FAILED = int(
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+__all__ = [
+    "CLIENT_KEY_ENV",
+    "SERVER_KEY_ENV",
+    "CurveKeys",
+    "KeyFileError",
+    "RankConnection",
+    "close_dealer",
+    "curve_keys_from_env",
+    "open_dealer",
+    "read_key_file",
+]
 
 
-class KeyFileError(ValueError):
-    """A CURVE key file is missing, unreadable or malformed; `path` names it."""
+class RankConnection:
+    """One DEALER connected to coordd, the monitor that reports its disconnects, and why its
+    last security handshake failed (so an unreachable coordd is explained, not just timed out).
 
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"CURVE key file {path}: {problem}")
-        self.path = path
-        self.problem = problem
+    Without `curve`, the keys named by $COORDD_CURVE_SERVER_KEY/$COORDD_CURVE_CLIENT_KEY are
+    used if set (the deploy files set them), else the connection is unauthenticated."""
 
-
-def _z85_key(path: str, name: str, value: bytes) -> bytes:
-    if len(value) != 40:
-        raise KeyFileError(path, f"{name} must be 40 z85 characters, got {len(value)}")
-    try:
-        z85.decode(value)
-    except Exception:  # z85 raises KeyError, ValueError or struct.error
-        raise KeyFileError(path, f"{name} is not valid z85") from None
-    return value
-
-
-def read_key_file(path: str) -> tuple[bytes, bytes | None]:
-    """(public, secret or None) from a ZeroMQ certificate file, as `coordd keygen` writes."""
-    try:
-        with open(path, "rb") as f:
-            lines = f.read(65536).splitlines()
-    except OSError as exc:
-        raise KeyFileError(path, exc.strerror or str(exc)) from None
-    public = secret = None
-    for raw in lines:
-        line = raw.strip()
-        if line.startswith(b"public-key"):
-            public = line.split(b"=", 1)[1].strip(b" \t'\"")
-        elif line.startswith(b"secret-key"):
-            secret = line.split(b"=", 1)[1].strip(b" \t'\"")
-    if public is None:
-        raise KeyFileError(path, "no public-key line (make key files with `coordd keygen`)")
-    public = _z85_key(path, "public-key", public)
-    return public, None if secret is None else _z85_key(path, "secret-key", secret)
-
-
-@dataclass(frozen=True)
-class CurveKeys:
-    """CURVE credentials for tcp: coordd's public key and this rank's key pair (z85 bytes)."""
-
-    server_public: bytes
-    public: bytes
-    secret: bytes
+    def __init__(
+        self,
+        context: zmq.Context,
+        address: str,
+        identity: bytes,
+        *,
+        heartbeat_interval: float,
+        heartbeat_timeout: float,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        if curve is None:
+            curve = curve_keys_from_env()
+        self.address = address
+        self.uses_curve = curve is not None
+        self.handshake_failure: str | None = None
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # Not IMMEDIATE: with it, libzmq drops what coordd sent and the rank has not read yet
+        # when the connection closes (a decision, then the Goodbye of a coordd that shuts down).
+        sock.setsockopt(zmq.IMMEDIATE, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout * 1000))
+        if curve is not None:
+            sock.curve_serverkey = curve.server_public
+            sock.curve_publickey = curve.public
+            sock.curve_secretkey = curve.secret
+        self.socket = sock
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+        sock.connect(address)
 
     @classmethod
-    def from_files(cls, server_public_file: str, client_secret_file: str) -> CurveKeys:
-        """coordd's public key file (NAME.key) and this rank's secret one (NAME.key_secret)."""
-        server_public, _ = read_key_file(server_public_file)
-        public, secret = read_key_file(client_secret_file)
-        if secret is None:
-            raise KeyFileError(
-                client_secret_file, "has no secret-key: give the rank's NAME.key_secret file"
-            )
-        return cls(server_public, public, secret)
+    def open(
+        cls, config: ClientConfig, identity: bytes, context: zmq.Context | None = None
+    ) -> RankConnection:
+        """The connection `config` describes (its address resolved), under routing id `identity`."""
+        return cls(
+            context or zmq.Context.instance(),
+            config.resolved().address or "",
+            identity,
+            heartbeat_interval=config.heartbeat_interval,
+            heartbeat_timeout=config.heartbeat_timeout,
+            curve=config.curve,
+        )
 
+    def writable(self) -> bool:
+        """True if a send would be queued now (the pipe to coordd exists)."""
+        return bool(int(self.socket.getsockopt(_EVENTS)) & _POLLOUT)
 
-def curve_keys_from_env() -> CurveKeys | None:
-    """Keys from $COORDD_CURVE_SERVER_KEY and $COORDD_CURVE_CLIENT_KEY, or None if unset."""
-    server, client = os.environ.get(SERVER_KEY_ENV), os.environ.get(CLIENT_KEY_ENV)
-    if not server and not client:
-        return None
-    if not server or not client:
-        missing = SERVER_KEY_ENV if not server else CLIENT_KEY_ENV
-        raise KeyFileError(missing, "is unset: CURVE needs both key files")
-    return CurveKeys.from_files(server, client)
+    def send(self, data: bytes) -> bool:
+        """Queue `data` without blocking; False if there is no pipe to queue it on."""
+        try:
+            self.socket.send(data, _NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def drain(self, on_frame: Callable[[bytes], object]) -> None:
+        """Hand every queued frame to `on_frame`; ends on a ZMQ_EVENTS check, which is what
+        re-arms the socket's edge-triggered file descriptor for an event loop."""
+        sock = self.socket
+        if sock.closed:
+            return
+        # Try the first frame straight away: a wait mostly finds the decision queued, and a
+        # cold getsockopt costs more than the recv. After it, EVENTS rather than recv-until-
+        # Again: raising zmq.Again costs several times that.
+        try:
+            frame = sock.recv(_NOBLOCK)
+        except zmq.Again:
+            pass
+        else:
+            on_frame(frame)
+        while int(sock.getsockopt(_EVENTS)) & _POLLIN:
+            on_frame(sock.recv(_NOBLOCK))
+
+    def disconnected(self) -> bool:
+        """Read every pending monitor event; True if any was a disconnect (a failed handshake
+        is remembered in `handshake_failure`)."""
+        seen = False
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return seen
+            event = int.from_bytes(frames[0][:2], "little")
+            seen = seen or event == _DISCONNECTED
+            if event & _HANDSHAKE_FAILED:
+                value = int.from_bytes(frames[0][2:6], "little")
+                self.handshake_failure = _explain_handshake(event, value, self.uses_curve)
+
+    def why_unreachable(self) -> str:
+        """': <reason>' if the last security handshake failed, else ''."""
+        self.disconnected()
+        return f": {self.handshake_failure}" if self.handshake_failure else ""
+
+    def close(self, final: bytes | None = None) -> None:
+        """Send `final` if the pipe is up (best effort, never blocks), then close both sockets."""
+        close_dealer(self.socket, self.monitor, final)
 
 
 def open_dealer(
@@ -102,32 +167,16 @@ def open_dealer(
     heartbeat_timeout: float,
     curve: CurveKeys | None = None,
 ) -> tuple[zmq.Socket, zmq.Socket]:
-    """Connect a DEALER to coordd; returns it and a monitor socket that reports disconnects.
-
-    Without `curve`, the keys named by $COORDD_CURVE_SERVER_KEY/$COORDD_CURVE_CLIENT_KEY are
-    used if set (the deploy files set them), else the connection is unauthenticated."""
-    if curve is None:
-        curve = curve_keys_from_env()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, identity)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    # Not IMMEDIATE: with it, libzmq drops what coordd sent and the rank has not read yet when
-    # the connection closes (a decision, then the Goodbye of a coordd that shuts down).
-    sock.setsockopt(zmq.IMMEDIATE, 0)
-    sock.setsockopt(zmq.RECONNECT_IVL, 100)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout * 1000))
-    if curve is not None:
-        sock.curve_serverkey = curve.server_public
-        sock.curve_publickey = curve.public
-        sock.curve_secretkey = curve.secret
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
-    _handshakes[monitor] = [curve is not None, None]
-    sock.connect(address)
-    return sock, monitor
+    """A bare (DEALER, monitor) pair set up as a rank's, for tools that drive the sockets."""
+    conn = RankConnection(
+        context,
+        address,
+        identity,
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_timeout=heartbeat_timeout,
+        curve=curve,
+    )
+    return conn.socket, conn.monitor
 
 
 def close_dealer(sock: zmq.Socket, monitor: zmq.Socket, final: bytes | None = None) -> None:
@@ -142,15 +191,6 @@ def close_dealer(sock: zmq.Socket, monitor: zmq.Socket, final: bytes | None = No
         sock.disable_monitor()
     monitor.close(linger=0)
     sock.close()
-
-
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-#: Whether each monitor's socket uses CURVE, and the last handshake failure it reported.
-_handshakes: weakref.WeakKeyDictionary[zmq.Socket, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def _explain_handshake(event: int, value: int, curve: bool) -> str:
@@ -173,27 +213,3 @@ def _explain_handshake(event: int, value: int, curve: bool) -> str:
         "the CURVE handshake failed: is COORDD_CURVE_SERVER_KEY (curve.server_public) "
         "coordd's public key?"
     )
-
-
-def handshake_failure(monitor: zmq.Socket) -> str | None:
-    """Why the last connection attempt's security handshake failed, if one did."""
-    drain_disconnects(monitor)
-    state = _handshakes.get(monitor)
-    return None if state is None else state[1]
-
-
-def drain_disconnects(monitor: zmq.Socket) -> bool:
-    """Read every pending monitor event; True if any was a disconnect (a failed handshake is
-    remembered for `handshake_failure`)."""
-    seen = False
-    while True:
-        try:
-            frames = monitor.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return seen
-        event = int.from_bytes(frames[0][:2], "little")
-        seen = seen or event == zmq.EVENT_DISCONNECTED
-        if event & _HANDSHAKE_FAILED:
-            value = int.from_bytes(frames[0][2:6], "little")
-            state = _handshakes.setdefault(monitor, [False, None])
-            state[1] = _explain_handshake(event, value, state[0])

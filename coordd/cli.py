@@ -154,9 +154,9 @@ def check_server_args(args: argparse.Namespace) -> bool:
 def serve(args: argparse.Namespace) -> int:
     import zmq
 
-    from coordd.client.transport import KeyFileError
     from coordd.keys import CurveGate, SecurityConfigError
     from coordd.logs import setup_logging
+    from coordd.proto.keyfile import KeyFileError
     from coordd.server import CoordServer
 
     setup_logging(args.log_level, args.log_format)

@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from coordd import logs
-from coordd.client.transport import KeyFileError, read_key_file
+from coordd.proto.keyfile import KeyFileError, read_key_file
 
 log = logging.getLogger("coordd")
 

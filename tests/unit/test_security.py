@@ -10,14 +10,7 @@ import pytest
 import zmq.auth
 
 from coordd import cli
-from coordd.client.transport import (
-    CLIENT_KEY_ENV,
-    SERVER_KEY_ENV,
-    CurveKeys,
-    KeyFileError,
-    curve_keys_from_env,
-    read_key_file,
-)
+from coordd.client.config import CLIENT_KEY_ENV, SERVER_KEY_ENV, CurveKeys, curve_keys_from_env
 from coordd.keys import (
     SecurityConfigError,
     check_security_options,
@@ -26,6 +19,7 @@ from coordd.keys import (
     write_keypair,
 )
 from coordd.proto.address import default_address, runtime_dir
+from coordd.proto.keyfile import KeyFileError, is_z85, parse_key_text, read_key_file
 from coordd.server import prepare_ipc_path
 
 
@@ -77,6 +71,21 @@ def test_bad_key_files_name_the_file_and_the_problem(tmp_path: Path, content: st
     with pytest.raises(KeyFileError, match=problem) as info:
         read_key_file(str(path))
     assert info.value.path == str(path)
+
+
+def test_key_text_parses_without_a_file_and_z85_agrees_with_zeromq() -> None:
+    from zmq.utils import z85
+
+    public, secret = zmq.curve_keypair()
+    text = b'metadata\ncurve\n    public-key = "%s"\n    secret-key = "%s"\n' % (public, secret)
+    assert parse_key_text("mem", text) == (public, secret)
+    for sample in (public, secret, b"0" * 40, b"#" * 5, b"%nSc0", b"%nSc1", b"abc", b"~~~~~"):
+        try:
+            z85.decode(sample)
+            valid = True
+        except Exception:
+            valid = False
+        assert is_z85(sample) is valid, sample
 
 
 def test_secret_and_client_key_loading(tmp_path: Path) -> None:
