@@ -7,7 +7,8 @@ flight, finish it, then run the drafter's round. The view shows steps/s, the rou
 overlap leaves visible), and the share of padded tokens. At the end the demo checks that every
 rank got the same decision in every round, equal to the policy applied to all reports.
 
-The view uses rich on a terminal and prints plain lines otherwise (or without rich).
+The view uses rich on a terminal (the `demo` extra: pip install 'coordd[demo]') and prints plain
+lines otherwise, or without rich.
 """
 
 from __future__ import annotations
@@ -189,6 +190,10 @@ def make_view(title: str, plain: bool) -> PlainView | RichView:
     try:
         return RichView(title)
     except ImportError:
+        print(
+            "coordd demo: the live table needs rich (pip install 'coordd[demo]'); plain lines",
+            file=sys.stderr,
+        )
         return PlainView(title)
 
 

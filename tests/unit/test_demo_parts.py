@@ -92,3 +92,19 @@ def test_verify_reports_rank_errors_and_missing_rounds() -> None:
     _, problems = verify(logs, 2)
     assert problems == ["rank 1: RankLost: rank(s) [0] lost",
                         "ranks logged different numbers of rounds: [4, 10]"]
+
+
+def test_demo_without_rich_prints_plain_lines_and_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """rich is the `demo` extra, not a dependency: the demo runs without it, and says so."""
+    import sys
+
+    from coordd.tools.demo import PlainView, make_view
+
+    for name in ("rich", "rich.console", "rich.live", "rich.table"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    view = make_view("title", plain=False)
+    assert isinstance(view, PlainView)
+    assert "coordd[demo]" in capsys.readouterr().err

@@ -1,0 +1,234 @@
+"""The direction of imports between coordd's layers, checked on the source (issue 10, part 4).
+
+Layers, by module name: `coordd.proto` (the wire format and the coordinator's state machine),
+`coordd.client` (what an engine rank runs), the daemon (every other `coordd.X` module at the top:
+cli, server, metrics, status, endpoints, logs, keys), `coordd.testing` (fault-injection pieces
+for engines' tests) and `coordd.tools` (bench, chaos, demo, device_check). The rules:
+
+- proto imports nothing of ours but proto;
+- client imports only proto;
+- the daemon imports only proto (it runs the state machine, never the client);
+- testing imports proto and client (the daemon only as a subprocess, which is not an import);
+- tools may import everything.
+
+Every `import` counts: at the top, inside functions, under TYPE_CHECKING; relative imports are
+resolved. `coordd.cli` dispatching to a tool through `importlib.import_module("...")` is not an
+import statement, so a subcommand's module loads only when it is chosen. Third-party imports are
+held too: an engine rank installs pyzmq and msgspec (torch only for the device path), so proto,
+client and testing may import nothing else beyond the standard library.
+
+Beside the static walk, one test imports the client in a fresh interpreter and checks that none of
+the daemon's or the tools' dependencies were loaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import coordd
+
+PACKAGE = "coordd"
+PACKAGE_DIR = Path(coordd.__file__).resolve().parent
+
+#: layer -> the layers it may import
+ALLOWED: dict[str, frozenset[str]] = {
+    "proto": frozenset({"proto"}),
+    "client": frozenset({"proto", "client"}),
+    "daemon": frozenset({"proto", "daemon"}),
+    "testing": frozenset({"proto", "client", "testing"}),
+    "tools": frozenset({"proto", "client", "daemon", "testing", "tools"}),
+}
+
+#: layer -> the third-party top-level packages it may import (None: any)
+THIRD_PARTY: dict[str, frozenset[str] | None] = {
+    "proto": frozenset({"msgspec"}),
+    "client": frozenset({"zmq", "msgspec", "torch"}),
+    "testing": frozenset({"zmq", "msgspec"}),
+    "daemon": None,
+    "tools": None,
+}
+
+#: Loaded by an engine rank that imports the client, these would be a dependency it should not
+#: need: rich (the demo), prometheus_client and uvloop (the daemon), torch (the device path only).
+NOT_FOR_RANKS = ("rich", "prometheus_client", "uvloop", "torch", "coordd.tools", "coordd.server")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target, as written in module `source` at `path`:`line`."""
+
+    source: str
+    target: str
+    path: str
+    line: int
+
+
+def layer_of(module: str, package: str = PACKAGE) -> str | None:
+    """The layer of one of our modules, or None for a module that is not ours."""
+    parts = module.split(".")
+    if parts[0] != package:
+        return None
+    if len(parts) > 1 and parts[1] in ("proto", "client", "testing", "tools"):
+        return parts[1]
+    return "daemon"
+
+
+def modules_of(package_dir: Path, package: str = PACKAGE) -> dict[str, Path]:
+    """Every module of the package (following the client/proto links): dotted name -> file."""
+    out: dict[str, Path] = {}
+    for folder, dirs, files in os.walk(package_dir, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        rel = Path(folder).relative_to(package_dir).parts
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            stem = () if name == "__init__.py" else (name[:-3],)
+            out[".".join((package, *rel, *stem))] = Path(folder) / name
+    return out
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
+    """Every import in the file, anywhere in it; `from a import b` names `a.b` if that is a
+    module, else `a`; relative imports are resolved against the module's package."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out: list[Import] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [Import(module, alias.name, str(path), node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                drop = node.level - 1 if is_package else node.level
+                anchor = anchor[: len(anchor) - drop] if drop else anchor
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                target = candidate if candidate in known else base
+                out.append(Import(module, target, str(path), node.lineno))
+    return out
+
+
+def violations(package_dir: Path, package: str = PACKAGE) -> list[str]:
+    """Every wrong arrow under `package_dir`, as 'path:line: source (layer) -> target (layer)'."""
+    modules = modules_of(package_dir, package)
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    found: list[str] = []
+    for module, path in modules.items():
+        source = layer_of(module, package)
+        assert source is not None
+        for imp in dict.fromkeys(imports_of(module, path, set(modules))):
+            target = layer_of(imp.target, package)
+            where = f"{imp.path}:{imp.line}: {module} ({source}) -> {imp.target}"
+            if target is not None:
+                if target not in ALLOWED[source]:
+                    allowed = ", ".join(sorted(ALLOWED[source]))
+                    found.append(f"{where} ({target}): {source} may import only {allowed}")
+                continue
+            top = imp.target.split(".")[0]
+            third_party = THIRD_PARTY[source]
+            if third_party is not None and top not in stdlib and top not in third_party:
+                allowed = ", ".join(sorted(third_party))
+                found.append(f"{where}: {source} may use only {allowed} beyond the stdlib")
+    return found
+
+
+# -- the rules on coordd itself -------------------------------------------------------------
+
+
+def test_every_import_points_the_allowed_way() -> None:
+    wrong = violations(PACKAGE_DIR)
+    assert not wrong, "wrong import arrows:\n" + "\n".join(wrong)
+
+
+def test_the_walk_sees_every_layer() -> None:
+    """A walk that found no modules (a broken link, a moved folder) would pass vacuously."""
+    layers = {layer_of(m) for m in modules_of(PACKAGE_DIR)}
+    assert layers == set(ALLOWED)
+    assert "coordd.client.sync" in modules_of(PACKAGE_DIR)
+
+
+def test_an_engine_rank_loads_only_pyzmq_and_msgspec() -> None:
+    """Importing the client, the wire format and the testing kit loads none of the daemon's,
+    the demo's or the device path's dependencies."""
+    code = (
+        "import sys, coordd.client, coordd.proto, coordd.client.vllm, coordd.testing\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {NOT_FOR_RANKS!r}"
+        f" or any(m.startswith(p + '.') or m == p for p in {NOT_FOR_RANKS!r})))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_daemon_loads_no_tool_until_one_is_chosen() -> None:
+    code = (
+        "import sys\n"
+        "from coordd.cli import parse\n"
+        "parse(['--dp', '2'])\n"
+        "assert not [m for m in sys.modules if m.startswith(('coordd.tools', 'coordd.testing',"
+        " 'rich'))], sorted(sys.modules)\n"
+        "parse(['bench', '--dp', '2'])\n"
+        "assert 'coordd.tools.bench' in sys.modules\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+# -- the walker can fail ----------------------------------------------------------------------
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / PACKAGE
+
+
+def test_the_walker_reports_a_wrong_arrow_with_module_line_and_layers(tmp_path: Path) -> None:
+    package_dir = _write(
+        tmp_path,
+        {
+            "coordd/__init__.py": "",
+            "coordd/server.py": "from coordd.proto import wire\n",
+            "coordd/proto/__init__.py": "",
+            "coordd/proto/wire.py": "import msgspec\n\n\ndef f():\n    from ..client import rank\n",
+            "coordd/client/__init__.py": "from . import rank\n",
+            "coordd/client/rank.py": "import zmq\nfrom coordd.proto.wire import f\n",
+            "coordd/testing/__init__.py": "import coordd.server\n",
+            "coordd/tools/__init__.py": "from coordd import server, testing\nimport rich\n",
+        },
+    )
+    wrong = violations(package_dir)
+    assert len(wrong) == 2, wrong
+    proto, testing = sorted(wrong, key=lambda w: "testing" in w)
+    assert proto.endswith(
+        "wire.py:5: coordd.proto.wire (proto) -> coordd.client.rank (client): "
+        "proto may import only proto"
+    )
+    assert "__init__.py:1: coordd.testing (testing) -> coordd.server (daemon)" in testing
+
+
+def test_the_walker_holds_the_rank_side_to_pyzmq_and_msgspec(tmp_path: Path) -> None:
+    package_dir = _write(
+        tmp_path,
+        {
+            "coordd/__init__.py": "",
+            "coordd/client/__init__.py": "import json\nimport zmq\n\n\ndef f():\n    import rich\n",
+        },
+    )
+    assert violations(package_dir) == [
+        f"{package_dir}/client/__init__.py:6: coordd.client (client) -> rich: "
+        "client may use only msgspec, torch, zmq beyond the stdlib"
+    ]
