@@ -2,8 +2,8 @@
 
 Latency (p50/p90/p99) per method and dp with the same rank processes for every method; overlap
 (exposed wait when the round runs under W of sleeping or spinning work); scale (dp 16..256
-simulated asyncio ranks: latency, coordd's CPU per round and resident memory); the targets of
-issue 5 with their measured ratios. `--json` keeps every figure, `--plot` draws them.
+simulated asyncio ranks: latency, coordd's CPU per round and resident memory); coordd's
+performance targets with their measured ratios. `--json` keeps every figure, `--plot` draws them.
 """
 
 from __future__ import annotations

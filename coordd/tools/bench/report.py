@@ -1,4 +1,5 @@
-"""The benchmark's results as tables, the targets of issue 5 with their measured ratios, JSON."""
+"""The benchmark's results as tables, coordd's performance targets with their measured ratios,
+and JSON."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _target(name: str, value: float | None, limit: float, unit: str, where: str)
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 5's targets, each with its measured figure (None: not measured in this run)."""
+    """coordd's performance targets, each with its measured figure (None: not measured)."""
     latency = results.get("latency", [])
     overlap = results.get("overlap", [])
     scale = results.get("scale", [])
@@ -270,7 +271,7 @@ def render(results: dict[str, Any]) -> str:
     for r in checks:
         parts.append(f"\nWRONG DECISIONS: {r['mismatches']} in {r}")
     tgts = results.get("targets") or targets(results)
-    parts.append("\nTargets (issue 5)")
+    parts.append("\nTargets")
     parts.append(
         table(
             ["target", "where", "measured", "limit", "met"],

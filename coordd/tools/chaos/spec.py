@@ -8,7 +8,7 @@ import msgspec
 
 
 class Fault(str, enum.Enum):
-    """The fault kinds, one scenario each (numbered as in the issue that asked for them)."""
+    """The fault kinds, one scenario each."""
 
     SKIPPED_SEQ = "skipped_seq"
     REPEATED_SEQ = "repeated_seq"
