@@ -15,13 +15,22 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 from coordd.proto.address import default_address
 from coordd.proto.coordinator import Coordinator, OnRankLoss
 
-#: Subcommands besides `serve`: name -> (module, help). Each module has
-#: `add_arguments(parser)` and `run(args) -> int`, and is imported only when chosen.
+
+class Subcommand(Protocol):
+    """A subcommand's module: imported by name only when chosen, so the daemon loads no tool."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+#: Subcommands besides `serve`: name -> (module, help). The tools live in coordd.tools and
+#: need what the daemon does not (the demo's live view: the `demo` extra; bench's gloo: torch).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("coordd.tools.demo", "coordd plus simulated engine ranks, with round latency"),
     "bench": ("coordd.tools.bench", "latency, overlap and scale against torch.distributed gloo"),
@@ -235,7 +244,7 @@ def _run(main: Callable[[], Any]) -> None:
         uvloop.run(main())
 
 
-def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Any]:
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Subcommand | None]:
     """Parse a coordd command line: (args, the chosen subcommand's module or None for serve).
 
     The tests parse every command the deploy files run with this same function."""
@@ -246,11 +255,11 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Any]:
     parser = argparse.ArgumentParser(prog="coordd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_server_options(sub.add_parser("serve", help="run the coordinator (the default)"))
-    chosen = None
+    chosen: Subcommand | None = None
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text)
         if argv[0] == name:
-            chosen = importlib.import_module(module_name)
+            chosen = cast(Subcommand, importlib.import_module(module_name))
             chosen.add_arguments(sub_parser)
     return parser.parse_args(argv), chosen
 
