@@ -1,8 +1,15 @@
 """The library engine ranks import: report each step's batch, collect the group's decision."""
 
 from coordd.client.aio import AsyncCoordClient
+from coordd.client.config import ClientConfig, CurveKeys
 from coordd.client.factory import connect_coordinator
 from coordd.client.sync import CoordClient, PendingStep
-from coordd.client.transport import CurveKeys
 
-__all__ = ["AsyncCoordClient", "CoordClient", "CurveKeys", "PendingStep", "connect_coordinator"]
+__all__ = [
+    "AsyncCoordClient",
+    "ClientConfig",
+    "CoordClient",
+    "CurveKeys",
+    "PendingStep",
+    "connect_coordinator",
+]

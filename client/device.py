@@ -31,10 +31,12 @@ import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from coordd.client.config import ClientConfig
 from coordd.client.session import RankSession
 from coordd.proto.coordinator import Coordinator
 from coordd.proto.errors import (
@@ -352,17 +354,14 @@ class DeviceCoordClient:
     def __init__(
         self,
         *,
-        dp_rank: int | None = None,
-        dp_size: int | None = None,
-        config_fingerprint: str = "",
-        group: str = "default",
-        num_ubatches: int = 2,
-        incarnation: str | None = None,
-        wait_timeout: float = 60.0,
+        config: ClientConfig | None = None,
         process_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         cuda_wait: str = "poll",
+        **options: Any,
     ) -> None:
+        """Settings as for `CoordClient` (keywords, `config=`, or both); only the group's and
+        `wait_timeout` are read. `dp_rank` and `dp_size` default to the process group's."""
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "the device path needs an initialized torch.distributed process group "
@@ -371,21 +370,21 @@ class DeviceCoordClient:
         rank = dist.get_rank(process_group)
         if rank < 0:
             raise ValueError("this process is not a member of process_group")
+        dp_rank = options.pop("dp_rank", None)
+        if dp_rank is None and config is not None:
+            dp_rank = config.dp_rank
         if dp_rank is not None and dp_rank != rank:
             raise ValueError(f"dp_rank={dp_rank}, but this process is rank {rank} of the group")
         if cuda_wait not in ("poll", "work"):
             raise ValueError(f"cuda_wait must be 'poll' or 'work', got {cuda_wait!r}")
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        self.session = RankSession(
-            dp_rank=rank,
-            dp_size=self.world_size if dp_size is None else dp_size,
-            config_fingerprint=config_fingerprint,
-            group=group,
-            num_ubatches=num_ubatches,
-            incarnation=incarnation,
-        )
-        self.wait_timeout = wait_timeout
+        if options.get("dp_size") is None:
+            options.pop("dp_size", None)
+            if config is None:
+                options["dp_size"] = self.world_size
+        self.config = ClientConfig.of(config, dp_rank=rank, **options)
+        self.session = RankSession(self.config)
         backend = str(dist.get_backend(process_group))
         if device is None:
             on_cuda = backend == "nccl"
@@ -393,8 +392,8 @@ class DeviceCoordClient:
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._poll_work = backend == "nccl" and cuda_wait == "poll"
-        self._fingerprint = fingerprint_hash(config_fingerprint)
-        self._num_ubatches = num_ubatches
+        self._fingerprint = fingerprint_hash(self.config.config_fingerprint)
+        self._num_ubatches = self.config.num_ubatches
         self._hellos: list[Hello] = []
         self._shared_seq = 0
         self._failed_seq: int | None = None
@@ -403,6 +402,10 @@ class DeviceCoordClient:
         self._closed = False
 
     # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def wait_timeout(self) -> float:
+        return self.config.wait_timeout
 
     @property
     def dp_rank(self) -> int:

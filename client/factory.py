@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Protocol
 
+from coordd.client.config import ClientConfig
 from coordd.proto.messages import StepDecision, StepKind, StepReport, Welcome
 
 if TYPE_CHECKING:
@@ -60,42 +61,30 @@ def device_path_enabled(device_path: bool | None = None) -> bool:
 def connect_coordinator(
     address: str | None = None,
     *,
-    dp_rank: int,
-    dp_size: int,
-    config_fingerprint: str = "",
-    group: str = "default",
-    num_ubatches: int = 2,
-    incarnation: str | None = None,
-    wait_timeout: float = 60.0,
+    config: ClientConfig | None = None,
     device_path: bool | None = None,
     process_group: Any = None,
     device: Any = None,
-    **coordd_options: Any,
+    context: Any = None,
+    **options: Any,
 ) -> CoordClient | DeviceCoordClient:
     """A `CoordClient` for coordd at `address`, or a `DeviceCoordClient` on the device path.
 
-    The device path is chosen by `device_path=True`, or by `COORDD_DEVICE_PATH=1` when
-    `device_path` is None. It runs over `process_group` (None: torch's default group) on
-    `device`; `address` and `coordd_options` (heartbeats, curve, context) only concern coordd
-    and are ignored there, so the caller can pass the same arguments either way. The client
-    is not yet registered: call `connect()` next, as with either client.
+    The settings are a `ClientConfig` (`config=`), its fields as keywords, or both, as for
+    either client. The device path is chosen by `device_path=True`, or by
+    `COORDD_DEVICE_PATH=1` when `device_path` is None. It runs over `process_group` (None:
+    torch's default group) on `device`, and ignores what only concerns coordd (the address,
+    heartbeats, curve, context), so the caller can pass the same arguments either way. The
+    client is not yet registered: call `connect()` next, as with either client.
     """
-    common: dict[str, Any] = dict(
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        config_fingerprint=config_fingerprint,
-        group=group,
-        num_ubatches=num_ubatches,
-        incarnation=incarnation,
-        wait_timeout=wait_timeout,
-    )
+    config = ClientConfig.of(config, address=address, **options)
     if device_path_enabled(device_path):
         from coordd.client.device import DeviceCoordClient
 
-        return DeviceCoordClient(process_group=process_group, device=device, **common)
+        return DeviceCoordClient(config=config, process_group=process_group, device=device)
     from coordd.client.sync import CoordClient
 
-    return CoordClient(address, **common, **coordd_options)
+    return CoordClient(config=config, context=context)
 
 
 if TYPE_CHECKING:
