@@ -1,0 +1,257 @@
+"""RankSession on its own: no sockets, no clocks. Feed it messages (or bytes) and disconnects,
+and check which round resolves, which fails, and what connect() clears."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from coordd.client.config import ClientConfig
+from coordd.client.session import (
+    SUPERSEDED,
+    GroupFailed,
+    Pong,
+    RankSession,
+    Registered,
+    RegistrationFailed,
+    Resolved,
+)
+from coordd.proto.errors import (
+    CoordinatorUnavailable,
+    ProtocolError,
+    RankLost,
+    Rejected,
+    StepMismatch,
+    StepTimeout,
+)
+from coordd.proto.messages import (
+    Goodbye,
+    Heartbeat,
+    StepDecision,
+    StepKind,
+    StepReport,
+    Welcome,
+    encode,
+    failure_message,
+    reject_message,
+)
+from coordd.proto.policy import decide
+
+FORWARD = StepKind.FORWARD
+REPORT = StepReport(num_tokens=3, num_tokens_padded=4, has_unfinished=True)
+CONFIG = ClientConfig(dp_rank=1, dp_size=2, config_fingerprint="fp", address="ipc:///x.sock")
+
+
+def decision(epoch: int, seq: int) -> StepDecision:
+    return decide([REPORT, REPORT], epoch=epoch, seq=seq, kind=FORWARD)
+
+
+def registered(epoch: int = 3, next_seq: int = 10) -> RankSession:
+    session = RankSession(CONFIG)
+    session.hello()
+    event = session.receive(Welcome(epoch=epoch, next_seq=next_seq, dp_size=2))
+    assert isinstance(event, Registered)
+    return session
+
+
+def started(session: RankSession) -> tuple[int, int]:
+    """Report one round; (seq, registration) as a shell keeps them."""
+    return session.report(REPORT, FORWARD).seq, session.registration
+
+
+# -- what to send -------------------------------------------------------------------------------
+
+
+def test_the_hello_and_identity_come_from_the_config() -> None:
+    session = RankSession(CONFIG)
+    hello = session.hello()
+    assert (hello.dp_rank, hello.dp_size, hello.config_fingerprint) == (1, 2, "fp")
+    assert (hello.group, hello.num_ubatches) == ("default", 2)
+    assert session.identity == f"1:{hello.incarnation}".encode()
+    assert session.registering
+    again = RankSession(dataclasses.replace(CONFIG, incarnation="pod-7"))
+    assert again.identity == b"1:pod-7"
+    # keywords build the same config
+    assert RankSession(dp_rank=1, dp_size=2, config_fingerprint="fp").config == dataclasses.replace(
+        CONFIG, address=None
+    )
+
+
+def test_nothing_is_reported_before_a_welcome() -> None:
+    session = RankSession(CONFIG)
+    with pytest.raises(ProtocolError, match="call connect"):
+        session.report(REPORT, FORWARD)
+
+
+def test_reports_are_stamped_with_the_welcomes_epoch_and_seq() -> None:
+    session = registered(epoch=3, next_seq=10)
+    first = session.report(REPORT, FORWARD)
+    second = session.report(REPORT, StepKind.DRAFT)
+    assert (first.dp_rank, first.epoch, first.seq, first.kind) == (1, 3, 10, FORWARD)
+    assert (second.seq, second.kind) == (11, StepKind.DRAFT)
+    # stamp() does not take the seq, and lets a test peer put what a real rank would not
+    forged = session.stamp(REPORT, FORWARD, seq=99, dp_rank=0)
+    assert (forged.seq, forged.dp_rank, session.next_seq) == (99, 0, 12)
+
+
+# -- which round resolves -----------------------------------------------------------------------
+
+
+def test_a_decision_resolves_its_own_round_once() -> None:
+    session = registered()
+    a, b = started(session), started(session)
+    assert session.outcome(*a) is None and not session.settled(*a)
+    event = session.receive(decision(3, a[0]))
+    assert event == Resolved(a[0], decision(3, a[0]))
+    assert session.settled(*a) and not session.settled(*b)
+    assert session.outcome(*a) == decision(3, a[0])
+    assert session.outcome(*a) is None, "taken once"
+    assert session.outcome(*b) is None
+
+
+def test_bytes_are_decoded_and_garbage_is_dropped() -> None:
+    session = registered()
+    seq, registration = started(session)
+    assert session.receive_frame(b"\xc1 not msgpack") is None
+    assert session.receive_frame(encode(Heartbeat(nonce=7))) == Pong(7)
+    assert isinstance(session.receive_frame(encode(decision(3, seq))), Resolved)
+    assert session.outcome(seq, registration) == decision(3, seq)
+
+
+def test_answers_of_an_older_epoch_are_ignored() -> None:
+    session = registered(epoch=3)
+    seq, registration = started(session)
+    assert session.receive(decision(2, seq)) is None
+    old_failure = failure_message(RankLost([0]), epoch=2, seq=seq, kind=FORWARD)
+    assert session.receive(old_failure) is None
+    assert session.outcome(seq, registration) is None and session.failed is None
+
+
+def test_a_protocol_error_answers_one_report_and_the_group_goes_on() -> None:
+    session = registered()
+    seq, registration = started(session)
+    spoofed = ProtocolError("report for another rank", rank=1)
+    event = session.receive(failure_message(spoofed, epoch=3, seq=seq, kind=FORWARD))
+    assert isinstance(event, Resolved)
+    # two answers for one seq (a test peer's duplicate) are taken in order
+    session.receive(decision(3, seq))
+    assert session.outcome(seq, registration) == spoofed
+    assert session.outcome(seq, registration) == decision(3, seq)
+    assert session.failed is None
+
+
+# -- what fails the group -----------------------------------------------------------------------
+
+
+def test_a_group_failure_fails_every_open_and_later_round_until_connect() -> None:
+    session = registered()
+    done, open_a, open_b = started(session), started(session), started(session)
+    session.receive(decision(3, done[0]))  # came before the failure: still its round's
+    error = StepMismatch(0, open_a[0], "forward", open_a[0] + 1, "forward")
+    event = session.receive(failure_message(error, epoch=3, seq=open_a[0], kind=FORWARD))
+    assert event == GroupFailed(error)
+    assert session.outcome(*done) == decision(3, done[0])
+    assert session.outcome(*open_a) == session.outcome(*open_b) == error
+    with pytest.raises(StepMismatch):
+        session.report(REPORT, FORWARD)
+    assert session.connection_lost() is None, "the first failure stays the one reported"
+    session.hello()
+    session.receive(Welcome(epoch=4, next_seq=open_a[0], dp_size=2))
+    assert session.failed is None and session.report(REPORT, FORWARD).epoch == 4
+
+
+def test_coordd_unavailable_fails_the_group_whatever_the_epoch() -> None:
+    session = registered(epoch=3)
+    seq, registration = started(session)
+    gone = CoordinatorUnavailable("coordd restarted")
+    assert isinstance(
+        session.receive(failure_message(gone, epoch=1, seq=seq, kind=FORWARD)), GroupFailed
+    )
+    assert session.outcome(seq, registration) == gone
+
+
+def test_goodbye_fails_the_group_with_its_text() -> None:
+    session = registered()
+    seq, registration = started(session)
+    event = session.receive(Goodbye(text="coordd stopping"))
+    assert isinstance(event, GroupFailed)
+    outcome = session.outcome(seq, registration)
+    assert isinstance(outcome, CoordinatorUnavailable)
+    assert "goodbye: coordd stopping" in str(outcome)
+
+
+def test_a_disconnect_fails_the_group_only_while_registered() -> None:
+    session = RankSession(CONFIG)
+    assert session.connection_lost() is None, "never registered"
+    session.hello()
+    assert session.connection_lost() is None, "registering: libzmq reconnects"
+    session.receive(Welcome(epoch=3, next_seq=0, dp_size=2))
+    event = session.connection_lost()  # with no round open: a later wait gets it at once
+    assert isinstance(event, GroupFailed)
+    assert str(event.error) == "connection to coordd at ipc:///x.sock dropped"
+    with pytest.raises(CoordinatorUnavailable, match="dropped"):
+        session.report(REPORT, FORWARD)
+
+
+# -- what connect() clears ----------------------------------------------------------------------
+
+
+def test_connect_supersedes_the_old_rounds_and_drops_their_answers() -> None:
+    session = registered()
+    answered, unanswered = started(session), started(session)
+    session.receive(decision(3, answered[0]))
+    session.hello()
+    assert session.outcome(*answered) == CoordinatorUnavailable(SUPERSEDED)
+    assert session.outcome(*unanswered) == CoordinatorUnavailable(SUPERSEDED)
+    session.receive(Welcome(epoch=4, next_seq=answered[0], dp_size=2))
+    fresh = started(session)
+    assert fresh[0] == answered[0], "the new epoch may reuse a seq: the old answer is gone"
+    assert session.outcome(*fresh) is None
+
+
+def test_a_refused_or_unanswered_hello_fails_the_session_with_its_error() -> None:
+    session = registered()
+    seq, registration = started(session)
+    refused = Rejected("rank_taken", "rank 1 is registered", expected="", got="")
+    session.hello()
+    event = session.receive(reject_message(refused))
+    assert isinstance(event, RegistrationFailed) and event.error == refused
+    assert not session.registering
+    assert session.outcome(seq, registration) == CoordinatorUnavailable(SUPERSEDED)
+    with pytest.raises(Rejected):
+        session.report(REPORT, FORWARD)
+    session.hello()
+    silence = CoordinatorUnavailable("no answer from coordd within 5s")
+    assert session.registration_failed(silence) == GroupFailed(silence)
+    assert not session.registering
+    with pytest.raises(CoordinatorUnavailable, match="no answer"):
+        session.report(REPORT, FORWARD)
+
+
+def test_a_timeout_answers_a_round_that_fails_the_group() -> None:
+    session = registered()
+    seq, registration = started(session)
+    timeout = StepTimeout([0], 0.5)
+    session.receive(failure_message(timeout, epoch=3, seq=seq, kind=FORWARD))
+    assert session.outcome(seq, registration) == timeout
+
+
+# -- the config ---------------------------------------------------------------------------------
+
+
+def test_client_config_takes_keywords_a_config_or_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ClientConfig.of(dp_rank=1, dp_size=2, config_fingerprint="fp", address="ipc:///x.sock") \
+        == CONFIG
+    assert ClientConfig.of(CONFIG) is CONFIG
+    assert ClientConfig.of(CONFIG, address=None).address == "ipc:///x.sock", "None: not given"
+    assert ClientConfig.of(CONFIG, address="tcp://h:1", wait_timeout=2.0) == dataclasses.replace(
+        CONFIG, address="tcp://h:1", wait_timeout=2.0
+    )
+    with pytest.raises(TypeError):
+        ClientConfig.of(CONFIG, no_such_option=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CONFIG.dp_rank = 0  # type: ignore[misc]
+    monkeypatch.setenv("COORDD_ADDRESS", "ipc:///from/env.sock")
+    assert ClientConfig(dp_rank=0, dp_size=1).resolved().address == "ipc:///from/env.sock"
+    assert CONFIG.resolved() is CONFIG
