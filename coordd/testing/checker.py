@@ -37,11 +37,12 @@ from coordd.testing.rounds import check_rounds
 from coordd.testing.scenario import ScenarioInfo
 from coordd.testing.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
 
-__all__ = ["ProcessLog", "ScenarioResult", "check_history", "check_scenario"]
+__all__ = ["ProcessLog", "ScenarioInfo", "ScenarioResult", "check_history", "check_scenario"]
 
 
 def check_scenario(directory: str) -> ScenarioResult:
-    """Load a scenario directory written by the runner and check it."""
+    """Load a scenario directory and check it: `scenario.json` (a `ScenarioInfo`), one history
+    (`*.jsonl`) per process, the runner's among them (role "runner"), and `coordd.log`."""
     with open(os.path.join(directory, "scenario.json"), "rb") as f:
         info = msgspec.json.decode(f.read(), type=ScenarioInfo)
     logs: list[ProcessLog] = []
@@ -153,9 +154,6 @@ def _syncs(
         elif open_sync is not None and log.name not in info.harness_kills:
             found.hangs.append(f"{log.name} began seq {open_sync.seq} and never saw its outcome")
     return out
-
-
-# -- every round ------------------------------------------------------------------------------
 
 
 # -- the end ----------------------------------------------------------------------------------
