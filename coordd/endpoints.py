@@ -109,10 +109,8 @@ class HttpEndpoints:
 
 def coordd_routes(server: CoordServer, observer: Observer) -> dict[str, Route]:
     """The four endpoints of one coordd."""
-    coordinator = server.coordinator
-    registry = make_registry(
-        CoorddCollector(observer, server.stats, lambda: readiness(coordinator))
-    )
+    snapshot = server.coordinator.snapshot
+    registry = make_registry(CoorddCollector(observer, server.stats, lambda: readiness(snapshot())))
 
     def metrics() -> Response:
         return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
@@ -121,7 +119,7 @@ def coordd_routes(server: CoordServer, observer: Observer) -> dict[str, Route]:
         return 200, _TEXT, b"ok\n"
 
     def readyz() -> Response:
-        ready, why = readiness(coordinator)
+        ready, why = readiness(snapshot())
         return (200 if ready else 503), _TEXT, (why + "\n").encode()
 
     def status() -> Response:

@@ -1,7 +1,8 @@
 """What coordd counts about its rounds, and the Prometheus view of it.
 
-`Observer` is told about each completed round once (from the coordinator's `last_round`), each
-fault once, and each registration; it keeps plain integers and lists, with no lock, because
+`Observer` is told about each completed round once, each fault once, and each registration,
+and reads the group only through the coordinator's `GroupSnapshot` (a decision or a failure is
+new when the snapshot's counter moved); it keeps plain integers and lists, with no lock, because
 everything (the socket, the timer and the HTTP endpoints) runs on the daemon's one event loop.
 Per round it does a handful of additions (a histogram bucket, the straggler's counter, a deque
 append), so metrics add no per-message cost. `CoorddCollector` turns those numbers into
@@ -15,14 +16,15 @@ import platform
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from coordd import logs
-from coordd.proto.coordinator import LEFT_THE_GROUP, CompletedRound, Coordinator
+from coordd.proto.coordinator import LEFT_THE_GROUP
+from coordd.proto.group_state import GroupState
 from coordd.proto.messages import (
     PROTOCOL_VERSION,
     FailReason,
@@ -32,6 +34,8 @@ from coordd.proto.messages import (
     StepFailed,
     Welcome,
 )
+from coordd.proto.rounds import CompletedRound
+from coordd.proto.snapshot import GroupSnapshot
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -91,10 +95,14 @@ class DurationHistogram:
 
 
 class Observer:
-    """Counts rounds, faults and registrations of one coordinator; logs each fault once."""
+    """Counts rounds, faults and registrations of one coordinator; logs each fault once.
 
-    def __init__(self, coordinator: Coordinator, *, wall: Any = time.time) -> None:
-        self.coordinator = coordinator
+    `view` returns the group as it stands now (the coordinator's `snapshot`)."""
+
+    def __init__(self, view: Callable[[], GroupSnapshot], *, wall: Any = time.time) -> None:
+        self.view = view
+        first = view()
+        self.dp_size = first.dp_size
         self.wall = wall
         self.started_wall = wall()
         self.durations: dict[str, DurationHistogram] = {}
@@ -102,15 +110,16 @@ class Observer:
         self.faults: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.registrations = 0
-        self.stragglers = [0] * coordinator.dp_size
+        self.stragglers = [0] * self.dp_size
         self.rounds_at_join: dict[int, int] = {}
         self.addresses: dict[bytes, str] = {}
         self.recent: deque[CompletedRound] = deque(
-            maxlen=max(8, min(1000, LATENESS_BUDGET // coordinator.dp_size))
+            maxlen=max(8, min(1000, LATENESS_BUDGET // self.dp_size))
         )
         self.recent_failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
-        self.seen_failure: StepFailed | None = None
-        self._seen_round: CompletedRound | None = None
+        #: The snapshot's `failures` and `decisions` when this observer last counted them.
+        self.failures_seen = first.failures
+        self._decisions_seen = first.decisions
         self._registering: tuple[bytes, Hello] | None = None
         self._group = "-"
         #: Clients refused by the CURVE gate (set when coordd runs with CURVE).
@@ -121,14 +130,15 @@ class Observer:
     def sent(self, peers: Sequence[bytes], message: object) -> None:
         """The server sent `message` (once per round for a decision; rare otherwise).
 
-        A decision costs about a microsecond here: one histogram bucket, the straggler's
-        counter and a deque append, with the coordinator's `last_round` read directly."""
+        A decision costs a few microseconds here: the snapshot (built once per change), one
+        histogram bucket, the straggler's counter and a deque append."""
         kind = type(message)
         if kind is StepDecision:
-            rnd = self.coordinator.last_round
-            if rnd is None or rnd is self._seen_round:
+            snap = self.view()
+            rnd = snap.last_round
+            if rnd is None or snap.decisions == self._decisions_seen:
                 return  # a re-sent decision (a rank repeated its report): not a new round
-            self._seen_round = rnd
+            self._decisions_seen = snap.decisions
             histogram = self.durations.get(rnd.kind._value_)
             if histogram is None:
                 histogram = self.durations[rnd.kind._value_] = DurationHistogram()
@@ -139,10 +149,10 @@ class Observer:
                 self.stragglers[rnd.last_rank] += 1
             self.recent.append(rnd)
         elif kind is StepFailed:
-            if message is self.coordinator.last_failure:
-                if message is not self.seen_failure:
-                    self.group_failed()
-            else:
+            snap = self.view()
+            if snap.failures != self.failures_seen:
+                self.group_failed(snap)
+            if message != snap.last_failure:  # not the group's failure: one peer's error
                 self._peer_error(peers, message)  # type: ignore[arg-type]
         elif kind is Welcome:
             self._welcomed(peers)
@@ -155,14 +165,15 @@ class Observer:
         self._registering = (peer, hello)
         if address:
             self.addresses[peer] = str(address)
-        if len(self.addresses) > 4 * self.coordinator.dp_size + 16:
-            live = self.coordinator.peer_rank
+        if len(self.addresses) > 4 * self.dp_size + 16:
+            live = {member.peer for member in self.view().members.values()}
             self.addresses = {p: a for p, a in self.addresses.items() if p in live or p == peer}
 
-    def group_failed(self) -> None:
-        """The coordinator's group failure changed (checked once per drain, not per message)."""
-        failure = self.coordinator.last_failure
-        self.seen_failure = failure
+    def group_failed(self, snap: GroupSnapshot) -> None:
+        """The group failed since this observer last looked (`snap.failures` moved): the
+        server checks once per drain, which also catches failures nobody was sent."""
+        self.failures_seen = snap.failures
+        failure = snap.last_failure
         if failure is None:
             return
         self.failed[failure.kind.value] += 1
@@ -173,18 +184,23 @@ class Observer:
         """A registered rank's connection closed (called after the coordinator was told)."""
         if rank is None:
             return
-        c = self.coordinator
+        snap = self.view()
+        kind = snap.open_kind
         logs.event(
             log,
             logging.WARNING,
             "rank lost",
             **logs.fault_fields(
-                group=self.group, epoch=c.epoch, seq=c.seq, kind=self._open_kind, ranks=[rank]
+                group=self.group,
+                epoch=snap.epoch,
+                seq=snap.seq,
+                kind=kind.value if kind is not None else "-",
+                ranks=[rank],
             ),
             reason="lost",
             peer=self.addresses.get(peer, "") or _peer_text(peer),
             detail=detail,
-            on_rank_loss=c.on_rank_loss.value,
+            on_rank_loss=snap.on_rank_loss.value,
         )
 
     # -- derived ------------------------------------------------------------------------------
@@ -192,20 +208,17 @@ class Observer:
     @property
     def group(self) -> str:
         """The group's name (the last known one once every rank is gone)."""
-        hello = self.coordinator.group
+        hello = self.view().group
         if hello is not None:
             self._group = hello.group
         return self._group
 
     def fault_fields(self, kind: str) -> dict[str, Any]:
         """Fault-line fields for an event outside a round (a refused connection)."""
-        c = self.coordinator
-        return logs.fault_fields(group=self.group, epoch=c.epoch, seq=c.seq, kind=kind, ranks=[])
-
-    @property
-    def _open_kind(self) -> str:
-        kind = self.coordinator.kind
-        return kind.value if kind is not None else "-"
+        snap = self.view()
+        return logs.fault_fields(
+            group=self.group, epoch=snap.epoch, seq=snap.seq, kind=kind, ranks=[]
+        )
 
     @property
     def decided(self) -> dict[str, int]:
@@ -223,7 +236,7 @@ class Observer:
     def mean_lateness(self) -> list[float | None]:
         """Per rank: mean seconds between a round's first report and this rank's, over the
         recent rounds (None for a rank with no report among them)."""
-        dp = self.coordinator.dp_size
+        dp = self.dp_size
         sums = [0.0] * dp
         counts = [0] * dp
         for rnd in self.recent:
@@ -270,31 +283,31 @@ class Observer:
         )
 
     def _welcomed(self, peers: Sequence[bytes]) -> None:
-        c = self.coordinator
+        snap = self.view()
         for peer in peers:
-            rank = c.peer_rank.get(peer)
+            rank = snap.rank_of(peer)
             if rank is None:
                 continue
             self.registrations += 1
             self.rounds_at_join[rank] = self.rounds_completed
-            member = c.members[rank]
+            member = snap.members[rank]
             self._group = member.hello.group
             logs.event(
                 log,
                 logging.INFO,
                 "rank registered",
                 group=member.hello.group,
-                epoch=c.epoch,
-                seq=c.seq,
+                epoch=snap.epoch,
+                seq=snap.seq,
                 rank=rank,
                 incarnation=member.hello.incarnation,
                 peer=self.addresses.get(peer, "") or _peer_text(peer),
-                registered=f"{len(c.members)}/{c.dp_size}",
+                registered=f"{len(snap.members)}/{snap.dp_size}",
             )
 
     def _rejected(self, peers: Sequence[bytes], reject: Reject) -> None:
         self.rejected[reject.reason.value] += 1
-        c = self.coordinator
+        snap = self.view()
         registering = self._registering
         hello = registering[1] if registering and registering[0] in peers else None
         logs.event(
@@ -303,8 +316,8 @@ class Observer:
             "registration rejected",
             **logs.fault_fields(
                 group=hello.group if hello else self.group,
-                epoch=c.epoch,
-                seq=c.seq,
+                epoch=snap.epoch,
+                seq=snap.seq,
                 kind="register",
                 ranks=[hello.dp_rank] if hello else [],
             ),
@@ -320,7 +333,7 @@ def _peer_text(peer: bytes) -> str:
 
 
 class CoorddCollector:
-    """Renders an `Observer`, the server's frame counters and the coordinator at scrape time
+    """Renders an `Observer`, the server's frame counters and the group's snapshot at scrape time
     (prometheus_client is imported only here, so the daemon's round path never loads it)."""
 
     def __init__(self, observer: Observer, stats: ServerStats, ready: Any) -> None:
@@ -331,12 +344,13 @@ class CoorddCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
             CounterMetricFamily,
+            GaugeMetricFamily,
             HistogramMetricFamily,
             InfoMetricFamily,
         )
 
         o = self.observer
-        c = o.coordinator
+        c = o.view()
         s = self.stats
         info = InfoMetricFamily("coordd_build", "coordd's version and what it was built with")
         info.add_metric(
@@ -364,8 +378,14 @@ class CoorddCollector:
         yield _gauge(
             "coordd_group_failed",
             "1 while the group is failed (until ranks re-register)",
-            int(c.failure is not None),
+            int(c.state is GroupState.FAILED),
         )
+        state = GaugeMetricFamily(
+            "coordd_group_state", "1 for the group's current state", labels=["state"]
+        )
+        for each in GroupState:
+            state.add_metric([each.value], int(each is c.state))
+        yield state
         yield _gauge("coordd_ready", "1 when /readyz answers 200", int(self.ready()[0]))
 
         rounds = CounterMetricFamily(

@@ -102,7 +102,7 @@ class CoordServer:
         self.coordinator = coordinator
         self.address = address
         self.stats = ServerStats()
-        self.observer = observer or Observer(coordinator)
+        self.observer = observer or Observer(coordinator.snapshot)
         self.clock = clock
         self._context = context or zmq.Context()
         self._ipc_path = prepare_ipc_path(address)
@@ -174,8 +174,11 @@ class CoordServer:
         self._drained()
 
     def _drained(self) -> None:
-        if self.coordinator.last_failure is not self.observer.seen_failure:
-            self.observer.group_failed()  # once per drain: also failures nobody was sent
+        """Once per drain: a group failure nobody was sent (a rank lost between rounds) shows
+        only in the snapshot's failure counter, so the observer is told from there."""
+        snap = self.coordinator.snapshot()
+        if snap.failures != self.observer.failures_seen:
+            self.observer.group_failed(snap)
         self._schedule_deadline()
 
     def _drain_frames(self) -> None:
@@ -234,7 +237,7 @@ class CoordServer:
                 continue
             del self._peer_fd[peer]
             self.stats.disconnects += 1
-            rank = self.coordinator.peer_rank.get(peer)
+            rank = self.coordinator.snapshot().rank_of(peer)
             self._send(self.coordinator.peer_lost(peer, self.clock(), "connection closed"))
             self.observer.lost(rank, peer, "connection closed")
         return seen

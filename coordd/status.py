@@ -1,9 +1,9 @@
 """coordd's status: the /status document (built in the daemon) and `coordd status` (a table).
 
-The document says where the group stands (epoch, the open round, readiness, the failure if
-any) and, per rank, who holds it (routing id, address, incarnation), when it last reported,
-how many rounds it took part in, how late its reports come on average, and how often it was
-the last to report (the straggler). `coordd status` fetches it over HTTP and prints it as a
+The document says where the group stands (its state, epoch, the open round, readiness, the
+failure if any) and, per rank, who holds it (routing id, address, incarnation), when it last
+reported, how many rounds it took part in, how late its reports come on average, and how often
+it was the last to report (the straggler). `coordd status` fetches it over HTTP and prints it as a
 table; `coordd status --probe livez|readyz` is the health check the deploy files run.
 """
 
@@ -18,8 +18,8 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
-from coordd.proto.coordinator import Coordinator, OnRankLoss
 from coordd.proto.messages import PROTOCOL_VERSION
+from coordd.proto.snapshot import GroupSnapshot, OnRankLoss
 
 if TYPE_CHECKING:
     from coordd.metrics import Observer
@@ -29,34 +29,36 @@ if TYPE_CHECKING:
 DEFAULT_METRICS_PORT = 9180
 
 
-def readiness(coordinator: Coordinator) -> tuple[bool, str]:
+def readiness(snap: GroupSnapshot) -> tuple[bool, str]:
     """Ready: every dp rank registered (neutralize mode: or left out) and the group not failed."""
-    c = coordinator
-    if c.failure is not None:
-        return False, f"group failed at seq {c.failure.seq}: {c.failure.text}"
-    present = len(c.members)
-    counted = present + (len(c.dead) if c.on_rank_loss is OnRankLoss.NEUTRALIZE else 0)
-    if present == 0 or counted < c.dp_size:
-        return False, f"{present}/{c.dp_size} ranks registered"
-    if c.dead:
-        return True, f"{present}/{c.dp_size} ranks registered, left out: {sorted(c.dead)}"
-    return True, f"{present}/{c.dp_size} ranks registered"
+    failure = snap.failure
+    if failure is not None:
+        return False, f"group failed at seq {failure.seq}: {failure.text}"
+    present = len(snap.members)
+    counted = present + (len(snap.dead) if snap.on_rank_loss is OnRankLoss.NEUTRALIZE else 0)
+    if present == 0 or counted < snap.dp_size:
+        return False, f"{present}/{snap.dp_size} ranks registered"
+    if snap.dead:
+        return True, f"{present}/{snap.dp_size} ranks registered, left out: {sorted(snap.dead)}"
+    return True, f"{present}/{snap.dp_size} ranks registered"
 
 
 def status_document(server: CoordServer, observer: Observer) -> dict[str, Any]:
     """The /status JSON: O(dp x recent rounds) work, only when asked."""
     from coordd.metrics import version
 
-    c = server.coordinator
+    snap = server.coordinator.snapshot()
     now = server.clock()
-    ready, why = readiness(c)
+    ready, why = readiness(snap)
     lateness = observer.mean_lateness()
-    last = c.last_round
+    last = snap.last_round
+    open_round = snap.round
     ranks = []
-    for rank in range(c.dp_size):
-        member = c.members.get(rank)
-        state = "registered" if member else ("left out" if rank in c.dead else "missing")
-        seen = c.arrivals[rank]
+    for rank in range(snap.dp_size):
+        member = snap.members.get(rank)
+        state = "registered" if member else ("left out" if rank in snap.dead else "missing")
+        arrived = open_round.arrivals[rank] if open_round is not None else None
+        seen = arrived
         if seen is None and last is not None:
             seen = last.arrivals[rank]
         if seen is None and member is not None:
@@ -68,13 +70,13 @@ def status_document(server: CoordServer, observer: Observer) -> dict[str, Any]:
             "address": observer.addresses.get(member.peer) if member else None,
             "incarnation": member.hello.incarnation if member else None,
             "last_seen_s": None if seen is None else round(max(0.0, now - seen), 6),
-            "reported_open_round": c.arrivals[rank] is not None,
+            "reported_open_round": arrived is not None,
             "rounds": observer.rounds_of(rank) if member else 0,
             "mean_lateness_s": lateness[rank],
             "straggler_rounds": observer.stragglers[rank],
         }
         ranks.append(entry)
-    failure = c.failure
+    failure = snap.failure
     return {
         "coordd": {
             "version": version(),
@@ -84,18 +86,19 @@ def status_document(server: CoordServer, observer: Observer) -> dict[str, Any]:
             "uptime_s": round(observer.wall() - observer.started_wall, 3),
         },
         "group": observer.group,
-        "dp_size": c.dp_size,
-        "epoch": c.epoch,
-        "seq": c.seq,
-        "on_rank_loss": c.on_rank_loss.value,
-        "step_timeout_s": c.step_timeout,
+        "dp_size": snap.dp_size,
+        "state": snap.state.value,
+        "epoch": snap.epoch,
+        "seq": snap.seq,
+        "on_rank_loss": snap.on_rank_loss.value,
+        "step_timeout_s": snap.step_timeout,
         "ready": ready,
         "ready_detail": why,
         "round": {
-            "open": c.round_open,
-            "kind": c.kind.value if c.kind is not None else None,
-            "reported": c.reported,
-            "age_s": None if c.round_started is None else round(now - c.round_started, 6),
+            "open": open_round is not None,
+            "kind": open_round.kind.value if open_round is not None else None,
+            "reported": open_round.reported if open_round is not None else 0,
+            "age_s": None if open_round is None else round(now - open_round.started, 6),
         },
         "failure": None
         if failure is None
@@ -228,7 +231,8 @@ def render(doc: dict[str, Any]) -> str:
     lines = [
         f"coordd {info['version']} (protocol {info['protocol_version']}) at {info['address']}"
         f", pid {info['pid']}, up {_seconds(info['uptime_s'])}",
-        f"group {doc['group']}  dp {doc['dp_size']}  epoch {doc['epoch']}  seq {doc['seq']}"
+        f"group {doc['group']}  dp {doc['dp_size']}  state {doc.get('state', '-')}"
+        f"  epoch {doc['epoch']}  seq {doc['seq']}"
         f"  on rank loss: {doc['on_rank_loss']}  step timeout {_seconds(doc['step_timeout_s'])}",
         f"ready: {'yes' if doc['ready'] else 'NO'} ({doc['ready_detail']})",
     ]

@@ -4,8 +4,12 @@ It owns membership (who is which rank), the round (which seq and kind is open, w
 what) and the fault rules. It never reads a clock or touches a socket: the daemon passes
 `now` in and moves the bytes, and tests drive it with a fake clock.
 
+Every input becomes one event of `coordd.proto.group_state` (JOIN, OPEN, REPORT, DECIDE,
+FAIL, ...), and `_move` checks it against that module's table, the one place the group's
+legal moves are written down. Readers see the group only through `snapshot()`.
+
 Fail-stop: the first fault ends the round for every rank with one `StepFailed`; the group then
-stays failed, and every later report gets that same failure at once, until a rank registers
+stays FAILED, and every later report gets that same failure at once, until a rank registers
 again, which opens a new epoch.
 
 Elastic (`OnRankLoss.NEUTRALIZE`): a lost rank is left out instead; it counts as a neutral
@@ -16,9 +20,8 @@ and a returning rank is admitted only at a round boundary. Other faults still fa
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple
 
 from coordd.proto.errors import (
@@ -32,13 +35,12 @@ from coordd.proto.errors import (
     StepMismatch,
     StepTimeout,
 )
+from coordd.proto.group_state import GroupEvent, GroupState, next_state
 from coordd.proto.messages import (
-    PROTOCOL_VERSION,
     FromCoordinator,
     Goodbye,
     Heartbeat,
     Hello,
-    RejectReason,
     StepDecision,
     StepFailed,
     StepKind,
@@ -49,6 +51,11 @@ from coordd.proto.messages import (
     reject_message,
 )
 from coordd.proto.policy import decide, validate_report
+from coordd.proto.registration import check_basics, check_membership, rank_taken
+from coordd.proto.rounds import CompletedRound, Round
+from coordd.proto.snapshot import GroupSnapshot, Member, OnRankLoss
+
+_E, _S = GroupEvent, GroupState
 
 
 class Send(NamedTuple):
@@ -58,29 +65,11 @@ class Send(NamedTuple):
     message: FromCoordinator
 
 
-class OnRankLoss(str, enum.Enum):
-    FAIL = "fail"
-    NEUTRALIZE = "neutralize"
+class _Decided(NamedTuple):
+    """The last decided round and its decision: a rank that re-sends its report gets it again."""
 
-
-@dataclass(frozen=True)
-class Member:
-    peer: bytes
-    hello: Hello
-    joined_at: float
-
-
-class CompletedRound(NamedTuple):
-    """The last completed round, for metrics and status (recorded once per round, never read
-    on the hot path): when it started (the first report) and completed, and whose report
-    completed it (the straggler; None when a rank loss completed it)."""
-
-    seq: int
-    kind: StepKind
-    started: float
-    completed: float
-    last_rank: int | None
-    arrivals: list[float | None]  # each rank's report time; None for a rank left out
+    round: Round
+    decision: StepDecision
 
 
 _NOTHING: tuple[Send, ...] = ()
@@ -103,25 +92,24 @@ class Coordinator:
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
         self.dp_size = dp_size
-        self.epoch = epoch
         self.step_timeout = step_timeout
         self.on_rank_loss = on_rank_loss
-        self.members: dict[int, Member] = {}
-        self.peer_rank: dict[bytes, int] = {}
-        self.dead: set[int] = set()
-        self.seq = 0
-        self.kind: StepKind | None = None
-        self.reports: list[StepReport | None] = [None] * dp_size
-        self.reported = 0
-        self.round_started: float | None = None
-        self.failure: StepFailed | None = None
-        self.last_failure: StepFailed | None = None
-        self.last_reports: list[StepReport | None] = [None] * dp_size
-        self.last_decision: StepDecision | None = None
-        self.arrivals: list[float | None] = [None] * dp_size
-        self.last_round: CompletedRound | None = None
+        self._state = _S.EMPTY
+        self._epoch = epoch
+        self._seq = 0
+        self._members: dict[int, Member] = {}
+        self._peer_rank: dict[bytes, int] = {}
+        self._dead: frozenset[int] = frozenset()
+        self._round: Round | None = None
+        self._queued: list[tuple[bytes, Hello]] = []  # lost ranks back mid-round (elastic)
+        self._failure: StepFailed | None = None
+        self._failures = 0
+        self._decided: _Decided | None = None
+        self._decisions = 0
+        self._last_round: CompletedRound | None = None
         self._peers: tuple[bytes, ...] | None = None
-        self._joining: list[tuple[bytes, Hello]] = []
+        self._members_view: MappingProxyType[int, Member] | None = None
+        self._snapshot: GroupSnapshot | None = None
 
     # -- inputs -----------------------------------------------------------------------------
 
@@ -139,45 +127,44 @@ class Coordinator:
 
     def peer_lost(self, peer: bytes, now: float, detail: str = "disconnected") -> Sequence[Send]:
         """The transport says `peer` is gone (closed, or missed heartbeats)."""
-        rank = self.peer_rank.get(peer)
+        rank = self._peer_rank.get(peer)
         if rank is None:
-            self._joining = [(p, h) for p, h in self._joining if p != peer]
+            self._queued = [(p, h) for p, h in self._queued if p != peer]
             return _NOTHING
         self._remove(rank)
-        neutralize = self.on_rank_loss is OnRankLoss.NEUTRALIZE
-        if self.failure is not None:
-            # Elastic: the re-formed group (next epoch) must not wait for a rank that is gone.
-            if neutralize and self.members:
-                self.dead.add(rank)
-            elif neutralize:
-                self.dead.clear()
-            return _NOTHING
-        if neutralize and self.members:
-            self.dead.add(rank)
-            if self.reports[rank] is not None:
-                self.reports[rank] = None
-                self.reported -= 1
-                self.arrivals[rank] = None
-            return self._complete_if_ready(now, None)
-        if not self.members:
-            self._reset_group()
-            return _NOTHING
-        was_open = self.round_open
-        sends = self._fail(RankLost([rank], detail), now)
-        # Between rounds nobody waits: each rank gets the failure when it next reports.
-        return sends if was_open else _NOTHING
+        match self._loss_event():
+            case _E.FAIL:
+                waiting = self._state is _S.ROUND_OPEN
+                sends = self._fail(RankLost([rank], detail), now)
+                # Between rounds nobody waits: each rank gets the failure when it next reports.
+                return sends if waiting else _NOTHING
+            case _E.DISBAND:
+                self._move(_E.DISBAND)
+                self._round = None
+                self._dead = frozenset()
+                return self._rejoin_queued(now)
+            case _:
+                self._move(_E.LEAVE)
+                if not self._members:
+                    self._dead = frozenset()  # failed and empty: the next epoch starts whole
+                elif self.on_rank_loss is OnRankLoss.NEUTRALIZE:
+                    self._dead |= {rank}
+                    if self._round is not None:
+                        self._round.withdraw(rank)
+                return self._complete_if_ready(now, None)
 
     def next_deadline(self) -> float | None:
         """When `on_deadline` must next be called, or None."""
-        if self.round_started is None or self.failure is not None:
+        if self._round is None:
             return None
-        return self.round_started + self.step_timeout
+        return self._round.started + self.step_timeout
 
     def on_deadline(self, now: float) -> Sequence[Send]:
-        deadline = self.next_deadline()
-        if deadline is None or now < deadline:
+        rnd = self._round
+        if rnd is None or now < rnd.started + self.step_timeout:
             return _NOTHING
-        missing = [r for r in range(self.dp_size) if self.reports[r] is None and r not in self.dead]
+        reports = rnd.reports
+        missing = [r for r in range(self.dp_size) if reports[r] is None and r not in self._dead]
         return self._fail(StepTimeout(missing, self.step_timeout), now)
 
     def shutdown(self, text: str = "coordd is shutting down") -> Sequence[Send]:
@@ -186,108 +173,150 @@ class Coordinator:
 
     # -- queries ----------------------------------------------------------------------------
 
+    @property
+    def state(self) -> GroupState:
+        return self._state
+
     def peers(self) -> tuple[bytes, ...]:
         """Every registered peer of the current epoch, in rank order (cached)."""
         if self._peers is None:
-            self._peers = tuple(self.members[r].peer for r in sorted(self.members))
+            self._peers = tuple(self._members[r].peer for r in sorted(self._members))
         return self._peers
 
-    @property
-    def group(self) -> Hello | None:
-        """The Hello that set the group's settings (the lowest registered rank's)."""
-        return self.members[min(self.members)].hello if self.members else None
+    def snapshot(self) -> GroupSnapshot:
+        """The group as it stands, read-only (built again only after the group changed)."""
+        snap = self._snapshot
+        if snap is None:
+            if self._members_view is None:
+                self._members_view = MappingProxyType(dict(sorted(self._members.items())))
+            snap = self._snapshot = GroupSnapshot(
+                state=self._state,
+                dp_size=self.dp_size,
+                on_rank_loss=self.on_rank_loss,
+                step_timeout=self.step_timeout,
+                epoch=self._epoch,
+                seq=self._seq,
+                members=self._members_view,
+                dead=self._dead,
+                round=None if self._round is None else self._round.view(),
+                last_failure=self._failure,
+                failures=self._failures,
+                decisions=self._decisions,
+                last_round=self._last_round,
+            )
+        return snap
 
-    @property
-    def round_open(self) -> bool:
-        return self.reported > 0
+    # -- the one place the state changes ----------------------------------------------------
+
+    def _move(self, event: GroupEvent) -> None:
+        """Take `event` by the table (`IllegalTransition` if it has no such move)."""
+        self._state = next_state(self._state, event)
+        self._snapshot = None
+
+    def _loss_event(self) -> GroupEvent:
+        """What losing a member (already removed) does to the group."""
+        if self._state is _S.FAILED:
+            return _E.LEAVE
+        if not self._members:
+            return _E.DISBAND
+        if self.on_rank_loss is OnRankLoss.NEUTRALIZE:
+            return _E.LEAVE
+        return _E.FAIL
 
     # -- reports ----------------------------------------------------------------------------
 
     def _on_report(self, peer: bytes, report: StepReport, now: float) -> Sequence[Send]:
-        rank = self.peer_rank.get(peer)
-        if rank is None or report.epoch != self.epoch:
-            return (Send((peer,), self._stranger_failure(rank, report)),)
-        if self.failure is not None:
-            return (Send((peer,), self.failure),)
+        rank = self._peer_rank.get(peer)
+        if rank is None or report.epoch != self._epoch:
+            return (Send((peer,), self._stranger_failure(report)),)
+        if self._state is _S.FAILED:
+            assert self._failure is not None
+            return (Send((peer,), self._failure),)
         if report.dp_rank != rank:
             error = ProtocolError(
                 f"peer registered as rank {rank} reported as rank {report.dp_rank}",
                 rank=rank,  # the culprit is the sender, not the rank it claimed
             )
             return (Send((peer,), self._failure_of(error, report)),)
-        if report.seq != self.seq:
-            if report.seq == self.seq - 1 and self.last_reports[rank] == report:
-                assert self.last_decision is not None
-                return (Send((peer,), self.last_decision),)
-            expected_kind = (self.kind or report.kind).value
+        rnd = self._round
+        if report.seq != self._seq:
+            decided = self._decided
+            if (
+                decided is not None
+                and report.seq == decided.round.seq
+                and decided.round.reports[rank] == report
+            ):
+                return (Send((peer,), decided.decision),)
+            expected_kind = (report.kind if rnd is None else rnd.kind).value
             return self._fail(
-                StepMismatch(rank, self.seq, expected_kind, report.seq, report.kind.value),
+                StepMismatch(rank, self._seq, expected_kind, report.seq, report.kind.value),
                 now,
                 report,
             )
-        if self.kind is not None and report.kind is not self.kind:
-            return self._fail(
-                StepMismatch(rank, self.seq, self.kind.value, report.seq, report.kind.value),
-                now,
-                report,
-            )
-        previous = self.reports[rank]
-        if previous is not None:
-            if previous == report:
-                return _NOTHING
-            return self._fail(ConflictingReport(rank, report.seq), now, report)
+        if rnd is not None:
+            if report.kind is not rnd.kind:
+                return self._fail(
+                    StepMismatch(rank, self._seq, rnd.kind.value, report.seq, report.kind.value),
+                    now,
+                    report,
+                )
+            previous = rnd.reports[rank]
+            if previous is not None:
+                if previous == report:
+                    return _NOTHING
+                return self._fail(ConflictingReport(rank, report.seq), now, report)
         try:
             validate_report(rank, report)
         except InvalidReport as error:
             return self._fail(error, now, report)
-        self.reports[rank] = report
-        self.arrivals[rank] = now
-        self.reported += 1
-        if self.round_started is None:
-            self.round_started = now
-            self.kind = report.kind
+        if rnd is None:
+            self._move(_E.OPEN)
+            rnd = self._round = Round(self._seq, report.kind, now, self.dp_size)
+        else:
+            self._move(_E.REPORT)
+        rnd.add(rank, report, now)
         return self._complete_if_ready(now, rank)
 
     def _complete_if_ready(self, now: float, last_rank: int | None) -> Sequence[Send]:
-        if self.reported == 0 or self.reported < self.dp_size - len(self.dead):
+        rnd = self._round
+        if rnd is None or rnd.reported == 0 or rnd.reported < self.dp_size - len(self._dead):
             return _NOTHING
-        if len(self.members) + len(self.dead) < self.dp_size:
+        if len(self._members) + len(self._dead) < self.dp_size:
             return _NOTHING
-        assert self.kind is not None
-        hello = self.group
+        group = self._members[min(self._members)].hello
+        dead = self._dead
         decision = decide(
-            [None if r in self.dead else rep for r, rep in enumerate(self.reports)],
-            hello.num_ubatches if hello else 2,
-            epoch=self.epoch,
-            seq=self.seq,
-            kind=self.kind,
+            [None if r in dead else rep for r, rep in enumerate(rnd.reports)],
+            group.num_ubatches,
+            epoch=self._epoch,
+            seq=rnd.seq,
+            kind=rnd.kind,
         )
-        self.last_reports, self.reports = self.reports, [None] * self.dp_size
-        self.last_decision = decision
-        started = now if self.round_started is None else self.round_started
-        self.last_round = CompletedRound(
-            self.seq, self.kind, started, now, last_rank, self.arrivals
+        self._move(_E.DECIDE)
+        self._round = None
+        self._seq += 1
+        self._decided = _Decided(rnd, decision)
+        self._decisions += 1
+        self._last_round = CompletedRound(
+            rnd.seq, rnd.kind, rnd.started, now, last_rank, rnd.arrivals
         )
-        self.arrivals = [None] * self.dp_size
-        self.reported = 0
-        self.seq += 1
-        self.kind = None
-        self.round_started = None
         sends = [Send(self.peers(), decision)]
-        sends.extend(self._admit_joining(now))
+        queued, self._queued = self._queued, []
+        for peer, hello in queued:
+            sends.extend(self._join(peer, hello, now))
         return sends
 
-    def _stranger_failure(self, rank: int | None, report: StepReport) -> StepFailed:
+    def _stranger_failure(self, report: StepReport) -> StepFailed:
         """A report from a peer outside the current epoch's membership."""
-        last = self.last_failure
+        last = self._failure
         if last is not None and report.epoch == last.epoch:
             return last
-        if report.epoch != self.epoch:
+        if report.epoch != self._epoch:
             error: CoordError = CoordinatorUnavailable(
-                f"epoch {report.epoch} is not coordd's current epoch {self.epoch} "
+                f"epoch {report.epoch} is not coordd's current epoch {self._epoch} "
                 "(coordd restarted or the group re-formed): register again"
             )
-        elif report.dp_rank in self.dead:
+        elif report.dp_rank in self._dead:
             # Elastic: a rank left out of the group (lost, then back without a Hello) gets an
             # error, never a decision of rounds it is no longer part of.
             error = RankLost(
@@ -298,163 +327,85 @@ class Coordinator:
         return self._failure_of(error, report)
 
     def _failure_of(self, error: CoordError, report: StepReport) -> StepFailed:
-        return failure_message(error, epoch=self.epoch, seq=report.seq, kind=report.kind)
+        return failure_message(error, epoch=self._epoch, seq=report.seq, kind=report.kind)
 
     def _fail(
         self, error: CoordError, now: float, report: StepReport | None = None
     ) -> Sequence[Send]:
         """End the round (and the group) with `error`; `report` is the one that caused it."""
-        kind = self.kind or (report.kind if report is not None else StepKind.FORWARD)
-        failure = failure_message(error, epoch=self.epoch, seq=self.seq, kind=kind)
-        self.failure = self.last_failure = failure
-        self.reports = [None] * self.dp_size
-        self.arrivals = [None] * self.dp_size
-        self.reported = 0
-        self.kind = None
-        self.round_started = None
-        sends = [Send(self.peers(), failure)]
-        # A rank queued to rejoin was not part of the failed round: its Hello now counts as the
-        # first Hello after the failure (it opens the new epoch), as if it had come a moment later.
-        joining, self._joining = self._joining, []
-        for peer, hello in joining:
-            sends.extend(self._on_hello(peer, hello, now))
-        return sends
+        if self._round is not None:
+            kind = self._round.kind
+        else:
+            kind = report.kind if report is not None else StepKind.FORWARD
+        failure = failure_message(error, epoch=self._epoch, seq=self._seq, kind=kind)
+        self._move(_E.FAIL)
+        self._round = None
+        self._failure = failure
+        self._failures += 1
+        return [Send(self.peers(), failure), *self._rejoin_queued(now)]
 
     # -- membership -------------------------------------------------------------------------
 
     def _on_hello(self, peer: bytes, hello: Hello, now: float) -> Sequence[Send]:
         try:
-            self._check_hello(peer, hello)
+            check_basics(hello, self.dp_size)
+            # After a failure this Hello opens a new epoch: the old members no longer bind it.
+            if self._state is not _S.FAILED:
+                check_membership(peer, hello, self._members, self._peer_rank)
         except Rejected as error:
             return (Send((peer,), reject_message(error)),)
-        if self.failure is not None:
-            self._new_epoch()
-        rank = hello.dp_rank
-        if rank in self.dead and self.round_open:
-            # Elastic: a returning rank joins at the next round boundary, never mid-round.
-            for queued, queued_hello in self._joining:
-                if queued_hello.dp_rank == rank and queued != peer:
-                    return (Send((peer,), reject_message(self._rank_taken(queued_hello, hello))),)
-            self._joining = [(p, h) for p, h in self._joining if p != peer]
-            self._joining.append((peer, hello))
-            return _NOTHING
-        return self._admit(peer, hello, now)
+        if self._state is _S.FAILED:
+            self._reform()
+        if hello.dp_rank in self._dead and self._state is _S.ROUND_OPEN:
+            return self._queue(peer, hello)
+        return self._join(peer, hello, now)
 
-    def _admit(self, peer: bytes, hello: Hello, now: float) -> Sequence[Send]:
-        self.dead.discard(hello.dp_rank)
-        self.members[hello.dp_rank] = Member(peer, hello, now)
-        self.peer_rank[peer] = hello.dp_rank
-        self._peers = None
-        return (Send((peer,), Welcome(epoch=self.epoch, next_seq=self.seq, dp_size=self.dp_size)),)
+    def _queue(self, peer: bytes, hello: Hello) -> Sequence[Send]:
+        """Elastic: a returning rank joins at the next round boundary, never mid-round."""
+        for queued, queued_hello in self._queued:
+            if queued_hello.dp_rank == hello.dp_rank and queued != peer:
+                return (Send((peer,), reject_message(rank_taken(queued_hello, hello))),)
+        self._move(_E.QUEUE)
+        self._queued = [(p, h) for p, h in self._queued if p != peer]
+        self._queued.append((peer, hello))
+        return _NOTHING
 
-    def _admit_joining(self, now: float) -> list[Send]:
-        joining, self._joining = self._joining, []
+    def _join(self, peer: bytes, hello: Hello, now: float) -> Sequence[Send]:
+        self._move(_E.JOIN)
+        self._dead -= {hello.dp_rank}
+        self._members[hello.dp_rank] = Member(peer, hello, now)
+        self._peer_rank[peer] = hello.dp_rank
+        self._members_changed()
+        welcome = Welcome(epoch=self._epoch, next_seq=self._seq, dp_size=self.dp_size)
+        return (Send((peer,), welcome),)
+
+    def _rejoin_queued(self, now: float) -> list[Send]:
+        """The open round ended without a decision: each rank queued to rejoin was no part of
+        it, so its Hello counts now, as if it had come a moment later (after a failure the
+        first one opens the new epoch)."""
+        queued, self._queued = self._queued, []
         sends: list[Send] = []
-        for peer, hello in joining:
-            sends.extend(self._admit(peer, hello, now))
+        for peer, hello in queued:
+            sends.extend(self._on_hello(peer, hello, now))
         return sends
 
-    @staticmethod
-    def _rank_taken(holder: Hello, hello: Hello) -> Rejected:
-        return Rejected(
-            RejectReason.RANK_TAKEN.value,
-            f"dp_rank {hello.dp_rank} is already rejoining (incarnation {holder.incarnation})",
-            expected=holder.incarnation,
-            got=hello.incarnation,
-        )
-
-    def _check_hello(self, peer: bytes, hello: Hello) -> None:
-        def reject(reason: RejectReason, detail: str, expected: object, got: object) -> Rejected:
-            return Rejected(reason.value, detail, expected=str(expected), got=str(got))
-
-        if hello.protocol_version != PROTOCOL_VERSION:
-            raise reject(
-                RejectReason.VERSION,
-                f"rank {hello.dp_rank} speaks protocol "
-                f"{hello.protocol_version}, coordd speaks {PROTOCOL_VERSION}",
-                PROTOCOL_VERSION,
-                hello.protocol_version,
-            )
-        if hello.dp_size != self.dp_size:
-            raise reject(
-                RejectReason.DP_SIZE,
-                f"rank {hello.dp_rank} has dp_size={hello.dp_size}, "
-                f"coordd serves dp_size={self.dp_size}",
-                self.dp_size,
-                hello.dp_size,
-            )
-        if not 0 <= hello.dp_rank < self.dp_size:
-            raise reject(
-                RejectReason.RANK_RANGE,
-                f"dp_rank {hello.dp_rank} is outside 0..{self.dp_size - 1}",
-                f"0..{self.dp_size - 1}",
-                hello.dp_rank,
-            )
-        if hello.num_ubatches < 1:
-            raise reject(
-                RejectReason.NUM_UBATCHES,
-                f"rank {hello.dp_rank} has num_ubatches={hello.num_ubatches}",
-                ">= 1",
-                hello.num_ubatches,
-            )
-        if self.failure is not None:
-            return  # this Hello opens a new epoch: the old members' settings no longer bind
-        held = self.members.get(hello.dp_rank)
-        if held is not None and held.peer != peer:
-            raise reject(
-                RejectReason.RANK_TAKEN,
-                f"dp_rank {hello.dp_rank} is held by a live "
-                f"peer (incarnation {held.hello.incarnation})",
-                held.hello.incarnation,
-                hello.incarnation,
-            )
-        other = self.peer_rank.get(peer)
-        if other is not None and other != hello.dp_rank:
-            raise reject(
-                RejectReason.RANK_TAKEN,
-                f"this peer is already registered as rank {other}",
-                other,
-                hello.dp_rank,
-            )
-        group = self.group
-        if group is None or (held is not None and len(self.members) == 1):
-            return
-        for reason, name in (
-            (RejectReason.GROUP, "group"),
-            (RejectReason.NUM_UBATCHES, "num_ubatches"),
-            (RejectReason.FINGERPRINT, "config_fingerprint"),
-        ):
-            want, got = getattr(group, name), getattr(hello, name)
-            if want != got:
-                raise reject(
-                    reason,
-                    f"rank {hello.dp_rank} has {name}={got!r}, the group "
-                    f"(rank {group.dp_rank}) has {want!r}",
-                    want,
-                    got,
-                )
-
     def _remove(self, rank: int) -> None:
-        member = self.members.pop(rank)
-        self.peer_rank.pop(member.peer, None)
-        self._peers = None
+        member = self._members.pop(rank)
+        self._peer_rank.pop(member.peer, None)
+        self._members_changed()
 
-    def _new_epoch(self) -> None:
+    def _reform(self) -> None:
         """The first Hello after a failure re-forms the group: new epoch, next seq."""
-        assert self.failure is not None
-        self.epoch += 1
-        self.seq = self.failure.seq + 1
-        self.failure = None
-        self.members.clear()
-        self.peer_rank.clear()
-        self._peers = None
-        # `dead` stays: in elastic mode the new epoch goes on without the ranks that are gone.
+        assert self._failure is not None
+        self._move(_E.REFORM)
+        self._epoch += 1
+        self._seq = self._failure.seq + 1
+        self._members.clear()
+        self._peer_rank.clear()
+        self._members_changed()
+        # `_dead` stays: in elastic mode the new epoch goes on without the ranks that are gone.
 
-    def _reset_group(self) -> None:
-        """Everyone left: the next Hello may set new group settings."""
-        self.reports = [None] * self.dp_size
-        self.arrivals = [None] * self.dp_size
-        self.reported = 0
-        self.kind = None
-        self.round_started = None
-        self.dead.clear()
+    def _members_changed(self) -> None:
+        self._peers = None
+        self._members_view = None
+        self._snapshot = None

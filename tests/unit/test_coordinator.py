@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import pytest
 from hypothesis import given
@@ -35,6 +37,14 @@ from coordd.proto import (
     decide,
     error_from_failure,
 )
+from coordd.proto.group_state import (
+    TRANSITIONS,
+    GroupEvent,
+    GroupState,
+    IllegalTransition,
+    next_state,
+)
+from coordd.proto.snapshot import GroupSnapshot
 
 DP = 4
 EPOCH = 7
@@ -87,7 +97,7 @@ class Group:
               ) -> tuple[StepDecision, list[StepReport]]:
         """Every rank reports `seq`; only the last report completes the round."""
         ranks = list(range(self.dp)) if ranks is None else list(ranks)
-        reports = [rep(r, seq, epoch=self.c.epoch, kind=kind) for r in ranks]
+        reports = [rep(r, seq, epoch=self.c.snapshot().epoch, kind=kind) for r in ranks]
         for r in reports[:-1]:
             assert self.send(r) == []
         sends = self.send(reports[-1])
@@ -527,7 +537,7 @@ def test_new_hello_after_failure_still_checks_the_basics() -> None:
     g, failure = _failed_group()
     (_, reject), = g.hello(0, protocol_version=PROTOCOL_VERSION + 1)
     assert isinstance(reject, Reject) and reject.reason is RejectReason.VERSION
-    assert g.c.epoch == EPOCH  # no new epoch from a rejected Hello
+    assert g.c.snapshot().epoch == EPOCH  # no new epoch from a rejected Hello
     assert g.send(rep(1, 2)) == [Send((peer(1),), failure)]
 
 
@@ -724,7 +734,8 @@ def test_neutralize_a_queued_rejoin_opens_the_next_epoch_when_its_round_fails() 
            reported=[peer(0)])
     assert welcome_send.peers == (peer(1),)
     assert welcome_send.message == Welcome(epoch=EPOCH + 1, next_seq=1, dp_size=4)
-    assert g.c.peer_rank == {peer(1): 1}
+    assert g.c.snapshot().rank_of(peer(1)) == 1
+    assert list(g.c.snapshot().members) == [1]
 
 
 def test_neutralize_a_queued_rejoin_that_leaves_is_forgotten() -> None:
@@ -758,15 +769,44 @@ class Rank:
         return f"p{self.r}.{self.incarnation}".encode()
 
 
+class Recording(Coordinator):
+    """A Coordinator that logs every move it makes: (state before, event, state after)."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        self.moves: list[tuple[GroupState, GroupEvent, GroupState]] = []
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+
+    def _move(self, event: GroupEvent) -> None:
+        before = self.state
+        super()._move(event)
+        self.moves.append((before, event, self.state))
+
+
+def check_invariants(s: GroupSnapshot) -> None:
+    """What each state promises about the rest of the snapshot."""
+    assert (s.state is GroupState.FAILED) == (s.failure is not None)
+    assert (s.state is GroupState.ROUND_OPEN) == (s.round is not None)
+    if s.state is GroupState.EMPTY:
+        assert not s.members
+    if s.state in (GroupState.IDLE, GroupState.ROUND_OPEN):
+        assert s.members
+    if s.round is not None:
+        assert s.round.seq == s.seq
+        assert s.round.reported == sum(a is not None for a in s.round.arrivals)
+        assert all(s.round.arrivals[r] is None for r in s.dead)
+    assert not set(s.members) & s.dead
+
+
 class Model:
     def __init__(self, dp: int, mode: OnRankLoss) -> None:
-        self.c = Coordinator(dp, epoch=EPOCH, step_timeout=TIMEOUT, on_rank_loss=mode)
+        self.c = Recording(dp, epoch=EPOCH, step_timeout=TIMEOUT, on_rank_loss=mode)
         self.ranks = [Rank(r) for r in range(dp)]
         self.now = 0.0
         self.lost: set[bytes] = set()
         self.sent: dict[tuple[int, int], dict[int, StepReport]] = {}
         self.decided: dict[tuple[int, int], StepDecision] = {}
         self.decisions = 0
+        self.welcomes = 0
 
     def owner(self, p: bytes) -> Rank:
         assert p not in self.lost, f"a message went to lost peer {p!r}"
@@ -782,6 +822,7 @@ class Model:
     def on_message(self, k: Rank, msg: object) -> None:
         if isinstance(msg, Welcome):
             assert k.state == "registering"
+            self.welcomes += 1
             k.state, k.epoch, k.seq = "ready", msg.epoch, msg.next_seq
         elif isinstance(msg, Reject):
             raise AssertionError(f"an honest rank was rejected: {msg}")
@@ -854,6 +895,28 @@ class Model:
         for k in self.ranks:
             assert k.state != "waiting", f"rank {k.r} was left without an answer"
 
+    @contextmanager
+    def checked(self) -> Iterator[None]:
+        """Check the machine's moves in the block against the table: each one is in it, they
+        follow on from one another, and they account for what the ranks saw."""
+        before, welcomes, decisions = self.c.snapshot(), self.welcomes, self.decisions
+        self.c.moves.clear()
+        yield
+        after = self.c.snapshot()
+        state = before.state
+        for start, event, end in self.c.moves:
+            assert start is state, self.c.moves
+            assert next_state(start, event) is end
+            state = end
+        assert state is after.state
+        events = Counter(event for _, event, _ in self.c.moves)
+        assert events[GroupEvent.JOIN] == self.welcomes - welcomes
+        assert events[GroupEvent.DECIDE] == self.decisions - decisions
+        assert events[GroupEvent.DECIDE] == after.decisions - before.decisions
+        assert events[GroupEvent.FAIL] == after.failures - before.failures
+        assert events[GroupEvent.REFORM] == after.epoch - before.epoch
+        check_invariants(after)
+
 
 report_values = st.tuples(st.integers(0, 40), st.integers(0, 40), st.booleans(),
                           st.integers(0, 2), st.booleans())
@@ -867,13 +930,15 @@ events = st.lists(
 
 def run_events(m: Model, events) -> None:  # type: ignore[no-untyped-def]
     for what, r, values, kind, dt in events:
-        if what == 0:
-            m.lose(m.ranks[r])
-        elif what == 1:
-            m.tick(dt)
-        else:
-            m.act(m.ranks[r], values, kind, invalid=what == 2, resend=what == 3)
-    m.settle()
+        with m.checked():
+            if what == 0:
+                m.lose(m.ranks[r])
+            elif what == 1:
+                m.tick(dt)
+            else:
+                m.act(m.ranks[r], values, kind, invalid=what == 2, resend=what == 3)
+    with m.checked():
+        m.settle()
 
 
 @pytest.mark.parametrize("mode", list(OnRankLoss))
@@ -902,3 +967,103 @@ def test_a_failure_before_the_round_opens_carries_the_faulty_reports_kind() -> N
     sends = g2.send(rep(1, 0, kind=S, num_tokens_padded=0))
     assert failed(sends, InvalidReport(1, "num_tokens_padded", 0, ">= num_tokens (8)"),
                   to=all_peers(), seq=0).kind is S
+
+
+# -- the state table -----------------------------------------------------------------------
+
+ILLEGAL = [(s, e) for s in GroupState for e in GroupEvent if e not in TRANSITIONS[s]]
+
+
+@pytest.mark.parametrize(("state", "event"), ILLEGAL)
+def test_an_event_the_table_does_not_list_is_a_typed_error(state: GroupState,
+                                                           event: GroupEvent) -> None:
+    with pytest.raises(IllegalTransition) as err:
+        next_state(state, event)
+    assert (err.value.state, err.value.event) == (state, event)
+    assert repr(event.value) in str(err.value) and repr(state.value) in str(err.value)
+
+
+def _in_each_state() -> dict[GroupState, Coordinator]:
+    empty = Coordinator(2, epoch=EPOCH)
+    idle = Group(dp=2).c
+    open_ = Group(dp=2).c
+    open_.receive(peer(0), rep(0, 0), 0.0)
+    failed_ = Group(dp=2).c
+    failed_.receive(peer(0), rep(0, 3), 0.0)
+    return {GroupState.EMPTY: empty, GroupState.IDLE: idle, GroupState.ROUND_OPEN: open_,
+            GroupState.FAILED: failed_}
+
+
+def test_the_machine_refuses_an_illegal_event_and_stays_where_it_was() -> None:
+    machines = _in_each_state()
+    for state, c in machines.items():
+        assert c.state is state and c.snapshot().state is state
+    for state, event in ILLEGAL:
+        c = machines[state]
+        with pytest.raises(IllegalTransition):
+            c._move(event)
+        assert c.state is state
+
+
+def test_every_move_in_the_table_happens() -> None:
+    """The table is what the machine does, not a wish: scripted groups take every move."""
+    seen: set[tuple[GroupState, GroupEvent, GroupState]] = set()
+
+    def group(dp: int, mode: OnRankLoss = OnRankLoss.FAIL, registered: int | None = None,
+              ) -> Recording:
+        c = Recording(dp, epoch=EPOCH, step_timeout=TIMEOUT, on_rank_loss=mode)
+        for r in range(dp if registered is None else registered):
+            c.receive(peer(r), hello(r, dp), 0.0)
+        return c
+
+    c = group(2)  # EMPTY join, IDLE join, open, report, decide, a fault between rounds, reform
+    c.receive(peer(0), rep(0, 0), 1.0)
+    c.receive(peer(1), rep(1, 0), 1.0)
+    c.receive(peer(0), rep(0, 2), 2.0)
+    c.peer_lost(peer(1), 3.0)
+    c.receive(peer(0), hello(0, 2), 4.0)
+    seen.update(c.moves)
+
+    c = group(2, registered=1)  # a rank that registers mid-round; the deadline
+    c.receive(peer(0), rep(0, 0), 1.0)
+    c.receive(peer(1), hello(1, 2), 1.5)
+    c.on_deadline(1.0 + TIMEOUT)
+    seen.update(c.moves)
+
+    c = group(3, OnRankLoss.NEUTRALIZE)  # leave between rounds and mid-round, queue
+    c.peer_lost(peer(2), 1.0)
+    c.receive(peer(0), rep(0, 0), 1.0)
+    c.receive(b"back", hello(2, 3), 1.5)
+    c.peer_lost(peer(1), 2.0)
+    seen.update(c.moves)
+
+    for reported in (False, True):  # the last rank leaves between rounds, then mid-round
+        c = group(2, registered=1)
+        if reported:
+            c.receive(peer(0), rep(0, 0), 1.0)
+        c.peer_lost(peer(0), 2.0)
+        seen.update(c.moves)
+
+    c = group(2)  # a Goodbye mid-round fails the group; the last one leaves it failed
+    c.receive(peer(0), rep(0, 0), 1.0)
+    c.receive(peer(1), Goodbye(), 1.0)
+    c.receive(peer(0), Goodbye(), 1.0)
+    seen.update(c.moves)
+
+    table = {(s, e, t) for s, moves in TRANSITIONS.items() for e, t in moves.items()}
+    assert seen <= table
+    assert table - seen == set()
+
+
+def test_a_rank_queued_to_rejoin_is_welcomed_when_the_last_member_leaves() -> None:
+    """The open round went away with its ranks: the queued Hello counts at once (it is the
+    first of a new group) instead of waiting for a decision that will not come."""
+    g = Group(dp=3, on_rank_loss=N)
+    g.c.peer_lost(peer(2), g.now)
+    assert g.send(rep(1, 0)) == []
+    assert list(g.c.receive(b"back", hello(2, 3), g.now)) == []  # queued: the round is open
+    assert list(g.c.peer_lost(peer(1), g.now)) == []  # its report is withdrawn; still open
+    sends = list(g.c.peer_lost(peer(0), g.now))
+    assert sends == [Send((b"back",), Welcome(epoch=EPOCH, next_seq=0, dp_size=3))]
+    snap = g.c.snapshot()
+    assert snap.state is GroupState.IDLE and list(snap.members) == [2] and not snap.dead

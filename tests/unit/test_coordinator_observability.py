@@ -1,4 +1,5 @@
-"""coordd.proto.coordinator's `last_round`: what metrics and status read once per round."""
+"""The coordinator snapshot's rounds: the open round's arrivals and the last completed round,
+what metrics and status read."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ def joined(dp: int = DP, **kw: object) -> Coordinator:
     return c
 
 
+def arrivals(c: Coordinator) -> list[float | None]:
+    """Each rank's report time in the open round (all None between rounds)."""
+    rnd = c.snapshot().round
+    return [None] * c.dp_size if rnd is None else list(rnd.arrivals)
+
+
+def last_round(c: Coordinator) -> CompletedRound | None:
+    return c.snapshot().last_round
+
+
 def report(rank: int, seq: int, kind: StepKind = StepKind.FORWARD) -> StepReport:
     return StepReport(num_tokens=rank + 1, num_tokens_padded=rank + 1, dp_rank=rank, epoch=EPOCH,
                       seq=seq, kind=kind)
@@ -28,29 +39,29 @@ def report(rank: int, seq: int, kind: StepKind = StepKind.FORWARD) -> StepReport
 
 def test_no_round_yet() -> None:
     c = joined()
-    assert c.last_round is None
-    assert c.arrivals == [None] * DP
+    assert last_round(c) is None
+    assert arrivals(c) == [None] * DP
 
 
 def test_the_completing_rank_and_the_arrivals_are_recorded() -> None:
     c = joined()
     c.receive(peer(2), report(2, 0, StepKind.DRAFT), 10.0)
     c.receive(peer(0), report(0, 0, StepKind.DRAFT), 10.5)
-    assert c.last_round is None
-    assert c.arrivals == [10.5, None, 10.0]
+    assert last_round(c) is None
+    assert arrivals(c) == [10.5, None, 10.0]
     sends = c.receive(peer(1), report(1, 0, StepKind.DRAFT), 12.0)
     assert type(sends[0].message) is StepDecision
-    assert c.last_round == CompletedRound(
+    assert last_round(c) == CompletedRound(
         seq=0, kind=StepKind.DRAFT, started=10.0, completed=12.0, last_rank=1,
         arrivals=[10.5, 12.0, 10.0],
     )
-    assert c.arrivals == [None] * DP, "the next round starts with no arrivals"
+    assert arrivals(c) == [None] * DP, "the next round starts with no arrivals"
     # the next round replaces it, and the recorded list is not reused
-    first = c.last_round
+    first = last_round(c)
     for r in (1, 0, 2):
         c.receive(peer(r), report(r, 1), 20.0 + r)
-    assert c.last_round.seq == 1 and c.last_round.last_rank == 2
-    assert c.last_round.started == 21.0 and c.last_round.completed == 22.0
+    assert last_round(c).seq == 1 and last_round(c).last_rank == 2
+    assert last_round(c).started == 21.0 and last_round(c).completed == 22.0
     assert first.arrivals == [10.5, 12.0, 10.0]
 
 
@@ -58,19 +69,19 @@ def test_a_repeated_report_keeps_the_first_arrival() -> None:
     c = joined()
     c.receive(peer(0), report(0, 0), 1.0)
     c.receive(peer(0), report(0, 0), 3.0)  # identical re-send: harmless
-    assert c.arrivals[0] == 1.0
+    assert arrivals(c)[0] == 1.0
 
 
 def test_a_failure_clears_the_arrivals_and_keeps_the_last_round() -> None:
     c = joined()
     for r in range(DP):
         c.receive(peer(r), report(r, 0), 1.0)
-    done = c.last_round
+    done = last_round(c)
     c.receive(peer(0), report(0, 1), 2.0)
     sends = c.receive(peer(1), report(1, 5), 2.5)  # wrong seq: the round fails
     assert type(sends[0].message) is StepFailed
-    assert c.arrivals == [None] * DP
-    assert c.last_round is done
+    assert arrivals(c) == [None] * DP
+    assert last_round(c) is done
 
 
 def test_a_loss_that_completes_the_round_has_no_straggler() -> None:
@@ -79,17 +90,19 @@ def test_a_loss_that_completes_the_round_has_no_straggler() -> None:
     c.receive(peer(1), report(1, 0), 1.5)
     sends = c.peer_lost(peer(2), 4.0)
     assert type(sends[0].message) is StepDecision
-    assert c.last_round == CompletedRound(0, StepKind.FORWARD, 1.0, 4.0, None, [1.0, 1.5, None])
+    assert last_round(c) == CompletedRound(0, StepKind.FORWARD, 1.0, 4.0, None, [1.0, 1.5, None])
 
 
 def test_a_lost_rank_that_had_reported_loses_its_arrival() -> None:
     c = joined(on_rank_loss=OnRankLoss.NEUTRALIZE)
     c.receive(peer(2), report(2, 0), 1.0)
     c.peer_lost(peer(2), 1.5)
-    assert c.arrivals == [None] * DP
+    assert arrivals(c) == [None] * DP
+    rnd = c.snapshot().round
+    assert rnd is not None and rnd.reported == 0, "the round stays open: its kind and deadline hold"
     c.receive(peer(0), report(0, 0), 2.0)
     c.receive(peer(1), report(1, 0), 3.0)
-    assert c.last_round is not None
-    assert c.last_round.arrivals == [2.0, 3.0, None]
-    assert c.last_round.last_rank == 1
-    assert c.last_round.started == 1.0, "the round started with the lost rank's report"
+    assert last_round(c) is not None
+    assert last_round(c).arrivals == [2.0, 3.0, None]
+    assert last_round(c).last_rank == 1
+    assert last_round(c).started == 1.0, "the round started with the lost rank's report"

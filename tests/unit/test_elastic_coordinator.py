@@ -67,7 +67,7 @@ def group(on_rank_loss: OnRankLoss = NEUTRALIZE) -> Coordinator:
 def run_round(c: Coordinator, seq: int, ranks: list[int], now: float = 1.0) -> list[Send]:
     sends: list[Send] = []
     for r in ranks:
-        sends = list(c.receive(peer(r), report(r, seq, c.epoch), now))
+        sends = list(c.receive(peer(r), report(r, seq, c.snapshot().epoch), now))
     return sends
 
 
@@ -110,7 +110,7 @@ def test_two_peers_racing_for_one_dead_rank() -> None:
     sends = list(c.receive(peer(2), report(2, 0), 2.0))
     assert [type(s.message) for s in sends] == [StepDecision, Welcome]
     assert sends[1] == Send((peer(1, "a"),), Welcome(epoch=EPOCH, next_seq=1, dp_size=DP))
-    assert c.members[1].joined_at == 2.0  # admitted at the round's end, not back-dated
+    assert c.snapshot().members[1].joined_at == 2.0  # admitted at the round's end, not back-dated
     assert run_round(c, 1, [0, 2]) == []  # rank 1 is live again: two reports are not enough
     (_, decision), = c.receive(peer(1, "a"), report(1, 1), 3.0)
     assert isinstance(decision, StepDecision) and decision.dead_ranks == []
@@ -144,11 +144,11 @@ def test_a_rank_lost_while_the_group_is_failed_is_left_out_of_the_next_epoch() -
     c = group()
     c.receive(peer(0), report(0, 0), 1.0)
     c.receive(peer(1), report(1, 5), 1.0)  # mismatch: the group fails
-    assert c.failure is not None
+    assert c.snapshot().failure is not None
     c.receive(peer(2), Goodbye(), 2.0)  # rank 2 leaves while failed
     for r in (0, 1):
         c.receive(peer(r), hello(r), 3.0)
-    (_, decision), = run_round(c, c.seq, [0, 1], 4.0)
+    (_, decision), = run_round(c, c.snapshot().seq, [0, 1], 4.0)
     assert isinstance(decision, StepDecision) and decision.dead_ranks == [2]
 
 
@@ -159,10 +159,10 @@ def test_every_rank_lost_while_failed_forgets_the_dead() -> None:
     c.on_deadline(1.0 + TIMEOUT)
     for r in (0, 1):
         c.peer_lost(peer(r), 7.0)
-    assert c.dead == set()
+    assert c.snapshot().dead == frozenset()
     for r in range(DP):
         c.receive(peer(r), hello(r), 8.0)
-    (_, decision), = run_round(c, c.seq, [0, 1, 2], 9.0)
+    (_, decision), = run_round(c, c.snapshot().seq, [0, 1, 2], 9.0)
     assert isinstance(decision, StepDecision) and decision.dead_ranks == []
 
 

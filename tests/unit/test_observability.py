@@ -37,7 +37,7 @@ class Daemon:
     def __init__(self, dp: int, **kw: Any) -> None:
         self.now = 100.0
         self.coordinator = Coordinator(dp, epoch=EPOCH, step_timeout=10.0, **kw)
-        self.observer = Observer(self.coordinator, wall=lambda: 1_700_000_000.0 + self.now)
+        self.observer = Observer(self.coordinator.snapshot, wall=lambda: 1_700_000_000.0 + self.now)
         self.stats = ServerStats()
         self.bound_address = "ipc:///run/coordd/coordd.sock"
         self.sent: list[Any] = []
@@ -49,8 +49,9 @@ class Daemon:
         for s in sends:
             self.sent.append(s.message)
             self.observer.sent(s.peers, s.message)
-        if self.coordinator.last_failure is not self.observer.seen_failure:
-            self.observer.group_failed()
+        snap = self.coordinator.snapshot()
+        if snap.failures != self.observer.failures_seen:
+            self.observer.group_failed(snap)
 
     def hello(self, rank: int, at: float, **kw: Any) -> None:
         self.now = at
@@ -70,7 +71,7 @@ class Daemon:
     def lose(self, rank: int, at: float) -> None:
         self.now = at
         c = self.coordinator
-        who = c.peer_rank.get(peer(rank))
+        who = c.snapshot().rank_of(peer(rank))
         for s in c.peer_lost(peer(rank), at, "connection closed"):
             self.sent.append(s.message)
             self.observer.sent(s.peers, s.message)
@@ -192,7 +193,7 @@ def test_a_report_from_a_stranger_is_a_fault_but_not_a_failed_round() -> None:
     d.report(0, 0, 101.0, epoch=EPOCH - 1)  # a report from an old epoch: refused alone
     assert dict(d.observer.faults) == {"unavailable": 1}
     assert not d.observer.failed
-    assert d.coordinator.failure is None
+    assert d.coordinator.snapshot().failure is None
 
 
 def test_a_refused_registration_is_counted_and_names_the_rank(
@@ -212,19 +213,19 @@ def test_a_refused_registration_is_counted_and_names_the_rank(
 
 def test_readiness() -> None:
     d = Daemon(3)
-    assert readiness(d.coordinator) == (False, "0/3 ranks registered")
+    assert readiness(d.coordinator.snapshot()) == (False, "0/3 ranks registered")
     d.hello(0, 100.0)
     d.hello(1, 100.0)
-    assert readiness(d.coordinator) == (False, "2/3 ranks registered")
+    assert readiness(d.coordinator.snapshot()) == (False, "2/3 ranks registered")
     d.hello(2, 100.0)
-    assert readiness(d.coordinator) == (True, "3/3 ranks registered")
+    assert readiness(d.coordinator.snapshot()) == (True, "3/3 ranks registered")
     d.lose(2, 101.0)
-    ready, why = readiness(d.coordinator)
+    ready, why = readiness(d.coordinator.snapshot())
     assert not ready and why.startswith("group failed at seq 0")
 
     elastic = registered(3, on_rank_loss=OnRankLoss.NEUTRALIZE)
     elastic.lose(2, 101.0)
-    assert readiness(elastic.coordinator) == (
+    assert readiness(elastic.coordinator.snapshot()) == (
         True, "2/3 ranks registered, left out: [2]"
     )
 

@@ -1,0 +1,102 @@
+"""Who may join the group: the checks a `Hello` must pass, each failure a `Rejected`.
+
+Pure functions of the Hello and the current members, so the coordinator and the device path
+(which admits its ranks by these same rules) refuse a rank with the very same error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from coordd.proto.errors import Rejected
+from coordd.proto.messages import PROTOCOL_VERSION, Hello, RejectReason
+from coordd.proto.snapshot import Member
+
+
+def _reject(reason: RejectReason, detail: str, expected: object, got: object) -> Rejected:
+    return Rejected(reason.value, detail, expected=str(expected), got=str(got))
+
+
+def check_basics(hello: Hello, dp_size: int) -> None:
+    """What every Hello must satisfy, whoever else is registered."""
+    if hello.protocol_version != PROTOCOL_VERSION:
+        raise _reject(
+            RejectReason.VERSION,
+            f"rank {hello.dp_rank} speaks protocol "
+            f"{hello.protocol_version}, coordd speaks {PROTOCOL_VERSION}",
+            PROTOCOL_VERSION,
+            hello.protocol_version,
+        )
+    if hello.dp_size != dp_size:
+        raise _reject(
+            RejectReason.DP_SIZE,
+            f"rank {hello.dp_rank} has dp_size={hello.dp_size}, coordd serves dp_size={dp_size}",
+            dp_size,
+            hello.dp_size,
+        )
+    if not 0 <= hello.dp_rank < dp_size:
+        raise _reject(
+            RejectReason.RANK_RANGE,
+            f"dp_rank {hello.dp_rank} is outside 0..{dp_size - 1}",
+            f"0..{dp_size - 1}",
+            hello.dp_rank,
+        )
+    if hello.num_ubatches < 1:
+        raise _reject(
+            RejectReason.NUM_UBATCHES,
+            f"rank {hello.dp_rank} has num_ubatches={hello.num_ubatches}",
+            ">= 1",
+            hello.num_ubatches,
+        )
+
+
+def check_membership(
+    peer: bytes, hello: Hello, members: Mapping[int, Member], peer_rank: Mapping[bytes, int]
+) -> None:
+    """A Hello against the ranks registered in the current epoch: its rank is free (or already
+    this peer's), this peer holds no other rank, and it has the group's settings (those of the
+    lowest registered rank; the only member may change them by registering again)."""
+    held = members.get(hello.dp_rank)
+    if held is not None and held.peer != peer:
+        raise _reject(
+            RejectReason.RANK_TAKEN,
+            f"dp_rank {hello.dp_rank} is held by a live "
+            f"peer (incarnation {held.hello.incarnation})",
+            held.hello.incarnation,
+            hello.incarnation,
+        )
+    other = peer_rank.get(peer)
+    if other is not None and other != hello.dp_rank:
+        raise _reject(
+            RejectReason.RANK_TAKEN,
+            f"this peer is already registered as rank {other}",
+            other,
+            hello.dp_rank,
+        )
+    if not members or (held is not None and len(members) == 1):
+        return
+    group = members[min(members)].hello
+    for reason, name in (
+        (RejectReason.GROUP, "group"),
+        (RejectReason.NUM_UBATCHES, "num_ubatches"),
+        (RejectReason.FINGERPRINT, "config_fingerprint"),
+    ):
+        want, got = getattr(group, name), getattr(hello, name)
+        if want != got:
+            raise _reject(
+                reason,
+                f"rank {hello.dp_rank} has {name}={got!r}, the group "
+                f"(rank {group.dp_rank}) has {want!r}",
+                want,
+                got,
+            )
+
+
+def rank_taken(holder: Hello, hello: Hello) -> Rejected:
+    """A second peer wants a lost rank that another peer is already queued to take back."""
+    return Rejected(
+        RejectReason.RANK_TAKEN.value,
+        f"dp_rank {hello.dp_rank} is already rejoining (incarnation {holder.incarnation})",
+        expected=holder.incarnation,
+        got=hello.incarnation,
+    )

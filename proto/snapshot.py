@@ -1,0 +1,79 @@
+"""What the coordinator shows its readers: one frozen `GroupSnapshot` of the group.
+
+Status, metrics and the daemon read the group only through a snapshot, never the machine's
+own fields, so what they show cannot drift from what the machine does. The records here are
+immutable, or (the arrival lists) never written again once handed over.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from coordd.proto.group_state import GroupState
+from coordd.proto.messages import Hello, StepFailed, StepKind
+from coordd.proto.rounds import CompletedRound, OpenRound
+
+
+class OnRankLoss(str, enum.Enum):
+    """What a lost rank does to the group: fail it (fail-stop) or leave the rank out."""
+
+    FAIL = "fail"
+    NEUTRALIZE = "neutralize"
+
+
+@dataclass(frozen=True)
+class Member:
+    """A registered rank: the peer (ZeroMQ routing id) that holds it, and its Hello."""
+
+    peer: bytes
+    hello: Hello
+    joined_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSnapshot:
+    """The group at one moment, read-only. Counters only grow, so a reader tells "something
+    happened since I last looked" by comparing them (`failures`, `decisions`)."""
+
+    state: GroupState
+    dp_size: int
+    on_rank_loss: OnRankLoss
+    step_timeout: float
+    epoch: int
+    #: The open round's seq, or the next round's.
+    seq: int
+    #: The ranks registered in this epoch, by rank.
+    members: Mapping[int, Member]
+    #: Lost ranks left out of rounds (elastic).
+    dead: frozenset[int]
+    round: OpenRound | None
+    #: The group's latest failure; it is pending while `state` is FAILED (see `failure`).
+    last_failure: StepFailed | None
+    #: Group failures so far.
+    failures: int
+    #: Rounds decided so far.
+    decisions: int
+    last_round: CompletedRound | None
+
+    @property
+    def failure(self) -> StepFailed | None:
+        """The failure every report gets now, or None when the group is not failed."""
+        return self.last_failure if self.state is GroupState.FAILED else None
+
+    @property
+    def group(self) -> Hello | None:
+        """The Hello that set the group's settings (the lowest registered rank's)."""
+        return self.members[min(self.members)].hello if self.members else None
+
+    @property
+    def open_kind(self) -> StepKind | None:
+        return self.round.kind if self.round is not None else None
+
+    def rank_of(self, peer: bytes) -> int | None:
+        """The rank `peer` registered as in this epoch, or None."""
+        for rank, member in self.members.items():
+            if member.peer == peer:
+                return rank
+        return None
