@@ -8,6 +8,7 @@ import multiprocessing.synchronize
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -24,32 +25,38 @@ from coordd.proto import (
     decide,
 )
 from coordd.testing import CoorddProcess
+from tests.integration.clients import CLIENT_KINDS, AnyClient, ClientMaker, client_maker
 
 REPORT = StepReport(num_tokens=5, num_tokens_padded=8, want_ubatch=True, cudagraph_mode=2,
                     has_unfinished=True)
 
 
-def clients(address: str, dp: int, **kw: object) -> list[CoordClient]:
-    out = [CoordClient(address, dp_rank=r, dp_size=dp, config_fingerprint="fp", **kw)  # type: ignore[arg-type]
-           for r in range(dp)]
+@pytest.fixture(params=CLIENT_KINDS)
+def make_client(request: pytest.FixtureRequest) -> Iterator[ClientMaker]:
+    """Each client-facing test runs with `CoordClient`, then with `AsyncCoordClient`."""
+    yield from client_maker(request.param)
+
+
+def clients(make: ClientMaker, address: str, dp: int, **kw: object) -> list[AnyClient]:
+    out = [make(address, dp_rank=r, dp_size=dp, config_fingerprint="fp", **kw) for r in range(dp)]
     for c in out:
         c.connect(timeout=10)
     return out
 
 
-def one_round(cs: list[CoordClient], reports: list[StepReport]) -> list[StepDecision]:
+def one_round(cs: list[AnyClient], reports: list[StepReport]) -> list[StepDecision]:
     pending = [c.start(r) for c, r in zip(cs, reports, strict=True)]
     return [p.wait(timeout=10) for p in pending]
 
 
-def close_all(cs: list[CoordClient]) -> None:
+def close_all(cs: list[AnyClient]) -> None:
     for c in cs:
         c.close()
 
 
-def test_rounds_in_one_process_and_reregistration(start_coordd) -> None:
+def test_rounds_in_one_process_and_reregistration(start_coordd, make_client: ClientMaker) -> None:
     coordd = start_coordd(3)
-    cs = clients(coordd.address, 3)
+    cs = clients(make_client, coordd.address, 3)
     try:
         reports = [REPORT, StepReport(num_tokens=0, num_tokens_padded=0), REPORT]
         for _ in range(5):
@@ -61,9 +68,9 @@ def test_rounds_in_one_process_and_reregistration(start_coordd) -> None:
         close_all(cs)
 
 
-def test_registration_is_refused_with_both_values(start_coordd) -> None:
+def test_registration_is_refused_with_both_values(start_coordd, make_client: ClientMaker) -> None:
     coordd = start_coordd(2)
-    first = CoordClient(coordd.address, dp_rank=0, dp_size=2, config_fingerprint="A")
+    first = make_client(coordd.address, dp_rank=0, dp_size=2, config_fingerprint="A")
     first.connect(timeout=10)
     bad = [
         (dict(dp_rank=1, dp_size=3, config_fingerprint="A"), "dp_size", "2", "3"),
@@ -75,7 +82,7 @@ def test_registration_is_refused_with_both_values(start_coordd) -> None:
     ]
     try:
         for kwargs, reason, expected, got in bad:
-            c = CoordClient(coordd.address, **kwargs)  # type: ignore[arg-type]
+            c = make_client(coordd.address, **kwargs)
             try:
                 with pytest.raises(Rejected) as info:
                     c.connect(timeout=10)
@@ -88,15 +95,15 @@ def test_registration_is_refused_with_both_values(start_coordd) -> None:
         first.close()
 
 
-def test_env_vars_configure_the_daemon(tmp_path) -> None:
+def test_env_vars_configure_the_daemon(tmp_path, make_client: ClientMaker) -> None:
     env = {"COORDD_DP": "3", "COORDD_STEP_TIMEOUT": "0.5", "COORDD_LOG_LEVEL": "warning"}
     with CoorddProcess(None, f"ipc://{tmp_path}/c.sock", env=env) as coordd:
-        wrong = CoordClient(coordd.address, dp_rank=0, dp_size=2)
+        wrong = make_client(coordd.address, dp_rank=0, dp_size=2)
         with pytest.raises(Rejected) as info:
             wrong.connect(timeout=10)
         wrong.close()
         assert (info.value.reason, info.value.expected) == ("dp_size", "3")
-        cs = clients(coordd.address, 3)
+        cs = clients(make_client, coordd.address, 3)
         try:
             with pytest.raises(StepTimeout) as timeout:
                 cs[0].start(REPORT).wait(timeout=10)
@@ -105,9 +112,9 @@ def test_env_vars_configure_the_daemon(tmp_path) -> None:
             close_all(cs)
 
 
-def test_step_timeout_names_the_missing_rank(start_coordd) -> None:
+def test_step_timeout_names_the_missing_rank(start_coordd, make_client: ClientMaker) -> None:
     coordd = start_coordd(2, "ipc", "--step-timeout", "0.5")
-    cs = clients(coordd.address, 2)
+    cs = clients(make_client, coordd.address, 2)
     try:
         t0 = time.monotonic()
         with pytest.raises(StepTimeout) as info:
@@ -122,9 +129,10 @@ def test_step_timeout_names_the_missing_rank(start_coordd) -> None:
         close_all(cs)
 
 
-def test_mismatched_kind_fails_the_round_for_every_rank(start_coordd) -> None:
+def test_mismatched_kind_fails_the_round_for_every_rank(start_coordd,
+                                                        make_client: ClientMaker) -> None:
     coordd = start_coordd(2)
-    cs = clients(coordd.address, 2)
+    cs = clients(make_client, coordd.address, 2)
     try:
         a = cs[0].start(REPORT, "draft")
         cs[0].ping()  # same connection, in order: coordd has rank 0's report before rank 1's
@@ -154,7 +162,8 @@ def _register_then_idle(address: str, registered: mp.synchronize.Event) -> None:
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
-def test_a_vanished_rank_is_lost_within_the_heartbeat_timeout(start_coordd, fault: str) -> None:
+def test_a_vanished_rank_is_lost_within_the_heartbeat_timeout(start_coordd, fault: str,
+                                                              make_client: ClientMaker) -> None:
     """SIGKILL closes the connection at once; SIGSTOP freezes libzmq's I/O thread too, so the
     rank stops answering PINGs and coordd drops its connection after the heartbeat timeout."""
     coordd = start_coordd(2, "ipc", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1")
@@ -163,7 +172,7 @@ def test_a_vanished_rank_is_lost_within_the_heartbeat_timeout(start_coordd, faul
     victim = ctx.Process(target=_register_then_idle, args=(coordd.address, registered),
                          daemon=True)
     victim.start()
-    c = CoordClient(coordd.address, dp_rank=0, dp_size=2, config_fingerprint="fp")
+    c = make_client(coordd.address, dp_rank=0, dp_size=2, config_fingerprint="fp")
     try:
         c.connect(timeout=10)
         assert registered.wait(timeout=30)
@@ -180,9 +189,9 @@ def test_a_vanished_rank_is_lost_within_the_heartbeat_timeout(start_coordd, faul
         victim.join(timeout=5)
 
 
-def test_sigterm_says_goodbye_and_exits_cleanly(start_coordd) -> None:
+def test_sigterm_says_goodbye_and_exits_cleanly(start_coordd, make_client: ClientMaker) -> None:
     coordd = start_coordd(2)
-    cs = clients(coordd.address, 2)
+    cs = clients(make_client, coordd.address, 2)
     try:
         pending = cs[0].start(REPORT)
         coordd.signal(signal.SIGTERM)
@@ -195,9 +204,46 @@ def test_sigterm_says_goodbye_and_exits_cleanly(start_coordd) -> None:
         close_all(cs)
 
 
-def test_bad_frames_are_dropped_and_rounds_go_on(start_coordd) -> None:
+def test_a_dropped_connection_fails_the_next_round_even_with_none_pending(
+        start_coordd, make_client: ClientMaker) -> None:
+    """One rule for both clients: coordd vanishes (no Goodbye) while no round is pending; the
+    next round fails at once with the typed error, and so does every later one until connect()."""
     coordd = start_coordd(2)
-    cs = clients(coordd.address, 2)
+    cs = clients(make_client, coordd.address, 2)
+    try:
+        one_round(cs, [REPORT, REPORT])
+        coordd.signal(signal.SIGKILL)
+        assert coordd.proc is not None
+        coordd.proc.wait(timeout=10)
+        time.sleep(0.3)  # the monitor has seen the disconnect; nobody has read it
+        t0 = time.monotonic()
+        with pytest.raises(CoordinatorUnavailable, match="dropped"):
+            cs[0].start(REPORT).wait(timeout=10)
+        with pytest.raises(CoordinatorUnavailable, match="dropped"):
+            cs[0].start(REPORT).wait(timeout=10)
+        assert time.monotonic() - t0 < 5
+    finally:
+        close_all(cs)
+
+
+def test_connect_supersedes_a_pending_round(start_coordd, make_client: ClientMaker) -> None:
+    coordd = start_coordd(2)
+    cs = clients(make_client, coordd.address, 2)
+    try:
+        stale = cs[0].start(REPORT)  # rank 1 never reports it
+        for c in cs:
+            c.connect(timeout=10)
+        with pytest.raises(CoordinatorUnavailable, match="superseded by connect"):
+            stale.wait(timeout=10)
+        got = one_round(cs, [REPORT, REPORT])
+        assert got[0] == got[1]
+    finally:
+        close_all(cs)
+
+
+def test_bad_frames_are_dropped_and_rounds_go_on(start_coordd, make_client: ClientMaker) -> None:
+    coordd = start_coordd(2)
+    cs = clients(make_client, coordd.address, 2)
     rogue = zmq.Context.instance().socket(zmq.DEALER)
     rogue.setsockopt(zmq.LINGER, 0)
     rogue.connect(coordd.address)

@@ -7,6 +7,7 @@ import statistics
 import pytest
 
 from coordd.proto.policy import decide
+from tests.integration.clients import CLIENT_KINDS
 from tests.integration.ranks import RankLog, run_ranks
 
 
@@ -29,21 +30,24 @@ def assert_agreement(logs: list[RankLog], rounds: int) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("client", CLIENT_KINDS)
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 @pytest.mark.parametrize("dp", [2, 4, 8])
-def test_every_rank_gets_the_policy_decision(start_coordd, dp: int, transport: str) -> None:
+def test_every_rank_gets_the_policy_decision(start_coordd, dp: int, transport: str,
+                                             client: str) -> None:
     rounds = 300 if dp < 8 else 150
     coordd = start_coordd(dp, transport)
-    logs = run_ranks(coordd.address, dp, rounds, seed=dp)
+    logs = run_ranks(coordd.address, dp, rounds, seed=dp, client=client)
     assert_agreement(logs, rounds)
 
 
 @pytest.mark.timeout(240)
-def test_overlapped_rounds_agree_and_hide_the_exchange(start_coordd) -> None:
+@pytest.mark.parametrize("client", CLIENT_KINDS)
+def test_overlapped_rounds_agree_and_hide_the_exchange(start_coordd, client: str) -> None:
     """start, 1 ms of 'GPU work', wait: the decision is usually there by the time we look."""
     dp, rounds = 4, 200
     coordd = start_coordd(dp, "ipc")
-    logs = run_ranks(coordd.address, dp, rounds, seed=11, work_s=0.001)
+    logs = run_ranks(coordd.address, dp, rounds, seed=11, work_s=0.001, client=client)
     assert_agreement(logs, rounds)
     exposed = [r.exposed for log in logs for r in log.rounds]
     latency = [r.latency for log in logs for r in log.rounds]
