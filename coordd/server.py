@@ -175,10 +175,10 @@ class CoordServer:
 
     def _drained(self) -> None:
         """Once per drain: a group failure nobody was sent (a rank lost between rounds) shows
-        only in the snapshot's failure counter, so the observer is told from there."""
-        snap = self.coordinator.snapshot()
-        if snap.failures != self.observer.failures_seen:
-            self.observer.group_failed(snap)
+        only in the failure counter, so the observer is told from there."""
+        coordinator = self.coordinator
+        if coordinator.failures != self.observer.failures_seen:
+            self.observer.group_failed(coordinator.snapshot())
         self._schedule_deadline()
 
     def _drain_frames(self) -> None:

@@ -177,6 +177,12 @@ class Coordinator:
     def state(self) -> GroupState:
         return self._state
 
+    @property
+    def failures(self) -> int:
+        """Group failures so far (as in the snapshot): the daemon compares it once per drain,
+        which costs nothing, and builds a snapshot only when it moved."""
+        return self._failures
+
     def peers(self) -> tuple[bytes, ...]:
         """Every registered peer of the current epoch, in rank order (cached)."""
         if self._peers is None:

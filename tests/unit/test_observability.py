@@ -49,9 +49,8 @@ class Daemon:
         for s in sends:
             self.sent.append(s.message)
             self.observer.sent(s.peers, s.message)
-        snap = self.coordinator.snapshot()
-        if snap.failures != self.observer.failures_seen:
-            self.observer.group_failed(snap)
+        if self.coordinator.failures != self.observer.failures_seen:
+            self.observer.group_failed(self.coordinator.snapshot())
 
     def hello(self, rank: int, at: float, **kw: Any) -> None:
         self.now = at
@@ -142,6 +141,8 @@ def test_rounds_durations_and_stragglers_are_counted_once_per_round() -> None:
     assert value(m, "coordd_registered_ranks") == 3
     assert value(m, "coordd_round_seq") == 3
     assert value(m, "coordd_ready") == 1
+    assert value(m, "coordd_group_state", state="idle") == 1
+    assert value(m, "coordd_group_state", state="failed") == 0
     assert value(m, "coordd_registrations_total") == 3
     assert m["coordd_build_info"]
     assert len(DURATION_BUCKETS) + 1 == len(m["coordd_round_duration_seconds_bucket"]) // 2
@@ -166,9 +167,23 @@ def test_a_group_failure_is_counted_and_logged_once(caplog: pytest.LogCaptureFix
     assert value(m, "coordd_faults_total", reason="mismatch") == 1
     assert value(m, "coordd_rounds_total", kind="forward", outcome="failed") == 1
     assert value(m, "coordd_group_failed") == 1
+    assert value(m, "coordd_group_state", state="failed") == 1
     assert value(m, "coordd_ready") == 0
     (recent,) = o.recent_failures
     assert recent["ranks"] == [1] and recent["reason"] == "mismatch"
+
+
+def test_each_failure_of_a_re_formed_group_is_counted() -> None:
+    """A failure is new when the snapshot's failure counter moved, whatever it looks like."""
+    d = registered(2)
+    for epoch in (EPOCH, EPOCH + 1):
+        d.report(0, 0 if epoch == EPOCH else 1, 101.0, epoch=epoch)
+        d.report(1, 5, 101.1, epoch=epoch)  # skipped ahead: the group fails
+        assert d.coordinator.snapshot().state.value == "failed"
+        d.hello(0, 102.0)
+        d.hello(1, 102.0)
+    assert dict(d.observer.failed) == {"forward": 2}
+    assert dict(d.observer.faults) == {"mismatch": 2}
 
 
 def test_a_loss_between_rounds_is_a_fault_though_nobody_is_sent_it(
@@ -238,6 +253,7 @@ def test_status_document_and_table() -> None:
     d.now = 103.0
     doc = json.loads(json.dumps(status_document(d, d.observer)))  # type: ignore[arg-type]
     assert doc["dp_size"] == 2 and doc["epoch"] == EPOCH and doc["seq"] == 1
+    assert doc["state"] == "round_open"
     assert doc["ready"] is True
     assert doc["round"] == {"open": True, "kind": "forward", "reported": 1, "age_s": 1.0}
     r0, r1 = doc["ranks"]
@@ -248,7 +264,7 @@ def test_status_document_and_table() -> None:
     assert r0["rounds"] == r1["rounds"] == 1
     assert r1["mean_lateness_s"] == 0.5 and r1["straggler_rounds"] == 1
     table = render(doc)
-    assert "group default  dp 2" in table
+    assert "group default  dp 2  state round_open  epoch 9" in table
     assert "round 1: open, forward, 1/2 reported" in table
     rows = [line.split() for line in table.splitlines() if line[:1].isdigit()]
     assert [row[:3] for row in rows] == [["0", "registered", "10.0.0.0"],
