@@ -13,10 +13,11 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
+from coordd.client.config import ClientConfig
 from coordd.client.sync import CoordClient
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
 from coordd.proto.messages import StepDecision, StepKind, StepReport, Welcome
@@ -54,20 +55,25 @@ class Driver(Protocol):
     def close(self) -> None: ...
 
 
+def client_config(spec: WorkerSpec, **overrides: Any) -> ClientConfig:
+    """The settings every client of this worker (real or raw) is made with."""
+    spec_config = ClientConfig(
+        address=spec.address,
+        dp_rank=spec.dp_rank,
+        dp_size=spec.dp_size,
+        config_fingerprint=spec.fingerprint,
+        wait_timeout=spec.wait_timeout,
+        heartbeat_interval=spec.heartbeat_interval,
+        heartbeat_timeout=spec.heartbeat_timeout,
+    )
+    return ClientConfig.of(spec_config, **overrides)
+
+
 class ClientDriver:
     """The real client, used as an engine uses it: `start` now, `wait` later."""
 
-    def __init__(self, spec: WorkerSpec, **overrides: object) -> None:
-        kwargs: dict[str, object] = dict(
-            dp_rank=spec.dp_rank,
-            dp_size=spec.dp_size,
-            config_fingerprint=spec.fingerprint,
-            wait_timeout=spec.wait_timeout,
-            heartbeat_interval=spec.heartbeat_interval,
-            heartbeat_timeout=spec.heartbeat_timeout,
-        )
-        kwargs.update(overrides)
-        self.client = CoordClient(spec.address, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, spec: WorkerSpec, **overrides: Any) -> None:
+        self.client = CoordClient(config=client_config(spec, **overrides))
 
     @property
     def epoch(self) -> int | None:
@@ -268,18 +274,11 @@ def run_joiner(spec: WorkerSpec, log: HistoryWriter) -> int:
     field, value = spec.hello_field, spec.hello_value
     timeout = min(5.0, max(0.1, spec.deadline - now()))
     if field == "protocol_version":
-        rank = RawRank(
-            spec.address,
-            dp_rank=spec.dp_rank,
-            dp_size=spec.dp_size,
-            config_fingerprint=spec.fingerprint,
-            heartbeat_interval=spec.heartbeat_interval,
-            heartbeat_timeout=spec.heartbeat_timeout,
-        )
+        rank = RawRank(config=client_config(spec))
         hello = msgspec.structs.replace(rank.session.hello_message, protocol_version=int(value))
         wait_for_go(spec)
         return _try_join(log, spec, lambda: rank.register(timeout, hello), rank.close)
-    overrides: dict[str, object] = {"dp_size": int(value)} if field == "dp_size" else {}
+    overrides: dict[str, Any] = {"dp_size": int(value)} if field == "dp_size" else {}
     if field == "config_fingerprint":
         overrides["config_fingerprint"] = value
     driver = ClientDriver(spec, **overrides)
@@ -356,17 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_rogue(spec, log)
     worker = Worker(spec, log)
     driver: ClientDriver | RawRank
-    if spec.role == "raw":
-        driver = RawRank(
-            spec.address,
-            dp_rank=spec.dp_rank,
-            dp_size=spec.dp_size,
-            config_fingerprint=spec.fingerprint,
-            heartbeat_interval=spec.heartbeat_interval,
-            heartbeat_timeout=spec.heartbeat_timeout,
-        )
-    else:
-        driver = ClientDriver(spec)
+    driver = RawRank(config=client_config(spec)) if spec.role == "raw" else ClientDriver(spec)
     try:
         return worker.run(driver)
     finally:
