@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
+from coordd.client.config import ClientConfig
 from coordd.proto.messages import StepReport
 from coordd.tools.bench.workload import (
     FIELDS,
@@ -34,6 +35,13 @@ FLOOR = "floor"
 ALL_METHODS = (COORDD_IPC, COORDD_TCP, GLOO, DEVICE, FLOOR)
 #: Longest a rank waits for one round before the run fails (no hang, ever).
 ROUND_TIMEOUT = 60.0
+
+
+def bench_config(rank: int, dp: int) -> ClientConfig:
+    """The settings of every benchmarked client, on either path."""
+    return ClientConfig(
+        dp_rank=rank, dp_size=dp, config_fingerprint="coordd-bench", wait_timeout=ROUND_TIMEOUT
+    )
 
 
 class Method(Protocol):
@@ -81,13 +89,7 @@ class CoorddMethod(_ClientMethod):
         self.name = name
         self.tables = tables
         self.reports = tables[rank]
-        self.client = CoordClient(
-            address,
-            dp_rank=rank,
-            dp_size=len(tables),
-            config_fingerprint="coordd-bench",
-            wait_timeout=ROUND_TIMEOUT,
-        )
+        self.client = CoordClient(address, config=bench_config(rank, len(tables)))
         self.client.connect(timeout=30)
 
 
@@ -167,12 +169,7 @@ class DeviceMethod(_ClientMethod):
             raise RuntimeError("the device path needs torch: pip install 'coordd[device]'")
         self.tables = tables
         self.reports = tables[rank]
-        self.client = cls(
-            dp_rank=rank,
-            dp_size=len(tables),
-            config_fingerprint="coordd-bench",
-            wait_timeout=ROUND_TIMEOUT,
-        )
+        self.client = cls(config=bench_config(rank, len(tables)))
         self.client.connect(timeout=30)
 
 
