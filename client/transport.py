@@ -1,4 +1,4 @@
-"""The rank's ZeroMQ DEALER to coordd: socket options, the disconnect monitor, CURVE keys.
+"""The rank's ZeroMQ DEALER to coordd: socket options, the disconnect monitor, the CURVE handshake.
 
 Liveness is left to libzmq: ZMTP heartbeats (PING/PONG) are sent and answered by ZeroMQ's
 I/O thread, so a rank blocked on the GPU, or idle between steps, stays alive without any
@@ -19,7 +19,6 @@ from coordd.client.config import (
     CurveKeys,
     curve_keys_from_env,
 )
-from coordd.proto.keyfile import KeyFileError, read_key_file
 from coordd.proto.messages import MAX_MESSAGE_BYTES
 
 # Plain ints: pyzmq's constants are enum.Flag members, slow to combine in Python.
@@ -38,12 +37,10 @@ __all__ = [
     "CLIENT_KEY_ENV",
     "SERVER_KEY_ENV",
     "CurveKeys",
-    "KeyFileError",
     "RankConnection",
     "close_dealer",
     "curve_keys_from_env",
     "open_dealer",
-    "read_key_file",
 ]
 
 
