@@ -15,6 +15,7 @@ from coordd.proto.errors import (
     StepMismatch,
     StepTimeout,
 )
+from coordd.proto.group_state import GroupEvent, GroupState, IllegalTransition
 from coordd.proto.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -37,8 +38,13 @@ from coordd.proto.messages import (
     failure_message,
 )
 from coordd.proto.policy import decide, validate_report
+from coordd.proto.snapshot import GroupSnapshot
 
 __all__ = [
+    "IllegalTransition",
+    "GroupState",
+    "GroupSnapshot",
+    "GroupEvent",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "WIRE_ERRORS",
