@@ -177,7 +177,7 @@ class Observer:
         if failure is None:
             return
         self.failed[failure.kind.value] += 1
-        departed = failure.reason is FailReason.LOST and failure.value == LEFT_THE_GROUP
+        departed = failure.reason is FailReason.LOST and failure.detail == LEFT_THE_GROUP
         self._fault(failure, "group failed", level=logging.INFO if departed else logging.WARNING)
 
     def lost(self, rank: int | None, peer: bytes, detail: str) -> None:

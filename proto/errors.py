@@ -232,11 +232,11 @@ class RankLost(CoordError):
         super().__init__(f"rank(s) {list(self.ranks)} lost" + (f": {detail}" if detail else ""))
 
     def wire_fields(self) -> dict[str, Any]:
-        return dict(culprits=list(self.ranks), value=self.detail)
+        return dict(culprits=list(self.ranks), detail=self.detail)
 
     @classmethod
     def from_wire(cls, msg: StepFailed) -> Self:
-        return cls(msg.culprits, msg.value)
+        return cls(msg.culprits, msg.detail)
 
 
 class StepTimeout(CoordError):
@@ -280,11 +280,11 @@ class CoordinatorUnavailable(CoordError):
         super().__init__(detail)
 
     def wire_fields(self) -> dict[str, Any]:
-        return dict(culprits=[], value=self.detail)
+        return dict(culprits=[], detail=self.detail)
 
     @classmethod
     def from_wire(cls, msg: StepFailed) -> Self:
-        return cls(msg.value)
+        return cls(msg.detail)
 
 
 class ProtocolError(CoordError):
@@ -304,11 +304,11 @@ class ProtocolError(CoordError):
         super().__init__(detail if rank is None else f"rank {rank}: {detail}")
 
     def wire_fields(self) -> dict[str, Any]:
-        return dict(culprits=[] if self.rank is None else [self.rank], value=self.detail)
+        return dict(culprits=[] if self.rank is None else [self.rank], detail=self.detail)
 
     @classmethod
     def from_wire(cls, msg: StepFailed) -> Self:
-        return cls(msg.value, rank=msg.culprits[0] if msg.culprits else None)
+        return cls(msg.detail, rank=msg.culprits[0] if msg.culprits else None)
 
 
 __all__ = [

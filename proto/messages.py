@@ -160,12 +160,14 @@ class StepFailed(_Message, tag="failed", frozen=True):
     got_kind: str = ""
     #: invalid: the name of the report field out of range.
     field: str = ""
-    #: invalid: repr() of the value; lost, unavailable, protocol: the detail text.
+    #: invalid: repr() of the value.
     value: str = ""
     #: timeout: the step timeout in seconds.
     timeout: float = 0.0
     #: invalid: the range the value must be in.
     expected: str = ""
+    #: lost, unavailable, protocol: what happened (which timeout, or that a rank left).
+    detail: str = ""
 
 
 class Heartbeat(_Message, tag="heartbeat", frozen=True):

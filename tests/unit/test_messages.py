@@ -72,7 +72,7 @@ step_decisions = st.builds(
 step_faileds = st.builds(
     StepFailed, epoch=i64, seq=i64, kind=kinds, reason=st.sampled_from(FailReason),
     culprits=rank_lists, text=text, expected_seq=i64, expected_kind=text, got_seq=i64,
-    got_kind=text, field=text, value=text, timeout=finite, expected=text,
+    got_kind=text, field=text, value=text, timeout=finite, expected=text, detail=text,
 )
 heartbeats = st.builds(Heartbeat, nonce=i64)
 goodbyes = st.builds(Goodbye, text=text)
@@ -469,6 +469,13 @@ def test_invalid_report_expected_travels_in_its_own_field() -> None:
     msg = failure_message(error, epoch=1, seq=2, kind=StepKind.FORWARD)
     assert (msg.field, msg.value, msg.expected, msg.got_kind) == (
         "num_tokens_padded", "4", ">= num_tokens (9)", "")
+    assert error_from_failure(decode_from_coordinator(encode(msg))) == error
+
+
+def test_a_lost_rank_detail_travels_in_its_own_field_not_in_value() -> None:
+    error = RankLost([2], "missed heartbeats for 5.0 s")
+    msg = failure_message(error, epoch=1, seq=2, kind=StepKind.FORWARD)
+    assert (msg.detail, msg.value, msg.field) == ("missed heartbeats for 5.0 s", "", "")
     assert error_from_failure(decode_from_coordinator(encode(msg))) == error
 
 
