@@ -17,12 +17,11 @@ from coordd.client.config import ClientConfig
 from coordd.client.session import (
     GroupFailed,
     Pong,
-    RankSession,
     Registered,
     RegistrationFailed,
     Resolved,
 )
-from coordd.client.transport import RankConnection
+from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, StepTimeout
 from coordd.proto.messages import (
     Goodbye,
@@ -37,7 +36,7 @@ from coordd.proto.messages import (
 _GOODBYE = encode(Goodbye(text="rank closed"))
 
 
-class AsyncCoordClient:
+class AsyncCoordClient(ClientShell):
     """One DP rank's connection to coordd, for engines that run an asyncio loop.
 
     Takes the same settings as `CoordClient`: keyword arguments, `config=`, or both."""
@@ -50,31 +49,12 @@ class AsyncCoordClient:
         context: zmq.Context | None = None,
         **options: Any,
     ) -> None:
-        self.config = ClientConfig.of(config, address=address, **options).resolved()
-        self.session = RankSession(self.config)
-        self.connection = RankConnection.open(self.config, self.session.identity, context)
+        super().__init__(address, config=config, context=context, **options)
         #: The futures of unanswered rounds, by seq, with the registration each began in.
         self._pending: dict[int, tuple[int, asyncio.Future[StepDecision]]] = {}
         self._welcome: asyncio.Future[Welcome] | None = None
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
-
-    @property
-    def address(self) -> str:
-        return self.connection.address
-
-    @property
-    def wait_timeout(self) -> float:
-        return self.config.wait_timeout
-
-    @property
-    def dp_rank(self) -> int:
-        return self.session.dp_rank
-
-    @property
-    def epoch(self) -> int | None:
-        return self.session.epoch
 
     async def connect(self, timeout: float = 5.0) -> Welcome:
         """Register (Hello -> Welcome) in a new epoch; raises `Rejected` or

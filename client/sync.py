@@ -14,8 +14,8 @@ from typing import Any
 import zmq
 
 from coordd.client.config import ClientConfig
-from coordd.client.session import Pong, RankSession, Registered, RegistrationFailed
-from coordd.client.transport import RankConnection
+from coordd.client.session import Pong, Registered, RegistrationFailed
+from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, StepTimeout
 from coordd.proto.messages import (
     Goodbye,
@@ -53,7 +53,7 @@ class PendingStep:
         return client.session.settled(self.seq, self._registration)
 
 
-class CoordClient:
+class CoordClient(ClientShell):
     """One DP rank's connection to coordd.
 
     Give the settings as keyword arguments (`CoordClient(address, dp_rank=0, dp_size=8)`), as
@@ -67,33 +67,14 @@ class CoordClient:
         context: zmq.Context | None = None,
         **options: Any,
     ) -> None:
-        self.config = ClientConfig.of(config, address=address, **options).resolved()
-        self.session = RankSession(self.config)
-        self.connection = RankConnection.open(self.config, self.session.identity, context)
+        super().__init__(address, config=config, context=context, **options)
         self._poller = zmq.Poller()
         self._poller.register(self.connection.socket, zmq.POLLIN)
         self._poller.register(self.connection.monitor, zmq.POLLIN)
         self._welcome: Welcome | None = None
         self._pong: int | None = None
-        self._closed = False
 
     # -- public API ---------------------------------------------------------------------------
-
-    @property
-    def address(self) -> str:
-        return self.connection.address
-
-    @property
-    def wait_timeout(self) -> float:
-        return self.config.wait_timeout
-
-    @property
-    def dp_rank(self) -> int:
-        return self.session.dp_rank
-
-    @property
-    def epoch(self) -> int | None:
-        return self.session.epoch
 
     def connect(self, timeout: float = 5.0) -> Welcome:
         """Register (Hello -> Welcome) in a new epoch; raises `Rejected` or

@@ -1,0 +1,49 @@
+"""What the blocking and the asyncio client share: the settings, the session, the connection.
+
+A shell adds only how it waits; everything it reads about the rank comes from here, so the two
+clients cannot drift apart on what `address`, `epoch` or `dp_rank` mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from coordd.client.config import ClientConfig
+from coordd.client.session import RankSession
+from coordd.client.transport import RankConnection
+
+
+class ClientShell:
+    """The parts of a rank's client that do not wait: built once from one `ClientConfig`."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        config: ClientConfig | None = None,
+        context: zmq.Context | None = None,
+        **options: Any,
+    ) -> None:
+        self.config = ClientConfig.of(config, address=address, **options).resolved()
+        self.session = RankSession(self.config)
+        self.connection = RankConnection.open(self.config, self.session.identity, context)
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self.connection.address
+
+    @property
+    def wait_timeout(self) -> float:
+        return self.config.wait_timeout
+
+    @property
+    def dp_rank(self) -> int:
+        return self.session.dp_rank
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the current registration; None before the first Welcome."""
+        return self.session.epoch
