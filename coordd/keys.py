@@ -13,6 +13,7 @@ public key, `NAME.key_secret` the pair; `coordd keygen` writes both with mode 06
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import stat
@@ -78,19 +79,55 @@ def check_security_options(
 # -- key files ---------------------------------------------------------------------------------
 
 
-def _write_private(path: str, text: str, force: bool) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
+def _write_temp(directory: str, name: str, text: str) -> str:
+    """A new 0600 file beside the final one, never through a link, whatever the umask."""
+    for attempt in range(100):
+        path = os.path.join(directory, f".{name}.{os.getpid()}.{attempt}.tmp")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        return path
+    raise KeyFileError(os.path.join(directory, name), "no free temporary name beside it")
+
+
+def _place(temps: Sequence[tuple[str, str]], force: bool) -> None:
+    """Move the finished files into place: all of them, or (without --force) none.
+
+    `os.replace` swaps a planted link itself, never its target; `os.link` refuses to replace
+    anything, so a half-written pair cannot come from a name that was already taken."""
+    if force:
+        for temp, final in temps:
+            os.replace(temp, final)
+        return
+    placed: list[str] = []
     try:
-        fd = os.open(path, flags, 0o600)
-    except FileExistsError:
-        raise KeyFileError(path, "exists (pass --force to replace it)") from None
-    with os.fdopen(fd, "w", encoding="ascii") as f:
-        os.fchmod(f.fileno(), 0o600)  # whatever the umask, or the mode of a replaced file
-        f.write(text)
+        for temp, final in temps:
+            try:
+                os.link(temp, final, follow_symlinks=False)
+            except FileExistsError:
+                raise KeyFileError(final, "exists (pass --force to replace it)") from None
+            placed.append(final)
+    except BaseException:
+        for final in placed:
+            os.unlink(final)
+        raise
+    finally:
+        for temp, _ in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
 
 
 def write_keypair(directory: str, name: str, *, force: bool = False) -> tuple[str, str]:
-    """Write DIR/NAME.key and DIR/NAME.key_secret (mode 0600); returns their paths."""
+    """Write DIR/NAME.key and DIR/NAME.key_secret (mode 0600) as a pair; returns their paths.
+
+    Both files are new, or (with `force`) both are replaced: never a public key from one pair
+    beside the secret of another."""
     if not name or os.sep in name or name.startswith("."):
         raise ValueError(f"key name must be a plain file name, got {name!r}")
     os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -98,13 +135,23 @@ def write_keypair(directory: str, name: str, *, force: bool = False) -> tuple[st
     pub = public.decode("ascii")
     public_path = os.path.join(directory, name + PUBLIC_SUFFIX)
     secret_path = os.path.join(directory, name + SECRET_SUFFIX)
+    if not force:
+        for path in (public_path, secret_path):
+            if os.path.lexists(path):
+                raise KeyFileError(path, "exists (pass --force to replace it)")
     body = f'metadata\ncurve\n    public-key = "{pub}"\n'
-    _write_private(
-        secret_path,
-        _SECRET_BANNER + body + f'    secret-key = "{secret.decode("ascii")}"\n',
-        force,
-    )
-    _write_private(public_path, _PUBLIC_BANNER + body, force)
+    secret_text = _SECRET_BANNER + body + f'    secret-key = "{secret.decode("ascii")}"\n'
+    temps: list[tuple[str, str]] = []
+    try:
+        temps.append((_write_temp(directory, name + SECRET_SUFFIX, secret_text), secret_path))
+        temps.append(
+            (_write_temp(directory, name + PUBLIC_SUFFIX, _PUBLIC_BANNER + body), public_path)
+        )
+        _place(temps, force)
+    finally:
+        for temp, _ in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
     return public_path, secret_path
 
 
@@ -236,7 +283,9 @@ def run(args: argparse.Namespace) -> int:
         for name in args.names:
             public_path, secret_path = write_keypair(args.dir, name, force=args.force)
             public, _ = read_key_file(public_path)
-            print(f"{name}: public {public_path}, secret {secret_path} ({public.decode()})")
+            print(f"{name}: public key {public.decode()}")
+            print(f"    {public_path}  (public: give it to the other side)")
+            print(f"    {secret_path}  (SECRET: keep it on this host, mode 0600)")
     except (KeyFileError, ValueError, OSError) as exc:
         print(f"coordd keygen: {exc}", file=sys.stderr)
         return 1
