@@ -3,13 +3,14 @@
 from coordd.client.aio import AsyncCoordClient
 from coordd.client.config import ClientConfig, CurveKeys
 from coordd.client.factory import connect_coordinator
-from coordd.client.sync import CoordClient, PendingStep
+from coordd.client.sync import CoordClient, PendingGather, PendingStep
 
 __all__ = [
     "AsyncCoordClient",
     "ClientConfig",
     "CoordClient",
     "CurveKeys",
+    "PendingGather",
     "PendingStep",
     "connect_coordinator",
 ]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import zmq
 
@@ -22,8 +23,10 @@ from coordd.client.session import (
     Resolved,
 )
 from coordd.client.shell import ClientShell
-from coordd.proto.errors import CoordError, CoordinatorUnavailable, StepTimeout
+from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
+    GatherReport,
+    GatherResult,
     Goodbye,
     Heartbeat,
     StepDecision,
@@ -34,6 +37,8 @@ from coordd.proto.messages import (
 )
 
 _GOODBYE = encode(Goodbye(text="rank closed"))
+
+T = TypeVar("T")
 
 
 class AsyncCoordClient(ClientShell):
@@ -50,8 +55,9 @@ class AsyncCoordClient(ClientShell):
         **options: Any,
     ) -> None:
         super().__init__(address, config=config, context=context, **options)
-        #: The futures of unanswered rounds, by seq, with the registration each began in.
-        self._pending: dict[int, tuple[int, asyncio.Future[StepDecision]]] = {}
+        #: The futures of unanswered rounds, by seq, with the registration each began in and
+        #: whether it is a gather round (its future resolves to the rows).
+        self._pending: dict[int, tuple[int, asyncio.Future[Any], bool]] = {}
         self._welcome: asyncio.Future[Welcome] | None = None
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -94,13 +100,38 @@ class AsyncCoordClient(ClientShell):
         except CoordError as error:
             future.set_exception(error)
             return future
-        self._pending[stamped.seq] = (self.session.registration, future)
+        self._send_report(stamped, future, gather=False)
+        return future
+
+    def start_gather(self, site: str, values: Sequence[int]) -> asyncio.Future[list[list[int]]]:
+        """Send this rank's values for the next round, a gather round labelled `site`; the
+        future resolves to every rank's values in rank order ([] for a rank left out) or the
+        round's error (`InvalidReport`, nothing sent, for what the wire cannot carry)."""
+        loop = self._attach()
+        future: asyncio.Future[list[list[int]]] = loop.create_future()
+        try:
+            stamped = self.session.gather(site, values)
+        except CoordError as error:
+            future.set_exception(error)
+            return future
+        self._send_report(stamped, future, gather=True)
+        return future
+
+    async def gather(
+        self, site: str, values: Sequence[int], timeout: float | None = None
+    ) -> list[list[int]]:
+        """start_gather() and await the rows, within `timeout` (default the client's)."""
+        return await self.wait(self.start_gather(site, values), timeout)
+
+    def _send_report(
+        self, stamped: StepReport | GatherReport, future: asyncio.Future[Any], *, gather: bool
+    ) -> None:
+        self._pending[stamped.seq] = (self.session.registration, future, gather)
         if not self.connection.send(encode(stamped)):
             self._fail(
                 CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
             )
         self._drain()
-        return future
 
     async def coordinate(
         self,
@@ -111,9 +142,7 @@ class AsyncCoordClient(ClientShell):
         """start() and await the decision, within `timeout` (default the client's)."""
         return await self.wait(self.start(report, kind), timeout)
 
-    async def wait(
-        self, future: asyncio.Future[StepDecision], timeout: float | None = None
-    ) -> StepDecision:
+    async def wait(self, future: asyncio.Future[T], timeout: float | None = None) -> T:
         """Await a `start()` future within `timeout` (default the client's); `StepTimeout`
         if no answer came by then (the round stays pending: waiting again may succeed)."""
         timeout = self.config.wait_timeout if timeout is None else timeout
@@ -209,7 +238,7 @@ class AsyncCoordClient(ClientShell):
         entry = self._pending.get(seq)
         if entry is None:
             return
-        registration, future = entry
+        registration, future, gather = entry
         outcome = self.session.outcome(seq, registration)
         if outcome is None:
             return
@@ -218,8 +247,18 @@ class AsyncCoordClient(ClientShell):
             return
         if isinstance(outcome, CoordError):
             future.set_exception(outcome)
-        else:
+        elif gather and type(outcome) is GatherResult:
+            future.set_result(outcome.rows)
+        elif not gather and type(outcome) is StepDecision:
             future.set_result(outcome)
+        else:
+            expected = "gather" if gather else "step"
+            future.set_exception(
+                ProtocolError(
+                    f"coordd answered the {expected} round seq={seq} "
+                    f"with a {type(outcome).__name__}"
+                )
+            )
 
     def _settle_all(self) -> None:
         for seq in list(self._pending):

@@ -19,18 +19,31 @@ The rules, the same for every shell:
 
 from __future__ import annotations
 
+import operator
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import msgspec
 
 from coordd.client.config import ClientConfig
-from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, Rejected
+from coordd.proto.errors import (
+    CoordError,
+    CoordinatorUnavailable,
+    InvalidReport,
+    ProtocolError,
+    Rejected,
+)
 from coordd.proto.messages import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_GATHER_VALUES,
     FailReason,
     FromCoordinator,
+    GatherReport,
+    GatherResult,
     Goodbye,
     Heartbeat,
     Hello,
@@ -45,7 +58,10 @@ from coordd.proto.messages import (
     error_from_reject,
 )
 
-Outcome = StepDecision | CoordError
+#: A round's outcome as a wait finds it: its decision or gathered rows, or its error.
+Outcome = StepDecision | GatherResult | CoordError
+#: Longest call-site label a `GatherReport` carries.
+MAX_SITE_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -127,10 +143,41 @@ class RankSession:
 
     def report(self, report: StepReport, kind: StepKind) -> StepReport:
         """Stamp `report` with this rank's envelope and take the next seq."""
+        if kind is StepKind.GATHER:
+            raise InvalidReport(
+                self.dp_rank, "kind", kind.value, "forward, draft or state (gather: start_gather)"
+            )
         stamped = self.stamp(report, kind)
         self.next_seq += 1
         return stamped
 
+    def gather(self, site: str, values: Sequence[int]) -> GatherReport:
+        """This rank's `GatherReport` for the next seq, stamped, and take the seq; raises
+        `InvalidReport` (taking nothing) for what the wire cannot carry."""
+        stamped = self.stamp(self.gather_report(site, values), StepKind.GATHER)
+        self.next_seq += 1
+        return stamped
+
+    def gather_report(self, site: str, values: Sequence[int]) -> GatherReport:
+        """An unstamped `GatherReport`: `values` as plain ints (anything with `__index__`:
+        numpy or 0-d torch integers), checked against the wire's limits."""
+        if self.failed is not None:
+            raise self.failed
+        try:
+            ints = list(map(operator.index, values))
+        except TypeError as exc:
+            raise InvalidReport(self.dp_rank, "values", values, f"integers ({exc})") from None
+        if len(ints) > MAX_GATHER_VALUES:
+            raise InvalidReport(
+                self.dp_rank, "values", len(ints), f"at most {MAX_GATHER_VALUES} values"
+            )
+        if ints and (min(ints) < INT64_MIN or max(ints) > INT64_MAX):
+            raise InvalidReport(self.dp_rank, "values", ints, "int64 values")
+        if len(site) > MAX_SITE_CHARS:
+            raise InvalidReport(self.dp_rank, "site", site, f"at most {MAX_SITE_CHARS} characters")
+        return GatherReport(site=site, values=ints)
+
+    @overload
     def stamp(
         self,
         report: StepReport,
@@ -138,19 +185,39 @@ class RankSession:
         *,
         seq: int | None = None,
         dp_rank: int | None = None,
-    ) -> StepReport:
+    ) -> StepReport: ...
+
+    @overload
+    def stamp(
+        self,
+        report: GatherReport,
+        kind: StepKind,
+        *,
+        seq: int | None = None,
+        dp_rank: int | None = None,
+    ) -> GatherReport: ...
+
+    def stamp(
+        self,
+        report: StepReport | GatherReport,
+        kind: StepKind,
+        *,
+        seq: int | None = None,
+        dp_rank: int | None = None,
+    ) -> StepReport | GatherReport:
         """`report` in this rank's envelope for the next seq, which is not taken; `seq` and
-        `dp_rank` replace what a proper rank would put (a test peer's faults)."""
+        `dp_rank` replace what a proper rank would put (a test peer's faults). A
+        `GatherReport` is a gather round's whatever `kind` says (it has no kind field)."""
         if self.failed is not None:
             raise self.failed
         if self.epoch is None:
             raise ProtocolError("not registered: call connect() first", rank=self.dp_rank)
+        dp_rank = self.dp_rank if dp_rank is None else dp_rank
+        seq = self.next_seq if seq is None else seq
+        if type(report) is GatherReport:
+            return msgspec.structs.replace(report, dp_rank=dp_rank, epoch=self.epoch, seq=seq)
         return msgspec.structs.replace(
-            report,
-            dp_rank=self.dp_rank if dp_rank is None else dp_rank,
-            epoch=self.epoch,
-            seq=self.next_seq if seq is None else seq,
-            kind=kind,
+            report, dp_rank=dp_rank, epoch=self.epoch, seq=seq, kind=kind
         )
 
     # -- what came ------------------------------------------------------------------------------
@@ -165,7 +232,7 @@ class RankSession:
 
     def receive(self, msg: FromCoordinator) -> Event | None:
         """What `msg` means for this rank; None for stale messages of an older epoch."""
-        if type(msg) is StepDecision:
+        if type(msg) is StepDecision or type(msg) is GatherResult:
             return self._answer(msg.seq, msg) if msg.epoch == self.epoch else None
         if type(msg) is StepFailed:
             return self._on_failed(msg)

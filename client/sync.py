@@ -9,6 +9,7 @@ answer means is `RankSession`'s; this shell only decides how to wait (`zmq.Polle
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -16,8 +17,10 @@ import zmq
 from coordd.client.config import ClientConfig
 from coordd.client.session import Pong, Registered, RegistrationFailed
 from coordd.client.shell import ClientShell
-from coordd.proto.errors import CoordError, CoordinatorUnavailable, StepTimeout
+from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
+    GatherReport,
+    GatherResult,
     Goodbye,
     Heartbeat,
     Hello,
@@ -53,6 +56,42 @@ class PendingStep:
         return client.session.settled(self.seq, self._registration)
 
 
+class PendingGather:
+    """A gather round this rank has sent its values to; `wait()` returns every rank's values
+    (rows[r] is rank r's; [] for a rank left out) or raises the round's error."""
+
+    __slots__ = ("_client", "_registration", "seq", "site")
+
+    def __init__(self, client: CoordClient, seq: int, site: str, registration: int) -> None:
+        self._client = client
+        self._registration = registration
+        self.seq = seq
+        self.site = site
+
+    def wait(self, timeout: float | None = None) -> list[list[int]]:
+        """Block until the rows arrive (at most `timeout`, default the client's)."""
+        return self.result(timeout).rows
+
+    def result(self, timeout: float | None = None) -> GatherResult:
+        """As `wait()`, but the whole `GatherResult` (its `dead_ranks` too)."""
+        outcome = self._client._wait_outcome(self.seq, self._registration, timeout)
+        if type(outcome) is not GatherResult:
+            raise _wrong_answer(self.seq, "gather", outcome)
+        return outcome
+
+    def done(self) -> bool:
+        """True if `wait()` would return or raise without blocking."""
+        client = self._client
+        client._read_available()
+        return client.session.settled(self.seq, self._registration)
+
+
+def _wrong_answer(seq: int, expected: str, outcome: object) -> ProtocolError:
+    return ProtocolError(
+        f"coordd answered the {expected} round seq={seq} with a {type(outcome).__name__}"
+    )
+
+
 class CoordClient(ClientShell):
     """One DP rank's connection to coordd.
 
@@ -86,11 +125,23 @@ class CoordClient(ClientShell):
         if type(kind) is not StepKind:
             kind = StepKind(kind)
         stamped = self.session.report(report, kind)
-        if not self.connection.send(encode(stamped)):
-            raise self.session.fail(
-                CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
-            ).error
+        self._send_report(stamped)
         return PendingStep(self, stamped.seq, kind, self.session.registration)
+
+    def start_gather(self, site: str, values: Sequence[int]) -> PendingGather:
+        """Send this rank's values for the next round, a gather round labelled `site` (the
+        call site; every rank must gather the same site in the same place); returns at once.
+        Raises `InvalidReport` without sending for what the wire cannot carry (more than
+        MAX_GATHER_VALUES values, a value outside int64)."""
+        stamped = self.session.gather(site, values)
+        self._send_report(stamped)
+        return PendingGather(self, stamped.seq, site, self.session.registration)
+
+    def gather(
+        self, site: str, values: Sequence[int], timeout: float | None = None
+    ) -> list[list[int]]:
+        """start_gather() and wait() in one call: every rank's values, in rank order."""
+        return self.start_gather(site, values).wait(timeout)
 
     def coordinate(
         self,
@@ -157,7 +208,22 @@ class CoordClient(ClientShell):
             )
         self.connection.send(data)
 
+    def _send_report(self, stamped: StepReport | GatherReport) -> None:
+        if not self.connection.send(encode(stamped)):
+            raise self.session.fail(
+                CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
+            ).error
+
     def _wait(self, seq: int, registration: int, timeout: float | None) -> StepDecision:
+        """A policy round's decision (or its error)."""
+        outcome = self._wait_outcome(seq, registration, timeout)
+        if type(outcome) is not StepDecision:
+            raise _wrong_answer(seq, "step", outcome)
+        return outcome
+
+    def _wait_outcome(
+        self, seq: int, registration: int, timeout: float | None
+    ) -> StepDecision | GatherResult:
         timeout = self.config.wait_timeout if timeout is None else timeout
         session = self.session
         self._read_available()

@@ -28,6 +28,7 @@ from coordd.proto.group_state import GroupState
 from coordd.proto.messages import (
     PROTOCOL_VERSION,
     FailReason,
+    GatherResult,
     Hello,
     Reject,
     StepDecision,
@@ -133,7 +134,7 @@ class Observer:
         A decision costs a few microseconds here: the snapshot (built once per change), one
         histogram bucket, the straggler's counter and a deque append."""
         kind = type(message)
-        if kind is StepDecision:
+        if kind is StepDecision or kind is GatherResult:
             snap = self.view()
             rnd = snap.last_round
             if rnd is None or snap.decisions == self._decisions_seen:

@@ -17,10 +17,13 @@ from coordd.proto.errors import (
 )
 from coordd.proto.group_state import GroupEvent, GroupState, IllegalTransition
 from coordd.proto.messages import (
+    MAX_GATHER_VALUES,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     WIRE_ERRORS,
     FailReason,
+    GatherReport,
+    GatherResult,
     Goodbye,
     Heartbeat,
     Hello,
@@ -36,8 +39,9 @@ from coordd.proto.messages import (
     encode,
     error_from_failure,
     failure_message,
+    max_gather_values,
 )
-from coordd.proto.policy import decide, validate_report
+from coordd.proto.policy import decide, validate_gather, validate_report
 from coordd.proto.snapshot import GroupSnapshot
 
 __all__ = [
@@ -45,6 +49,7 @@ __all__ = [
     "GroupState",
     "GroupSnapshot",
     "GroupEvent",
+    "MAX_GATHER_VALUES",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "WIRE_ERRORS",
@@ -53,6 +58,8 @@ __all__ = [
     "Coordinator",
     "CoordinatorUnavailable",
     "FailReason",
+    "GatherReport",
+    "GatherResult",
     "Goodbye",
     "Heartbeat",
     "Hello",
@@ -77,5 +84,7 @@ __all__ = [
     "encode",
     "error_from_failure",
     "failure_message",
+    "max_gather_values",
+    "validate_gather",
     "validate_report",
 ]

@@ -16,6 +16,12 @@ Elastic (`OnRankLoss.NEUTRALIZE`): a lost rank is left out instead; it counts as
 value in every later decision (`dead_ranks`, as vLLM's `neutralize_dead_dp_columns` in
 vllm/v1/worker/dp_utils.py does), its peer gets `RankLost` if it reports without registering,
 and a returning rank is admitted only at a round boundary. Other faults still fail the round.
+
+Two families of rounds share the group's one seq sequence and every rule above: policy rounds
+(a `StepReport` of kind forward, draft or state; coordd applies `decide` and sends a
+`StepDecision`) and gather rounds (a `GatherReport`; coordd sends every rank's values back as
+one `GatherResult`, a left-out rank's row empty). A report of the other family, kind or
+gather site than the open round's is a `StepMismatch`.
 """
 
 from __future__ import annotations
@@ -38,10 +44,13 @@ from coordd.proto.errors import (
 from coordd.proto.group_state import GroupEvent, GroupState, next_state
 from coordd.proto.messages import (
     FromCoordinator,
+    GatherReport,
+    GatherResult,
     Goodbye,
     Heartbeat,
     Hello,
-    StepDecision,
+    Outcome,
+    Report,
     StepFailed,
     StepKind,
     StepReport,
@@ -50,7 +59,7 @@ from coordd.proto.messages import (
     failure_message,
     reject_message,
 )
-from coordd.proto.policy import decide, validate_report
+from coordd.proto.policy import decide, validate_gather, validate_report
 from coordd.proto.registration import check_basics, check_membership, rank_taken
 from coordd.proto.rounds import CompletedRound, Round
 from coordd.proto.snapshot import GroupSnapshot, Member, OnRankLoss
@@ -66,10 +75,10 @@ class Send(NamedTuple):
 
 
 class _Decided(NamedTuple):
-    """The last decided round and its decision: a rank that re-sends its report gets it again."""
+    """The last decided round and its outcome: a rank that re-sends its report gets it again."""
 
     round: Round
-    decision: StepDecision
+    decision: Outcome
 
 
 _NOTHING: tuple[Send, ...] = ()
@@ -115,7 +124,7 @@ class Coordinator:
 
     def receive(self, peer: bytes, message: ToCoordinator, now: float) -> Sequence[Send]:
         """Feed one decoded message from `peer`; returns what to send."""
-        if type(message) is StepReport:
+        if type(message) is StepReport or type(message) is GatherReport:
             return self._on_report(peer, message, now)
         if type(message) is Hello:
             return self._on_hello(peer, message, now)
@@ -231,7 +240,7 @@ class Coordinator:
 
     # -- reports ----------------------------------------------------------------------------
 
-    def _on_report(self, peer: bytes, report: StepReport, now: float) -> Sequence[Send]:
+    def _on_report(self, peer: bytes, report: Report, now: float) -> Sequence[Send]:
         rank = self._peer_rank.get(peer)
         if rank is None or report.epoch != self._epoch:
             return (Send((peer,), self._stranger_failure(report)),)
@@ -253,16 +262,16 @@ class Coordinator:
                 and decided.round.reports[rank] == report
             ):
                 return (Send((peer,), decided.decision),)
-            expected_kind = (report.kind if rnd is None else rnd.kind).value
+            expected = report.label if rnd is None else rnd.label
             return self._fail(
-                StepMismatch(rank, self._seq, expected_kind, report.seq, report.kind.value),
-                now,
-                report,
+                StepMismatch(rank, self._seq, expected, report.seq, report.label), now, report
             )
         if rnd is not None:
-            if report.kind is not rnd.kind:
+            if report.kind is not rnd.kind or (
+                rnd.kind is StepKind.GATHER and report.label != rnd.label
+            ):
                 return self._fail(
-                    StepMismatch(rank, self._seq, rnd.kind.value, report.seq, report.kind.value),
+                    StepMismatch(rank, self._seq, rnd.label, report.seq, report.label),
                     now,
                     report,
                 )
@@ -272,12 +281,16 @@ class Coordinator:
                     return _NOTHING
                 return self._fail(ConflictingReport(rank, report.seq), now, report)
         try:
-            validate_report(rank, report)
+            if type(report) is StepReport:
+                validate_report(rank, report)
+            else:
+                first = None if rnd is None else rnd.first
+                validate_gather(rank, report, self.dp_size, first)  # type: ignore[arg-type]
         except InvalidReport as error:
             return self._fail(error, now, report)
         if rnd is None:
             self._move(_E.OPEN)
-            rnd = self._round = Round(self._seq, report.kind, now, self.dp_size)
+            rnd = self._round = Round(self._seq, report, now, self.dp_size)
         else:
             self._move(_E.REPORT)
         rnd.add(rank, report, now)
@@ -289,22 +302,26 @@ class Coordinator:
             return _NOTHING
         if len(self._members) + len(self._dead) < self.dp_size:
             return _NOTHING
-        group = self._members[min(self._members)].hello
         dead = self._dead
-        decision = decide(
-            [None if r in dead else rep for r, rep in enumerate(rnd.reports)],
-            group.num_ubatches,
-            epoch=self._epoch,
-            seq=rnd.seq,
-            kind=rnd.kind,
-        )
+        decision: Outcome
+        if rnd.kind is StepKind.GATHER:
+            decision = self._gathered(rnd)
+        else:
+            group = self._members[min(self._members)].hello
+            decision = decide(
+                [None if r in dead else rep for r, rep in enumerate(rnd.reports)],  # type: ignore[misc]
+                group.num_ubatches,
+                epoch=self._epoch,
+                seq=rnd.seq,
+                kind=rnd.kind,
+            )
         self._move(_E.DECIDE)
         self._round = None
         self._seq += 1
         self._decided = _Decided(rnd, decision)
         self._decisions += 1
         self._last_round = CompletedRound(
-            rnd.seq, rnd.kind, rnd.started, now, last_rank, rnd.arrivals
+            rnd.seq, rnd.kind, rnd.started, now, last_rank, rnd.arrivals, rnd.site
         )
         sends = [Send(self.peers(), decision)]
         queued, self._queued = self._queued, []
@@ -312,7 +329,18 @@ class Coordinator:
             sends.extend(self._join(peer, hello, now))
         return sends
 
-    def _stranger_failure(self, report: StepReport) -> StepFailed:
+    def _gathered(self, rnd: Round) -> GatherResult:
+        """A gather round's result: each rank's values, [] for a rank left out."""
+        dead = self._dead
+        rows = [
+            [] if rep is None or r in dead else rep.values  # type: ignore[union-attr]
+            for r, rep in enumerate(rnd.reports)
+        ]
+        return GatherResult(
+            epoch=self._epoch, seq=rnd.seq, site=rnd.site, rows=rows, dead_ranks=sorted(dead)
+        )
+
+    def _stranger_failure(self, report: Report) -> StepFailed:
         """A report from a peer outside the current epoch's membership."""
         last = self._failure
         if last is not None and report.epoch == last.epoch:
@@ -332,12 +360,10 @@ class Coordinator:
             error = ProtocolError("report from a peer that has not registered", rank=report.dp_rank)
         return self._failure_of(error, report)
 
-    def _failure_of(self, error: CoordError, report: StepReport) -> StepFailed:
+    def _failure_of(self, error: CoordError, report: Report) -> StepFailed:
         return failure_message(error, epoch=self._epoch, seq=report.seq, kind=report.kind)
 
-    def _fail(
-        self, error: CoordError, now: float, report: StepReport | None = None
-    ) -> Sequence[Send]:
+    def _fail(self, error: CoordError, now: float, report: Report | None = None) -> Sequence[Send]:
         """End the round (and the group) with `error`; `report` is the one that caused it."""
         if self._round is not None:
             kind = self._round.kind

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Annotated, Union
+from typing import Annotated, ClassVar, Union
 
 import msgspec
 
@@ -27,7 +27,8 @@ from coordd.proto.errors import (
     StepTimeout,
 )
 
-#: 2: `StepFailed.expected` (InvalidReport's range, which 1 sent in `got_kind`);
+#: 2: gather rounds (`GatherReport`, `GatherResult`, `StepKind.GATHER`);
+#: `StepFailed.expected` (InvalidReport's range, which 1 sent in `got_kind`);
 #: `StepDecision.any_pause`; a state round's report means what its fields say (1 sent the
 #: rank's has_unfinished as num_tokens, and has_unfinished as "has work or waits to pause").
 PROTOCOL_VERSION = 2
@@ -37,6 +38,15 @@ MAX_DP_SIZE = 4096
 
 ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
 RankList = Annotated[list[int], msgspec.Meta(max_length=MAX_DP_SIZE)]
+#: Most values one rank contributes to a gather round (vLLM's syncs carry 2 to 7).
+MAX_GATHER_VALUES = 256
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+GatherValues = Annotated[list[Int64], msgspec.Meta(max_length=MAX_GATHER_VALUES)]
+GatherRows = Annotated[list[GatherValues], msgspec.Meta(max_length=MAX_DP_SIZE)]
+#: What a `GatherResult` holds besides its rows, at most (a 256-character site is up to
+#: 1 KiB of UTF-8; the rest is the envelope).
+_GATHER_RESULT_HEADER_BYTES = 2048
 
 
 class StepKind(str, enum.Enum):
@@ -45,6 +55,12 @@ class StepKind(str, enum.Enum):
     FORWARD = "forward"
     DRAFT = "draft"
     STATE = "state"
+    #: A gather round (`GatherReport`): every rank's values, unchanged, to every rank.
+    GATHER = "gather"
+
+
+#: The kinds of policy rounds (a `StepReport`, decided by `coordd.proto.policy.decide`).
+POLICY_KINDS: tuple[StepKind, ...] = (StepKind.FORWARD, StepKind.DRAFT, StepKind.STATE)
 
 
 class RejectReason(str, enum.Enum):
@@ -57,6 +73,8 @@ class RejectReason(str, enum.Enum):
     GROUP = "group"
     NUM_UBATCHES = "num_ubatches"
     FINGERPRINT = "fingerprint"
+    #: coordd already serves --max-groups groups; a Hello for another one is refused.
+    GROUP_LIMIT = "group_limit"
 
 
 class FailReason(str, enum.Enum):
@@ -118,6 +136,11 @@ class StepReport(_Message, tag="report", frozen=True):
     kind: StepKind = StepKind.FORWARD
     want_pause: bool = False
 
+    @property
+    def label(self) -> str:
+        """What the round is, as a `StepMismatch` names it: the kind's name."""
+        return self.kind._value_
+
 
 class StepDecision(_Message, tag="decision", frozen=True):
     """The one outcome of a round, identical for every rank."""
@@ -136,6 +159,47 @@ class StepDecision(_Message, tag="decision", frozen=True):
     should_pause: bool = False
     #: Some live rank wants to pause (with `should_pause`: "some but not all").
     any_pause: bool = False
+
+
+class GatherReport(_Message, tag="gather", frozen=True):
+    """One rank's contribution to a gather round; the client fills in rank, epoch and seq.
+
+    A gather round decides nothing: coordd hands every rank every rank's `values` (an engine's
+    own sync tensor, one column per rank) and the engine computes from them as it would from
+    its own all-gather. `site` labels the call site; every rank of a round must report the
+    same site and the same number of values.
+    """
+
+    site: ShortStr
+    values: GatherValues
+    dp_rank: int = -1
+    epoch: int = 0
+    seq: int = -1
+
+    kind: ClassVar[StepKind] = StepKind.GATHER
+
+    @property
+    def label(self) -> str:
+        """What the round is, as a `StepMismatch` names it: "gather:<site>"."""
+        return f"gather:{self.site}"
+
+
+class GatherResult(_Message, tag="gathered", frozen=True):
+    """The outcome of a gather round, identical for every rank: rows[r] is rank r's values
+    ([] for a rank left out in elastic mode, which `dead_ranks` lists)."""
+
+    epoch: int
+    seq: int
+    site: ShortStr
+    rows: GatherRows
+    dead_ranks: RankList = []
+
+
+def max_gather_values(dp_size: int) -> int:
+    """Most values per rank a gather round of `dp_size` ranks takes: MAX_GATHER_VALUES, or
+    fewer where dp_size rows of int64s would not fit in one frame (26 at dp=256)."""
+    row_bytes = MAX_MESSAGE_BYTES - _GATHER_RESULT_HEADER_BYTES - 6 * dp_size
+    return max(0, min(MAX_GATHER_VALUES, row_bytes // (9 * dp_size)))
 
 
 class StepFailed(_Message, tag="failed", frozen=True):
@@ -182,9 +246,24 @@ class Goodbye(_Message, tag="goodbye", frozen=True):
     text: str = ""
 
 
-ToCoordinator = Union[Hello, StepReport, Heartbeat, Goodbye]
-FromCoordinator = Union[Welcome, Reject, StepDecision, StepFailed, Heartbeat, Goodbye]
-Message = Union[Hello, Welcome, Reject, StepReport, StepDecision, StepFailed, Heartbeat, Goodbye]
+ToCoordinator = Union[Hello, StepReport, GatherReport, Heartbeat, Goodbye]
+FromCoordinator = Union[Welcome, Reject, StepDecision, GatherResult, StepFailed, Heartbeat, Goodbye]
+Message = Union[
+    Hello,
+    Welcome,
+    Reject,
+    StepReport,
+    GatherReport,
+    StepDecision,
+    GatherResult,
+    StepFailed,
+    Heartbeat,
+    Goodbye,
+]
+#: A rank's report for a round of either family: a policy round or a gather round.
+Report = Union[StepReport, GatherReport]
+#: A completed round's one outcome.
+Outcome = Union[StepDecision, GatherResult]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_coordinator: msgspec.msgpack.Decoder[ToCoordinator] = msgspec.msgpack.Decoder(ToCoordinator)

@@ -11,8 +11,12 @@ n = num_ubatches (a group setting every rank shares):
 - `any_unfinished` = OR of has_unfinished; `all_idle` = every rank reported 0 tokens;
 - `should_pause` = AND of want_pause; `any_pause` = OR of want_pause;
 - `dead_ranks` = the ranks left out (elastic mode), which count as neutral values.
-A report is valid when num_tokens >= 0, num_tokens_padded >= num_tokens and cudagraph_mode is
-0, 1 or 2 (`validate_report`).
+A report is valid when its kind is a policy round's (not "gather"), num_tokens >= 0,
+num_tokens_padded >= num_tokens and cudagraph_mode is 0, 1 or 2 (`validate_report`).
+
+A gather round has no rules: its result is the reports' values as they came. Its only check
+(`validate_gather`) is that every rank sends as many values as the round's first report, and
+no more than fit in one frame at the group's dp size.
 """
 
 from __future__ import annotations
@@ -20,13 +24,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coordd.proto.errors import InvalidReport
-from coordd.proto.messages import StepDecision, StepKind, StepReport
+from coordd.proto.messages import (
+    GatherReport,
+    StepDecision,
+    StepKind,
+    StepReport,
+    max_gather_values,
+)
 
 CUDAGRAPH_MODES = (0, 1, 2)  # NONE, PIECEWISE, FULL
 
 
 def validate_report(rank: int, report: StepReport) -> None:
     """Raise `InvalidReport` naming the rank and the first field out of range."""
+    if report.kind is StepKind.GATHER:
+        raise InvalidReport(
+            rank, "kind", StepKind.GATHER.value, "forward, draft or state (gather: a GatherReport)"
+        )
     if report.num_tokens < 0:
         raise InvalidReport(rank, "num_tokens", report.num_tokens, ">= 0")
     if report.num_tokens_padded < report.num_tokens:
@@ -38,6 +52,26 @@ def validate_report(rank: int, report: StepReport) -> None:
         )
     if report.cudagraph_mode not in CUDAGRAPH_MODES:
         raise InvalidReport(rank, "cudagraph_mode", report.cudagraph_mode, "0, 1 or 2")
+
+
+def validate_gather(
+    rank: int, report: GatherReport, dp_size: int, first: GatherReport | None
+) -> None:
+    """Raise `InvalidReport` if `report`'s values differ in number from `first` (the round's
+    first report; None: `report` opens the round) or would not fit in one result frame."""
+    count = len(report.values)
+    if first is not None:
+        expected = len(first.values)
+        if count != expected:
+            raise InvalidReport(
+                rank, "values", count, f"{expected} values, as the round's first report"
+            )
+        return
+    limit = max_gather_values(dp_size)
+    if count > limit:
+        raise InvalidReport(
+            rank, "values", count, f"at most {limit} values at dp={dp_size} (one 64 KiB frame)"
+        )
 
 
 def last_ubatch_empty(max_padded: int, min_tokens: int, num_ubatches: int) -> bool:

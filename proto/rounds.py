@@ -7,28 +7,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from coordd.proto.messages import StepKind, StepReport
+from coordd.proto.messages import GatherReport, Report, StepKind
 
 
 class Round:
     """One round, from its first report to its decision or failure.
 
-    Its seq, kind and start are fixed by the first report; the ledger (each rank's report and
-    when it came) only fills in, except that an elastic loss withdraws the lost rank's entry.
-    When the round ends the machine drops it whole and the next report opens a new one.
+    Its seq, kind (a gather round's: and site) and start are fixed by the first report, which
+    the round keeps (`first`: a gather round's reports must match its length); the ledger
+    (each rank's report and when it came) only fills in, except that an elastic loss
+    withdraws the lost rank's entry. When the round ends the machine drops it whole and the
+    next report opens a new one.
     """
 
-    __slots__ = ("arrivals", "kind", "reported", "reports", "seq", "started")
+    __slots__ = ("arrivals", "first", "kind", "label", "reported", "reports", "seq", "started")
 
-    def __init__(self, seq: int, kind: StepKind, started: float, dp_size: int) -> None:
+    def __init__(self, seq: int, first: Report, started: float, dp_size: int) -> None:
         self.seq = seq
-        self.kind = kind
+        self.first = first
+        self.kind = first.kind
+        #: What a report must say to belong here: the kind's name, or "gather:<site>".
+        self.label = first.label
         self.started = started
-        self.reports: list[StepReport | None] = [None] * dp_size
+        self.reports: list[Report | None] = [None] * dp_size
         self.arrivals: list[float | None] = [None] * dp_size
         self.reported = 0
 
-    def add(self, rank: int, report: StepReport, now: float) -> None:
+    @property
+    def site(self) -> str:
+        """A gather round's call site; "" for a policy round."""
+        first = self.first
+        return first.site if type(first) is GatherReport else ""
+
+    def add(self, rank: int, report: Report, now: float) -> None:
         self.reports[rank] = report
         self.arrivals[rank] = now
         self.reported += 1
@@ -40,7 +51,9 @@ class Round:
             self.reported -= 1
 
     def view(self) -> OpenRound:
-        return OpenRound(self.seq, self.kind, self.started, self.reported, tuple(self.arrivals))
+        return OpenRound(
+            self.seq, self.kind, self.started, self.reported, tuple(self.arrivals), self.site
+        )
 
 
 class CompletedRound(NamedTuple):
@@ -54,6 +67,7 @@ class CompletedRound(NamedTuple):
     completed: float
     last_rank: int | None
     arrivals: list[float | None]  # each rank's report time; None for a rank left out
+    site: str = ""  # a gather round's call site; "" for a policy round
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +79,5 @@ class OpenRound:
     started: float
     reported: int
     arrivals: tuple[float | None, ...]
+    #: A gather round's call site; "" for a policy round.
+    site: str = ""

@@ -44,6 +44,7 @@ from coordd.proto.group_state import (
     IllegalTransition,
     next_state,
 )
+from coordd.proto.messages import POLICY_KINDS
 from coordd.proto.snapshot import GroupSnapshot
 
 DP = 4
@@ -201,7 +202,7 @@ def test_round_waits_for_unregistered_ranks() -> None:
     st.lists(st.permutations(range(DP)), min_size=1, max_size=5),
     st.lists(st.tuples(st.integers(0, 64), st.integers(0, 64), st.booleans(),
                        st.integers(0, 2), st.booleans()), min_size=DP * 5, max_size=DP * 5),
-    st.lists(st.sampled_from(StepKind), min_size=5, max_size=5),
+    st.lists(st.sampled_from(POLICY_KINDS), min_size=5, max_size=5),
     st.lists(st.booleans(), min_size=DP * 5, max_size=DP * 5),
 )
 def test_random_rounds_match_the_policy(orders, values, kinds, resend) -> None:  # type: ignore[no-untyped-def]
@@ -922,7 +923,7 @@ report_values = st.tuples(st.integers(0, 40), st.integers(0, 40), st.booleans(),
                           st.integers(0, 2), st.booleans())
 # mostly honest progress, now and then a lost rank, a late one, or a bad report
 events = st.lists(
-    st.tuples(st.integers(0, 39), st.integers(0, 2), report_values, st.sampled_from(StepKind),
+    st.tuples(st.integers(0, 39), st.integers(0, 2), report_values, st.sampled_from(POLICY_KINDS),
               st.sampled_from([0.5, 3.0, TIMEOUT])),
     max_size=80,
 )

@@ -33,6 +33,7 @@ from coordd.client.vllm import dp_state, state_report
 from coordd.proto.coordinator import Coordinator
 from coordd.proto.errors import InvalidReport, ProtocolError, Rejected, StepMismatch
 from coordd.proto.messages import (
+    POLICY_KINDS,
     Hello,
     Reject,
     StepKind,
@@ -83,7 +84,7 @@ reports_st = st.builds(
 
 
 @given(st.lists(reports_st, min_size=1, max_size=16), st.integers(0, 2**40),
-       st.sampled_from(list(StepKind)), st.integers(1, 4))
+       st.sampled_from(POLICY_KINDS), st.integers(1, 4))
 def test_the_matrix_resolves_to_the_policy_decision(reports, seq, kind, num_ubatches) -> None:
     hs = hellos(len(reports), **{str(r): {"num_ubatches": num_ubatches}
                                  for r in range(len(reports))})
