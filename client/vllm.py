@@ -1,17 +1,26 @@
-"""The vLLM-shaped adapter: vLLM's per-step DP agreement calls, answered by coordd.
+"""The vLLM-shaped adapter: vLLM's per-step DP agreement calls, answered by coordd policy rounds.
 
-vLLM agrees on each step's batch shape with `coordinate_batch_across_dp`
+This is the API for engines that use coordd's start/finish split. (Stock vLLM needs none of it:
+the `coordd.vllm` plugin routes vLLM's own all-reduces through coordd gather rounds.)
+
+vLLM 0.33 agrees on each step's batch shape with `coordinate_batch_across_dp`
 (vllm/v1/worker/dp_utils.py): one int32 all-reduce of a 4 x dp matrix, after which every rank
-applies the same rules. This module keeps that call's shape (same arguments, same
-`(should_ubatch, num_tokens_after_padding, synced_cudagraph_mode)` result) and adds the split the
-async-DP change proposed (`start_dp_coordination_async` now, `finish_dp_coordination` after the
-GPU work), so an engine swaps the collective for a coordd round without rethinking its step loop.
+applies the same rules. This module keeps that call's exact signature, keywords included
+(`num_tokens_unpadded, allow_microbatching, parallel_config, num_tokens_padded=None,
+uniform_decode=None, cudagraph_mode=0`) and its `(should_ubatch, num_tokens_after_padding,
+synced_cudagraph_mode)` result, and adds the split (`start_dp_coordination_async` now,
+`finish_dp_coordination` after the GPU work), so an engine swaps the collective for a coordd round
+without rethinking its step loop. tests/unit/test_vllm_signatures.py pins the signatures.
 
-The rules, each with the vLLM source it mirrors (the policy itself lives in proto/policy.py, so
-the coordd path and the device path apply the very same code):
+The rules, each with the vLLM 0.33 source it mirrors (the policy itself lives in
+proto/policy.py, so the coordd path and the device path apply the very same code):
 
-- dp = 1 returns at once, `(False, None, cudagraph_mode)`, and talks to no one
-  (vllm/v1/worker/dp_utils.py, `coordinate_batch_across_dp`'s early exit).
+- dp = 1 returns at once, `(False, None, cudagraph_mode)` with the mode exactly as passed (an
+  enum stays that enum), and talks to no one (`coordinate_batch_across_dp`'s early exit).
+- Under `skip_dp_coordination()` (vLLM's, vllm/v1/worker/dp_utils.py, entered by elastic EP
+  while it re-warms kernels; or this module's own) the call answers locally with no round, as
+  vLLM does: every rank's entry is this rank's padded count, the mode is returned as passed,
+  and micro-batching is this rank's vote unless its own last micro-batch would be empty.
 - A rank's micro-batching vote is off unless micro-batching is allowed for the call and enabled
   for the group (`use_ubatching`: `enable_dbo` or `ubatch_size > 1`); otherwise it is
   `num_tokens_unpadded >= dbo_decode_token_threshold` for a uniform decode batch and
@@ -22,21 +31,24 @@ the coordd path and the device path apply the very same code):
   split is not empty: `(max_padded // n) * (n - 1) >= min_unpadded` vetoes it
   (`_post_process_ubatch` in dp_utils.py; `is_last_ubatch_empty` in ubatch_utils.py), with
   `n = num_ubatches` (2 with `enable_dbo`, else `ubatch_size`: vllm/config/parallel.py).
-- The CUDA-graph mode is the minimum over ranks (`_post_process_cudagraph_mode`).
+- The CUDA-graph mode is the minimum over ranks (`_post_process_cudagraph_mode`), an int.
 - Padding is on when the synced mode is not NONE or the group micro-batches; then every rank's
   entry is the maximum padded count, else each rank's own padded count
   (`_post_process_dp_padding`); the result is an int32 CPU tensor (a list without torch).
-- A dead rank (elastic mode) counts as neutral: it never lowers a minimum, never vetoes, never
-  raises the maximum (`neutralize_dead_dp_columns` in dp_utils.py).
-- The drafter's own agreement (`_pad_batch_across_dp` in vllm/v1/spec_decode/eagle.py) never
-  micro-batches; here it is a round of kind "draft" (`pad_batch_across_dp`), so a rank that
-  skips it makes every rank raise `StepMismatch` at once instead of hanging a collective.
-- The DP engine loop's state sync (`ParallelConfig.sync_dp_state` in vllm/config/parallel.py,
-  called every 32 steps from `_has_global_unfinished_reqs` in vllm/v1/engine/core.py) is a
-  round of kind "state" (`sync_dp_state`): the group has work if any rank has, or if some but
-  not all ranks wait to pause; it pauses only when every live rank wants to. Every forward and
-  draft decision carries `any_unfinished` and `should_pause` too (`handle.decision`), so an
-  engine can drop the separate collective altogether.
+- A dead rank (coordd's elastic mode, `--on-rank-loss neutralize`; vLLM has no counterpart)
+  counts as neutral: it never lowers a minimum, never vetoes, never raises the maximum.
+- The drafter's own agreement (`SpecDecodeBaseProposer._determine_batch_execution_and_padding`
+  in vllm/v1/spec_decode/llm_base_proposer.py, and the same method of
+  `ExtractHiddenStatesProposer` in extract_hidden_states.py) never micro-batches and
+  re-dispatches with the synced mode at its own entry of the agreed counts; here it is a round
+  of kind "draft" (`coordinate_draft_batch_across_dp`, which returns that mode and that count),
+  so a rank that skips it makes every rank raise `StepMismatch` at once instead of hanging.
+- The DP engine loop's state sync (`ParallelConfig.sync_dp_state` in vllm/config/parallel.py)
+  runs on step 1 and then every `dp_sync_interval` steps (default 16; `_has_global_unfinished_reqs`
+  in vllm/v1/engine/core.py) and is a round of kind "state" here (`sync_dp_state` for one
+  round, `has_global_unfinished_reqs` for the loop's interval rule). Every forward and draft
+  decision carries `any_unfinished` and `should_pause` too (`handle.decision`), so an engine can
+  drop the separate collective altogether.
 
 The adapter takes any client with `start(report, kind) -> pending` and `pending.wait(timeout)`:
 `coordd.client.sync.CoordClient`, or the device-path client, which has the same surface.
@@ -44,9 +56,13 @@ The adapter takes any client with `start(report, kind) -> pending` and `pending.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import operator
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Protocol
 
@@ -56,8 +72,39 @@ from coordd.proto.messages import StepDecision, StepKind, StepReport
 CUDAGRAPH_NONE, CUDAGRAPH_PIECEWISE, CUDAGRAPH_FULL = 0, 1, 2
 
 #: What `coordinate_batch_across_dp` returns: (should_ubatch, num_tokens_after_padding,
-#: synced_cudagraph_mode); the middle one is an int32 CPU tensor, a list of ints, or None (dp=1).
-VllmResult = tuple[bool, Any, int]
+#: synced_cudagraph_mode); the middle one is an int32 CPU tensor, a list of ints, or None (dp=1);
+#: the mode is an int after a round, and exactly what was passed at dp=1 or under skip.
+VllmResult = tuple[bool, Any, Any]
+
+#: vLLM's module that holds its `skip_dp_coordination` context variable.
+VLLM_DP_UTILS = "vllm.v1.worker.dp_utils"
+
+_skip_dp_coordination: ContextVar[bool] = ContextVar("coordd_skip_dp_coordination", default=False)
+
+
+@contextmanager
+def skip_dp_coordination() -> Iterator[None]:
+    """Answer every DP agreement locally, with no round (vLLM's `skip_dp_coordination`, for
+    engines that do not run vLLM's own; inside vLLM, vLLM's context manager is honoured too)."""
+    token = _skip_dp_coordination.set(True)
+    try:
+        yield
+    finally:
+        _skip_dp_coordination.reset(token)
+
+
+def should_skip_dp_coordination() -> bool:
+    """True inside this module's `skip_dp_coordination()` or vLLM's.
+
+    vLLM's flag is read through `vllm.v1.worker.dp_utils.should_skip_dp_coordination` only when
+    that module is already imported: its context manager lives there, so it cannot be active
+    otherwise, and importing vLLM just to ask would cost seconds.
+    """
+    if _skip_dp_coordination.get():
+        return True
+    dp_utils = sys.modules.get(VLLM_DP_UTILS)
+    probe = getattr(dp_utils, "should_skip_dp_coordination", None)
+    return bool(probe()) if callable(probe) else False
 
 
 class PendingDecision(Protocol):
@@ -84,6 +131,8 @@ class DPGroupConfig:
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     extra_fingerprint: str = ""
+    #: The engine loop's state sync runs on step 1 and every this many steps (vLLM's default).
+    dp_sync_interval: int = 16
 
     def __post_init__(self) -> None:
         for name, low in (
@@ -91,6 +140,7 @@ class DPGroupConfig:
             ("ubatch_size", 0),
             ("dbo_decode_token_threshold", 0),
             ("dbo_prefill_token_threshold", 0),
+            ("dp_sync_interval", 1),
         ):
             value = getattr(self, name)
             if type(value) is not int or value < low:
@@ -112,6 +162,7 @@ class DPGroupConfig:
                 getattr(parallel_config, "dbo_prefill_token_threshold", 512)
             ),
             extra_fingerprint=extra_fingerprint,
+            dp_sync_interval=int(getattr(parallel_config, "dp_sync_interval", 16)),
         )
 
     @property
@@ -147,6 +198,12 @@ def wants_microbatching(
     if uniform_decode:
         return num_tokens_unpadded >= config.dbo_decode_token_threshold
     return num_tokens_unpadded >= config.dbo_prefill_token_threshold
+
+
+def last_ubatch_empty(num_tokens_unpadded: int, num_tokens_padded: int, num_ubatches: int) -> bool:
+    """vllm/v1/worker/ubatch_utils.py, `is_last_ubatch_empty`: the padded split's last
+    micro-batch would hold none of the real tokens."""
+    return (num_tokens_padded // num_ubatches) * (num_ubatches - 1) >= num_tokens_unpadded
 
 
 def _count(rank: int, name: str, value: Any) -> int:
@@ -208,12 +265,28 @@ def _load_torch() -> Any:
     return torch
 
 
+def _counts(values: list[int], torch_module: Any) -> Any:
+    if torch_module is None:
+        return values
+    return torch_module.tensor(values, dtype=torch_module.int32, device="cpu")
+
+
 def vllm_result(decision: StepDecision, torch_module: Any = None) -> VllmResult:
     """The decision in vLLM's return shape (`_synchronize_dp_ranks` in dp_utils.py)."""
-    across: Any = list(decision.num_tokens_across_dp)
-    if torch_module is not None:
-        across = torch_module.tensor(across, dtype=torch_module.int32, device="cpu")
+    across = _counts(list(decision.num_tokens_across_dp), torch_module)
     return decision.should_ubatch, across, decision.cudagraph_mode
+
+
+def local_result(
+    config: DPGroupConfig, report: StepReport, cudagraph_mode: Any, torch_module: Any = None
+) -> VllmResult:
+    """vLLM's answer under `skip_dp_coordination()` (dp_utils.py): this rank alone decides,
+    every entry is its padded count, the mode comes back as passed."""
+    should_ubatch = report.want_ubatch and not last_ubatch_empty(
+        report.num_tokens, report.num_tokens_padded, config.num_ubatches
+    )
+    across = _counts([report.num_tokens_padded] * config.data_parallel_size, torch_module)
+    return should_ubatch, across, cudagraph_mode
 
 
 class DPState(NamedTuple):
@@ -223,6 +296,24 @@ class DPState(NamedTuple):
     has_unfinished: bool
     #: Every live rank wants to pause.
     pause_consensus: bool
+
+
+#: What the engine loop assumes between two state syncs (vLLM's `_has_global_unfinished_reqs`
+#: returns True on those steps): the group is busy, no pause agreed.
+BETWEEN_STATE_SYNCS = DPState(has_unfinished=True, pause_consensus=False)
+
+
+class DraftBatch(NamedTuple):
+    """The drafter's agreed batch, in the order vLLM 0.33's
+    `SpecDecodeBaseProposer._determine_batch_execution_and_padding` returns it."""
+
+    #: The synced mode the drafter re-dispatches with (the caller's enum class if it passed an
+    #: enum, else an int); at dp=1 the mode exactly as passed.
+    cudagraph_mode: Any
+    #: This rank's own entry of the agreed counts (not rank 0's: unpadded counts differ).
+    num_tokens_padded: int
+    #: The agreed counts (int32 CPU tensor, or a list without torch); None at dp=1.
+    num_tokens_across_dp: Any
 
 
 def state_report(has_unfinished: bool, pending_pause: bool) -> StepReport:
@@ -246,7 +337,11 @@ def dp_state(decision: StepDecision) -> DPState:
 
 
 class DPCoordinationHandle:
-    """A started round: pass it to `finish_dp_coordination` once the overlapped work is done."""
+    """A started round: pass it to `finish_dp_coordination` once the overlapped work is done.
+
+    A call answered locally (dp=1, or under `skip_dp_coordination()`) has no round: it is done
+    at once and its `decision` stays None.
+    """
 
     __slots__ = ("_adapter", "_pending", "_result", "decision", "kind", "report")
 
@@ -312,6 +407,8 @@ class VllmAdapter:
             if as_tensor and self.torch_module is None:
                 raise ImportError("as_tensor=True needs torch")
         self.last_decision: StepDecision | None = None
+        #: Steps seen by `has_global_unfinished_reqs` (vLLM's `step_counter`).
+        self.step_counter = 0
 
     @classmethod
     def connect(
@@ -352,12 +449,42 @@ class VllmAdapter:
         if close is not None:
             close()
 
+    def check_parallel_config(self, parallel_config: Any) -> None:
+        """vLLM passes its `ParallelConfig`; it must describe this adapter's group and rank.
+
+        Raises TypeError for something that is not one (an int here means a caller passed
+        `num_tokens_padded` third, where vLLM's signature has `parallel_config`), ValueError when
+        its DP size or rank differs from the adapter's.
+        """
+        if parallel_config is None:
+            return
+        size = getattr(parallel_config, "data_parallel_size", None)
+        if type(size) is not int:
+            raise TypeError(
+                "parallel_config: expected vLLM's ParallelConfig (with data_parallel_size) or "
+                f"None, got {parallel_config!r}; vLLM's order is (num_tokens_unpadded, "
+                "allow_microbatching, parallel_config, num_tokens_padded, uniform_decode, "
+                "cudagraph_mode)"
+            )
+        if size != self.config.data_parallel_size:
+            raise ValueError(
+                f"parallel_config.data_parallel_size is {size}, but this adapter's group has "
+                f"dp={self.config.data_parallel_size}"
+            )
+        rank = getattr(parallel_config, "data_parallel_rank", None)
+        if type(rank) is int and size > 1 and rank != self.dp_rank:
+            raise ValueError(
+                f"parallel_config.data_parallel_rank is {rank}, but this adapter is dp_rank "
+                f"{self.dp_rank}"
+            )
+
     # -- vLLM's calls -------------------------------------------------------------------------
 
     def start_dp_coordination_async(
         self,
         num_tokens_unpadded: int,
         allow_microbatching: bool,
+        parallel_config: Any = None,
         num_tokens_padded: int | None = None,
         uniform_decode: bool | None = None,
         cudagraph_mode: Any = CUDAGRAPH_NONE,
@@ -366,14 +493,18 @@ class VllmAdapter:
         want_pause: bool = False,
         kind: StepKind | str = StepKind.FORWARD,
     ) -> DPCoordinationHandle:
-        """Send this rank's report now; the exchange overlaps whatever runs until `finish`."""
+        """Send this rank's report now; the exchange overlaps whatever runs until `finish`.
+
+        The arguments are vLLM's `coordinate_batch_across_dp`'s; `parallel_config` may be None
+        (the adapter has its group's settings) and is otherwise checked against them.
+        """
         kind = StepKind(kind)
+        self.check_parallel_config(parallel_config)
         if self.config.data_parallel_size == 1:
             report = StepReport(
                 num_tokens=0, num_tokens_padded=0, want_pause=bool(want_pause), kind=kind
             )
-            mode = getattr(cudagraph_mode, "value", cudagraph_mode)
-            return DPCoordinationHandle(self, report, kind, None, (False, None, mode))
+            return DPCoordinationHandle(self, report, kind, None, (False, None, cudagraph_mode))
         report = build_report(
             self.config,
             num_tokens_unpadded,
@@ -385,6 +516,9 @@ class VllmAdapter:
             has_unfinished=has_unfinished,
             want_pause=want_pause,
         )
+        if should_skip_dp_coordination():
+            result = local_result(self.config, report, cudagraph_mode, self.torch_module)
+            return DPCoordinationHandle(self, report, kind, None, result)
         assert self.client is not None
         return DPCoordinationHandle(self, report, kind, self.client.start(report, kind))
 
@@ -398,6 +532,7 @@ class VllmAdapter:
         self,
         num_tokens_unpadded: int,
         allow_microbatching: bool,
+        parallel_config: Any = None,
         num_tokens_padded: int | None = None,
         uniform_decode: bool | None = None,
         cudagraph_mode: Any = CUDAGRAPH_NONE,
@@ -407,10 +542,11 @@ class VllmAdapter:
         kind: StepKind | str = StepKind.FORWARD,
         timeout: float | None = None,
     ) -> VllmResult:
-        """vLLM's blocking call: start and finish in one."""
+        """vLLM's blocking call (same arguments): start and finish in one."""
         handle = self.start_dp_coordination_async(
             num_tokens_unpadded,
             allow_microbatching,
+            parallel_config,
             num_tokens_padded,
             uniform_decode,
             cudagraph_mode,
@@ -420,33 +556,43 @@ class VllmAdapter:
         )
         return handle.finish(timeout)
 
-    def pad_batch_across_dp(
+    def coordinate_draft_batch_across_dp(
         self,
         num_tokens_unpadded: int,
         num_tokens_padded: int,
         cudagraph_mode: Any = CUDAGRAPH_NONE,
+        *,
+        parallel_config: Any = None,
         timeout: float | None = None,
-    ) -> tuple[int, Any]:
-        """The drafter's round (kind "draft"; vllm/v1/spec_decode/eagle.py,
-        `_pad_batch_across_dp`): never micro-batches; returns this rank's padded count and
-        the group's counts (None at dp=1)."""
-        _, across, _ = self.coordinate_batch_across_dp(
+    ) -> DraftBatch:
+        """The drafter's round (kind "draft"), as vLLM 0.33's
+        `SpecDecodeBaseProposer._determine_batch_execution_and_padding` (llm_base_proposer.py)
+        and `ExtractHiddenStatesProposer`'s make it: never micro-batches; returns the synced
+        mode to re-dispatch with, this rank's own entry of the agreed counts, and the counts.
+        At dp=1 there is no round, as in vLLM: the mode and count as passed, counts None."""
+        if self.config.data_parallel_size == 1:
+            self.check_parallel_config(parallel_config)
+            return DraftBatch(
+                cudagraph_mode, _count(self.dp_rank, "num_tokens_padded", num_tokens_padded), None
+            )
+        _, across, synced = self.coordinate_batch_across_dp(
             num_tokens_unpadded,
             False,
+            parallel_config,
             num_tokens_padded,
             None,
             cudagraph_mode,
             kind=StepKind.DRAFT,
             timeout=timeout,
         )
-        if across is None:
-            return int(num_tokens_padded), None
-        return int(across[self.dp_rank]), across
+        if isinstance(cudagraph_mode, enum.Enum) and not isinstance(synced, enum.Enum):
+            synced = type(cudagraph_mode)(synced)  # vLLM: CUDAGraphMode(synced_cudagraph_mode)
+        return DraftBatch(synced, int(across[self.dp_rank]), across)
 
     def has_unfinished_dp(self, has_unfinished: bool, timeout: float | None = None) -> bool:
         """Does any live rank have unfinished requests? A state round in place of vLLM's
         `ParallelConfig.has_unfinished_dp` MAX all-reduce (vllm/config/parallel.py)."""
-        if self.config.data_parallel_size == 1:
+        if self.config.data_parallel_size == 1 or should_skip_dp_coordination():
             return bool(has_unfinished)
         report = StepReport(num_tokens=0, num_tokens_padded=0, has_unfinished=bool(has_unfinished))
         return self._state_round(report, timeout).any_unfinished
@@ -454,13 +600,24 @@ class VllmAdapter:
     def sync_dp_state(
         self, has_unfinished: bool, pending_pause: bool, timeout: float | None = None
     ) -> DPState:
-        """vLLM's `ParallelConfig.sync_dp_state` (vllm/config/parallel.py), which its DP engine
-        loop calls every 32 steps (`_has_global_unfinished_reqs`, vllm/v1/engine/core.py): one
-        state round answers whether the group still has work and whether it pauses."""
+        """vLLM's `ParallelConfig.sync_dp_state` (vllm/config/parallel.py): one state round
+        answers whether the group still has work and whether it pauses. vLLM's engine loop
+        calls it on step 1 and every `dp_sync_interval` steps: `has_global_unfinished_reqs`."""
         if self.config.data_parallel_size == 1:
             return DPState(bool(has_unfinished), bool(pending_pause))
         report = state_report(has_unfinished, pending_pause)
         return dp_state(self._state_round(report, timeout))
+
+    def has_global_unfinished_reqs(
+        self, has_unfinished: bool, pending_pause: bool = False, timeout: float | None = None
+    ) -> DPState:
+        """The DP engine loop's rule (`DPEngineCoreProc._has_global_unfinished_reqs`,
+        vllm/v1/engine/core.py): a state round on step 1 and then every `dp_sync_interval`
+        steps (default 16); on the steps between, no round and `BETWEEN_STATE_SYNCS`."""
+        self.step_counter += 1
+        if self.step_counter != 1 and self.step_counter % self.config.dp_sync_interval != 0:
+            return BETWEEN_STATE_SYNCS
+        return self.sync_dp_state(has_unfinished, pending_pause, timeout)
 
     def _state_round(self, report: StepReport, timeout: float | None) -> StepDecision:
         assert self.client is not None
@@ -495,9 +652,14 @@ def bound() -> VllmAdapter:
     return _bound
 
 
+def _single_rank(parallel_config: Any) -> bool:
+    return getattr(parallel_config, "data_parallel_size", None) == 1
+
+
 def coordinate_batch_across_dp(
     num_tokens_unpadded: int,
     allow_microbatching: bool,
+    parallel_config: Any,
     num_tokens_padded: int | None = None,
     uniform_decode: bool | None = None,
     cudagraph_mode: Any = CUDAGRAPH_NONE,
@@ -505,10 +667,14 @@ def coordinate_batch_across_dp(
     adapter: VllmAdapter | None = None,
     **options: Any,
 ) -> VllmResult:
-    """vLLM's `coordinate_batch_across_dp`, answered by the bound adapter (or `adapter`)."""
+    """vLLM's `coordinate_batch_across_dp`, same signature, answered by the bound adapter (or
+    `adapter`). dp=1 (by `parallel_config`) returns at once, as vLLM does, even unbound."""
+    if adapter is None and _single_rank(parallel_config):
+        return False, None, cudagraph_mode
     return (adapter or bound()).coordinate_batch_across_dp(
         num_tokens_unpadded,
         allow_microbatching,
+        parallel_config,
         num_tokens_padded,
         uniform_decode,
         cudagraph_mode,
@@ -519,6 +685,7 @@ def coordinate_batch_across_dp(
 def start_dp_coordination_async(
     num_tokens_unpadded: int,
     allow_microbatching: bool,
+    parallel_config: Any,
     num_tokens_padded: int | None = None,
     uniform_decode: bool | None = None,
     cudagraph_mode: Any = CUDAGRAPH_NONE,
@@ -526,10 +693,12 @@ def start_dp_coordination_async(
     adapter: VllmAdapter | None = None,
     **options: Any,
 ) -> DPCoordinationHandle:
-    """Start this step's round; returns a handle at once."""
+    """Start this step's round (`coordinate_batch_across_dp`'s arguments); returns a handle
+    at once."""
     return (adapter or bound()).start_dp_coordination_async(
         num_tokens_unpadded,
         allow_microbatching,
+        parallel_config,
         num_tokens_padded,
         uniform_decode,
         cudagraph_mode,
@@ -545,21 +714,28 @@ def finish_dp_coordination(
 
 
 __all__ = [
+    "BETWEEN_STATE_SYNCS",
     "CUDAGRAPH_FULL",
     "CUDAGRAPH_NONE",
     "CUDAGRAPH_PIECEWISE",
+    "VLLM_DP_UTILS",
     "AdapterNotBound",
     "DPCoordinationHandle",
     "DPGroupConfig",
     "DPState",
+    "DraftBatch",
     "StepClient",
     "VllmAdapter",
     "bind",
     "bound",
     "build_report",
-    "dp_state",
     "coordinate_batch_across_dp",
+    "dp_state",
     "finish_dp_coordination",
+    "last_ubatch_empty",
+    "local_result",
+    "should_skip_dp_coordination",
+    "skip_dp_coordination",
     "start_dp_coordination_async",
     "state_report",
     "vllm_result",

@@ -223,9 +223,9 @@ def _step_loop(
         handle = adapter.start_dp_coordination_async(
             batch.num_tokens,
             True,
-            batch.num_tokens_padded,
-            batch.uniform_decode,
-            batch.cudagraph_mode,
+            num_tokens_padded=batch.num_tokens_padded,
+            uniform_decode=batch.uniform_decode,
+            cudagraph_mode=batch.cudagraph_mode,
             has_unfinished=workload.has_unfinished,
             want_pause=want_pause,
         )
@@ -251,7 +251,11 @@ def _step_loop(
         draft_padded, draft_mode = pad_to_graph(batch.num_reqs, True)
         t_draft = time.perf_counter()
         draft = adapter.start_dp_coordination_async(
-            batch.num_reqs, False, draft_padded, None, draft_mode, kind=StepKind.DRAFT
+            batch.num_reqs,
+            False,
+            num_tokens_padded=draft_padded,
+            cudagraph_mode=draft_mode,
+            kind=StepKind.DRAFT,
         )
         adapter.finish_dp_coordination(draft, 30)
         progress.latency.append(time.perf_counter() - t_draft)

@@ -49,7 +49,7 @@ def _rank_loop(address: str, conn: Connection) -> None:
     step = 0
     while True:
         tokens, padded = batch(2, step)
-        handle = adapter.start_dp_coordination_async(tokens, True, padded, True, 2)
+        handle = adapter.start_dp_coordination_async(tokens, True, None, padded, True, 2)
         adapter.finish_dp_coordination(handle, 60)
         conn.send_bytes(encode(handle.decision))
         step += 1
@@ -89,7 +89,7 @@ def run_step(ranks: list[VllmAdapter], step: int, pause_before_last: float = 0.0
         if r == len(ranks) - 1 and pause_before_last:
             time.sleep(pause_before_last)
         tokens, padded = batch(r, step)
-        handles.append(a.start_dp_coordination_async(tokens, True, padded, True, 2))
+        handles.append(a.start_dp_coordination_async(tokens, True, None, padded, True, 2))
     results = [a.finish_dp_coordination(h, WAIT) for a, h in zip(ranks, handles, strict=True)]
     assert results[0] == results[1]
     decisions = [h.decision for h in handles]
@@ -147,7 +147,7 @@ def test_sigkilled_rank_is_left_out_then_returns_at_a_round_boundary(start_coord
         # A new rank 2 registers while step 9's round is open: admitted only when it ends.
         first = ranks[0]
         tokens0, padded0 = batch(0, 9)
-        open_round = first.start_dp_coordination_async(tokens0, True, padded0, True, 2)
+        open_round = first.start_dp_coordination_async(tokens0, True, None, padded0, True, 2)
         returning = CoordClient(coordd.address, dp_rank=2, incarnation="returned",
                                 **CFG.client_options())
         welcome: list[object] = []
@@ -157,7 +157,7 @@ def test_sigkilled_rank_is_left_out_then_returns_at_a_round_boundary(start_coord
             joiner.join(timeout=1.0)
             assert joiner.is_alive(), "a returning rank was admitted in the middle of a round"
             tokens1, padded1 = batch(1, 9)
-            second = ranks[1].start_dp_coordination_async(tokens1, True, padded1, True, 2)
+            second = ranks[1].start_dp_coordination_async(tokens1, True, None, padded1, True, 2)
             first.finish_dp_coordination(open_round, WAIT)
             ranks[1].finish_dp_coordination(second, WAIT)
             assert open_round.decision is not None and open_round.decision.dead_ranks == [2]
@@ -169,7 +169,7 @@ def test_sigkilled_rank_is_left_out_then_returns_at_a_round_boundary(start_coord
             handles = []
             for r, a in enumerate([*ranks, back]):
                 tokens, padded = batch(r, 10)
-                handles.append(a.start_dp_coordination_async(tokens, True, padded, True, 2))
+                handles.append(a.start_dp_coordination_async(tokens, True, None, padded, True, 2))
             for a, h in zip([*ranks, back], handles, strict=True):
                 a.finish_dp_coordination(h, WAIT)
             decisions = [h.decision for h in handles]
@@ -194,7 +194,7 @@ def test_step_timeout_names_only_live_ranks(start_coordd) -> None:
         decision, reports = run_step(ranks, 2)
         assert_left_out(decision, reports)
         tokens, padded = batch(0, 3)
-        handle = ranks[0].start_dp_coordination_async(tokens, True, padded, True, 2)
+        handle = ranks[0].start_dp_coordination_async(tokens, True, None, padded, True, 2)
         with pytest.raises(StepTimeout) as info:  # rank 1 never reports; rank 2 is dead
             ranks[0].finish_dp_coordination(handle, WAIT)
         assert info.value.ranks == (1,)

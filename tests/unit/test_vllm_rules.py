@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import enum
 import itertools
+import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
 from coordd.client.vllm import (
+    BETWEEN_STATE_SYNCS,
+    VLLM_DP_UTILS,
     AdapterNotBound,
     DPGroupConfig,
     VllmAdapter,
@@ -27,13 +30,15 @@ from coordd.client.vllm import (
     coordinate_batch_across_dp,
     dp_state,
     finish_dp_coordination,
+    should_skip_dp_coordination,
+    skip_dp_coordination,
     start_dp_coordination_async,
     state_report,
     vllm_result,
     wants_microbatching,
 )
 from coordd.proto.errors import InvalidReport
-from coordd.proto.messages import StepReport
+from coordd.proto.messages import StepDecision, StepKind, StepReport
 from coordd.proto.policy import decide
 
 INT32_MAX = 2**31 - 1
@@ -155,7 +160,7 @@ def adapter_outcome(
         assert call is not None
         adapter = VllmAdapter(cfg, None, as_tensor=torch_module is not None)
         return adapter.coordinate_batch_across_dp(
-            call.tokens, call.allow, call.padded, call.uniform, call.mode
+            call.tokens, call.allow, None, call.padded, call.uniform, call.mode
         )
     reports: list[StepReport | None] = [
         None if c is None else build_report(cfg, c.tokens, c.allow, c.padded, c.uniform, c.mode,
@@ -210,6 +215,8 @@ def test_group_config_mirrors_vllm_properties() -> None:
                          dbo_decode_token_threshold=16, dbo_prefill_token_threshold=256)
     cfg = DPGroupConfig.from_parallel_config(pc, extra_fingerprint="deepseek-r1")
     assert cfg == DPGroupConfig(8, True, 0, 16, 256, "deepseek-r1")
+    pc.dp_sync_interval = 8
+    assert DPGroupConfig.from_parallel_config(pc).dp_sync_interval == 8
     assert cfg.client_options() == {"dp_size": 8, "config_fingerprint": cfg.fingerprint(),
                                     "num_ubatches": 2}
 
@@ -223,6 +230,7 @@ def test_fingerprint_binds_every_group_setting() -> None:
         DPGroupConfig(data_parallel_size=4, enable_dbo=True, dbo_decode_token_threshold=33),
         DPGroupConfig(data_parallel_size=4, enable_dbo=True, dbo_prefill_token_threshold=511),
         DPGroupConfig(data_parallel_size=4, enable_dbo=True, extra_fingerprint="model-b"),
+        DPGroupConfig(data_parallel_size=4, enable_dbo=True, dp_sync_interval=32),
     ]
     prints = {v.fingerprint() for v in variants}
     assert base.fingerprint() == DPGroupConfig(data_parallel_size=4, enable_dbo=True).fingerprint()
@@ -232,7 +240,7 @@ def test_fingerprint_binds_every_group_setting() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("data_parallel_size", 0), ("ubatch_size", -1), ("dbo_decode_token_threshold", -1),
-    ("dbo_prefill_token_threshold", 1.5),
+    ("dbo_prefill_token_threshold", 1.5), ("dp_sync_interval", 0),
 ])
 def test_bad_group_config_names_the_field(field: str, value: object) -> None:
     kw: dict[str, object] = {"data_parallel_size": 2, field: value}
@@ -269,14 +277,196 @@ def test_report_fields_and_bad_arguments_name_the_rank() -> None:
 def test_dp1_needs_no_client_and_both_entry_points_agree() -> None:
     cfg = DPGroupConfig(data_parallel_size=1, enable_dbo=True)
     adapter = VllmAdapter(cfg, as_tensor=False)
-    handle = start_dp_coordination_async(64, True, 64, True, 2, adapter=adapter)
+    handle = start_dp_coordination_async(64, True, None, 64, True, 2, adapter=adapter)
     assert handle.done()
     assert finish_dp_coordination(handle) == (False, None, 2)
-    assert coordinate_batch_across_dp(64, True, 64, True, RuntimeMode.PIECEWISE,
-                                      adapter=adapter) == (False, None, 1)
-    assert adapter.pad_batch_across_dp(5, 8, 2) == (8, None)
+    assert adapter.coordinate_draft_batch_across_dp(5, 8, 2) == (2, 8, None)
     assert adapter.has_unfinished_dp(True) is True
     assert adapter.sync_dp_state(False, True) == (False, True)
+
+
+@pytest.mark.parametrize("mode", [RuntimeMode.PIECEWISE, RuntimeMode.FULL, 2, 0])
+def test_dp1_returns_the_mode_exactly_as_passed(mode: object) -> None:
+    """vLLM's early exit returns `cudagraph_mode` itself: an enum stays that enum."""
+    adapter = VllmAdapter(DPGroupConfig(data_parallel_size=1), as_tensor=False)
+    pc = SimpleNamespace(data_parallel_size=1, data_parallel_rank=0)
+    for result in (
+        adapter.coordinate_batch_across_dp(64, False, pc, 64, None, mode),
+        coordinate_batch_across_dp(64, False, pc, cudagraph_mode=mode, adapter=adapter),
+        coordinate_batch_across_dp(64, False, pc, cudagraph_mode=mode),  # unbound: dp=1 exits
+        finish_dp_coordination(start_dp_coordination_async(64, False, None, 64, None, mode,
+                                                           adapter=adapter)),
+    ):
+        assert result == (False, None, mode) and result[2] is mode
+    draft = adapter.coordinate_draft_batch_across_dp(5, 8, mode)
+    assert draft.cudagraph_mode is mode and draft == (mode, 8, None)
+
+
+class NoRound:
+    """A client that fails the test if a round starts."""
+
+    def start(self, report: StepReport, kind: object = None) -> object:
+        raise AssertionError(f"a round started under skip: {report}")
+
+
+def skip_reference(cfg: DPGroupConfig, call: Call) -> tuple[bool, list[int], int]:
+    """dp_utils.coordinate_batch_across_dp under should_skip_dp_coordination()."""
+    padded = call.tokens if call.padded is None else call.padded
+    n = 2 if cfg.enable_dbo else cfg.ubatch_size
+    ubatch = vote(cfg, call) and not (padded // n) * (n - 1) >= call.tokens
+    return ubatch, [padded] * cfg.data_parallel_size, call.mode
+
+
+SKIP_CALLS = [Call(10, padded=16, mode=2), Call(64, True, 64, True, 2), Call(40, True, 96, True),
+              Call(600, True, 600, False, 1), Call(7)]
+
+
+@pytest.mark.parametrize("cfg", [DBO, DBO3, OFF, U3], ids=["dbo", "dbo3", "off", "ubatch3"])
+def test_coordds_skip_dp_coordination_answers_locally_with_no_round(cfg: DPGroupConfig) -> None:
+    adapter = VllmAdapter(cfg, NoRound(), dp_rank=1, as_tensor=True)  # type: ignore[arg-type]
+    assert not should_skip_dp_coordination()
+    with skip_dp_coordination():
+        assert should_skip_dp_coordination()
+        for call in SKIP_CALLS:
+            ubatch, across, mode = adapter.coordinate_batch_across_dp(
+                call.tokens, call.allow, None, call.padded, call.uniform, call.mode)
+            assert isinstance(across, torch.Tensor) and across.dtype == torch.int32
+            assert (ubatch, across.tolist(), mode) == skip_reference(cfg, call)
+            handle = adapter.start_dp_coordination_async(call.tokens, False, None, call.padded)
+            assert handle.done() and handle.decision is None
+        draft = adapter.coordinate_draft_batch_across_dp(3, 8, RuntimeMode.FULL)
+        assert draft.cudagraph_mode is RuntimeMode.FULL and draft.num_tokens_padded == 8
+        assert adapter.has_unfinished_dp(True) is True
+    assert not should_skip_dp_coordination()
+
+
+def test_vllms_own_skip_dp_coordination_is_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside vLLM, its own context variable (vllm.v1.worker.dp_utils) says skip."""
+    flag = {"skip": False}
+    fake = ModuleType(VLLM_DP_UTILS)
+    fake.should_skip_dp_coordination = lambda: flag["skip"]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, VLLM_DP_UTILS, fake)
+    adapter = VllmAdapter(DBO, NoRound(), dp_rank=0, as_tensor=False)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="a round started"):
+        adapter.coordinate_batch_across_dp(10, False, None, 16)
+    flag["skip"] = True
+    assert adapter.coordinate_batch_across_dp(10, False, None, 16, None, 2) == (False, [16, 16], 2)
+    monkeypatch.delitem(sys.modules, VLLM_DP_UTILS)
+    assert not should_skip_dp_coordination()  # vLLM not imported: never asked, never imported
+    assert VLLM_DP_UTILS not in sys.modules
+
+
+class Answer:
+    """A client whose every round is answered with one decision: the group's, made by the test."""
+
+    def __init__(self, decision: StepDecision) -> None:
+        self.decision = decision
+        self.kinds: list[str] = []
+
+    def start(self, report: StepReport, kind: object = "forward") -> Answer:
+        self.kinds.append(str(getattr(kind, "value", kind)))
+        return self
+
+    def wait(self, timeout: float | None = None) -> StepDecision:
+        return self.decision
+
+
+DRAFT_CASES = [
+    # (config, per-rank (unpadded, padded, mode), expected per-rank padded, synced mode)
+    ("padding off, different counts: each rank keeps its own", OFF,
+     [(3, 5, 0), (9, 12, 0)], [5, 12], 0),
+    ("padding off at dp=3, rank 0 the largest", DBO3,
+     [(20, 24, 0), (3, 4, 2), (9, 12, 1)], [24, 4, 12], 0),
+    ("padding on: everyone gets the max", DBO3,
+     [(20, 24, 2), (3, 4, 2), (9, 12, 1)], [24, 24, 24], 1),
+]
+
+
+@pytest.mark.parametrize(("name", "cfg", "ranks", "padded", "synced"), DRAFT_CASES,
+                         ids=[c[0] for c in DRAFT_CASES])
+@pytest.mark.parametrize("as_enum", [False, True], ids=["int", "enum"])
+def test_the_drafter_helper_returns_this_ranks_count_and_the_synced_mode(
+        name: str, cfg: DPGroupConfig, ranks: list[tuple[int, int, int]], padded: list[int],
+        synced: int, as_enum: bool) -> None:
+    """As SpecDecodeBaseProposer._determine_batch_execution_and_padding: re-dispatch with the
+    synced mode at this rank's own entry. With padding off the entries differ, so a helper that
+    gave every rank rank 0's count would fail here."""
+    reports = [build_report(cfg, u, False, p, None, m, dp_rank=r)
+               for r, (u, p, m) in enumerate(ranks)]
+    decision = decide(reports, cfg.num_ubatches, kind=StepKind.DRAFT)
+    for rank, (unpadded, own_padded, mode) in enumerate(ranks):
+        client = Answer(decision)
+        adapter = VllmAdapter(cfg, client, dp_rank=rank, as_tensor=True)
+        given = RuntimeMode(mode) if as_enum else mode
+        got = adapter.coordinate_draft_batch_across_dp(unpadded, own_padded, given)
+        assert client.kinds == ["draft"]
+        assert got.num_tokens_padded == padded[rank], f"rank {rank}"
+        assert got.num_tokens_across_dp.tolist() == padded
+        assert got.num_tokens_across_dp[rank].item() == got.num_tokens_padded
+        if as_enum:
+            assert got.cudagraph_mode is RuntimeMode(synced)
+        else:
+            assert type(got.cudagraph_mode) is int and got.cudagraph_mode == synced
+
+
+def test_vllm_call_shapes_and_a_wrong_config_are_typed_errors() -> None:
+    cfg = DPGroupConfig(data_parallel_size=2)
+    decision = decide([StepReport(num_tokens=4, num_tokens_padded=8),
+                       StepReport(num_tokens=4, num_tokens_padded=8)])
+    adapter = VllmAdapter(cfg, Answer(decision), dp_rank=1, as_tensor=False)
+    pc = SimpleNamespace(data_parallel_size=2, data_parallel_rank=1)
+    # vLLM's runner call, all keywords
+    assert coordinate_batch_across_dp(
+        num_tokens_unpadded=4, parallel_config=pc, allow_microbatching=False,
+        num_tokens_padded=8, uniform_decode=False, cudagraph_mode=0, adapter=adapter,
+    ) == (False, [8, 8], 0)
+    # positional, vLLM's order
+    assert adapter.coordinate_batch_across_dp(4, False, pc, 8, False, 0) == (False, [8, 8], 0)
+    with pytest.raises(TypeError, match="parallel_config"):  # the old order: padded third
+        adapter.coordinate_batch_across_dp(4, False, 8, None, None, 0)
+    with pytest.raises(ValueError, match="data_parallel_size is 4"):
+        adapter.coordinate_batch_across_dp(4, False, SimpleNamespace(data_parallel_size=4))
+    with pytest.raises(ValueError, match="data_parallel_rank is 0"):
+        adapter.coordinate_batch_across_dp(
+            4, False, SimpleNamespace(data_parallel_size=2, data_parallel_rank=0))
+    with pytest.raises(TypeError):  # parallel_config is required, as in vLLM
+        coordinate_batch_across_dp(4, False, adapter=adapter)  # type: ignore[call-arg]
+
+
+class CountRounds:
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def start(self, report: StepReport, kind: object = "state") -> CountRounds:
+        assert str(getattr(kind, "value", kind)) == "state"
+        self.rounds += 1
+        return self
+
+    def wait(self, timeout: float | None = None) -> StepDecision:
+        return decide([state_report(False, False), state_report(True, False)],
+                      kind=StepKind.STATE)
+
+
+@pytest.mark.parametrize(("interval", "steps", "synced_at"), [
+    (16, 40, [1, 16, 32]), (1, 3, [1, 2, 3]), (5, 11, [1, 5, 10]),
+])
+def test_the_state_sync_runs_on_step_1_and_every_dp_sync_interval(
+        interval: int, steps: int, synced_at: list[int]) -> None:
+    """DPEngineCoreProc._has_global_unfinished_reqs: step 1, then every dp_sync_interval."""
+    cfg = DPGroupConfig(data_parallel_size=2, dp_sync_interval=interval)
+    client = CountRounds()
+    adapter = VllmAdapter(cfg, client, dp_rank=0, as_tensor=False)  # type: ignore[arg-type]
+    seen = []
+    for step in range(1, steps + 1):
+        before = client.rounds
+        state = adapter.has_global_unfinished_reqs(False, False)
+        if client.rounds > before:
+            seen.append(step)
+            assert state == (True, False)  # the other rank has work
+        else:
+            assert state == BETWEEN_STATE_SYNCS
+    assert seen == synced_at
+    assert DPGroupConfig(data_parallel_size=2).dp_sync_interval == 16
 
 
 def test_dp_above_1_needs_a_client_and_a_rank_in_range() -> None:
@@ -289,11 +479,13 @@ def test_dp_above_1_needs_a_client_and_a_rank_in_range() -> None:
 def test_module_level_calls_need_a_binding() -> None:
     bind(None)
     with pytest.raises(AdapterNotBound):
-        coordinate_batch_across_dp(1, False)
+        coordinate_batch_across_dp(1, False, None)
+    with pytest.raises(AdapterNotBound):
+        coordinate_batch_across_dp(1, False, SimpleNamespace(data_parallel_size=2))
     adapter = VllmAdapter(DPGroupConfig(data_parallel_size=1), as_tensor=False)
     bind(adapter)
     try:
-        assert coordinate_batch_across_dp(1, False, cudagraph_mode=2) == (False, None, 2)
+        assert coordinate_batch_across_dp(1, False, None, cudagraph_mode=2) == (False, None, 2)
     finally:
         bind(None)
 
