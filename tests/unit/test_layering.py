@@ -3,12 +3,14 @@
 Layers, by module name: `coordd.proto` (the wire format and the coordinator's state machine),
 `coordd.client` (what an engine rank runs), the daemon (every other `coordd.X` module at the top:
 cli, server, metrics, status, endpoints, logs, keys), `coordd.testing` (fault-injection pieces
-for engines' tests) and `coordd.tools` (bench, chaos, demo, device_check). The rules:
+for engines' tests), `coordd.vllm` (the vLLM plugin, loaded by vLLM itself) and `coordd.tools`
+(bench, chaos, demo, device_check). The rules:
 
 - proto imports nothing of ours but proto;
 - client imports only proto;
 - the daemon imports only proto (it runs the state machine, never the client);
 - testing imports proto and client (the daemon only as a subprocess, which is not an import);
+- vllm imports proto and client (plus vllm and torch); nothing of ours imports it but tools;
 - tools may import everything.
 
 Every `import` counts: at the top, inside functions, under TYPE_CHECKING; relative imports are
@@ -41,7 +43,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "client": frozenset({"proto", "client"}),
     "daemon": frozenset({"proto", "daemon"}),
     "testing": frozenset({"proto", "client", "testing"}),
-    "tools": frozenset({"proto", "client", "daemon", "testing", "tools"}),
+    "vllm": frozenset({"proto", "client", "vllm"}),
+    "tools": frozenset({"proto", "client", "daemon", "testing", "vllm", "tools"}),
 }
 
 #: layer -> the third-party top-level packages it may import (None: any)
@@ -49,6 +52,7 @@ THIRD_PARTY: dict[str, frozenset[str] | None] = {
     "proto": frozenset({"msgspec"}),
     "client": frozenset({"zmq", "msgspec", "torch"}),
     "testing": frozenset({"zmq", "msgspec"}),
+    "vllm": frozenset({"zmq", "msgspec", "torch", "vllm"}),
     "daemon": None,
     "tools": None,
 }
@@ -73,7 +77,7 @@ def layer_of(module: str, package: str = PACKAGE) -> str | None:
     parts = module.split(".")
     if parts[0] != package:
         return None
-    if len(parts) > 1 and parts[1] in ("proto", "client", "testing", "tools"):
+    if len(parts) > 1 and parts[1] in ("proto", "client", "testing", "vllm", "tools"):
         return parts[1]
     return "daemon"
 
@@ -232,3 +236,22 @@ def test_the_walker_holds_the_rank_side_to_pyzmq_and_msgspec(tmp_path: Path) -> 
         f"{package_dir}/client/__init__.py:6: coordd.client (client) -> rich: "
         "client may use only msgspec, torch, zmq beyond the stdlib"
     ]
+
+
+def test_only_the_tools_may_import_the_vllm_plugin(tmp_path: Path) -> None:
+    """The plugin is loaded by vLLM (its entry point), never by the client, daemon or kit; and
+    it may not reach into the daemon."""
+    package_dir = _write(
+        tmp_path,
+        {
+            "coordd/__init__.py": "",
+            "coordd/server.py": "",
+            "coordd/client/__init__.py": "from coordd.vllm import register\n",
+            "coordd/vllm/__init__.py": "import vllm\nimport torch\nfrom coordd import server\n",
+            "coordd/tools/__init__.py": "from coordd.vllm import register\n",
+        },
+    )
+    wrong = violations(package_dir)
+    assert len(wrong) == 2, wrong
+    assert any("coordd.client (client) -> coordd.vllm (vllm)" in w for w in wrong)
+    assert any("coordd.vllm (vllm) -> coordd.server (daemon)" in w for w in wrong)

@@ -1,0 +1,209 @@
+"""A DP all-reduce of a small integer tensor, done as a coordd gather round.
+
+Each rank sends its contribution, coordd answers every rank with all contributions in rank
+order, and each rank reduces them locally with the collective's own op (SUM, MAX or MIN), in
+rank order. For integer tensors that is bit-identical to gloo's or NCCL's result, whatever the
+tensor's layout. vLLM's per-step worker syncs write only their own column of a [rows, dp]
+tensor, so those travel as that column only (`Layout.COLUMN`: 7 values for Model Runner V2's
+[7, dp], whatever dp is); the engine syncs' tiny vectors ([2], [1]), which every rank writes
+whole, travel whole (`Layout.WHOLE`). The layout is part of the site label, so ranks that sent
+different layouts fail the round with a StepMismatch instead of being added up wrongly.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from coordd.client import CoordClient
+from coordd.proto.messages import max_gather_values
+from coordd.vllm.enable import PluginSettings
+from coordd.vllm.groups import GroupIdentity
+
+_INTEGER_DTYPES = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+)
+
+
+class ReduceOp(str, enum.Enum):
+    """The collective's op, reproduced locally over the gathered rows."""
+
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
+class Layout(str, enum.Enum):
+    """What a rank sends: its own column of a [..., dp] tensor, or the whole tensor."""
+
+    COLUMN = "col"
+    WHOLE = "whole"
+
+
+def can_gather(tensor: torch.Tensor) -> bool:
+    """An integer tensor (the only kind whose reduce is exact in any order), decided by dtype
+    alone, so every rank of a sync decides the same."""
+    return isinstance(tensor, torch.Tensor) and tensor.dtype in _INTEGER_DTYPES
+
+
+def fits(tensor: torch.Tensor, layout: Layout, dp_size: int) -> bool:
+    """Whether one rank's values fit a gather round of `dp_size` ranks (the wire's bound,
+    lower than MAX_GATHER_VALUES where dp rows would not fit a frame); by shape alone."""
+    count = tensor.numel() // dp_size if layout is Layout.COLUMN else tensor.numel()
+    return count <= max_gather_values(dp_size)
+
+
+def own_column_only(tensor: torch.Tensor, dp_rank: int, dp_size: int) -> bool:
+    """True if the tensor is [..., dp_size] and zero outside column `dp_rank`."""
+    if tensor.dim() == 0 or tensor.shape[-1] != dp_size:
+        return False
+    rest = tensor.detach().to("cpu", copy=True)
+    rest[..., dp_rank] = 0
+    return not bool(rest.any())
+
+
+def contribution(tensor: torch.Tensor, layout: Layout, dp_rank: int) -> list[int]:
+    """The values this rank sends: its column (row-major over the leading dims) or the whole
+    tensor (row-major)."""
+    src = tensor.detach()
+    if src.device.type != "cpu":
+        src = src.cpu()
+    if layout is Layout.COLUMN:
+        src = src[..., dp_rank]
+    return [int(v) for v in src.reshape(-1).tolist()]
+
+
+def reduce_rows(
+    rows: Sequence[Sequence[int]],
+    like: torch.Tensor,
+    layout: Layout,
+    op: ReduceOp,
+) -> torch.Tensor:
+    """The collective's result from every rank's values: a CPU tensor of `like`'s dtype and
+    shape. A rank left out of the round (an empty row: coordd's neutralize mode) contributes
+    nothing (zeros to a SUM, no candidate to a MAX or MIN)."""
+    shape, dtype = tuple(like.shape), like.dtype
+    present = [(rank, row) for rank, row in enumerate(rows) if len(row)]
+    if layout is Layout.COLUMN and op is ReduceOp.SUM:
+        # Every rank's contribution is zero outside its column: the sum is the columns side
+        # by side, exactly.
+        out = torch.zeros(shape, dtype=dtype)
+        for rank, row in present:
+            out[..., rank] = torch.tensor(row, dtype=torch.int64).reshape(shape[:-1]).to(dtype)
+        return out
+    fulls: list[torch.Tensor] = []
+    for rank, row in present:
+        values = torch.tensor(row, dtype=torch.int64)
+        if layout is Layout.COLUMN:
+            full = torch.zeros(shape, dtype=torch.int64)
+            full[..., rank] = values.reshape(shape[:-1])
+        else:
+            full = values.reshape(shape)
+        fulls.append(full)
+    if not fulls:
+        return torch.zeros(shape, dtype=dtype)
+    acc = fulls[0].clone()
+    for full in fulls[1:]:
+        if op is ReduceOp.SUM:
+            acc.add_(full)
+        elif op is ReduceOp.MAX:
+            torch.maximum(acc, full, out=acc)
+        else:
+            torch.minimum(acc, full, out=acc)
+    return acc.to(dtype)
+
+
+@dataclass
+class GroupLink:
+    """This process's client for one coordd group, and how many rounds it has run."""
+
+    identity: GroupIdentity
+    client: CoordClient
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    rounds: int = 0
+
+
+class Exchange:
+    """The process's clients, one per coordd group, each made on the group's first sync.
+
+    Keyed by process id too: a process forked after a sync gets its own clients (a ZeroMQ
+    socket must not cross a fork)."""
+
+    def __init__(self, settings: PluginSettings) -> None:
+        self.settings = settings
+        self._links: dict[str, GroupLink] = {}
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._context: zmq.Context | None = None
+
+    def link(self, identity: GroupIdentity) -> GroupLink:
+        """The client for `identity`'s group, connected (within the connect timeout) on first
+        use; raises the client's CoordError (Rejected, CoordinatorUnavailable) if it cannot."""
+        link = self._links.get(identity.name)
+        if link is not None and self._pid == os.getpid() and link.identity == identity:
+            return link
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's sockets are not ours
+                self._links, self._context, self._pid = {}, None, os.getpid()
+            link = self._links.get(identity.name)
+            if link is not None and link.identity == identity:
+                return link
+            if link is not None:  # vLLM rebuilt the group (elastic EP): a new registration
+                link.client.close()
+            if self._context is None:
+                self._context = zmq.Context()
+            client = CoordClient(
+                self.settings.address,
+                dp_rank=identity.dp_rank,
+                dp_size=identity.dp_size,
+                group=identity.name,
+                config_fingerprint=identity.fingerprint,
+                wait_timeout=self.settings.sync_timeout,
+                context=self._context,
+            )
+            try:
+                client.connect(timeout=self.settings.connect_timeout)
+            except BaseException:
+                client.close()
+                raise
+            link = GroupLink(identity, client)
+            self._links[identity.name] = link
+            return link
+
+    def all_reduce_(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        identity: GroupIdentity,
+        site: str,
+        layout: Layout,
+    ) -> torch.Tensor:
+        """In place, like the collective: `tensor` ends up holding the reduced values, on its
+        own device, with its own dtype and shape."""
+        values = contribution(tensor, layout, identity.dp_rank)
+        link = self.link(identity)
+        with link.lock:
+            rows = link.client.gather(site, values, timeout=self.settings.sync_timeout)
+            link.rounds += 1
+        tensor.copy_(reduce_rows(rows, tensor, layout, op))
+        return tensor
+
+    def rounds(self) -> dict[str, int]:
+        """Gather rounds completed so far, by group (tests compare it with the syncs made)."""
+        return {name: link.rounds for name, link in self._links.items()}
+
+    def close(self) -> None:
+        """Close every client (a Goodbye to coordd); idempotent."""
+        with self._lock:
+            for link in self._links.values():
+                link.client.close()
+            self._links = {}
+            if self._context is not None and self._pid == os.getpid():
+                self._context.term()
+            self._context = None
