@@ -253,6 +253,11 @@ class Coordinator:
                 rank=rank,  # the culprit is the sender, not the rank it claimed
             )
             return (Send((peer,), self._failure_of(error, report)),)
+        if report.kind is StepKind.GATHER and type(report) is StepReport:
+            error = ProtocolError(
+                "a StepReport of kind gather (a gather round takes a GatherReport)", rank=rank
+            )
+            return (Send((peer,), self._failure_of(error, report)),)
         rnd = self._round
         if report.seq != self._seq:
             decided = self._decided
