@@ -73,11 +73,18 @@ REJECT_HINTS = {
         "another live process holds this dp_rank: stop it (coordd drops it once its "
         "connection closes) or fix this rank's --data-parallel-rank"
     ),
-    "group": "pass every rank of one coordd the same group name",
+    "group": (
+        "give every rank of one DP group the same group name (1-64 printable characters, no "
+        "whitespace); one client belongs to one group: use another client for another group"
+    ),
     "num_ubatches": (
         "give every rank the same micro-batching settings (vLLM: enable_dbo, ubatch_size)"
     ),
     "fingerprint": "deploy the same engine config to every rank (the config fingerprints differ)",
+    "group_limit": (
+        "coordd serves at most --max-groups groups (COORDD_MAX_GROUPS): raise it, or find "
+        "what registers so many group names (vLLM: one per TP/PP position, plus the engine cores)"
+    ),
 }
 
 
