@@ -8,12 +8,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordd.proto import (
+    MAX_GATHER_VALUES,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     ConflictingReport,
     CoordError,
     CoordinatorUnavailable,
     FailReason,
+    GatherReport,
+    GatherResult,
     Goodbye,
     Heartbeat,
     Hello,
@@ -35,6 +38,7 @@ from coordd.proto import (
     encode,
     error_from_failure,
     failure_message,
+    max_gather_values,
 )
 from coordd.proto.coordinator import Coordinator
 from coordd.proto.errors import REJECT_HINTS
@@ -74,12 +78,19 @@ step_faileds = st.builds(
     culprits=rank_lists, text=text, expected_seq=i64, expected_kind=text, got_seq=i64,
     got_kind=text, field=text, value=text, timeout=finite, expected=text, detail=text,
 )
+gather_values = st.lists(i64, max_size=MAX_GATHER_VALUES)
+gather_reports = st.builds(GatherReport, site=short, values=gather_values, dp_rank=i64,
+                           epoch=i64, seq=i64)
+gather_results = st.builds(
+    GatherResult, epoch=i64, seq=i64, site=short,
+    rows=st.lists(st.lists(i64, max_size=32), max_size=16), dead_ranks=rank_lists,
+)
 heartbeats = st.builds(Heartbeat, nonce=i64)
 goodbyes = st.builds(Goodbye, text=text)
 
-to_coordinator = st.one_of(hellos, step_reports, heartbeats, goodbyes)
-from_coordinator = st.one_of(welcomes, rejects, step_decisions, step_faileds, heartbeats,
-                             goodbyes)
+to_coordinator = st.one_of(hellos, step_reports, gather_reports, heartbeats, goodbyes)
+from_coordinator = st.one_of(welcomes, rejects, step_decisions, gather_results, step_faileds,
+                             heartbeats, goodbyes)
 
 # -- round trips ---------------------------------------------------------------------------
 
@@ -105,6 +116,8 @@ def test_round_trip_from_coordinator(msg) -> None:  # type: ignore[no-untyped-de
     [
         Hello(dp_size=8, dp_rank=3, config_fingerprint="abc", incarnation="pid-1"),
         StepReport(num_tokens=5, num_tokens_padded=8),
+        GatherReport(site="vllm.gpu.dp_utils", values=[1, 2, 3]),
+        GatherReport(site="", values=[]),
         Heartbeat(nonce=7),
         Heartbeat(),
         Goodbye(text="bye"),
@@ -125,6 +138,8 @@ def test_defaults_survive_to_coordinator(msg) -> None:  # type: ignore[no-untype
                      any_unfinished=True, all_idle=False),
         StepFailed(epoch=1, seq=2, kind=StepKind.STATE, reason=FailReason.TIMEOUT,
                    culprits=[1], text="late", timeout=2.5),
+        GatherResult(epoch=1, seq=2, site="s", rows=[[1], [2]]),
+        GatherResult(epoch=1, seq=2, site="s", rows=[[1], []], dead_ranks=[1]),
         Heartbeat(nonce=1),
         Goodbye(),
     ],
@@ -138,6 +153,27 @@ def test_report_is_small() -> None:
                         cudagraph_mode=2, has_unfinished=True, dp_rank=255, epoch=3, seq=10**6,
                         kind=StepKind.FORWARD)
     assert len(encode(report)) < 40
+
+
+def test_gather_messages_are_small() -> None:
+    """A 7-value column (vLLM's Model Runner V2 sync) and the rows of dp=8 and 256 ranks."""
+    column = [4096, 2, 4096, 512, 1, 256, 0]
+    report = GatherReport(site="vllm.gpu.dp_utils", values=column, dp_rank=255, epoch=3,
+                          seq=10**6)
+    assert len(encode(report)) == 50  # 18 of them the site's label
+    for dp, size in ((8, 164), (256, 4134)):
+        result = GatherResult(epoch=3, seq=10**6, site="vllm.gpu.dp_utils", rows=[column] * dp)
+        assert len(encode(result)) == size
+
+
+def test_largest_gather_result_fits_the_frame_limit() -> None:
+    for dp in (1, 8, 256, MAX_DP_SIZE):
+        n = max_gather_values(dp)
+        result = GatherResult(epoch=2**62, seq=2**62, site="\U0001f600" * 256,
+                              rows=[[-(2**63)] * n] * dp, dead_ranks=list(range(dp)))
+        data = encode(result)
+        assert len(data) <= MAX_MESSAGE_BYTES, dp
+        assert decode_from_coordinator(data) == result
 
 
 def test_largest_decision_fits_the_frame_limit() -> None:
@@ -180,6 +216,7 @@ def test_garbage_is_refused(decode, data) -> None:  # type: ignore[no-untyped-de
 SAMPLES_TO = [
     Hello(dp_size=8, dp_rank=3, config_fingerprint="abc", incarnation="pid-1"),
     StepReport(num_tokens=5, num_tokens_padded=8, want_ubatch=True, seq=3),
+    GatherReport(site="vllm.v1.dp_utils", values=[3, -1, 2**40], dp_rank=1, epoch=2, seq=3),
     Heartbeat(nonce=99),
     Goodbye(text="bye"),
 ]
@@ -191,6 +228,7 @@ SAMPLES_FROM = [
                  all_idle=False),
     StepFailed(epoch=1, seq=2, kind=StepKind.FORWARD, reason=FailReason.LOST, culprits=[1],
                text="gone"),
+    GatherResult(epoch=1, seq=2, site="vllm.v1.dp_utils", rows=[[3, -1], [2, 2**40]]),
     Heartbeat(nonce=99),
     Goodbye(text="bye"),
 ]
@@ -239,6 +277,14 @@ def test_rank_messages_are_refused_by_the_rank(msg) -> None:  # type: ignore[no-
         ["hello", 8, 0, ["fp"], "inc"],
         ["heartbeat", "nonce"],
         ["goodbye", 5],
+        ["gather", "site", [0] * (MAX_GATHER_VALUES + 1)],  # more values than the limit
+        ["gather", "site", [2**63]],  # beyond int64
+        ["gather", "site", [1.0]],  # not an int
+        ["gather", "site", [True]],
+        ["gather", "site", 5],
+        ["gather", "x" * 257, [1]],  # longer than ShortStr
+        ["gather", "site"],  # values missing
+        ["gather", "site", [1], 0, 0, "3"],
     ],
 )
 def test_wrong_field_types_are_refused_by_the_coordinator(items) -> None:  # type: ignore[no-untyped-def]
@@ -256,6 +302,12 @@ def test_wrong_field_types_are_refused_by_the_coordinator(items) -> None:  # typ
         ["decision", 1, 2, "forward", [0] * (MAX_DP_SIZE + 1), False, True, 1, True, False],
         ["failed", 1, 2, "forward", "no-such-reason", [1], "text"],
         ["failed", 1, 2, "forward", "lost", 1, "text"],
+        ["gathered", 1, 2, "site", [[1], [0] * (MAX_GATHER_VALUES + 1)]],
+        ["gathered", 1, 2, "site", [[1]] * (MAX_DP_SIZE + 1)],
+        ["gathered", 1, 2, "site", [[2**63]]],
+        ["gathered", 1, 2, "site", [1, 2]],  # a row that is not a list
+        ["gathered", 1, 2, "site", [[1]], [MAX_DP_SIZE + 1] * (MAX_DP_SIZE + 1)],
+        ["gathered", 1, 2, "site"],
     ],
 )
 def test_wrong_field_types_are_refused_by_the_rank(items) -> None:  # type: ignore[no-untyped-def]
@@ -429,7 +481,7 @@ msgpack_values = st.recursive(
     max_leaves=20,
 )
 tags = st.sampled_from(["hello", "welcome", "reject", "report", "decision", "failed",
-                        "heartbeat", "goodbye", "other"])
+                        "heartbeat", "goodbye", "gather", "gathered", "other"])
 
 
 @given(tags, st.lists(msgpack_values, max_size=14))

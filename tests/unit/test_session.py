@@ -19,6 +19,7 @@ from coordd.client.session import (
 )
 from coordd.proto.errors import (
     CoordinatorUnavailable,
+    InvalidReport,
     ProtocolError,
     RankLost,
     Rejected,
@@ -26,6 +27,11 @@ from coordd.proto.errors import (
     StepTimeout,
 )
 from coordd.proto.messages import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_GATHER_VALUES,
+    GatherReport,
+    GatherResult,
     Goodbye,
     Heartbeat,
     StepDecision,
@@ -235,6 +241,88 @@ def test_a_timeout_answers_a_round_that_fails_the_group() -> None:
     timeout = StepTimeout([0], 0.5)
     session.receive(failure_message(timeout, epoch=3, seq=seq, kind=FORWARD))
     assert session.outcome(seq, registration) == timeout
+
+
+# -- gather rounds ------------------------------------------------------------------------------
+
+SITE = "vllm.gpu.dp_utils"
+
+
+def gathered(epoch: int, seq: int, rows: list[list[int]] | None = None) -> GatherResult:
+    return GatherResult(epoch=epoch, seq=seq, site=SITE, rows=rows or [[1, 2], [3, 4]])
+
+
+def test_a_gather_takes_the_next_seq_like_any_round() -> None:
+    session = registered(epoch=3, next_seq=10)
+    step = session.report(REPORT, FORWARD)
+    report = session.gather(SITE, [3, 4])
+    assert report == GatherReport(site=SITE, values=[3, 4], dp_rank=1, epoch=3, seq=11)
+    assert session.report(REPORT, FORWARD).seq == 12
+    assert step.seq == 10
+    forged = session.stamp(GatherReport(site=SITE, values=[]), StepKind.GATHER, seq=99,
+                           dp_rank=0)
+    assert (forged.seq, forged.dp_rank, forged.epoch, session.next_seq) == (99, 0, 3, 13)
+
+
+def test_a_gather_result_resolves_its_own_round() -> None:
+    session = registered()
+    step = started(session)
+    gather = session.gather(SITE, [3, 4]).seq, session.registration
+    assert session.receive(gathered(3, gather[0])) == Resolved(gather[0], gathered(3, gather[0]))
+    assert session.outcome(*step) is None
+    assert session.receive_frame(encode(decision(3, step[0]))) == Resolved(
+        step[0], decision(3, step[0]))
+    assert session.outcome(*gather) == gathered(3, gather[0])
+    assert session.outcome(*step) == decision(3, step[0])
+    assert session.receive(gathered(2, gather[0])) is None, "an older epoch's"
+
+
+def test_a_failure_fails_a_gather_as_any_round() -> None:
+    session = registered()
+    seq, registration = session.gather(SITE, [1]).seq, session.registration
+    error = StepMismatch(0, seq, f"gather:{SITE}", seq, "gather:other")
+    assert session.receive(failure_message(error, epoch=3, seq=seq, kind=StepKind.GATHER)) \
+        == GroupFailed(error)
+    assert session.outcome(seq, registration) == error
+    with pytest.raises(StepMismatch):
+        session.gather(SITE, [1])
+    session.hello()
+    assert session.outcome(seq, registration) == CoordinatorUnavailable(SUPERSEDED)
+    session.receive(Welcome(epoch=4, next_seq=seq + 1, dp_size=2))
+    assert session.gather(SITE, [1]).epoch == 4
+
+
+def test_values_are_plain_int64s_or_refused_before_sending() -> None:
+    session = registered(next_seq=10)
+
+    class Index:
+        def __index__(self) -> int:
+            return 7
+
+    assert session.gather(SITE, (True, Index(), INT64_MIN, INT64_MAX)).values == [
+        1, 7, INT64_MIN, INT64_MAX]
+    refusals = [
+        (SITE, [1.5], "values"),
+        (SITE, ["1"], "values"),
+        (SITE, [INT64_MAX + 1], "values"),
+        (SITE, [INT64_MIN - 1], "values"),
+        (SITE, [0] * (MAX_GATHER_VALUES + 1), "values"),
+        ("x" * 257, [1], "site"),
+    ]
+    for site, values, field in refusals:
+        with pytest.raises(InvalidReport) as info:
+            session.gather(site, values)
+        assert (info.value.rank, info.value.field) == (1, field)
+    assert session.next_seq == 11, "a refused gather takes no seq"
+    assert session.failed is None
+
+
+def test_a_step_of_kind_gather_is_refused_before_sending() -> None:
+    session = registered(next_seq=10)
+    with pytest.raises(InvalidReport) as info:
+        session.report(REPORT, StepKind.GATHER)
+    assert info.value.field == "kind"
+    assert session.next_seq == 10
 
 
 # -- the config ---------------------------------------------------------------------------------
