@@ -44,7 +44,7 @@ from coordd.proto.group_state import (
     IllegalTransition,
     next_state,
 )
-from coordd.proto.messages import POLICY_KINDS
+from coordd.proto.messages import POLICY_KINDS, GatherReport, GatherResult, Report
 from coordd.proto.snapshot import GroupSnapshot
 
 DP = 4
@@ -762,8 +762,8 @@ class Rank:
         self.state = "new"  # new | registering | ready | waiting
         self.epoch = -1
         self.seq = -1
-        self.sent: StepReport | None = None
-        self.previous: StepReport | None = None  # the report of the last decided round
+        self.sent: Report | None = None
+        self.previous: Report | None = None  # the report of the last decided round
 
     @property
     def peer(self) -> bytes:
@@ -804,8 +804,8 @@ class Model:
         self.ranks = [Rank(r) for r in range(dp)]
         self.now = 0.0
         self.lost: set[bytes] = set()
-        self.sent: dict[tuple[int, int], dict[int, StepReport]] = {}
-        self.decided: dict[tuple[int, int], StepDecision] = {}
+        self.sent: dict[tuple[int, int], dict[int, Report]] = {}
+        self.decided: dict[tuple[int, int], StepDecision | GatherResult] = {}
         self.decisions = 0
         self.welcomes = 0
 
@@ -827,7 +827,7 @@ class Model:
             k.state, k.epoch, k.seq = "ready", msg.epoch, msg.next_seq
         elif isinstance(msg, Reject):
             raise AssertionError(f"an honest rank was rejected: {msg}")
-        elif isinstance(msg, StepDecision) and k.state == "ready":
+        elif isinstance(msg, (StepDecision, GatherResult)) and k.state == "ready":
             # the answer to a re-sent report of the round already decided
             assert k.previous is not None and (msg.epoch, msg.seq) == (k.epoch, k.seq - 1)
             assert msg == self.decided[(msg.epoch, msg.seq)]
@@ -849,6 +849,22 @@ class Model:
                 self.decided[key] = msg
                 self.decisions += 1
             k.state, k.seq, k.sent, k.previous = "ready", k.seq + 1, None, k.sent
+        elif isinstance(msg, GatherResult):
+            assert k.state == "waiting" and isinstance(k.sent, GatherReport)
+            assert (msg.epoch, msg.seq, msg.site) == (k.epoch, k.seq, k.sent.site)
+            key = (msg.epoch, msg.seq)
+            if key in self.decided:
+                assert self.decided[key] == msg  # the same rows for every rank
+            else:
+                reports = self.sent[key]
+                dead = set(msg.dead_ranks)
+                assert k.r not in dead
+                rows = [[] if r in dead else reports[r].values  # type: ignore[union-attr]
+                        for r in range(len(self.ranks))]
+                assert msg.rows == rows
+                self.decided[key] = msg
+                self.decisions += 1
+            k.state, k.seq, k.sent, k.previous = "ready", k.seq + 1, None, k.sent
         elif isinstance(msg, StepFailed):
             assert msg.reason is not FailReason.PROTOCOL, msg  # honest ranks break no rule
             k.state, k.sent, k.previous = "new", None, None
@@ -865,11 +881,22 @@ class Model:
         elif k.state == "ready":
             tokens, extra, ub, mode, unf = values
             key = (k.epoch, k.seq)
-            kind = next(iter(self.sent[key].values())).kind if self.sent.get(key) else kind
-            report = StepReport(num_tokens=-1 if invalid else tokens,
-                                num_tokens_padded=tokens + extra, want_ubatch=ub,
-                                cudagraph_mode=mode, has_unfinished=unf, dp_rank=k.r,
-                                epoch=k.epoch, seq=k.seq, kind=kind)
+            first = next(iter(self.sent[key].values())) if self.sent.get(key) else None
+            kind = first.kind if first is not None else kind
+            report: Report
+            if kind is StepKind.GATHER:
+                # A gather round follows its first report's site and length (invalid: one
+                # value more, which only a later report can get wrong).
+                site = first.site if isinstance(first, GatherReport) else f"site{mode}"
+                n = len(first.values) if isinstance(first, GatherReport) else extra % 8
+                column = [tokens * 100 + k.r * 10 + i for i in range(n + invalid)]
+                report = GatherReport(site=site, values=column, dp_rank=k.r, epoch=k.epoch,
+                                      seq=k.seq)
+            else:
+                report = StepReport(num_tokens=-1 if invalid else tokens,
+                                    num_tokens_padded=tokens + extra, want_ubatch=ub,
+                                    cudagraph_mode=mode, has_unfinished=unf, dp_rank=k.r,
+                                    epoch=k.epoch, seq=k.seq, kind=kind)
             self.sent.setdefault(key, {})[k.r] = report
             k.state, k.sent = "waiting", report
             self.deliver(self.c.receive(k.peer, report, self.now))
@@ -923,7 +950,8 @@ report_values = st.tuples(st.integers(0, 40), st.integers(0, 40), st.booleans(),
                           st.integers(0, 2), st.booleans())
 # mostly honest progress, now and then a lost rank, a late one, or a bad report
 events = st.lists(
-    st.tuples(st.integers(0, 39), st.integers(0, 2), report_values, st.sampled_from(POLICY_KINDS),
+    st.tuples(st.integers(0, 39), st.integers(0, 2), report_values,
+              st.sampled_from([*POLICY_KINDS, StepKind.GATHER]),
               st.sampled_from([0.5, 3.0, TIMEOUT])),
     max_size=80,
 )
