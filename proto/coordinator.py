@@ -65,6 +65,7 @@ from coordd.proto.rounds import CompletedRound, Round
 from coordd.proto.snapshot import GroupSnapshot, Member, OnRankLoss
 
 _E, _S = GroupEvent, GroupState
+_GATHER = StepKind.GATHER
 
 
 class Send(NamedTuple):
@@ -253,7 +254,7 @@ class Coordinator:
                 rank=rank,  # the culprit is the sender, not the rank it claimed
             )
             return (Send((peer,), self._failure_of(error, report)),)
-        if report.kind is StepKind.GATHER and type(report) is StepReport:
+        if report.kind is _GATHER and type(report) is StepReport:
             error = ProtocolError(
                 "a StepReport of kind gather (a gather round takes a GatherReport)", rank=rank
             )
@@ -273,7 +274,7 @@ class Coordinator:
             )
         if rnd is not None:
             if report.kind is not rnd.kind or (
-                rnd.kind is StepKind.GATHER and report.label != rnd.label
+                rnd.kind is _GATHER and report.label != rnd.label
             ):
                 return self._fail(
                     StepMismatch(rank, self._seq, rnd.label, report.seq, report.label),
@@ -309,7 +310,7 @@ class Coordinator:
             return _NOTHING
         dead = self._dead
         decision: Outcome
-        if rnd.kind is StepKind.GATHER:
+        if rnd.kind is _GATHER:
             decision = self._gathered(rnd)
         else:
             group = self._members[min(self._members)].hello
