@@ -1,7 +1,10 @@
-"""`coordd bench`: coordd against torch.distributed gloo and a raw-socket floor, in one run.
+"""`coordd bench`: coordd against a bare pyzmq hub, gloo, vLLM's `cpu_all_reduce_` and a
+raw-socket floor, in one run.
 
 Latency (p50/p90/p99) per method and dp with the same rank processes for every method; overlap
-(exposed wait when the round runs under W of sleeping or spinning work); scale (dp 16..256
+(exposed wait when the round runs under W of sleeping or spinning work); the engine loop (the
+share of a vLLM-shaped step blocked in DP sync, per way to sync); across hosts (each method over
+tcp between two network namespaces, and a model for 2 and 4 nodes); scale (dp 16..256
 simulated asyncio ranks: latency, coordd's CPU per round and resident memory); coordd's
 performance targets with their measured ratios. `--json` keeps every figure, `--plot` draws them.
 """
@@ -72,11 +75,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=["lean", "aio"],
         help="simulated ranks: lean (least CPU per rank) and/or aio (AsyncCoordClient)",
     )
+    p.add_argument(
+        "--engine",
+        action="store_true",
+        help="only the engine loop (no latency, overlap, across-host or scale sections)",
+    )
+    p.add_argument(
+        "--engine-steps", type=int, default=200, help="engine-loop steps per way to sync (0: skip)"
+    )
+    p.add_argument(
+        "--engine-step-ms",
+        type=float,
+        default=8.0,
+        help="simulated GPU time scale: a step runs 0.5x..2.9x this (8: 4..23 ms)",
+    )
+    p.add_argument(
+        "--crosshost-dp",
+        type=_numbers(int),
+        default=[2, 4],
+        help="dp measured across two network namespaces (none: skip)",
+    )
+    p.add_argument("--crosshost-rounds", type=int, default=500)
     p.add_argument("--scale-procs", type=int, default=4, help="simulator processes")
     p.add_argument("--scale-rounds", type=int, default=300)
     p.add_argument("--seed", type=int, default=0, help="seed of the reports")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs coordd[plot])")
+    p.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="measure nothing: print the tables (and --plot) of a run saved with --json",
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -98,10 +127,41 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def _replay(args: argparse.Namespace) -> int:
+    import json
+
     from coordd.tools.bench import report
-    from coordd.tools.bench.runner import BenchError, LatencyOptions, available_methods, run_latency
+
+    with open(args.from_json) as f:
+        results = json.load(f)
+    results["targets"] = report.targets(results)
+    print(report.render(results))
+    if args.plot:
+        from coordd.tools.bench.plot import plot
+
+        plot(results, args.plot)
+    return 0
+
+
+def _crosshost_unavailable() -> str | None:
+    from coordd.tools.chaos import netns
+
+    return netns.unavailable()
+
+
+def run(args: argparse.Namespace) -> int:
+    from coordd.tools.bench import crosshost, report
+    from coordd.tools.bench.runner import (
+        BenchError,
+        LatencyOptions,
+        available_methods,
+        run_crosshost,
+        run_latency,
+    )
     from coordd.tools.bench.scale import ScaleOptions, run_scale
+
+    if args.from_json:
+        return _replay(args)
 
     if args.rounds < 1 or args.blocks < 1 or args.warmup < 1:
         raise SystemExit("coordd bench: --rounds, --blocks and --warmup must be >= 1")
@@ -111,8 +171,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"coordd bench: --scale-clients takes lean and/or aio, got {args.scale_clients}"
         )
-    if any(dp < 1 for dp in [*args.dp, *args.scale_dp]):
+    if any(dp < 1 for dp in [*args.dp, *args.scale_dp, *args.crosshost_dp]):
         raise SystemExit("coordd bench: every dp must be >= 1")
+    if args.engine:
+        args.scale_dp, args.crosshost_dp = [], []
     methods, skipped = available_methods(args.methods)
     began = time.time()
     results: dict[str, Any] = {
@@ -129,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
         "skipped": skipped,
         "latency": [],
         "overlap": [],
+        "engine": [],
+        "crosshost": [],
+        "crosshost_skipped": "",
         "scale": [],
     }
 
@@ -150,8 +215,27 @@ def run(args: argparse.Namespace) -> int:
                 work_multiples=args.work,
                 variants=args.variants,
                 seed=args.seed,
+                latency=not args.engine,
+                engine_steps=args.engine_steps,
+                engine_step_ms=args.engine_step_ms,
             )
             results.update(run_latency(opts, log))
+        if args.crosshost_dp and methods:
+            no_ns = _crosshost_unavailable()
+            if no_ns is not None:
+                results["crosshost_skipped"] = no_ns
+                log(f"skipping the across-namespace runs: {no_ns}")
+            else:
+                cross = LatencyOptions(
+                    dps=args.crosshost_dp,
+                    methods=methods,
+                    rounds=args.crosshost_rounds,
+                    blocks=min(args.blocks, args.crosshost_rounds),
+                    warmup=args.warmup,
+                    seed=args.seed,
+                )
+                for dp in args.crosshost_dp:
+                    results["crosshost"].extend(run_crosshost(dp, cross, log))
         if args.scale_dp:
             results["scale"] = run_scale(
                 ScaleOptions(
@@ -166,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
     except BenchError as error:
         print(f"coordd bench: {error}", file=sys.stderr)
         return 2
+    results["crosshost_model"] = crosshost.model(results)
     results["meta"]["seconds"] = time.time() - began
     results["meta"]["loadavg_end"] = list(os.getloadavg())
     results["targets"] = report.targets(results)
@@ -176,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         from coordd.tools.bench.plot import plot
 
         plot(results, args.plot)
-    rows = [*results["latency"], *results["overlap"], *results["scale"]]
+    rows = [*results["latency"], *results["overlap"], *results["crosshost"], *results["scale"]]
     incomplete = [r for r in rows if r["completed"] != r["rounds"]]
     wrong = [r for r in rows if r["mismatches"]]
     return 1 if incomplete or wrong else 0

@@ -7,7 +7,8 @@ what remains is the kernel's sockets and the Python calls around them, so coordd
 this one shows what its protocol, ZeroMQ and policy cost.
 
 Every blocking call has a deadline (SO_RCVTIMEO/SO_SNDTIMEO, which keeps the sockets in
-plain blocking mode); the hub exits when a rank closes its socket.
+plain blocking mode); the hub exits when a rank closes its socket. `path` may also be
+`tcp://HOST:PORT` (port 0: any), for the floor across network namespaces.
 """
 
 from __future__ import annotations
@@ -46,11 +47,34 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
+def _tcp(path: str) -> tuple[str, int] | None:
+    """(host, port) of a `tcp://HOST:PORT` path, None for a UNIX socket path."""
+    if not path.startswith("tcp://"):
+        return None
+    host, _, port = path[len("tcp://") :].rpartition(":")
+    return host, int(port)
+
+
+def _socket(path: str) -> socket.socket:
+    if _tcp(path) is None:
+        return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 def serve(path: str, dp: int, timeout: float) -> int:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    if os.path.exists(path):
-        os.unlink(path)
-    listener.bind(path)
+    listener = _socket(path)
+    tcp = _tcp(path)
+    if tcp is None:
+        if os.path.exists(path):
+            os.unlink(path)
+        listener.bind(path)
+    else:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(tcp)
+        host, port = listener.getsockname()[:2]
+        path = f"tcp://{host}:{port}"
     listener.listen(dp)
     listener.settimeout(timeout)
     print(f"{READY}{path}", flush=True)
@@ -59,6 +83,8 @@ def serve(path: str, dp: int, timeout: float) -> int:
     for _ in range(dp):
         conn, _addr = listener.accept()
         conn.settimeout(None)
+        if tcp is not None:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _set_deadline(conn, timeout)
         if not _recv_exact(conn, memoryview(hello)):
             return 1
@@ -84,7 +110,7 @@ def serve(path: str, dp: int, timeout: float) -> int:
     finally:
         for conn in ranks:
             conn.close()
-        if os.path.exists(path):
+        if tcp is None and os.path.exists(path):
             os.unlink(path)
 
 
@@ -92,12 +118,12 @@ class FloorRank:
     """One rank's socket to the hub: `start` sends the report, `wait` reads everyone's."""
 
     def __init__(self, path: str, rank: int, dp: int, timeout: float = 60.0) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = _socket(path)
         self.sock.settimeout(timeout)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.sock.connect(path)
+                self.sock.connect(_tcp(path) or path)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
@@ -143,16 +169,7 @@ class FloorProcess:
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, text=True, start_new_session=True
         )
-        assert self.proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            if not sel.select(timeout):
-                self.stop()
-                raise TimeoutError(f"floor hub not ready within {timeout}s")
-            line = self.proc.stdout.readline()
-        if not line.startswith(READY):
-            self.stop()
-            raise RuntimeError(f"floor hub failed to start: {line!r}")
+        self.path = read_ready_line(self.proc, READY, timeout, "floor hub")
         return self
 
     @property
@@ -163,6 +180,21 @@ class FloorProcess:
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc is not None:
             stop_process(self.proc, timeout)
+
+
+def read_ready_line(proc: subprocess.Popen[str], ready: str, timeout: float, what: str) -> str:
+    """The address a child hub printed after `ready`; stops it and raises if it did not."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            stop_process(proc, 5.0)
+            raise TimeoutError(f"{what} not ready within {timeout}s")
+        line = proc.stdout.readline()
+    if not line.startswith(ready):
+        stop_process(proc, 5.0)
+        raise RuntimeError(f"{what} failed to start: {line!r}")
+    return line[len(ready) :].strip()
 
 
 def main() -> int:

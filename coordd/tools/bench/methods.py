@@ -2,8 +2,10 @@
 
 Every method carries the same reports (round i's report of rank r comes from the shared table),
 and every one but the floor ends with the round's decision in hand, so the figures compare
-like with like: coordd over ipc and tcp, a gloo all_reduce(SUM) of the int32 [fields x dp]
-matrix as vLLM runs it today, the device-path client, and the raw-socket floor.
+like with like: coordd over ipc and tcp, a minimal blocking pyzmq hub (the ZeroMQ limit), a gloo
+all_reduce(SUM) of the int32 [fields x dp] matrix as vLLM's V1 runner does it, vLLM's own
+`cpu_all_reduce_` (recursive doubling over gloo p2p) on Model Runner V2's int32 [7 x dp]
+matrix, the device-path client, and the raw-socket floor.
 """
 
 from __future__ import annotations
@@ -28,11 +30,17 @@ from coordd.tools.bench.workload import (
 
 COORDD_IPC = "coordd-ipc"
 COORDD_TCP = "coordd-tcp"
+HUB = "zmq-hub"
 GLOO = "gloo"
+VLLM = "vllm-cpu-all-reduce"
 DEVICE = "device-gloo"
 FLOOR = "floor"
 #: Every method, in the order the tables list them.
-ALL_METHODS = (COORDD_IPC, COORDD_TCP, GLOO, DEVICE, FLOOR)
+ALL_METHODS = (COORDD_IPC, COORDD_TCP, HUB, FLOOR, GLOO, VLLM, DEVICE)
+#: Methods whose start() runs the whole exchange (nothing to overlap): not in the overlap phase.
+BLOCKING_METHODS = (VLLM,)
+#: Model Runner V2's DP matrix: int32 [7 x dp], one column per rank (vllm/v1/worker/gpu/dp_utils).
+VLLM_ROWS = 7
 #: Longest a rank waits for one round before the run fails (no hang, ever).
 ROUND_TIMEOUT = 60.0
 
@@ -93,11 +101,13 @@ class CoorddMethod(_ClientMethod):
         self.client.connect(timeout=30)
 
 
-def init_gloo(store_path: str, rank: int, dp: int) -> None:
-    """Join the default torch.distributed group (gloo over loopback) once per rank process."""
+def init_gloo(store_path: str, rank: int, dp: int, ifname: str = "") -> None:
+    """Join the default torch.distributed group (gloo over `ifname`, loopback by default)."""
     import torch
     import torch.distributed as dist
 
+    if ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     if not dist.is_initialized():
@@ -147,6 +157,104 @@ class GlooMethod(_Checked):
 
     def close(self) -> None:
         pass
+
+
+def vllm_unavailable() -> str | None:
+    """None if vLLM's `cpu_all_reduce_` imports here, else why not (checked without importing
+    vLLM: that costs seconds, paid in the rank processes only)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed"
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return (
+            "vLLM is not importable in this Python (run the bench with a vLLM environment's "
+            "python and PYTHONPATH set to this checkout)"
+        )
+    return None
+
+
+def import_cpu_all_reduce() -> Any:
+    """`vllm.distributed.utils.cpu_all_reduce_`, on vLLM's CPU platform unless told otherwise."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.distributed.utils import cpu_all_reduce_
+
+    return cpu_all_reduce_
+
+
+def vllm_column(report: StepReport) -> list[int]:
+    """A report as its column of MRV2's [7 x dp] matrix: num_tokens, cudagraph mode, uniform
+    token count (the padded count stands in), max_query_len (-1: none), allow_ubatching,
+    num_reqs (has_unfinished stands in), allow_skip_drafts."""
+    return [
+        report.num_tokens,
+        report.cudagraph_mode,
+        report.num_tokens_padded,
+        -1,
+        int(report.want_ubatch),
+        int(report.has_unfinished),
+        0,
+    ]
+
+
+def decision_from_vllm_matrix(rows: Sequence[Sequence[int]]) -> Any:
+    return decision_from_matrix([rows[0], rows[2], rows[4], rows[1], rows[5]])
+
+
+class VllmAllReduceMethod(_Checked):
+    """vLLM 0.33's `cpu_all_reduce_` (recursive doubling, gloo send/recv) on the default group,
+    over MRV2's int32 [7 x dp] matrix. It blocks until done: start() runs the exchange."""
+
+    name = VLLM
+
+    def __init__(self, rank: int, tables: Sequence[Sequence[StepReport]]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._torch = torch
+        self._reduce = import_cpu_all_reduce()
+        self._group = dist.group.WORLD
+        self.tables = tables
+        self.rank = rank
+        self.dp = len(tables)
+        self.columns = [torch.tensor(vllm_column(r), dtype=torch.int32) for r in tables[rank]]
+
+    def start(self, i: int) -> Any:
+        matrix = self._torch.zeros(VLLM_ROWS, self.dp, dtype=self._torch.int32)
+        matrix[:, self.rank] = self.columns[i % TABLE_SIZE]
+        return self._reduce(matrix, self._group)
+
+    def wait(self, handle: Any) -> Any:
+        return decision_from_vllm_matrix(handle.tolist())
+
+    def close(self) -> None:
+        pass
+
+
+class HubMethod(_Checked):
+    """The minimal blocking pyzmq hub: send the msgpack report, block in recv for the decision."""
+
+    name = HUB
+
+    def __init__(self, address: str, rank: int, tables: Sequence[Sequence[StepReport]]) -> None:
+        from coordd.tools.bench.hub import HubRank
+
+        self.tables = tables
+        self.reports = tables[rank]
+        self.conn = HubRank(address, rank, timeout=ROUND_TIMEOUT)
+
+    def start(self, i: int) -> Any:
+        self.conn.start(self.reports[i % TABLE_SIZE])
+
+    def wait(self, handle: Any) -> Any:
+        return self.conn.wait()
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def device_client_class() -> type | None:

@@ -16,18 +16,22 @@ from typing import Any, Union
 
 import msgspec
 
-from coordd.tools.bench import procstat
+from coordd.tools.bench import engine, procstat
 from coordd.tools.bench.methods import (
     COORDD_IPC,
     COORDD_TCP,
     DEVICE,
     FLOOR,
     GLOO,
+    HUB,
+    VLLM,
     CoorddMethod,
     DeviceMethod,
     FloorMethod,
     GlooMethod,
+    HubMethod,
     Method,
+    VllmAllReduceMethod,
     init_gloo,
     shutdown_gloo,
 )
@@ -46,7 +50,12 @@ class RankSetup(msgspec.Struct, frozen=True, tag="setup"):
     coordd_ipc: str = ""
     coordd_tcp: str = ""
     floor_path: str = ""
+    hub_address: str = ""
     gloo_store: str = ""
+    #: The interface gloo binds (default: loopback); across namespaces, this side's veth.
+    gloo_ifname: str = ""
+    #: A network namespace (`ip netns` name) this rank enters before it opens anything.
+    netns: str = ""
     #: method -> pid of the process that serves it (coordd, the floor hub); rank 0 reads it.
     servers: dict[str, int] = {}
     seed: int = 0
@@ -99,8 +108,8 @@ class RankError(msgspec.Struct, frozen=True, tag="error"):
     text: str
 
 
-ToRank = Union[Phase, Stop]
-FromRank = Union[Ready, PhaseResult, RankError]
+ToRank = Union[Phase, engine.EnginePhase, Stop]
+FromRank = Union[Ready, PhaseResult, engine.EngineResults, RankError]
 encode = msgspec.msgpack.encode
 decode_to_rank = msgspec.msgpack.Decoder(ToRank).decode
 decode_from_rank = msgspec.msgpack.Decoder(FromRank).decode
@@ -115,12 +124,14 @@ def _open(setup: RankSetup) -> dict[str, Method]:
             methods[name] = CoorddMethod(name, setup.coordd_ipc, setup.rank, tables)
         elif name == COORDD_TCP:
             methods[name] = CoorddMethod(name, setup.coordd_tcp, setup.rank, tables)
-        elif name in (GLOO, DEVICE):
-            init_gloo(setup.gloo_store, setup.rank, setup.dp)
-            cls = GlooMethod if name == GLOO else DeviceMethod
+        elif name in (GLOO, DEVICE, VLLM):
+            init_gloo(setup.gloo_store, setup.rank, setup.dp, setup.gloo_ifname)
+            cls: Any = {GLOO: GlooMethod, DEVICE: DeviceMethod, VLLM: VllmAllReduceMethod}[name]
             methods[name] = cls(setup.rank, tables)
         elif name == FLOOR:
             methods[name] = FloorMethod(setup.floor_path, setup.rank, tables)
+        elif name == HUB:
+            methods[name] = HubMethod(setup.hub_address, setup.rank, tables)
         else:
             raise ValueError(f"unknown method {name!r}")
     return methods
@@ -228,17 +239,39 @@ def _run_phase(setup: RankSetup, methods: dict[str, Method], phase: Phase) -> Ph
     return PhaseResult(rank=setup.rank, results=out)
 
 
+def enter_netns(name: str) -> None:
+    """Move this process (its only thread, at start) into network namespace `name`."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def rank_main(conn: Connection, setup_bytes: bytes) -> None:
     """The rank process's entry point (multiprocessing, spawn)."""
     setup = decode_setup(setup_bytes)
     methods: dict[str, Method] = {}
     try:
+        if setup.netns:
+            enter_netns(setup.netns)
         methods = _open(setup)
         conn.send_bytes(encode(Ready(rank=setup.rank)))
         while conn.poll(IDLE_TIMEOUT):
             order = decode_to_rank(conn.recv_bytes())
             if isinstance(order, Stop):
                 break
+            if isinstance(order, engine.EnginePhase):
+                coordd = methods.get(COORDD_IPC)
+                client = coordd.client if isinstance(coordd, CoorddMethod) else None
+                conn.send_bytes(encode(engine.run_phase(order, setup.rank, setup.dp, client)))
+                continue
             conn.send_bytes(encode(_run_phase(setup, methods, order)))
     except Exception:
         conn.send_bytes(encode(RankError(rank=setup.rank, text=traceback.format_exc())))

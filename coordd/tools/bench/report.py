@@ -1,5 +1,5 @@
-"""The benchmark's results as tables, coordd's performance targets with their measured ratios,
-and JSON."""
+"""The benchmark's results as tables (a summary, the targets with their measured ratios, the
+engine loop, across hosts; then the details), and JSON."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from coordd.tools.bench.methods import COORDD_IPC, COORDD_TCP, FLOOR, GLOO
+from coordd.tools.bench import crosshost
+from coordd.tools.bench.engine import STATE_EVERY
+from coordd.tools.bench.methods import COORDD_IPC, COORDD_TCP, FLOOR, GLOO, HUB, VLLM
 
 TARGET_DP = 8
 SCALE_DP = 256
@@ -36,30 +38,51 @@ def _row(rows: Sequence[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
 
 
 def ratios(latency: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per dp, coordd's p50 and p99 over gloo's and over the floor's (same run)."""
+    """Per dp, coordd-ipc's p50 over every other method's (same run)."""
     out = []
     for dp in sorted({r["dp"] for r in latency}):
         entry: dict[str, Any] = {"dp": dp}
-        for mine in (COORDD_IPC, COORDD_TCP):
-            for other in (GLOO, FLOOR):
-                a, b = _row(latency, dp=dp, method=mine), _row(latency, dp=dp, method=other)
-                if a and b:
-                    entry[f"{mine}/{other} p50"] = a["p50_us"] / b["p50_us"]
-                    entry[f"{mine}/{other} p99"] = a["p99_us"] / b["p99_us"]
+        a = _row(latency, dp=dp, method=COORDD_IPC)
+        for other in (COORDD_TCP, HUB, FLOOR, GLOO, VLLM):
+            b = _row(latency, dp=dp, method=other)
+            if a and b:
+                entry[f"ipc/{other}"] = a["p50_us"] / b["p50_us"]
         out.append(entry)
     return out
 
 
-def _target(name: str, value: float | None, limit: float, unit: str, where: str) -> dict[str, Any]:
-    met = None if value is None else value <= limit
+def _target(
+    name: str,
+    value: float | None,
+    limit: float | None,
+    unit: str,
+    where: str,
+    strict: bool = False,
+) -> dict[str, Any]:
+    """One target; `limit` None: a figure reported, not judged; `strict`: below, not at most."""
+    met = None
+    if value is not None and limit is not None:
+        met = value < limit if strict else value <= limit
     return {
         "target": name,
         "value": value,
         "limit": limit,
+        "strict": strict,
         "unit": unit,
         "where": where,
         "met": met,
     }
+
+
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str = "p50_us") -> Any:
+    return a[key] / b[key] if a and b else None
+
+
+def _thread_us(row: dict[str, Any] | None, kind: str, dp: int) -> float | None:
+    """CPU per rank per round of one thread kind ("ranks main", "server zmq-io", ...)."""
+    if not row:
+        return None
+    return float(row.get("cpu_us_per_round_by_thread", {}).get(kind, 0.0)) / dp
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -69,17 +92,43 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     scale = results.get("scale", [])
     out = []
     ipc = _row(latency, dp=TARGET_DP, method=COORDD_IPC)
-    floor = _row(latency, dp=TARGET_DP, method=FLOOR)
     where = f"dp={TARGET_DP}"
     out.append(
         _target(
-            "coordd ipc round p50 / raw-socket floor p50",
-            ipc["p50_us"] / floor["p50_us"] if ipc and floor else None,
-            1.3,
+            "coordd ipc round p50 / pyzmq hub p50",
+            _ratio(ipc, _row(latency, dp=TARGET_DP, method=HUB)),
+            1.0,
             "x",
             where,
         )
     )
+    out.append(
+        _target(
+            "coordd ipc round p50 / raw-socket floor p50",
+            _ratio(ipc, _row(latency, dp=TARGET_DP, method=FLOOR)),
+            1.5,
+            "x",
+            where,
+        )
+    )
+    for dp in (2, 4):
+        out.append(
+            _target(
+                "coordd ipc round p50 / vLLM cpu_all_reduce_ p50",
+                _ratio(_row(latency, dp=dp, method=COORDD_IPC), _row(latency, dp=dp, method=VLLM)),
+                1.0,
+                "x",
+                f"dp={dp}",
+                strict=True,
+            )
+        )
+    for name, kind, limit in (
+        ("rank main thread CPU per rank per round", "ranks main", 15.0),
+        ("coordd main thread CPU per rank per round", "server main", 8.0),
+        ("rank ZeroMQ I/O thread CPU per rank per round", "ranks zmq-io", None),
+        ("coordd ZeroMQ I/O thread CPU per rank per round", "server zmq-io", None),
+    ):
+        out.append(_target(name, _thread_us(ipc, kind, TARGET_DP), limit, "us", where))
     out.append(
         _target(
             "coordd ipc round p99 / its p50",
@@ -127,24 +176,153 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.1f}%"
+
+
+def _summary(latency: Sequence[dict[str, Any]]) -> str:
+    methods = list(dict.fromkeys(r["method"] for r in latency))
+    dps = sorted({r["dp"] for r in latency})
+    rows = []
+    for dp in dps:
+        cells: list[Any] = [dp]
+        for m in methods:
+            r = _row(latency, dp=dp, method=m)
+            cells.append(f"{r['p50_us']:.0f} / {r['p99_us']:.0f}" if r else "-")
+        rows.append(cells)
+    return table(["dp", *methods], rows)
+
+
+def _targets_table(tgts: Sequence[dict[str, Any]]) -> str:
+    def limit(t: dict[str, Any]) -> str:
+        if t["limit"] is None:
+            return "(reported)"
+        return f"{'<' if t.get('strict') else '<='} {t['limit']:g} {t['unit']}"
+
+    return table(
+        ["target", "where", "measured", "limit", "result"],
+        [
+            [
+                t["target"],
+                t["where"],
+                "-" if t["value"] is None else f"{t['value']:.2f} {t['unit']}",
+                limit(t),
+                {True: "PASS", False: "MISS", None: "not run" if t["limit"] else "-"}[t["met"]],
+            ]
+            for t in tgts
+        ],
+    )
+
+
+def _engine_table(rows: Sequence[dict[str, Any]]) -> str:
+    return table(
+        [
+            "dp",
+            "sync",
+            "step ms",
+            "GPU ms",
+            "blocked ms",
+            "blocked %",
+            "step vs gloo",
+            "vs coordd sync",
+        ],
+        [
+            [
+                r["dp"],
+                r["mode"],
+                r["mean_step_ms"],
+                r["gpu_ms_per_step"],
+                r["blocked_ms_per_step"],
+                100 * r["blocked_share"],
+                _pct(r["step_vs_gloo"]),
+                _pct(r.get("step_vs_coordd_sync")),
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _model_table(rows: Sequence[dict[str, Any]]) -> str:
+    headers = ["method", "dp", "local p50", "measured on"]
+    keys = []
+    for nodes in crosshost.NODES:
+        headers.append(f"{nodes}n trips")
+        keys.append(f"trips_{nodes}n")
+        for rtt in crosshost.RTTS_US:
+            headers.append(f"{nodes}n @{rtt:g}")
+            keys.append(f"p50_{nodes}n_{rtt:g}us")
+    return table(
+        headers,
+        [
+            [
+                r["method"],
+                r["dp"],
+                r["base_p50_us"],
+                r["base_from"],
+                *(r.get(k, "-") for k in keys),
+            ]
+            for r in rows
+        ],
+    )
+
+
 def render(results: dict[str, Any]) -> str:
     parts = []
+    meta = results.get("meta", {})
     latency = results.get("latency", [])
+    load = meta.get("loadavg_start")
+    parts.append(
+        f"coordd bench, {meta.get('started', '')}: {meta.get('cpus', '?')} CPUs, "
+        f"load average {load[0]:.2f} at the start. On a shared machine every figure is noisy: "
+        "compare methods within one run, and runs by their ranges."
+        if load
+        else "coordd bench"
+    )
     if latency:
-        parts.append("Round latency (synchronous rounds; every rank's samples), microseconds")
+        parts.append(
+            "\nSUMMARY: round latency p50 / p99, microseconds (synchronous rounds, every "
+            "rank's samples; measured)"
+        )
+        parts.append(_summary(latency))
+    tgts = results.get("targets") or targets(results)
+    parts.append("\nTargets")
+    parts.append(_targets_table(tgts))
+    engine_rows = results.get("engine", [])
+    if engine_rows:
+        first = engine_rows[0]
+        parts.append(
+            f"\nEngine loop (measured): a vLLM-shaped step, GPU time simulated "
+            f"(0.5x..2.9x of {first['step_ms']:g} ms), forward + drafter rounds each step, a "
+            f"state round every {STATE_EVERY}; {first['steps']} steps per way to sync. blocked: "
+            "time in DP sync calls (overlap: the wait left after the GPU work)"
+        )
+        parts.append(_engine_table(engine_rows))
+    cross = results.get("crosshost", [])
+    if cross:
+        parts.append(
+            "\nAcross namespaces (measured): each method over tcp, half the ranks in a second "
+            "network namespace joined by veth, no added delay; p50 / p99 us"
+        )
+        parts.append(_summary(cross))
+    elif results.get("crosshost_skipped"):
+        parts.append(f"\nAcross namespaces: not measured ({results['crosshost_skipped']})")
+    model_rows = results.get("crosshost_model") or crosshost.model(results)
+    if model_rows:
+        parts.append(
+            "\nAcross hosts, MODELLED (not measured): p50 = measured local p50 + one-way "
+            "network trips on the critical path x RTT/2, in us, for 2 and 4 nodes (ranks in "
+            "contiguous blocks per node, coordd and the hubs on node 0) at RTT 50 and 200 us. "
+            "Trips: star (coordd, pyzmq hub, floor) = report in + decision out = 2; gloo ring = "
+            "the longest chain of its 2(dp-1) dependent steps, one trip per node boundary "
+            "crossed; vLLM recursive doubling = its log2(dp) exchanges that span nodes"
+        )
+        parts.append(_model_table(model_rows))
+    parts.append("\n-- details --")
+    if latency:
+        parts.append("\nRound latency (synchronous rounds; every rank's samples), microseconds")
         parts.append(
             table(
-                [
-                    "dp",
-                    "method",
-                    "p50",
-                    "p90",
-                    "p99",
-                    "p99/p50",
-                    "CPU/round",
-                    "ctxsw/round",
-                    "done",
-                ],
+                ["dp", "method", "p50", "p90", "p99", "p99/p50", "CPU/round", "ctxsw", "done"],
                 [
                     [
                         r["dp"],
@@ -164,13 +342,15 @@ def render(results: dict[str, Any]) -> str:
         ratio_rows = ratios(latency)
         keys = [k for k in ratio_rows[0] if k != "dp"] if ratio_rows else []
         if keys:
-            parts.append("\nRatios (same run)")
+            parts.append("\nRatios of p50 (same run)")
             parts.append(
                 table(["dp", *keys], [[r["dp"], *(r.get(k) for k in keys)] for r in ratio_rows])
             )
         kinds = sorted({k for r in latency for k in r.get("cpu_us_per_round_by_thread", {})})
         if kinds:
-            parts.append("\nWhere a round's CPU goes (all rank processes and the server), us")
+            parts.append(
+                "\nWhere a round's CPU goes (all rank processes and the server), us per round"
+            )
             parts.append(
                 table(
                     ["dp", "method", *kinds, "total"],
@@ -192,17 +372,7 @@ def render(results: dict[str, Any]) -> str:
         )
         parts.append(
             table(
-                [
-                    "dp",
-                    "method",
-                    "work",
-                    "W",
-                    "W us",
-                    "exposed p50",
-                    "p99",
-                    "sync p50",
-                    "exp/sync %",
-                ],
+                ["dp", "method", "work", "W", "W us", "exposed p50", "p99", "sync p50", "exp %"],
                 [
                     [
                         r["dp"],
@@ -267,26 +437,28 @@ def render(results: dict[str, Any]) -> str:
                 ],
             )
         )
-    checks = [r for r in [*latency, *overlap, *scale] if r.get("mismatches")]
+    if cross:
+        parts.append("\nAcross namespaces, every figure (us)")
+        parts.append(
+            table(
+                ["dp", "method", "p50", "p90", "p99", "CPU/round", "done"],
+                [
+                    [
+                        r["dp"],
+                        r["method"],
+                        r["p50_us"],
+                        r["p90_us"],
+                        r["p99_us"],
+                        r["cpu_us_per_round"],
+                        f"{r['completed']}/{r['rounds']}",
+                    ]
+                    for r in cross
+                ],
+            )
+        )
+    checks = [r for r in [*latency, *overlap, *cross, *scale] if r.get("mismatches")]
     for r in checks:
         parts.append(f"\nWRONG DECISIONS: {r['mismatches']} in {r}")
-    tgts = results.get("targets") or targets(results)
-    parts.append("\nTargets")
-    parts.append(
-        table(
-            ["target", "where", "measured", "limit", "met"],
-            [
-                [
-                    t["target"],
-                    t["where"],
-                    "-" if t["value"] is None else f"{t['value']:.2f} {t['unit']}",
-                    f"<= {t['limit']:g} {t['unit']}",
-                    {True: "yes", False: "NO", None: "not run"}[t["met"]],
-                ]
-                for t in tgts
-            ],
-        )
-    )
     if results.get("skipped"):
         parts.append("\nSkipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped"].items()))
     return "\n".join(parts)

@@ -1,9 +1,11 @@
-"""Latency and overlap: every method among the same `dp` rank processes, in one run.
+"""Latency, overlap and the engine loop: every method among the same `dp` rank processes.
 
-For each dp, the runner starts coordd twice (ipc and tcp), the floor hub and a file store for
-gloo, spawns dp rank processes that connect to all of them, and has them run the latency phase
-(synchronous rounds) and then the overlap phase (start, work W, wait) with W set from this
-run's coordd-ipc round latency, so every ratio compares figures taken minutes apart at most.
+For each dp, the runner starts coordd twice (ipc and tcp), the pyzmq hub, the floor hub and a
+file store for gloo, spawns dp rank processes that connect to all of them, and has them run the
+latency phase (synchronous rounds), the overlap phase (start, work W, wait) with W set from
+this run's coordd-ipc round latency, and the engine-level step loop, so every ratio compares
+figures taken minutes apart at most. `run_crosshost` runs the latency phase again over tcp with
+half the ranks in another network namespace, joined by a veth pair.
 """
 
 from __future__ import annotations
@@ -21,16 +23,21 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from coordd.testing.process import CoorddProcess
-from coordd.tools.bench import stats
+from coordd.tools.bench import engine, stats
 from coordd.tools.bench.floor import FloorProcess
+from coordd.tools.bench.hub import HubProcess
 from coordd.tools.bench.methods import (
     ALL_METHODS,
+    BLOCKING_METHODS,
     COORDD_IPC,
     COORDD_TCP,
     DEVICE,
     FLOOR,
     GLOO,
+    HUB,
+    VLLM,
     device_client_class,
+    vllm_unavailable,
 )
 from coordd.tools.bench.rank import (
     SETTLE_ROUNDS,
@@ -66,6 +73,10 @@ class LatencyOptions:
     work_multiples: list[float] = field(default_factory=lambda: [1.0, 2.0, 5.0])
     variants: list[str] = field(default_factory=lambda: ["sleep", "spin"])
     seed: int = 0
+    #: Run the latency phase (off: only the engine loop, `coordd bench --engine`).
+    latency: bool = True
+    engine_steps: int = 0
+    engine_step_ms: float = 8.0
 
 
 def available_methods(requested: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -78,6 +89,8 @@ def available_methods(requested: Sequence[str]) -> tuple[list[str], dict[str, st
             raise ValueError(f"unknown method {name!r}: choose from {', '.join(ALL_METHODS)}")
         if name in (GLOO, DEVICE) and not has_torch:
             skipped[name] = "torch is not installed (pip install 'coordd[device]')"
+        elif name == VLLM and vllm_unavailable():
+            skipped[name] = str(vllm_unavailable())
         elif name == DEVICE and device_client_class() is None:
             skipped[name] = "client/device.py (DeviceCoordClient) is not in this tree yet"
         else:
@@ -156,8 +169,13 @@ class RankGroup:
 
 
 @contextlib.contextmanager
-def _servers(dp: int, methods: Sequence[str], tmp: str) -> Iterator[tuple[RankSetup, list[Any]]]:
-    """Start what the methods need; yield the setup template (rank 0) and the processes."""
+def _servers(
+    dp: int, methods: Sequence[str], tmp: str, tcp_host: str = ""
+) -> Iterator[tuple[RankSetup, list[Any]]]:
+    """Start what the methods need; yield the setup template (rank 0) and the processes.
+
+    With `tcp_host`, every server listens on tcp at that address (the hub and the floor too).
+    """
     procs: list[Any] = []
     fields: dict[str, Any] = {"rank": 0, "dp": dp, "methods": list(methods), "servers": {}}
     try:
@@ -168,12 +186,20 @@ def _servers(dp: int, methods: Sequence[str], tmp: str) -> Iterator[tuple[RankSe
             fields["coordd_ipc"] = proc.address
             fields["servers"][COORDD_IPC] = proc.pid
         if COORDD_TCP in methods:
-            proc = CoorddProcess(dp, "tcp://127.0.0.1:0", quiet + coordd_tcp_args()).start()
+            bind = f"tcp://{tcp_host or '127.0.0.1'}:0"
+            proc = CoorddProcess(dp, bind, quiet + coordd_tcp_args()).start()
             procs.append(proc)
             fields["coordd_tcp"] = proc.address
             fields["servers"][COORDD_TCP] = proc.pid
+        if HUB in methods:
+            bind = f"tcp://{tcp_host}:0" if tcp_host else f"ipc://{tmp}/hub.sock"
+            zhub = HubProcess(dp, bind, timeout=900).start()
+            procs.append(zhub)
+            fields["hub_address"] = zhub.address
+            fields["servers"][HUB] = zhub.pid
         if FLOOR in methods:
-            hub = FloorProcess(dp, f"{tmp}/floor.sock", timeout=900).start()
+            path = f"tcp://{tcp_host}:0" if tcp_host else f"{tmp}/floor.sock"
+            hub = FloorProcess(dp, path, timeout=900).start()
             procs.append(hub)
             fields["floor_path"] = hub.path
             fields["servers"][FLOOR] = hub.pid
@@ -225,8 +251,46 @@ def _merge(results: Sequence[PhaseResult], index: int) -> dict[str, Any]:
     return out
 
 
+def _latency_phase(
+    dp: int, opts: LatencyOptions, group: RankGroup, methods: Sequence[str], log: Any, what: str
+) -> list[dict[str, Any]]:
+    sync = Phase(
+        configs=[Config(m) for m in methods],
+        rounds=opts.rounds,
+        blocks=opts.blocks,
+        warmup=opts.warmup,
+    )
+    log(f"dp={dp}: {what}, {opts.rounds} rounds x {len(methods)} methods")
+    group.send(sync)
+    results = group.collect(_phase_timeout(sync), f"dp={dp}: {what}")
+    return [
+        {"dp": dp, "method": config.method, "rounds": opts.rounds, **_merge(results, i)}
+        for i, config in enumerate(sync.configs)
+    ]
+
+
+def engine_modes(methods: Sequence[str]) -> list[str]:
+    """The engine-loop modes whose connection is among `methods`."""
+    return [mode for mode, method in engine.MODES.items() if method in methods]
+
+
+def _engine(dp: int, opts: LatencyOptions, group: RankGroup, log: Any) -> list[dict[str, Any]]:
+    modes = engine_modes(opts.methods)
+    phase = engine.EnginePhase(
+        modes=modes, steps=opts.engine_steps, step_ms=opts.engine_step_ms, seed=opts.seed
+    )
+    log(f"dp={dp}: engine loop, {opts.engine_steps} steps x {len(modes)} ways to sync")
+    group.send(phase)
+    # a step is at most ~3x step_ms of GPU time plus three rounds
+    budget = 120.0 + len(modes) * (opts.engine_steps + engine.WARMUP_STEPS) * (
+        3.5 * opts.engine_step_ms / 1000 + 3 * _SLOW_ROUND_S
+    )
+    results = group.collect(budget, f"dp={dp}: engine loop")
+    return engine.merge(dp, results, opts.engine_step_ms)
+
+
 def run_dp(dp: int, opts: LatencyOptions, log: Any = print) -> dict[str, Any]:
-    """Latency, then overlap, for every method among the same dp rank processes."""
+    """Latency, overlap, then the engine loop, for every method among the same dp ranks."""
     with (
         tempfile.TemporaryDirectory(prefix="coordd-bench-") as tmp,
         _servers(dp, opts.methods, tmp) as (template, _),
@@ -239,26 +303,62 @@ def run_dp(dp: int, opts: LatencyOptions, log: Any = print) -> dict[str, Any]:
         )
         try:
             group.collect(180.0, f"dp={dp}: connecting")
-            sync = Phase(
-                configs=[Config(m) for m in opts.methods],
-                rounds=opts.rounds,
-                blocks=opts.blocks,
-                warmup=opts.warmup,
-            )
-            log(f"dp={dp}: latency, {opts.rounds} rounds x {len(opts.methods)} methods")
-            group.send(sync)
-            results = group.collect(_phase_timeout(sync), f"dp={dp}: latency")
-            latency = []
-            for i, config in enumerate(sync.configs):
-                latency.append(
-                    {"dp": dp, "method": config.method, "rounds": opts.rounds, **_merge(results, i)}
-                )
+            latency: list[dict[str, Any]] = []
             overlap: list[dict[str, Any]] = []
-            if opts.overlap and opts.overlap_rounds > 0:
-                overlap = _overlap(dp, opts, group, latency, log)
-            return {"latency": latency, "overlap": overlap}
+            if opts.latency:
+                latency = _latency_phase(dp, opts, group, opts.methods, log, "latency")
+                if opts.overlap and opts.overlap_rounds > 0:
+                    overlap = _overlap(dp, opts, group, latency, log)
+            rows: list[dict[str, Any]] = []
+            if opts.engine_steps > 0 and engine_modes(opts.methods):
+                rows = _engine(dp, opts, group, log)
+            return {"latency": latency, "overlap": overlap, "engine": rows}
         finally:
             group.close()
+
+
+#: The methods measured across namespaces: each over tcp.
+CROSSHOST_METHODS = (COORDD_TCP, HUB, FLOOR, GLOO, VLLM)
+
+
+def run_crosshost(dp: int, opts: LatencyOptions, log: Any = print) -> list[dict[str, Any]]:
+    """The latency phase over tcp, ranks 0..dp/2-1 (and every server) in this network namespace,
+    the others in a second one joined to it by a veth pair (no added delay)."""
+    from coordd.tools.chaos.netns import CutNamespace
+
+    methods = [m for m in CROSSHOST_METHODS if m in opts.methods]
+    ns = CutNamespace()
+    try:
+        ns.create()
+        with (
+            tempfile.TemporaryDirectory(prefix="coordd-bench-") as tmp,
+            _servers(dp, methods, tmp, tcp_host=ns.host_ip) as (template, _),
+        ):
+            setups = []
+            for r in range(dp):
+                far = r >= (dp + 1) // 2
+                setups.append(
+                    RankSetup(
+                        **{
+                            **msgspec_fields(template),
+                            "rank": r,
+                            "seed": opts.seed,
+                            "netns": ns.name if far else "",
+                            "gloo_ifname": ns.ns_if if far else ns.host_if,
+                        }
+                    )
+                )
+            group = RankGroup(setups)
+            try:
+                group.collect(180.0, f"dp={dp}: connecting across namespaces")
+                rows = _latency_phase(dp, opts, group, methods, log, "latency across namespaces")
+            finally:
+                group.close()
+    finally:
+        ns.remove()
+    for row in rows:
+        row["where"] = "2 netns, veth, tcp"
+    return rows
 
 
 def msgspec_fields(struct: Any) -> dict[str, Any]:
@@ -273,17 +373,18 @@ def _overlap(
     log: Any,
 ) -> list[dict[str, Any]]:
     sync_p50 = {row["method"]: row["p50_us"] for row in latency}
-    base_method = COORDD_IPC if COORDD_IPC in sync_p50 else opts.methods[0]
+    methods = [m for m in opts.methods if m not in BLOCKING_METHODS]
+    if not methods:
+        return []
+    base_method = COORDD_IPC if COORDD_IPC in sync_p50 else methods[0]
     base_us = sync_p50[base_method]
     configs = [
         Config(m, variant, round(base_us * k, 1))
         for variant in opts.variants
         for k in opts.work_multiples
-        for m in opts.methods
+        for m in methods
     ]
-    multiples = [
-        k for _variant in opts.variants for k in opts.work_multiples for _m in opts.methods
-    ]
+    multiples = [k for _variant in opts.variants for k in opts.work_multiples for _m in methods]
     phase = Phase(
         configs=configs,
         rounds=opts.overlap_rounds,
@@ -317,9 +418,9 @@ def _overlap(
 
 
 def run_latency(opts: LatencyOptions, log: Any = print) -> dict[str, Any]:
-    out: dict[str, Any] = {"latency": [], "overlap": []}
+    out: dict[str, Any] = {"latency": [], "overlap": [], "engine": []}
     for dp in opts.dps:
         part = run_dp(dp, opts, log)
-        out["latency"].extend(part["latency"])
-        out["overlap"].extend(part["overlap"])
+        for key in out:
+            out[key].extend(part[key])
     return out
