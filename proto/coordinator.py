@@ -273,9 +273,7 @@ class Coordinator:
                 StepMismatch(rank, self._seq, expected, report.seq, report.label), now, report
             )
         if rnd is not None:
-            if report.kind is not rnd.kind or (
-                rnd.kind is _GATHER and report.label != rnd.label
-            ):
+            if report.kind is not rnd.kind or (rnd.kind is _GATHER and report.label != rnd.label):
                 return self._fail(
                     StepMismatch(rank, self._seq, rnd.label, report.seq, report.label),
                     now,
