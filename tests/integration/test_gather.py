@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import random
+import socket
 import time
 from typing import Any
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordd.client import AsyncCoordClient, CoordClient
 from coordd.proto.errors import CoordError, StepMismatch
@@ -29,6 +31,7 @@ from coordd.proto.messages import (
     error_from_failure,
     failure_message,
 )
+from coordd.status import fetch
 from tests.integration.clients import CLIENT_KINDS
 
 SITES = ("vllm.gpu.dp_utils", "vllm.v1.dp_utils", "vllm.parallel.sync_dp_state")
@@ -257,3 +260,32 @@ def test_a_rank_that_skips_a_gather_is_named_to_every_rank(start_coordd, dp: int
         assert sync.failure is not None, f"rank {run.rank} got {sync}"
         assert error_from_failure(sync.failure) == expected, f"rank {run.rank}"
     assert elapsed < 45, f"the mismatch took {elapsed:.1f}s to reach every rank"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rounds_counted(url: str, kind: str, outcome: str) -> float:
+    """coordd_rounds_total for `kind` and `outcome`, over every group."""
+    code, body = fetch(url + "/metrics", 5)
+    assert code == 200
+    return sum(sample.value
+               for family in text_string_to_metric_families(body.decode())
+               for sample in family.samples
+               if sample.name == "coordd_rounds_total" and sample.labels.get("kind") == kind
+               and sample.labels.get("outcome") == outcome)
+
+
+@pytest.mark.timeout(120)
+def test_metrics_count_gather_rounds(start_coordd) -> None:
+    port = _free_port()
+    coordd = start_coordd(2, "ipc", "--metrics-port", str(port))
+    runs = run_ranks(coordd.address, 2, "sync", "script", seed=2)
+    assert all(run.error is None and len(run.syncs) == ROUNDS for run in runs)
+    gathers = sum(is_gather(2, i) for i in range(ROUNDS))
+    url = f"http://127.0.0.1:{port}"
+    assert rounds_counted(url, "gather", "decided") == gathers
+    assert rounds_counted(url, "forward", "decided") == ROUNDS - gathers
