@@ -8,9 +8,20 @@ judges what coordd makes of it exactly as a real rank does.
 
 from __future__ import annotations
 
+from typing import overload
+
 from coordd.client.sync import CoordClient
-from coordd.proto.errors import CoordinatorUnavailable
-from coordd.proto.messages import Hello, StepDecision, StepKind, StepReport, Welcome, encode
+from coordd.proto.errors import CoordinatorUnavailable, ProtocolError
+from coordd.proto.messages import (
+    GatherReport,
+    GatherResult,
+    Hello,
+    StepDecision,
+    StepKind,
+    StepReport,
+    Welcome,
+    encode,
+)
 
 
 class RawRank(CoordClient):
@@ -26,13 +37,32 @@ class RawRank(CoordClient):
         """Send `hello` (default: this rank's proper one); raises `Rejected` or unavailable."""
         return self._register(timeout, hello)
 
+    @overload
     def stamp(
         self, report: StepReport, kind: StepKind, *, seq: int | None = None, dp_rank: int = -1
-    ) -> StepReport:
-        """`report` in this rank's envelope; `seq`/`dp_rank` override what a real rank would put."""
-        return self.session.stamp(report, kind, seq=seq, dp_rank=None if dp_rank < 0 else dp_rank)
+    ) -> StepReport: ...
 
-    def send(self, message: StepReport) -> None:
+    @overload
+    def stamp(
+        self, report: GatherReport, kind: StepKind, *, seq: int | None = None, dp_rank: int = -1
+    ) -> GatherReport: ...
+
+    def stamp(
+        self,
+        report: StepReport | GatherReport,
+        kind: StepKind,
+        *,
+        seq: int | None = None,
+        dp_rank: int = -1,
+    ) -> StepReport | GatherReport:
+        """`report` in this rank's envelope; `seq`/`dp_rank` override what a real rank would put
+        (a `GatherReport` is a gather round's, whatever `kind` says)."""
+        rank = None if dp_rank < 0 else dp_rank
+        if type(report) is GatherReport:
+            return self.session.stamp(report, kind, seq=seq, dp_rank=rank)
+        return self.session.stamp(report, kind, seq=seq, dp_rank=rank)
+
+    def send(self, message: StepReport | GatherReport) -> None:
         if not self.connection.send(encode(message)):
             raise self.session.fail(
                 CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
@@ -45,3 +75,11 @@ class RawRank(CoordClient):
     def wait(self, seq: int, timeout: float) -> StepDecision:
         """The next outcome for `seq`: its decision, or the error it (or the group) ended with."""
         return self._wait(seq, self.session.registration, timeout)
+
+    def wait_gather(self, seq: int, timeout: float) -> GatherResult:
+        """As `wait`, for a gather round: its rows, or the error it (or the group) ended with.
+        Send a gather round's report with `send(stamp(GatherReport(...), StepKind.GATHER))`."""
+        outcome = self._wait_outcome(seq, self.session.registration, timeout)
+        if type(outcome) is not GatherResult:
+            raise ProtocolError(f"coordd answered the gather round seq={seq} with a {outcome!r}")
+        return outcome

@@ -24,6 +24,7 @@ from coordd.proto.errors import CoordError, StepMismatch
 from coordd.proto.messages import (
     INT64_MAX,
     INT64_MIN,
+    GatherReport,
     StepDecision,
     StepFailed,
     StepKind,
@@ -32,6 +33,7 @@ from coordd.proto.messages import (
     failure_message,
 )
 from coordd.status import fetch
+from coordd.testing import RawRank
 from tests.integration.clients import CLIENT_KINDS
 
 SITES = ("vllm.gpu.dp_utils", "vllm.v1.dp_utils", "vllm.parallel.sync_dp_state")
@@ -289,3 +291,29 @@ def test_metrics_count_gather_rounds(start_coordd) -> None:
     url = f"http://127.0.0.1:{port}"
     assert rounds_counted(url, "gather", "decided") == gathers
     assert rounds_counted(url, "forward", "decided") == ROUNDS - gathers
+
+
+@pytest.mark.timeout(60)
+def test_a_raw_rank_gathers_and_skips_as_the_kit_lets_it(start_coordd) -> None:
+    """coordd.testing's RawRank sends gather reports by hand: a round, then a skipped seq."""
+    coordd = start_coordd(2, "ipc")
+    ranks = [RawRank(coordd.address, dp_rank=r, dp_size=2) for r in range(2)]
+    try:
+        for rank in ranks:
+            rank.register(timeout=10)
+        for rank in ranks:
+            rank.send(rank.stamp(GatherReport(site=SITES[0], values=[rank.dp_rank]),
+                                 StepKind.GATHER))
+            rank.advance()
+        assert [rank.wait_gather(0, timeout=10).rows for rank in ranks] == [[[0], [1]]] * 2
+        ranks[0].send(ranks[0].stamp(GatherReport(site=SITES[0], values=[5]), StepKind.GATHER))
+        ranks[1].send(ranks[1].stamp(GatherReport(site=SITES[0], values=[5]), StepKind.GATHER,
+                                     seq=2))
+        expected = StepMismatch(1, 1, f"gather:{SITES[0]}", 2, f"gather:{SITES[0]}")
+        for rank in ranks:
+            with pytest.raises(StepMismatch) as info:
+                rank.wait_gather(1, timeout=10)
+            assert info.value == expected
+    finally:
+        for rank in ranks:
+            rank.close()
