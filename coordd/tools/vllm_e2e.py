@@ -1,0 +1,669 @@
+"""End-to-end check on a GPU machine: stock vLLM 0.33 with DP=2, with and without coordd.
+
+    python -m coordd.tools.vllm_e2e            # in a venv with vllm==0.33.* and coordd[vllm]
+
+It builds a tiny model in a temporary directory (config + tokenizer files, no download; vLLM
+fills the weights with `load_format="dummy"`, seeded, so both runs get the same weights), then
+runs vLLM's offline data-parallel mode (one process per DP rank, `VLLM_DP_*` in the environment,
+as vLLM's data_parallel_offline example does) twice with greedy decoding of fixed prompts:
+
+1. plain vLLM (the coordd plugin off: COORDD_VLLM=0), its DP syncs on gloo;
+2. the plugin on (COORDD_VLLM=1, COORDD_ADDRESS set), with a coordd sidecar
+   (`coordd serve --dp 2 --metrics-port P`, started with `coordd.testing.CoorddProcess`).
+
+It checks that every rank generated the same tokens in both runs, that coordd served the
+syncs (its /metrics count gather rounds > 0 for the worker group `dp-tp0-pp0` and the engine
+group `enginecore`, and no failed round), prints the per-step times of both runs side by side,
+and exits 1 on any mismatch (2 when it cannot run here: no vLLM, no plugin, no GPU).
+
+Why this model: vLLM only synchronises DP ranks for MoE models (dense DP ranks run as
+independent engines, `ModelConfig.is_moe`), and a real MoE layer exchanges activations between
+DP ranks over NCCL, which refuses two ranks on one GPU ("Duplicate GPU detected"). So on one GPU
+the model is a tiny Llama whose config also declares `num_local_experts` (what vLLM reads to
+call a model MoE): vLLM then runs the DP engine loop and every per-step sync, while the layers
+need no cross-rank collective. For the same reason the tool sets VLLM_DISABLE_PYNCCL=1,
+`disable_custom_all_reduce` and `disable_nccl_for_dp_synchronization` (the V1 runner's sync on
+gloo). With two or more GPUs, `--gpus 2` puts rank r on GPU r and `--moe` uses a tiny real
+Mixtral instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Exit codes: 0 all equal, 1 a mismatch (or a run failed), 2 cannot run on this machine.
+OK, MISMATCH, UNAVAILABLE = 0, 1, 2
+
+#: The coordd groups one vLLM deployment with TP=PP=1 forms (coordd.vllm's names).
+WORKER_GROUP = "dp-tp0-pp0"
+ENGINE_GROUP = "enginecore"
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+_WORDS_TEXT = (
+    "the a an of to in on at for with from by and or but not is are was were be been this that "
+    "these those it its they them we you he she one two three four five six seven eight nine ten "
+    "red green blue black white small large fast slow old new good bad first last next other "
+    "cat dog bird fish tree river stone cloud rain sun moon star city road house door window "
+    "table chair book page word line number letter model token batch rank step graph padding "
+    "engine server client round group value result error time day night year world water fire"
+)
+WORDS = _WORDS_TEXT.split()
+#: Fixed prompts (greedy decoding, so the tokens are deterministic); ranks take turns.
+PROMPTS = [
+    "the cat sat on the old stone by the river",
+    "one two three four five",
+    "a small red bird and a large blue fish",
+    "the engine runs a batch of tokens in one step",
+    "every rank of the group reads the same value",
+    "rain and sun over the city at night",
+    "the first page of the book has one word",
+    "a fast dog and a slow cat",
+]
+
+
+def vocabulary(size: int = 512) -> list[str]:
+    """The tiny tokenizer's tokens: specials, the prompt words, then fillers up to `size`."""
+    prompt_words = [w for p in PROMPTS for w in p.split()]
+    tokens = [*SPECIALS, *dict.fromkeys([*WORDS, *prompt_words])]
+    tokens += [f"w{i:03d}" for i in range(size - len(tokens))]
+    assert len(tokens) == size and len(set(tokens)) == size
+    return tokens
+
+
+def tokenizer_json(vocab: Sequence[str]) -> dict[str, Any]:
+    """A `tokenizers` file (tokenizer.json): word level, split on whitespace, words joined by
+    spaces on decode. Written as data, so building it needs no package; vLLM loads it through
+    transformers' PreTrainedTokenizerFast."""
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": t,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for i, t in enumerate(SPECIALS)
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},
+        "model": {
+            "type": "WordLevel",
+            "vocab": {t: i for i, t in enumerate(vocab)},
+            "unk_token": "<unk>",
+        },
+    }
+
+
+def model_config(vocab_size: int, moe: bool = False) -> dict[str, Any]:
+    """A tiny Llama declared MoE (see the module docstring), or with `moe` a tiny Mixtral."""
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 3,
+        "torch_dtype": "bfloat16",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    if moe:
+        return {
+            **common,
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "sliding_window": None,
+            "router_aux_loss_coef": 0.0,
+        }
+    return {
+        **common,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def write_tiny_model(directory: Path, moe: bool = False) -> Path:
+    """Write the model directory vLLM loads with `load_format="dummy"`: config.json,
+    generation_config.json and the tokenizer files. Returns `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = vocabulary()
+    files: dict[str, Any] = {
+        "config.json": model_config(len(vocab), moe),
+        "generation_config.json": {
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 3,
+            "do_sample": False,
+        },
+        "tokenizer.json": tokenizer_json(vocab),
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": 512,
+            "unk_token": "<unk>",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "pad_token": "<pad>",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+        },
+        "special_tokens_map.json": {
+            "unk_token": "<unk>",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "pad_token": "<pad>",
+        },
+    }
+    for name, content in files.items():
+        (directory / name).write_text(json.dumps(content, indent=1) + "\n")
+    return directory
+
+
+def prompts_for(rank: int, dp: int, prompts: Sequence[str] = PROMPTS) -> list[str]:
+    """Rank r takes prompts r, r+dp, ...: uneven lengths per rank, so DP padding matters."""
+    return list(prompts[rank::dp])
+
+
+# -- coordd's /metrics --------------------------------------------------------------------------
+
+
+def parse_rounds(text: str) -> dict[str, dict[str, int]]:
+    """`coordd_rounds_total` from a /metrics page: {group: {"<kind>:<outcome>": count}}. A
+    coordd without a group label counts as one group named ""."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, int]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "coordd_rounds":
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            labels = sample.labels
+            key = f"{labels.get('kind', '')}:{labels.get('outcome', '')}"
+            group = out.setdefault(labels.get("group", ""), {})
+            group[key] = group.get(key, 0) + int(sample.value)
+    return out
+
+
+def scrape(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return str(response.read().decode())
+
+
+def check_metrics(
+    rounds: Mapping[str, Mapping[str, int]], groups: Sequence[str] = (WORKER_GROUP, ENGINE_GROUP)
+) -> list[str]:
+    """What is wrong with coordd's counts after a plugin run (empty: every sync went through
+    coordd): each group has completed rounds, and no round failed."""
+    problems = []
+    for group in groups:
+        counts = rounds.get(group, {})
+        done = sum(n for key, n in counts.items() if not key.endswith(":failed"))
+        if done <= 0:
+            problems.append(f"coordd counted no round for group {group!r} (saw {dict(rounds)})")
+    for group, counts in rounds.items():
+        failed = {k: n for k, n in counts.items() if k.endswith(":failed") and n}
+        if failed:
+            problems.append(f"group {group!r} has failed rounds: {failed}")
+    return problems
+
+
+# -- the comparison -----------------------------------------------------------------------------
+
+
+@dataclass
+class RankResult:
+    """What one rank process reports (one JSON file per rank and run)."""
+
+    rank: int
+    tokens: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str = ""
+
+    @classmethod
+    def load(cls, path: Path) -> RankResult:
+        return cls(**json.loads(path.read_text()))
+
+
+def compare(plain: Sequence[RankResult], plugin: Sequence[RankResult]) -> list[str]:
+    """Every difference between the two runs' generated tokens (empty: identical)."""
+    problems = []
+    for results, name in ((plain, "without coordd"), (plugin, "with coordd")):
+        for r in results:
+            if r.error:
+                problems.append(f"rank {r.rank} {name} failed: {r.error}")
+    if problems:
+        return problems
+    by_rank = {r.rank: r for r in plugin}
+    for base in plain:
+        other = by_rank.get(base.rank)
+        if other is None:
+            problems.append(f"rank {base.rank}: no result with coordd")
+            continue
+        if len(base.tokens) != len(other.tokens):
+            problems.append(
+                f"rank {base.rank}: {len(base.tokens)} outputs without coordd, "
+                f"{len(other.tokens)} with"
+            )
+        for i, (a, b) in enumerate(zip(base.tokens, other.tokens, strict=False)):
+            if a != b:
+                at = next(
+                    (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                    min(len(a), len(b)),
+                )
+                problems.append(
+                    f"rank {base.rank} prompt {i}: tokens differ from position {at} "
+                    f"({a[at : at + 4]} without coordd, {b[at : at + 4]} with)"
+                )
+    return problems
+
+
+def step_summary(results: Sequence[RankResult]) -> dict[str, float]:
+    steps = sorted(s for r in results for s in r.step_seconds)
+    if not steps:
+        return {"steps": 0}
+
+    def pct(q: float) -> float:
+        return steps[min(len(steps) - 1, int(q * len(steps)))] * 1e3
+
+    return {
+        "steps": len(steps),
+        "mean_ms": statistics.fmean(steps) * 1e3,
+        "p50_ms": pct(0.5),
+        "p90_ms": pct(0.9),
+        "p99_ms": pct(0.99),
+        "run_s": max((r.seconds for r in results), default=0.0),
+    }
+
+
+def side_by_side(plain: Sequence[RankResult], plugin: Sequence[RankResult]) -> str:
+    a, b = step_summary(plain), step_summary(plugin)
+    rows = [
+        ("engine steps", "steps", "{:.0f}"),
+        ("step mean (ms)", "mean_ms", "{:.2f}"),
+        ("step p50 (ms)", "p50_ms", "{:.2f}"),
+        ("step p90 (ms)", "p90_ms", "{:.2f}"),
+        ("step p99 (ms)", "p99_ms", "{:.2f}"),
+        ("generate wall (s)", "run_s", "{:.2f}"),
+    ]
+    lines = [f"{'':20} {'vLLM (gloo)':>14} {'vLLM + coordd':>14}"]
+    for label, key, fmt in rows:
+        left = fmt.format(a[key]) if key in a else "-"
+        right = fmt.format(b[key]) if key in b else "-"
+        lines.append(f"{label:20} {left:>14} {right:>14}")
+    return "\n".join(lines)
+
+
+# -- running vLLM -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    dp: int = 2
+    gpus: int = 1
+    moe: bool = False
+    max_tokens: int = 24
+    eager: bool = False
+    runner: str = "default"
+    gpu_memory_utilization: float = 0.2
+    kv_cache_bytes: int = 512 << 20
+    timeout: float = 600.0
+    keep: str | None = None
+    json_path: str | None = None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Options:
+    p = argparse.ArgumentParser(
+        prog="python -m coordd.tools.vllm_e2e",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dp", type=int, default=2, help="DP ranks (default 2)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="GPUs to spread the ranks over: 1 puts every rank on GPU 0 (default)",
+    )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="a tiny real Mixtral (needs --gpus = --dp: NCCL between the ranks)",
+    )
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens generated per prompt")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
+    p.add_argument(
+        "--runner",
+        choices=["default", "v1", "v2"],
+        default="default",
+        help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); default: vLLM's choice",
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=512 << 20,
+        help="KV cache per rank (vLLM's kv_cache_memory_bytes; skips profiling, "
+        "which two processes on one GPU would disturb)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument("--keep", metavar="DIR", help="keep the model, logs and results here")
+    p.add_argument("--json", dest="json_path", metavar="FILE", help="write the results here")
+    a = p.parse_args(argv)
+    if a.dp < 2:
+        p.error("--dp must be at least 2 (DP syncs need two ranks)")
+    if a.gpus < 1 or a.dp % a.gpus:
+        p.error(f"--gpus must divide --dp ({a.dp}); got {a.gpus}")
+    if a.moe and a.gpus != a.dp:
+        p.error(
+            "--moe needs one GPU per rank (--gpus equal to --dp): NCCL refuses two ranks on one GPU"
+        )
+    if not 0 < a.gpu_memory_utilization * (a.dp // a.gpus) < 0.95:
+        p.error("--gpu-memory-utilization times the ranks per GPU must stay below 0.95")
+    return Options(
+        a.dp,
+        a.gpus,
+        a.moe,
+        a.max_tokens,
+        a.eager,
+        a.runner,
+        a.gpu_memory_utilization,
+        a.kv_cache_bytes,
+        a.timeout,
+        a.keep,
+        a.json_path,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(
+    options: Options,
+    rank: int,
+    master_port: int,
+    *,
+    address: str | None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of one rank process: vLLM's offline DP variables, the GPU it runs on,
+    and the coordd plugin switched on (with `address`) or off."""
+    env = dict(os.environ if base is None else base)
+    per_gpu = options.dp // options.gpus
+    env.update(
+        {
+            "VLLM_DP_RANK": str(rank),
+            # vLLM picks GPU (local DP rank x world size): 0 for every rank that shares GPU 0
+            "VLLM_DP_RANK_LOCAL": str(rank // per_gpu if options.gpus > 1 else 0),
+            "VLLM_DP_SIZE": str(options.dp),
+            "VLLM_DP_MASTER_IP": "127.0.0.1",
+            "VLLM_DP_MASTER_PORT": str(master_port),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if options.gpus == 1:
+        env["VLLM_DISABLE_PYNCCL"] = "1"
+    if options.runner != "default":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if options.runner == "v2" else "0"
+    for key in ("COORDD_ADDRESS", "COORDD_VLLM"):
+        env.pop(key, None)
+    if address is None:
+        env["COORDD_VLLM"] = "0"
+    else:
+        env["COORDD_VLLM"] = "1"
+        env["COORDD_ADDRESS"] = address
+    return env
+
+
+def engine_kwargs(options: Options, model: Path) -> dict[str, Any]:
+    """The `vllm.LLM(...)` arguments (every one is an EngineArgs field of vLLM 0.33)."""
+    kw: dict[str, Any] = {
+        "model": str(model),
+        "load_format": "dummy",
+        "dtype": "bfloat16",
+        "seed": 0,
+        "max_model_len": 256,
+        "max_num_seqs": 8,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "kv_cache_memory_bytes": options.kv_cache_bytes,
+        "enforce_eager": options.eager,
+        "disable_custom_all_reduce": True,
+        "disable_nccl_for_dp_synchronization": True,
+        "enable_prefix_caching": False,
+    }
+    if not options.eager:
+        kw["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
+    return kw
+
+
+def run_rank(rank: int, options: Options, model: Path, out: Path, barrier: Path) -> int:
+    """One DP rank (its own process): generate, time each engine step, write `out`, then wait
+    for every rank before exiting (a rank that leaves early strands the others' syncs)."""
+    result = RankResult(rank)
+    code = OK
+    try:
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(**engine_kwargs(options, model))
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0.0, max_tokens=options.max_tokens, ignore_eos=True)
+        prompts = prompts_for(rank, options.dp)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        done: dict[int, Any] = {}
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            outputs = engine.step()
+            result.step_seconds.append(time.perf_counter() - t)
+            for output in outputs:
+                if getattr(output, "finished", False):
+                    done[int(output.request_id)] = output
+        result.seconds = time.perf_counter() - start
+        for i in range(len(prompts)):
+            completion = done[i].outputs[0]
+            result.tokens.append(list(completion.token_ids))
+            result.texts.append(completion.text)
+    except BaseException as exc:  # reported, and this rank still joins the barrier
+        result.error = f"{type(exc).__name__}: {exc}"
+        code = MISMATCH
+    out.write_text(json.dumps(asdict(result)))
+    (barrier / f"rank{rank}").touch()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(barrier.iterdir())) < options.dp:
+        time.sleep(0.2)
+    time.sleep(2.0)  # vLLM's example: give the engines time to pause their loops
+    return code
+
+
+def run_once(
+    options: Options, model: Path, work: Path, name: str, address: str | None
+) -> list[RankResult]:
+    """One run of all ranks (plugin on when `address` is given); their results, in rank order."""
+    run_dir = work / name
+    barrier = run_dir / "barrier"
+    barrier.mkdir(parents=True)
+    port = free_port()
+    procs = []
+    for rank in range(options.dp):
+        argv = [
+            sys.executable,
+            "-m",
+            "coordd.tools.vllm_e2e",
+            "--_rank",
+            str(rank),
+            "--_model",
+            str(model),
+            "--_out",
+            str(run_dir / f"rank{rank}.json"),
+            "--_barrier",
+            str(barrier),
+            "--_options",
+            json.dumps(asdict(options)),
+        ]
+        log = (run_dir / f"rank{rank}.log").open("wb")
+        procs.append(
+            (
+                subprocess.Popen(
+                    argv,
+                    env=rank_env(options, rank, port, address=address),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                ),
+                log,
+            )
+        )
+    deadline = time.monotonic() + options.timeout
+    results = []
+    for rank, (proc, log) in enumerate(procs):
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        log.close()
+        path = run_dir / f"rank{rank}.json"
+        if path.exists():
+            results.append(RankResult.load(path))
+        else:
+            tail = (run_dir / f"rank{rank}.log").read_text(errors="replace")[-2000:]
+            results.append(RankResult(rank, error=f"exit {proc.returncode}; log tail:\n{tail}"))
+    return results
+
+
+def preflight() -> str | None:
+    """Why this machine cannot run the check (None: it can). Imports no vLLM here."""
+    import importlib.util
+
+    for module, hint in (
+        ("vllm", "pip install 'coordd[vllm]' (vllm==0.33.*)"),
+        ("coordd.vllm", "this coordd has no vLLM plugin"),
+        ("torch", "vLLM's torch"),
+    ):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not importable: {hint}"
+    if shutil.which("nvidia-smi") is None and not Path("/dev/nvidia0").exists():
+        return "no NVIDIA GPU here"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--_rank"]:  # a rank process started by run_once
+        hidden = argparse.ArgumentParser()
+        for name in ("--_rank", "--_model", "--_out", "--_barrier", "--_options"):
+            hidden.add_argument(name, required=True)
+        h = hidden.parse_args(argv)
+        return run_rank(
+            int(h._rank),
+            Options(**json.loads(h._options)),
+            Path(h._model),
+            Path(h._out),
+            Path(h._barrier),
+        )
+    options = parse_args(argv)
+    why = preflight()
+    if why is not None:
+        print(f"vllm_e2e: cannot run here: {why}", file=sys.stderr)
+        return UNAVAILABLE
+    from coordd.testing import CoorddProcess
+
+    work = Path(options.keep) if options.keep else Path(tempfile.mkdtemp(prefix="coordd-e2e-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = write_tiny_model(work / "model", moe=options.moe)
+    print(f"vllm_e2e: model and logs in {work}; dp={options.dp} on {options.gpus} GPU(s)")
+    t0 = time.monotonic()
+    plain = run_once(options, model, work, "plain", None)
+    print(f"vllm_e2e: run without coordd done in {time.monotonic() - t0:.0f}s")
+    metrics_port = free_port()
+    sock = work / "coordd.sock"
+    coordd = CoorddProcess(
+        options.dp, f"ipc://{sock}", ["--metrics-port", str(metrics_port), "--log-level", "warning"]
+    )
+    problems: list[str] = []
+    rounds: dict[str, dict[str, int]] = {}
+    with coordd:
+        t0 = time.monotonic()
+        plugin = run_once(options, model, work, "coordd", coordd.address)
+        print(f"vllm_e2e: run with coordd done in {time.monotonic() - t0:.0f}s")
+        try:
+            rounds = parse_rounds(scrape(f"http://127.0.0.1:{metrics_port}/metrics"))
+        except OSError as exc:
+            problems.append(f"cannot read coordd's /metrics: {exc}")
+    problems += compare(plain, plugin)
+    if rounds or not problems:
+        problems += check_metrics(rounds)
+    print(side_by_side(plain, plugin))
+    print("coordd rounds by group:", json.dumps(rounds, sort_keys=True))
+    for r in plugin:
+        if r.texts:
+            print(f"rank {r.rank} first completion: {r.texts[0][:80]!r}")
+    if options.json_path:
+        Path(options.json_path).write_text(
+            json.dumps(
+                {
+                    "options": asdict(options),
+                    "plain": [asdict(r) for r in plain],
+                    "coordd": [asdict(r) for r in plugin],
+                    "rounds": rounds,
+                    "problems": problems,
+                },
+                indent=1,
+            )
+        )
+    if not options.keep and not problems:
+        shutil.rmtree(work, ignore_errors=True)
+    if problems:
+        print("vllm_e2e: FAILED", *problems, sep="\n  ")
+        return MISMATCH
+    print(
+        f"vllm_e2e: OK: the same tokens on all {options.dp} ranks with and without coordd; "
+        "coordd served every group's syncs"
+    )
+    return OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

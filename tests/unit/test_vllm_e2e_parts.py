@@ -1,0 +1,157 @@
+"""The GPU end-to-end check's parts that need no GPU: the tiny model directory and its tokenizer,
+the arguments, each rank's environment, reading coordd's /metrics, and the comparison."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from coordd.testing import CoorddProcess
+from coordd.tools import vllm_e2e as e2e
+
+
+def test_the_tiny_model_directory_is_complete_and_consistent(tmp_path: Path) -> None:
+    model = e2e.write_tiny_model(tmp_path / "model")
+    names = {p.name for p in model.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json"} <= names
+    config = json.loads((model / "config.json").read_text())
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    assert config["vocab_size"] == len(vocab) == len(set(vocab.values()))
+    assert sorted(vocab.values()) == list(range(len(vocab)))
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["num_local_experts"] > 0, "vLLM runs DP syncs only for a model it calls MoE"
+    for special, key in (("<s>", "bos_token_id"), ("</s>", "eos_token_id"),
+                         ("<pad>", "pad_token_id")):
+        assert vocab[special] == config[key]
+    for prompt in e2e.PROMPTS:
+        assert all(word in vocab for word in prompt.split()), prompt
+    moe = json.loads((e2e.write_tiny_model(tmp_path / "moe", moe=True) / "config.json")
+                     .read_text())
+    assert moe["architectures"] == ["MixtralForCausalLM"] and moe["model_type"] == "mixtral"
+
+
+def test_the_tokenizer_file_loads_and_round_trips(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers", reason="tokenizers (a vLLM dependency)")
+    model = e2e.write_tiny_model(tmp_path / "model")
+    tok = tokenizers.Tokenizer.from_file(str(model / "tokenizer.json"))
+    for prompt in e2e.PROMPTS:
+        ids = tok.encode(prompt).ids
+        assert 0 not in ids, "no word is unknown"
+        assert tok.decode(ids) == prompt
+
+
+def test_prompts_are_split_across_ranks_unevenly() -> None:
+    parts = [e2e.prompts_for(r, 2) for r in range(2)]
+    assert sorted(p for part in parts for p in part) == sorted(e2e.PROMPTS)
+    assert {len(p.split()) for p in parts[0]} != {len(p.split()) for p in parts[1]}
+
+
+def test_arguments() -> None:
+    assert e2e.parse_args([]) == e2e.Options()
+    opts = e2e.parse_args(["--gpus", "2", "--moe", "--runner", "v1", "--eager"])
+    assert (opts.gpus, opts.moe, opts.runner, opts.eager) == (2, True, "v1", True)
+    for bad in (["--dp", "1"], ["--moe"], ["--dp", "4", "--gpus", "3"],
+                ["--gpu-memory-utilization", "0.6"]):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(bad)
+
+
+def test_each_rank_gets_vllms_dp_variables_and_the_plugin_switch() -> None:
+    opts = e2e.Options()
+    base = {"PATH": "/bin", "COORDD_ADDRESS": "ipc:///stale.sock"}
+    off = e2e.rank_env(opts, 1, 4321, address=None, base=base)
+    assert (off["VLLM_DP_RANK"], off["VLLM_DP_SIZE"], off["VLLM_DP_MASTER_PORT"]) == (
+        "1", "2", "4321")
+    assert off["VLLM_DP_RANK_LOCAL"] == "0", "both ranks on GPU 0"
+    assert off["VLLM_DISABLE_PYNCCL"] == "1"
+    assert off["COORDD_VLLM"] == "0" and "COORDD_ADDRESS" not in off
+    on = e2e.rank_env(opts, 0, 4321, address="ipc:///tmp/c.sock", base=base)
+    assert (on["COORDD_VLLM"], on["COORDD_ADDRESS"]) == ("1", "ipc:///tmp/c.sock")
+    spread = e2e.rank_env(e2e.Options(gpus=2), 1, 4321, address=None, base=base)
+    assert spread["VLLM_DP_RANK_LOCAL"] == "1" and "VLLM_DISABLE_PYNCCL" not in spread
+    assert e2e.rank_env(e2e.Options(runner="v2"), 0, 1, address=None,
+                        base=base)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+def test_engine_arguments_keep_the_ranks_off_nccl() -> None:
+    kw = e2e.engine_kwargs(e2e.Options(), Path("/m"))
+    assert kw["load_format"] == "dummy" and kw["disable_nccl_for_dp_synchronization"] is True
+    assert kw["disable_custom_all_reduce"] is True and kw["kv_cache_memory_bytes"] > 0
+
+
+METRICS = """\
+# HELP coordd_rounds_total Rounds ended, by group, kind and outcome
+# TYPE coordd_rounds_total counter
+coordd_rounds_total{group="dp-tp0-pp0",kind="gather",outcome="decided"} 412.0
+coordd_rounds_total{group="enginecore",kind="gather",outcome="decided"} 9.0
+coordd_rounds_total{group="enginecore",kind="gather",outcome="failed"} 0.0
+# HELP coordd_epoch Epoch
+# TYPE coordd_epoch gauge
+coordd_epoch{group="enginecore"} 1.0
+"""
+
+
+def test_metrics_prove_every_group_went_through_coordd() -> None:
+    rounds = e2e.parse_rounds(METRICS)
+    assert rounds == {"dp-tp0-pp0": {"gather:decided": 412},
+                      "enginecore": {"gather:decided": 9, "gather:failed": 0}}
+    assert e2e.check_metrics(rounds) == []
+    missing = e2e.check_metrics({"dp-tp0-pp0": {"gather:decided": 3}})
+    assert len(missing) == 1 and "enginecore" in missing[0]
+    failed = e2e.check_metrics({**rounds, "enginecore": {"gather:decided": 2,
+                                                         "gather:failed": 1}})
+    assert len(failed) == 1 and "failed rounds" in failed[0]
+
+
+def test_a_real_coordds_metrics_page_parses(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with CoorddProcess(2, f"ipc://{tmp_path}/c.sock", ["--metrics-port", str(port)]):
+        text = e2e.scrape(f"http://127.0.0.1:{port}/metrics")
+    rounds = e2e.parse_rounds(text)
+    assert all(n == 0 for counts in rounds.values() for n in counts.values())
+    assert len(e2e.check_metrics(rounds)) == 2, "no round yet: both groups missing"
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def result(rank: int, tokens: list[list[int]], **kw: object) -> e2e.RankResult:
+    return e2e.RankResult(rank, tokens, step_seconds=[0.01, 0.02], seconds=1.0, **kw)  # type: ignore[arg-type]
+
+
+def test_the_comparison_names_rank_prompt_and_position() -> None:
+    plain = [result(0, [[1, 2, 3], [4, 5]]), result(1, [[6, 7]])]
+    assert e2e.compare(plain, plain) == []
+    changed = [result(0, [[1, 2, 3], [4, 9]]), result(1, [[6, 7]])]
+    (problem,) = e2e.compare(plain, changed)
+    assert "rank 0 prompt 1" in problem and "position 1" in problem
+    short = [result(0, [[1, 2, 3]]), result(1, [[6, 7]])]
+    assert "1 with" in e2e.compare(plain, short)[0]
+    broken = [result(0, [], error="RankLost: rank 1"), result(1, [[6, 7]])]
+    assert e2e.compare(plain, broken) == ["rank 0 with coordd failed: RankLost: rank 1"]
+    assert "rank 1: no result" in e2e.compare(plain, plain[:1])[0]
+
+
+def test_step_times_side_by_side() -> None:
+    plain = [result(0, [[1]]), result(1, [[2]])]
+    text = e2e.side_by_side(plain, plain)
+    assert "vLLM (gloo)" in text and "vLLM + coordd" in text
+    steps = next(line for line in text.splitlines() if line.startswith("engine steps"))
+    assert steps.split()[-2:] == ["4", "4"]
+    assert e2e.step_summary([])["steps"] == 0
+
+
+def test_without_vllm_or_a_gpu_it_says_why_and_exits_2(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    why = e2e.preflight()
+    if why is None:
+        pytest.skip("this machine can run the check")
+    assert e2e.main([]) == e2e.UNAVAILABLE
+    assert "cannot run here" in capsys.readouterr().err
