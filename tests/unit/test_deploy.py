@@ -25,6 +25,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import tomllib
 import yaml
 
 from coordd import cli
@@ -302,7 +303,6 @@ def test_multi_node_uses_curve_keys_from_one_secret(monkeypatch: pytest.MonkeyPa
     args, _ = parse_coordd(coordd_argv(coordd), {**image_env(), **container_env(coordd)},
                            monkeypatch)
     assert args.bind.startswith("tcp://") and not args.insecure
-    assert args.dp == lwt["size"], "one rank per pod of the group"
     secret_key = secret_holds(*mount_source(leader, coordd, args.curve_secret_key))
     assert secret_key.endswith(".key_secret")
     (clients,) = args.curve_client_keys
@@ -320,7 +320,6 @@ def test_multi_node_uses_curve_keys_from_one_secret(monkeypatch: pytest.MonkeyPa
             assert server == secret_key.removesuffix("_secret"), "coordd's public key"
             assert client == client_public + "_secret", "the admitted client's own pair"
             script = " ".join(c.get("command", []) + c.get("args", []))
-            assert "${LWS_WORKER_INDEX}" in script, "the rank is the pod's worker index"
             assert f"COORDD_ADDRESS=\"tcp://${{LWS_LEADER_ADDRESS}}:{port}\"" in script
             for volume in spec["volumes"]:
                 if "secret" in volume:
@@ -416,3 +415,191 @@ def test_a_tcp_bind_without_keys_is_refused_by_the_same_checks(
     with pytest.raises(SystemExit, match="needs CURVE"):
         parse_coordd(["coordd", "serve", "--dp", "2", "--bind", "tcp://0.0.0.0:5555"], {},
                      monkeypatch)
+
+
+# -- vLLM with the coordd plugin: images, ranks, GPUs, readiness --------------------------------
+
+VLLM_IMAGE = "coordd-vllm:"
+PYPROJECT = DEPLOY.parent / "pyproject.toml"
+
+
+def is_vllm(container: dict[str, Any]) -> bool:
+    return str(container.get("image", "")).startswith(VLLM_IMAGE)
+
+
+FAKE_VLLM = """#!/usr/bin/env python3
+import json, os, sys
+print(json.dumps({"argv": sys.argv[1:], "COORDD_ADDRESS": os.environ.get("COORDD_ADDRESS"),
+                  "COORDD_VLLM": os.environ.get("COORDD_VLLM")}))
+"""
+
+
+def run_vllm_command(container: dict[str, Any], env: dict[str, str], tmp_path: Path
+                     ) -> dict[str, Any]:
+    """Run the container's command as its shell would, with a stand-in `vllm` on PATH that
+    prints what it was given: the real expansion of LWS_WORKER_INDEX and friends."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "vllm"
+    fake.write_text(f"#!{sys.executable}\n" + FAKE_VLLM.split("\n", 1)[1])
+    fake.chmod(0o755)
+    argv = [*(container.get("command") or ["vllm", "serve"]), *container.get("args", [])]
+    full_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **container_env(container), **env}
+    done = subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=30,
+                          check=False)
+    assert done.returncode == 0, done
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+def vllm_flags(argv: list[str]) -> dict[str, str | bool]:
+    """`vllm serve MODEL --flag value --switch ...` as {flag: value or True}."""
+    assert argv[:1] == ["serve"], argv
+    flags: dict[str, str | bool] = {}
+    i = 2
+    while i < len(argv):
+        flag = argv[i]
+        assert flag.startswith("--"), argv
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            flags[flag] = argv[i + 1]
+            i += 2
+        else:
+            flags[flag] = True
+            i += 1
+    return flags
+
+
+def gpus(container: dict[str, Any]) -> int:
+    return int(container["resources"]["limits"]["nvidia.com/gpu"])
+
+
+def test_the_vllm_image_adds_coordd_with_its_plugin_to_vllms_image() -> None:
+    text = (DEPLOY / "Containerfile.vllm").read_text().replace("\\\n", " ")
+    (arg,) = [line for line in text.splitlines() if line.startswith("ARG VLLM_IMAGE=")]
+    base = arg.split("=", 1)[1]
+    assert base.startswith("vllm/vllm-openai:v0.33."), "the vLLM release the plugin is pinned to"
+    stages = [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")]
+    assert stages[-1] == "${VLLM_IMAGE}"
+    final = text.split("\nFROM ${VLLM_IMAGE}")[-1]
+    assert "ENTRYPOINT" not in final, "vLLM's own entrypoint (vllm serve) stays"
+    assert "coordd-*.whl)[vllm]" in final, "installs coordd[vllm] from the wheel built here"
+    assert "vllm.general_plugins" in final, "the build checks the entry point"
+    ignore = (DEPLOY / "Containerfile.vllm.dockerignore").read_text()
+    assert ignore == (DEPLOY / "Containerfile.dockerignore").read_text().replace(
+        "deploy/Containerfile ", "deploy/Containerfile.vllm ")
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {"coordd": "coordd.vllm:register"}
+    assert any(req.startswith("vllm") for req in project["optional-dependencies"]["vllm"])
+
+
+def test_no_manifest_runs_stock_vllm_or_an_unread_variable() -> None:
+    texts = {f.name: f.read_text() for f in [*K8S_FILES, DEPLOY / "compose" / "compose.yaml"]}
+    for name, text in texts.items():
+        assert "vllm/vllm-openai" not in text, f"{name} runs stock vLLM (it never talks to coordd)"
+        assert "COORDD_DP_RANK" not in text, f"{name}: nothing reads COORDD_DP_RANK"
+    vllm_containers = [c for _, d in k8s_docs() for _, spec in pod_specs(d)
+                       for c, _ in containers(spec) if not is_coordd(c)]
+    assert vllm_containers and all(is_vllm(c) for c in vllm_containers)
+
+
+def test_single_node_vllm_runs_the_plugin_with_one_gpu_per_rank(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (doc,) = [d for n, d in k8s_docs() if n == "vllm-dp-sidecar.yaml" and d["kind"] ==
+              "Deployment"]
+    spec = doc["spec"]["template"]["spec"]
+    coordd = next(c for c, _ in containers(spec) if is_coordd(c))
+    vllm = next(c for c, _ in containers(spec) if is_vllm(c))
+    args, _ = parse_coordd(coordd_argv(coordd), {**image_env(), **container_env(coordd)},
+                           monkeypatch)
+    ran = run_vllm_command(vllm, {}, tmp_path)
+    flags = vllm_flags(ran["argv"])
+    assert ran["COORDD_ADDRESS"] == args.bind, "the plugin is on and finds coordd"
+    assert int(str(flags["--data-parallel-size"])) == args.dp == gpus(vllm)
+    assert args.expect_groups == 2, "ready once dp-tp0-pp0 and enginecore are formed"
+
+
+def test_multi_node_ranks_come_from_vllms_flags_and_the_worker_index(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (doc,) = [d for _, d in k8s_docs() if d["kind"] == "LeaderWorkerSet"]
+    lwt = doc["spec"]["leaderWorkerTemplate"]
+    size = lwt["size"]
+    leader = lwt["leaderTemplate"]["spec"]
+    coordd = next(c for c, _ in containers(leader) if is_coordd(c))
+    args, _ = parse_coordd(coordd_argv(coordd), {**image_env(), **container_env(coordd)},
+                           monkeypatch)
+    assert args.expect_groups == 2
+    port = int(args.bind.rsplit(":", 1)[1])
+    ranks: list[int] = []
+    for index in range(size):
+        template = lwt["leaderTemplate"] if index == 0 else lwt["workerTemplate"]
+        (vllm,) = [c for c, _ in containers(template["spec"]) if is_vllm(c)]
+        ran = run_vllm_command(vllm, {"LWS_WORKER_INDEX": str(index),
+                                      "LWS_LEADER_ADDRESS": "leader.vllm-dp"}, tmp_path)
+        flags = vllm_flags(ran["argv"])
+        assert ran["COORDD_ADDRESS"] == f"tcp://leader.vllm-dp:{port}"
+        assert int(str(flags["--data-parallel-size"])) == args.dp
+        local = int(str(flags["--data-parallel-size-local"]))
+        start = int(str(flags.get("--data-parallel-start-rank", 0)))
+        assert gpus(vllm) == local, f"pod {index}: one GPU per local DP rank (TP=1)"
+        assert (index == 0) != bool(flags.get("--headless")), "the leader serves the API"
+        assert flags["--data-parallel-address"] == "leader.vllm-dp"
+        ranks += range(start, start + local)
+    assert ranks == list(range(args.dp)), "every DP rank exactly once, in pod order"
+
+
+def test_compose_runs_vllm_with_the_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    compose = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())
+    coordd, vllm = compose["services"]["coordd"], compose["services"]["vllm"]
+    assert vllm["build"]["dockerfile"] == "deploy/Containerfile.vllm"
+    assert vllm["image"].startswith(VLLM_IMAGE)
+    args, _ = parse_coordd(["coordd", *coordd["command"]],
+                           {**image_env(), **coordd.get("environment", {})}, monkeypatch)
+    command = vllm["command"]
+    dp = int(command[command.index("--data-parallel-size") + 1])
+    (devices,) = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert dp == args.dp == devices["count"]
+    assert vllm["depends_on"]["coordd"]["condition"] == "service_healthy"
+    assert coordd["healthcheck"]["test"][-1] == "livez", (
+        "vLLM waits for coordd to be alive; /readyz would wait for vLLM: a deadlock")
+
+
+def systemd_env(env_file_text: str) -> dict[str, str]:
+    unit = configparser.ConfigParser(interpolation=None, strict=True)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(DEPLOY / "systemd" / "coordd.service")
+    env = dict(part.split("=", 1) for part in shlex.split(unit["Service"]["Environment"]))
+    for line in env_file_text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            env[key] = value
+    return env
+
+
+def test_the_env_files_tcp_switch_takes_effect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Uncommenting the documented tcp lines must change the bind: no flag on ExecStart
+    overrides them."""
+    unit = configparser.ConfigParser(interpolation=None, strict=True)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(DEPLOY / "systemd" / "coordd.service")
+    argv = shlex.split(unit["Service"]["ExecStart"])
+    assert argv[1:] == ["serve"], "every setting from the environment"
+    text = (DEPLOY / "systemd" / "coordd.env").read_text()
+    switched = "\n".join(line[2:] if line.startswith("# COORDD_") else line
+                         for line in text.splitlines())
+    assert switched != text
+    args, _ = parse_coordd(argv, systemd_env(switched), monkeypatch)
+    assert args.bind.startswith("tcp://") and args.curve_secret_key
+    assert args.expect_groups == 2
+    args, _ = parse_coordd(argv, systemd_env(text), monkeypatch)
+    assert args.bind == "ipc:///run/coordd/coordd.sock"
+    assert (args.metrics_port, args.log_format) == (DEFAULT_METRICS_PORT, "json")
+
+
+def test_the_systemd_install_steps_work_for_a_new_user() -> None:
+    text = (DEPLOY / "systemd" / "coordd.service").read_text()
+    comments = [line for line in text.splitlines() if line.startswith("#")]
+    install = "\n".join(comments)
+    assert not any(line.rstrip().endswith("pip install coordd") for line in comments), (
+        "coordd is not on PyPI"
+    )
+    assert ".whl" in install and "install -d" in install and "/etc/coordd" in install
