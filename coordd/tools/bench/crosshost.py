@@ -54,7 +54,7 @@ def ring_trips(dp: int, nodes: int) -> int:
     r-1 at step k-1, so t[r](k) = max(t[r](k-1), t[r-1](k-1) + crossing(r-1, r))."""
     t = [0] * dp
     for _ in range(2 * (dp - 1)):
-        t = [max(t[r], t[r - 1] + _cost(r - 1, r, dp, nodes)) for r in range(dp)]
+        t = [max(t[r], t[r - 1] + _cost((r - 1) % dp, r, dp, nodes)) for r in range(dp)]
     return max(t)
 
 

@@ -164,93 +164,113 @@ def _gpu_factor(seed: int, step: int) -> float:
     return random.Random(seed * 1_000_003 + step).uniform(0.85, 1.15)
 
 
-def run_mode(
-    exchange: Exchange, mode: str, rank: int, dp: int, steps: int, step_ms: float, seed: int
-) -> EngineResult:
-    from coordd.tools.demo_rank import Workload, gpu_seconds, pad_to_graph
+class EngineLoop:
+    """One way to sync, with its own scheduler state, run a block of steps at a time (the
+    modes take turns block by block, so a shared machine's drift spreads over all of them)."""
 
-    overlap = mode == COORDD_OVERLAP
-    workload = Workload(random.Random(seed * 7919 + rank), rank, dp)
-    clock = time.perf_counter_ns
-    sleep = time.sleep
-    out = EngineResult(mode=mode)
-    previous_gpu_s = 0.0
-    t_begin = 0
-    for step in range(WARMUP_STEPS + steps):
-        timed = step >= WARMUP_STEPS
-        if step == WARMUP_STEPS:
-            t_begin = clock()
-        t_step = clock()
-        blocked = 0
-        rounds = 0
-        batch = workload.next_batch()
-        threshold = UBATCH_DECODE if batch.uniform_decode else UBATCH_PREFILL
-        report = StepReport(
-            num_tokens=batch.num_tokens,
-            num_tokens_padded=batch.num_tokens_padded,
-            want_ubatch=batch.num_tokens >= threshold,
-            cudagraph_mode=batch.cudagraph_mode,
-            has_unfinished=workload.has_unfinished,
-        )
-        if step % STATE_EVERY == 0:
-            t0 = clock()
-            exchange.finish(
-                exchange.start(
-                    StepReport(0, 0, has_unfinished=workload.has_unfinished), StepKind.STATE
-                )
+    def __init__(
+        self, exchange: Exchange, mode: str, rank: int, dp: int, step_ms: float, seed: int
+    ) -> None:
+        from coordd.tools.demo_rank import Workload
+
+        self.exchange, self.mode, self.rank = exchange, mode, rank
+        self.step_ms, self.seed = step_ms, seed
+        self.overlap = mode == COORDD_OVERLAP
+        self.workload = Workload(random.Random(seed * 7919 + rank), rank, dp)
+        self.step = 0
+        self.out = EngineResult(mode=mode)
+
+    def run(self, n: int, timed: bool) -> None:
+        from coordd.tools.demo_rank import gpu_seconds, pad_to_graph
+
+        exchange, workload, out, overlap = self.exchange, self.workload, self.out, self.overlap
+        clock = time.perf_counter_ns
+        sleep = time.sleep
+        previous_gpu_s = 0.0
+        t_begin = clock()
+        for _ in range(n):
+            step = self.step
+            self.step += 1
+            t_step = clock()
+            blocked = 0
+            rounds = 0
+            batch = workload.next_batch()
+            threshold = UBATCH_DECODE if batch.uniform_decode else UBATCH_PREFILL
+            report = StepReport(
+                num_tokens=batch.num_tokens,
+                num_tokens_padded=batch.num_tokens_padded,
+                want_ubatch=batch.num_tokens >= threshold,
+                cudagraph_mode=batch.cudagraph_mode,
+                has_unfinished=workload.has_unfinished,
             )
+            if step % STATE_EVERY == 0:
+                state = StepReport(0, 0, has_unfinished=workload.has_unfinished)
+                t0 = clock()
+                exchange.finish(exchange.start(state, StepKind.STATE))
+                blocked += clock() - t0
+                rounds += 1
+            if overlap:
+                handle = exchange.start(report, StepKind.FORWARD)
+                sleep(previous_gpu_s)  # the previous step's GPU work, overlapping the round
+                t0 = clock()
+                decision = exchange.finish(handle)
+                blocked += clock() - t0
+            else:
+                t0 = clock()
+                decision = exchange.finish(exchange.start(report, StepKind.FORWARD))
+                blocked += clock() - t0
+            rounds += 1
+            assert decision is not None
+            # The group's largest batch sets the step's GPU time on every rank: with expert
+            # parallelism the forward pass's all-to-alls make each rank wait for the slowest.
+            gpu_s = gpu_seconds(max(decision.num_tokens_across_dp), self.step_ms) * _gpu_factor(
+                self.seed, step
+            )
+            draft_gpu_s = DRAFT_GPU_SHARE * self.step_ms / 1000
+            if not overlap:
+                sleep(gpu_s)
+            draft_padded, draft_mode = pad_to_graph(batch.num_reqs, True)
+            draft = StepReport(batch.num_reqs, draft_padded, cudagraph_mode=draft_mode)
+            t0 = clock()
+            exchange.finish(exchange.start(draft, StepKind.DRAFT))
             blocked += clock() - t0
             rounds += 1
+            if overlap:
+                previous_gpu_s = gpu_s + draft_gpu_s
+            else:
+                sleep(draft_gpu_s)
+            if timed:
+                out.steps += 1
+                out.blocked_ns += blocked
+                out.gpu_ns += int((gpu_s + draft_gpu_s) * 1e9)
+                out.rounds += rounds
+                out.step_ns.append(clock() - t_step)
         if overlap:
-            handle = exchange.start(report, StepKind.FORWARD)
-            sleep(previous_gpu_s)  # the previous step's GPU work, overlapping the round
-            t0 = clock()
-            decision = exchange.finish(handle)
-            blocked += clock() - t0
-        else:
-            t0 = clock()
-            decision = exchange.finish(exchange.start(report, StepKind.FORWARD))
-            blocked += clock() - t0
-        rounds += 1
-        assert decision is not None
-        # The group's largest batch sets the step's GPU time on every rank: with expert
-        # parallelism the forward pass's all-to-alls make each rank wait for the slowest.
-        gpu_s = gpu_seconds(max(decision.num_tokens_across_dp), step_ms) * _gpu_factor(seed, step)
-        draft_gpu_s = DRAFT_GPU_SHARE * step_ms / 1000
-        if not overlap:
-            sleep(gpu_s)
-        draft_padded, draft_mode = pad_to_graph(batch.num_reqs, True)
-        t0 = clock()
-        exchange.finish(
-            exchange.start(
-                StepReport(batch.num_reqs, draft_padded, cudagraph_mode=draft_mode),
-                StepKind.DRAFT,
-            )
-        )
-        blocked += clock() - t0
-        rounds += 1
-        if overlap:
-            previous_gpu_s = gpu_s + draft_gpu_s
-        else:
-            sleep(draft_gpu_s)
+            sleep(previous_gpu_s)  # the block's last GPU work: every mode runs the same GPU time
         if timed:
-            out.steps += 1
-            out.blocked_ns += blocked
-            out.gpu_ns += int((gpu_s + draft_gpu_s) * 1e9)
-            out.rounds += rounds
-            out.step_ns.append(clock() - t_step)
-    if overlap:
-        sleep(previous_gpu_s)  # the last step's GPU work, so every mode runs the same GPU time
-    out.total_ns = clock() - t_begin
-    return out
+            out.total_ns += clock() - t_begin
+
+
+#: Blocks the engine phase's steps are split into (modes take turns per block).
+ENGINE_BLOCKS = 5
 
 
 def run_phase(phase: EnginePhase, rank: int, dp: int, coordd_client: Any) -> EngineResults:
-    results = []
-    for mode in phase.modes:
-        exchange = exchange_for(mode, rank, dp, coordd_client)
-        results.append(run_mode(exchange, mode, rank, dp, phase.steps, phase.step_ms, phase.seed))
-    return EngineResults(rank=rank, results=results)
+    loops = [
+        EngineLoop(
+            exchange_for(mode, rank, dp, coordd_client), mode, rank, dp, phase.step_ms, phase.seed
+        )
+        for mode in phase.modes
+    ]
+    for loop in loops:
+        loop.run(WARMUP_STEPS, timed=False)
+    blocks = max(1, min(ENGINE_BLOCKS, phase.steps))
+    per_block = [phase.steps // blocks + (b < phase.steps % blocks) for b in range(blocks)]
+    for block, n in enumerate(per_block):
+        shift = block % len(loops)
+        for loop in loops[shift:] + loops[:shift]:
+            loop.run(n, timed=True)
+    return EngineResults(rank=rank, results=[loop.out for loop in loops])
 
 
 def merge(dp: int, per_rank: list[EngineResults], step_ms: float) -> list[dict[str, Any]]:
