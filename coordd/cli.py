@@ -13,12 +13,14 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 from coordd.proto.address import default_address
-from coordd.proto.coordinator import Coordinator, OnRankLoss
+from coordd.proto.snapshot import OnRankLoss
+
+#: `--max-groups`' default, and `CoordServer`'s.
+DEFAULT_MAX_GROUPS = 64
 
 
 class Subcommand(Protocol):
@@ -99,6 +101,21 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         help="fail: end the group (default); neutralize: leave the rank out",
     )
     p.add_argument(
+        "--max-groups",
+        type=int,
+        default=_env("max_groups", DEFAULT_MAX_GROUPS, int),
+        help="most named groups served at once (each its own rounds; vLLM: one per TP/PP "
+        f"position plus the engine cores); a Hello for one more is refused "
+        f"(default {DEFAULT_MAX_GROUPS})",
+    )
+    p.add_argument(
+        "--expect-groups",
+        type=int,
+        default=_env("expect_groups", 0, int),
+        help="/readyz turns ready once this many groups are formed (default 0: once any one "
+        "is); a failed group always makes it not ready",
+    )
+    p.add_argument(
         "--log-level",
         default=_env("log_level", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -147,6 +164,13 @@ def check_server_args(args: argparse.Namespace) -> bool:
 
     if args.dp < 1:
         raise SystemExit(f"coordd: --dp must be >= 1, got {args.dp}")
+    if args.max_groups < 1:
+        raise SystemExit(f"coordd: --max-groups must be >= 1, got {args.max_groups}")
+    if not 0 <= args.expect_groups <= args.max_groups:
+        raise SystemExit(
+            f"coordd: --expect-groups must be in 0..--max-groups ({args.max_groups}), "
+            f"got {args.expect_groups}"
+        )
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise SystemExit(f"coordd: --metrics-port must be 0..65535, got {args.metrics_port}")
     try:
@@ -174,12 +198,6 @@ def serve(args: argparse.Namespace) -> int:
     bind = args.bind or default_address()
     if args.insecure and bind.startswith("tcp://"):
         log.warning("tcp without CURVE (--insecure): any host that reaches %s can join", bind)
-    coordinator = Coordinator(
-        args.dp,
-        epoch=int(time.time() * 1000),
-        step_timeout=args.step_timeout,
-        on_rank_loss=OnRankLoss(args.on_rank_loss),
-    )
     context = zmq.Context()
     gate = None
     try:
@@ -189,16 +207,19 @@ def serve(args: argparse.Namespace) -> int:
             except (KeyFileError, SecurityConfigError) as exc:
                 raise SystemExit(f"coordd: {exc}") from None
         server = CoordServer(
-            coordinator,
             bind,
+            dp_size=args.dp,
+            step_timeout=args.step_timeout,
+            on_rank_loss=OnRankLoss(args.on_rank_loss),
+            max_groups=args.max_groups,
+            expect_groups=args.expect_groups,
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
             context=context,
             configure_socket=gate.configure if gate else None,
         )
         if gate is not None:
-            server.observer.curve_refused = lambda: gate.refused
-            gate.where = lambda: server.observer.fault_fields("connect")
+            server.curve_refused = lambda: gate.refused
 
         async def main() -> None:
             stop = asyncio.Event()
@@ -209,7 +230,7 @@ def serve(args: argparse.Namespace) -> int:
             if args.metrics_port is not None:
                 from coordd.endpoints import HttpEndpoints, coordd_routes
 
-                endpoints = HttpEndpoints(coordd_routes(server, server.observer))
+                endpoints = HttpEndpoints(coordd_routes(server))
                 try:
                     await endpoints.start(args.metrics_host, args.metrics_port)
                 except OSError as exc:
@@ -230,8 +251,8 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         if gate is not None:
             gate.stop()
-    decided = {kind: h.count for kind, h in server.observer.durations.items()}
-    log.info("coordd stopped: rounds decided by kind %s", decided)
+    decided = {name: group.observer.decided for name, group in server.groups.items()}
+    log.info("coordd stopped: rounds decided by group and kind %s", decided)
     return 0
 
 

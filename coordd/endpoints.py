@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordd.metrics import CoorddCollector, Observer, make_registry
-from coordd.status import readiness, status_document
+from coordd.metrics import CoorddCollector, make_registry
+from coordd.status import server_readiness, status_document
 
 if TYPE_CHECKING:
     from coordd.server import CoordServer
@@ -107,10 +107,9 @@ class HttpEndpoints:
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
 
-def coordd_routes(server: CoordServer, observer: Observer) -> dict[str, Route]:
-    """The four endpoints of one coordd."""
-    snapshot = server.coordinator.snapshot
-    registry = make_registry(CoorddCollector(observer, server.stats, lambda: readiness(snapshot())))
+def coordd_routes(server: CoordServer) -> dict[str, Route]:
+    """The four endpoints of one coordd (every group it serves)."""
+    registry = make_registry(CoorddCollector(server, lambda: server_readiness(server)))
 
     def metrics() -> Response:
         return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
@@ -119,11 +118,11 @@ def coordd_routes(server: CoordServer, observer: Observer) -> dict[str, Route]:
         return 200, _TEXT, b"ok\n"
 
     def readyz() -> Response:
-        ready, why = readiness(snapshot())
+        ready, why = server_readiness(server)
         return (200 if ready else 503), _TEXT, (why + "\n").encode()
 
     def status() -> Response:
-        body = json.dumps(status_document(server, observer), indent=1).encode()
+        body = json.dumps(status_document(server), indent=1).encode()
         return 200, "application/json", body + b"\n"
 
     return {"/metrics": metrics, "/livez": livez, "/readyz": readyz, "/status": status}

@@ -1,12 +1,13 @@
 """What coordd counts about its rounds, and the Prometheus view of it.
 
-`Observer` is told about each completed round once, each fault once, and each registration,
-and reads the group only through the coordinator's `GroupSnapshot` (a decision or a failure is
-new when the snapshot's counter moved); it keeps plain integers and lists, with no lock, because
-everything (the socket, the timer and the HTTP endpoints) runs on the daemon's one event loop.
-Per round it does a handful of additions (a histogram bucket, the straggler's counter, a deque
-append), so metrics add no per-message cost. `CoorddCollector` turns those numbers into
-Prometheus metric families only when /metrics is scraped.
+One `Observer` per group is told about each completed round once, each fault once, and each
+registration, and reads its group only through the coordinator's `GroupSnapshot` (a decision or
+a failure is new when the snapshot's counter moved); it keeps plain integers and lists, with no
+lock, because everything (the socket, the timer and the HTTP endpoints) runs on the daemon's one
+event loop. Per round it does a handful of additions (a histogram bucket, the straggler's
+counter, a deque append), so metrics add no per-message cost. `ServerEvents` counts what happens
+outside any group. `CoorddCollector` turns those numbers into Prometheus metric families only
+when /metrics is scraped: every per-group series carries a `group` label.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ from coordd.proto.messages import (
 )
 from coordd.proto.rounds import CompletedRound
 from coordd.proto.snapshot import GroupSnapshot
+from coordd.status import group_readiness
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
-    from coordd.server import ServerStats
+    from coordd.server import CoordServer
 
 log = logging.getLogger("coordd")
 
@@ -96,12 +98,16 @@ class DurationHistogram:
 
 
 class Observer:
-    """Counts rounds, faults and registrations of one coordinator; logs each fault once.
+    """Counts rounds, faults and registrations of one group's coordinator; logs each fault once.
 
-    `view` returns the group as it stands now (the coordinator's `snapshot`)."""
+    `view` returns the group as it stands now (the coordinator's `snapshot`); `name` is the
+    group's name (its metrics label and log field)."""
 
-    def __init__(self, view: Callable[[], GroupSnapshot], *, wall: Any = time.time) -> None:
+    def __init__(
+        self, view: Callable[[], GroupSnapshot], *, name: str = "default", wall: Any = time.time
+    ) -> None:
         self.view = view
+        self.name = name
         first = view()
         self.dp_size = first.dp_size
         self.wall = wall
@@ -122,9 +128,6 @@ class Observer:
         self.failures_seen = first.failures
         self._decisions_seen = first.decisions
         self._registering: tuple[bytes, Hello] | None = None
-        self._group = "-"
-        #: Clients refused by the CURVE gate (set when coordd runs with CURVE).
-        self.curve_refused: Any = None
 
     # -- what the server tells it -------------------------------------------------------------
 
@@ -208,11 +211,8 @@ class Observer:
 
     @property
     def group(self) -> str:
-        """The group's name (the last known one once every rank is gone)."""
-        hello = self.view().group
-        if hello is not None:
-            self._group = hello.group
-        return self._group
+        """The group's name (its label and log field)."""
+        return self.name
 
     def fault_fields(self, kind: str) -> dict[str, Any]:
         """Fault-line fields for an event outside a round (a refused connection)."""
@@ -292,12 +292,11 @@ class Observer:
             self.registrations += 1
             self.rounds_at_join[rank] = self.rounds_completed
             member = snap.members[rank]
-            self._group = member.hello.group
             logs.event(
                 log,
                 logging.INFO,
                 "rank registered",
-                group=member.hello.group,
+                group=self.name,
                 epoch=snap.epoch,
                 seq=snap.seq,
                 rank=rank,
@@ -316,7 +315,7 @@ class Observer:
             logging.WARNING,
             "registration rejected",
             **logs.fault_fields(
-                group=hello.group if hello else self.group,
+                group=self.name,
                 epoch=snap.epoch,
                 seq=snap.seq,
                 kind="register",
@@ -329,17 +328,87 @@ class Observer:
         )
 
 
+class ServerEvents:
+    """What happens outside any group, counted and logged like a group's faults: a Hello
+    refused before a group took it (a bad group name, the group limit, settings no group could
+    admit) and a report from a peer that registered with no group. Groups created and dropped
+    are logged here too."""
+
+    def __init__(self) -> None:
+        self.rejected: Counter[str] = Counter()
+        self.faults: Counter[str] = Counter()
+        self.dropped_groups = 0
+
+    def rejected_hello(self, peer: bytes, hello: Hello, reject: Reject, group: str) -> None:
+        """`hello` (for group `group`, shown safely) was refused before any group took it."""
+        self.rejected[reject.reason.value] += 1
+        logs.event(
+            log,
+            logging.WARNING,
+            "registration rejected",
+            **logs.fault_fields(
+                group=group, epoch=0, seq=0, kind="register", ranks=[hello.dp_rank]
+            ),
+            reason=reject.reason.value,
+            expected=reject.expected,
+            got=reject.got,
+            detail=reject.text,
+            peer=_peer_text(peer),
+        )
+
+    def refused_report(self, peer: bytes, failure: StepFailed) -> None:
+        """A report from a peer of no group got `failure` (sent to it alone)."""
+        self.faults[failure.reason.value] += 1
+        logs.event(
+            log,
+            logging.WARNING,
+            "report refused",
+            **logs.fault_fields(
+                group="-",
+                epoch=failure.epoch,
+                seq=failure.seq,
+                kind=failure.kind.value,
+                ranks=failure.culprits,
+            ),
+            reason=failure.reason.value,
+            detail=failure.text,
+            peer=_peer_text(peer),
+        )
+
+    def group_created(self, name: str, epoch: int, groups: int, max_groups: int) -> None:
+        logs.event(
+            log,
+            logging.INFO,
+            "group created",
+            group=name,
+            epoch=epoch,
+            groups=f"{groups}/{max_groups}",
+        )
+
+    def group_dropped(self, name: str, epoch: int) -> None:
+        self.dropped_groups += 1
+        logs.event(
+            log,
+            logging.INFO,
+            "group dropped",
+            group=name,
+            epoch=epoch,
+            why="no members, and --max-groups reached: its slot went to a new group",
+        )
+
+
 def _peer_text(peer: bytes) -> str:
     return peer.decode("utf-8", "backslashreplace")
 
 
 class CoorddCollector:
-    """Renders an `Observer`, the server's frame counters and the group's snapshot at scrape time
-    (prometheus_client is imported only here, so the daemon's round path never loads it)."""
+    """Renders every group's `Observer` and snapshot, and the server's own counters, at scrape
+    time (prometheus_client is imported only here, so the daemon's round path never loads it).
+    Per-group series carry a `group` label; what is not one group's (frames, refusals outside
+    any group: label group="") is the server's."""
 
-    def __init__(self, observer: Observer, stats: ServerStats, ready: Any) -> None:
-        self.observer = observer
-        self.stats = stats
+    def __init__(self, server: CoordServer, ready: Callable[[], tuple[bool, str]]) -> None:
+        self.server = server
         self.ready = ready
 
     def collect(self) -> Iterator[Any]:
@@ -350,9 +419,9 @@ class CoorddCollector:
             InfoMetricFamily,
         )
 
-        o = self.observer
-        c = o.view()
-        s = self.stats
+        server = self.server
+        s = server.stats
+        groups = [(name, g.observer, g.coordinator.snapshot()) for name, g in server.groups.items()]
         info = InfoMetricFamily("coordd_build", "coordd's version and what it was built with")
         info.add_metric(
             [],
@@ -365,74 +434,110 @@ class CoorddCollector:
             },
         )
         yield info
-        yield _gauge("coordd_dp_size", "Data-parallel size this coordd serves", c.dp_size)
+        yield _gauge("coordd_dp_size", "Data-parallel size of every group", server.dp_size)
+        yield _gauge("coordd_groups", "Groups this coordd serves", len(groups))
         yield _gauge(
-            "coordd_epoch", "Current epoch (a new one after a failed group re-forms)", c.epoch
+            "coordd_max_groups", "Most groups this coordd serves (--max-groups)", server.max_groups
         )
-        yield _gauge("coordd_round_seq", "Sequence number of the open (or next) round", c.seq)
-        yield _gauge(
-            "coordd_registered_ranks", "Ranks registered in the current epoch", len(c.members)
-        )
-        yield _gauge(
-            "coordd_dead_ranks", "Lost ranks left out of rounds (neutralize mode)", len(c.dead)
-        )
-        yield _gauge(
-            "coordd_group_failed",
-            "1 while the group is failed (until ranks re-register)",
-            int(c.state is GroupState.FAILED),
-        )
-        state = GaugeMetricFamily(
-            "coordd_group_state", "1 for the group's current state", labels=["state"]
-        )
-        for each in GroupState:
-            state.add_metric([each.value], int(each is c.state))
-        yield state
         yield _gauge("coordd_ready", "1 when /readyz answers 200", int(self.ready()[0]))
 
-        rounds = CounterMetricFamily(
-            "coordd_rounds", "Rounds ended, by kind and outcome", labels=["kind", "outcome"]
-        )
-        for kind, n in sorted(o.decided.items()):
-            rounds.add_metric([kind, "decided"], n)
-        for kind, n in sorted(o.failed.items()):
-            rounds.add_metric([kind, "failed"], n)
-        yield rounds
+        def per_group(name: str, doc: str, value: Callable[[GroupSnapshot], float]) -> Any:
+            family = GaugeMetricFamily(name, doc, labels=["group"])
+            for group, _, snap in groups:
+                family.add_metric([group], value(snap))
+            return family
 
+        yield per_group(
+            "coordd_epoch",
+            "Current epoch (a new one after a failed group re-forms)",
+            lambda c: c.epoch,
+        )
+        yield per_group(
+            "coordd_round_seq", "Sequence number of the open (or next) round", lambda c: c.seq
+        )
+        yield per_group(
+            "coordd_registered_ranks",
+            "Ranks registered in the current epoch",
+            lambda c: len(c.members),
+        )
+        yield per_group(
+            "coordd_dead_ranks",
+            "Lost ranks left out of rounds (neutralize mode)",
+            lambda c: len(c.dead),
+        )
+        yield per_group(
+            "coordd_group_failed",
+            "1 while the group is failed (until ranks re-register)",
+            lambda c: int(c.state is GroupState.FAILED),
+        )
+        yield per_group(
+            "coordd_group_ready",
+            "1 when the group is formed (every rank registered) and not failed",
+            lambda c: int(group_readiness(c)[0]),
+        )
+        state = GaugeMetricFamily(
+            "coordd_group_state", "1 for the group's current state", labels=["group", "state"]
+        )
+        for group, _, snap in groups:
+            for each in GroupState:
+                state.add_metric([group, each.value], int(each is snap.state))
+        yield state
+
+        rounds = CounterMetricFamily(
+            "coordd_rounds",
+            "Rounds ended, by group, kind and outcome",
+            labels=["group", "kind", "outcome"],
+        )
         duration = HistogramMetricFamily(
             "coordd_round_duration_seconds",
-            "Seconds from a round's first report to its decision, by kind",
-            labels=["kind"],
+            "Seconds from a round's first report to its decision, by group and kind",
+            labels=["group", "kind"],
         )
-        for kind, h in sorted(o.durations.items()):
-            cumulative, buckets = 0, []
-            for bound, n in zip((*DURATION_BUCKETS, float("inf")), h.counts, strict=True):
-                cumulative += n
-                buckets.append((_bound(bound), cumulative))
-            duration.add_metric([kind], buckets, h.sum)
-        yield duration
-
         straggler = CounterMetricFamily(
             "coordd_straggler_rounds",
             "Rounds whose decision this rank's report completed (it arrived last)",
-            labels=["rank"],
+            labels=["group", "rank"],
         )
-        for rank, n in enumerate(o.stragglers):
-            if n:
-                straggler.add_metric([str(rank)], n)
-        yield straggler
-
-        faults = CounterMetricFamily("coordd_faults", "Faults, by reason", labels=["reason"])
-        for reason, n in sorted(o.faults.items()):
-            faults.add_metric([reason], n)
-        yield faults
-
+        faults = CounterMetricFamily(
+            "coordd_faults", "Faults, by group and reason", labels=["group", "reason"]
+        )
         rejected = CounterMetricFamily(
-            "coordd_registrations_rejected", "Registrations refused, by reason", labels=["reason"]
+            "coordd_registrations_rejected",
+            "Registrations refused, by group and reason",
+            labels=["group", "reason"],
         )
-        for reason, n in sorted(o.rejected.items()):
-            rejected.add_metric([reason], n)
-        yield rejected
-        yield _counter("coordd_registrations", "Registrations accepted", o.registrations)
+        registrations = CounterMetricFamily(
+            "coordd_registrations", "Registrations accepted", labels=["group"]
+        )
+        for group, o, _ in groups:
+            for kind, n in sorted(o.decided.items()):
+                rounds.add_metric([group, kind, "decided"], n)
+            for kind, n in sorted(o.failed.items()):
+                rounds.add_metric([group, kind, "failed"], n)
+            for kind, h in sorted(o.durations.items()):
+                cumulative, buckets = 0, []
+                for bound, n in zip((*DURATION_BUCKETS, float("inf")), h.counts, strict=True):
+                    cumulative += n
+                    buckets.append((_bound(bound), cumulative))
+                duration.add_metric([group, kind], buckets, h.sum)
+            for rank, n in enumerate(o.stragglers):
+                if n:
+                    straggler.add_metric([group, str(rank)], n)
+            for reason, n in sorted(o.faults.items()):
+                faults.add_metric([group, reason], n)
+            for reason, n in sorted(o.rejected.items()):
+                rejected.add_metric([group, reason], n)
+            registrations.add_metric([group], o.registrations)
+        for reason, n in sorted(server.events.faults.items()):
+            faults.add_metric(["", reason], n)
+        for reason, n in sorted(server.events.rejected.items()):
+            rejected.add_metric(["", reason], n)
+        yield from (rounds, duration, straggler, faults, rejected, registrations)
+        yield _counter(
+            "coordd_groups_dropped",
+            "Groups without members dropped to make room for a new one at --max-groups",
+            server.events.dropped_groups,
+        )
         yield _counter(
             "coordd_bad_frames", "Frames dropped as undecodable or malformed", s.bad_frames
         )
@@ -441,11 +546,11 @@ class CoorddCollector:
         yield _counter(
             "coordd_disconnects", "Registered ranks whose connection closed", s.disconnects
         )
-        if o.curve_refused is not None:
+        if server.curve_refused is not None:
             yield _counter(
                 "coordd_curve_refused",
                 "Connections refused: a CURVE client key coordd was not given",
-                o.curve_refused(),
+                server.curve_refused(),
             )
 
 

@@ -1,8 +1,16 @@
-"""The daemon's I/O shell: moves bytes between one ZeroMQ ROUTER socket and the `Coordinator`.
+"""The daemon's I/O shell: moves bytes between one ZeroMQ ROUTER socket and the groups'
+`Coordinator`s.
+
+One coordd serves several named groups (vLLM builds one DP group per TP/PP position of its
+workers, plus one for its engine cores): each its own `Coordinator` (state, epoch, seq) and
+`Observer` (metrics label), all with the same dp size and options. A group is created by the
+first `Hello` naming it, up to `max_groups`; a peer (ZeroMQ routing id) belongs to the group it
+registered with, and its reports go there by one dict lookup, so a fault in one group never
+touches another's rounds.
 
 The loop watches the socket's file descriptor and drains every queued frame in one callback,
 with no asyncio future per message; a round's decision is encoded once and the same bytes go
-to every rank. The only timer is the coordinator's next deadline.
+to every rank. The only timer is the earliest deadline over the groups.
 
 Liveness comes from libzmq: ZMTP heartbeats (PING/PONG, answered by each rank's ZeroMQ I/O
 thread) on every connection, so a rank that stops answering has its connection closed; a socket
@@ -22,16 +30,27 @@ from dataclasses import dataclass
 
 import zmq
 
-from coordd.metrics import Observer
+from coordd.cli import DEFAULT_MAX_GROUPS
+from coordd.metrics import Observer, ServerEvents
 from coordd.proto.address import runtime_dir
 from coordd.proto.coordinator import Coordinator, Send
-from coordd.proto.errors import ProtocolError
+from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, Rejected
 from coordd.proto.messages import (
     MAX_MESSAGE_BYTES,
+    Goodbye,
+    Heartbeat,
     Hello,
+    Reject,
+    RejectReason,
+    StepFailed,
+    ToCoordinator,
     decode_to_coordinator,
     encode,
+    failure_message,
+    reject_message,
 )
+from coordd.proto.registration import check_basics
+from coordd.proto.snapshot import OnRankLoss
 
 log = logging.getLogger("coordd")
 
@@ -84,26 +103,78 @@ def prepare_ipc_path(address: str) -> str | None:
     return path
 
 
+#: Longest group name; names are printable and hold no whitespace (they are metric labels and
+#: log fields).
+MAX_GROUP_NAME = 64
+
+
+def group_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a group, or None if it can."""
+    if not 1 <= len(name) <= MAX_GROUP_NAME:
+        return f"it has {len(name)} characters"
+    for char in name:
+        if char.isspace() or not char.isprintable():
+            return f"it holds {char!r}"
+    return None
+
+
+@dataclass(eq=False, slots=True)
+class Group:
+    """One named DP group: its state machine, what is counted about it, and its open round's
+    deadline as the server last scheduled it."""
+
+    name: str
+    coordinator: Coordinator
+    observer: Observer
+    deadline: float | None = None
+
+
 class CoordServer:
-    """Serve one `Coordinator` on a ROUTER socket bound to `address`."""
+    """Serve every DP group on one ROUTER socket bound to `address`.
+
+    Groups share `dp_size`, `step_timeout` and `on_rank_loss`; `max_groups` bounds how many
+    exist (a Hello for another one is refused with `group_limit`, unless a group without
+    members can make room), and `expect_groups` is how many must be formed for /readyz."""
 
     def __init__(
         self,
-        coordinator: Coordinator,
         address: str,
         *,
+        dp_size: int,
+        step_timeout: float = 30.0,
+        on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
+        max_groups: int = DEFAULT_MAX_GROUPS,
+        expect_groups: int = 0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 5.0,
         context: zmq.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
         configure_socket: Callable[[zmq.Socket], None] | None = None,
-        observer: Observer | None = None,
     ) -> None:
-        self.coordinator = coordinator
+        if dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+        if max_groups < 1:
+            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
+        if not 0 <= expect_groups <= max_groups:
+            raise ValueError(f"expect_groups must be in 0..max_groups ({max_groups})")
         self.address = address
+        self.dp_size = dp_size
+        self.step_timeout = step_timeout
+        self.on_rank_loss = on_rank_loss
+        self.max_groups = max_groups
+        self.expect_groups = expect_groups
+        #: The groups by name, in the order they were created.
+        self.groups: dict[str, Group] = {}
         self.stats = ServerStats()
-        self.observer = observer or Observer(coordinator.snapshot)
+        #: Refusals outside any group (bad names, the limit, reports from unknown peers).
+        self.events = ServerEvents()
+        #: Clients refused by the CURVE gate, when coordd runs with CURVE.
+        self.curve_refused: Callable[[], int] | None = None
         self.clock = clock
+        self.wall = wall
+        self.started_wall = wall()
+        self._last_epoch = 0
         self._context = context or zmq.Context()
         self._ipc_path = prepare_ipc_path(address)
         sock = self._context.socket(zmq.ROUTER)
@@ -122,6 +193,12 @@ class CoordServer:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._fd_peer: dict[int, bytes] = {}
         self._peer_fd: dict[bytes, int] = {}
+        #: The group each peer registered with (its reports go there).
+        self._peer_group: dict[bytes, Group] = {}
+        #: Groups that got input since the last drain ended (failures and deadlines to check).
+        self._touched: set[Group] = set()
+        #: Groups with an open round, and its deadline.
+        self._open: dict[Group, float] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -132,7 +209,12 @@ class CoordServer:
         self._loop.add_reader(self._sock.fileno(), self._on_frames)
         self._loop.add_reader(self._monitor.fileno(), self._drain)
         self._drain()
-        log.info("coordd serving dp=%d on %s", self.coordinator.dp_size, self.bound_address)
+        log.info(
+            "coordd serving dp=%d on %s (at most %d groups)",
+            self.dp_size,
+            self.bound_address,
+            self.max_groups,
+        )
         try:
             await stop.wait()
         finally:
@@ -140,7 +222,8 @@ class CoordServer:
             self._loop.remove_reader(self._monitor.fileno())
             if self._timer is not None:
                 self._timer.cancel()
-            self._send(self.coordinator.shutdown())
+            for group in self.groups.values():
+                self._send(group.coordinator.shutdown(), group.observer)
             self.close(linger=0.5)
 
     def close(self, linger: float = 0.0) -> None:
@@ -151,6 +234,10 @@ class CoordServer:
         self._sock.close(linger=int(linger * 1000))
         if self._ipc_path and os.path.exists(self._ipc_path):
             os.unlink(self._ipc_path)
+
+    def group_of(self, peer: bytes) -> Group | None:
+        """The group `peer` registered with, or None."""
+        return self._peer_group.get(peer)
 
     # -- the hot path -----------------------------------------------------------------------
 
@@ -174,18 +261,34 @@ class CoordServer:
         self._drained()
 
     def _drained(self) -> None:
-        """Once per drain: a group failure nobody was sent (a rank lost between rounds) shows
-        only in the failure counter, so the observer is told from there."""
-        coordinator = self.coordinator
-        if coordinator.failures != self.observer.failures_seen:
-            self.observer.group_failed(coordinator.snapshot())
-        self._schedule_deadline()
+        """Once per drain, for each group that got input: a group failure nobody was sent (a
+        rank lost between rounds) shows only in the failure counter, so the observer is told
+        from there; and the group's deadline may have moved (the timer follows the earliest)."""
+        touched = self._touched
+        moved = False
+        if touched:
+            for group in touched:
+                coordinator = group.coordinator
+                if coordinator.failures != group.observer.failures_seen:
+                    group.observer.group_failed(coordinator.snapshot())
+                deadline = coordinator.next_deadline()
+                if deadline != group.deadline:
+                    group.deadline = deadline
+                    moved = True
+                    if deadline is None:
+                        self._open.pop(group, None)
+                    else:
+                        self._open[group] = deadline
+            touched.clear()
+        if moved or (self._timer_at is None and self._open):
+            self._schedule_deadline()
 
     def _drain_frames(self) -> None:
         sock = self._sock
-        coordinator = self.coordinator
         stats = self.stats
         clock = self.clock
+        peer_group = self._peer_group
+        touched = self._touched
         while True:
             # Until Again, not EVENTS per frame: getsockopt is a syscall plus an enum lookup
             # in pyzmq each time, Again one exception per drain; `head.more` saves RCVMORE.
@@ -210,10 +313,14 @@ class CoordServer:
                 self._bad_frame(peer, str(exc))
                 continue
             if type(message) is Hello:
-                self._drain_monitor()
-                self._track_connection(peer, frame.get(zmq.SRCFD))
-                self.observer.registering(peer, message, frame.get("Peer-Address"))
-            self._send(coordinator.receive(peer, message, clock()))
+                self._on_hello(peer, message, frame)
+                continue
+            group = peer_group.get(peer)
+            if group is None:
+                self._from_stranger(peer, message)
+                continue
+            touched.add(group)
+            self._send(group.coordinator.receive(peer, message, clock()), group.observer)
 
     def _track_connection(self, peer: bytes, fd: int) -> None:
         old = self._peer_fd.get(peer)
@@ -223,7 +330,8 @@ class CoordServer:
         self._fd_peer[fd] = peer
 
     def _drain_monitor(self) -> bool:
-        """Closed connections: the rank that registered over one is lost. True if any event."""
+        """Closed connections: the rank that registered over one is lost (in its own group
+        only). True if any event."""
         monitor = self._monitor
         seen = False
         while int(monitor.getsockopt(_EVENTS)) & _POLLIN:
@@ -237,15 +345,22 @@ class CoordServer:
                 continue
             del self._peer_fd[peer]
             self.stats.disconnects += 1
-            rank = self.coordinator.snapshot().rank_of(peer)
-            self._send(self.coordinator.peer_lost(peer, self.clock(), "connection closed"))
-            self.observer.lost(rank, peer, "connection closed")
+            group = self._peer_group.get(peer)
+            if group is None:
+                continue
+            self._touched.add(group)
+            coordinator = group.coordinator
+            rank = coordinator.snapshot().rank_of(peer)
+            self._send(
+                coordinator.peer_lost(peer, self.clock(), "connection closed"), group.observer
+            )
+            group.observer.lost(rank, peer, "connection closed")
         return seen
 
-    def _send(self, sends: Sequence[Send]) -> None:
+    def _send(self, sends: Sequence[Send], observer: Observer) -> None:
         sock = self._sock
         for peers, message in sends:
-            self.observer.sent(peers, message)
+            observer.sent(peers, message)
             payload = encode(message)
             for peer in peers:
                 try:
@@ -256,14 +371,156 @@ class CoordServer:
                     continue
                 self.stats.frames_out += 1
 
+    def _send_one(self, peer: bytes, message: Reject | StepFailed | Heartbeat) -> None:
+        """An answer from coordd itself, outside any group."""
+        try:
+            self._sock.send(peer, _SNDMORE_NOBLOCK)
+            self._sock.send(encode(message), _NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("dropped a frame to %r: %s", peer, exc)
+            return
+        self.stats.frames_out += 1
+
     def _bad_frame(self, peer: bytes, why: str) -> None:
         self.stats.bad_frames += 1
         log.debug("dropped a bad frame from %r: %s", peer, why)
 
+    # -- registration: which group a peer belongs to ----------------------------------------
+
+    def _on_hello(self, peer: bytes, hello: Hello, frame: zmq.Frame) -> None:
+        """Route a Hello to the group it names (created here on the first one)."""
+        self._drain_monitor()
+        self._track_connection(peer, frame.get(zmq.SRCFD))
+        now = self.clock()
+        bound = self._peer_group.get(peer)
+        if bound is not None and bound.name != hello.group:
+            held = bound.coordinator.snapshot().rank_of(peer)
+            if held is not None:
+                error = Rejected(
+                    RejectReason.GROUP.value,
+                    f"this connection is registered as rank {held} of group {bound.name!r}, "
+                    f"not {_shown(hello.group)}: a client belongs to one group",
+                    expected=bound.name,
+                    got=_shown(hello.group),
+                )
+                self._refuse(peer, hello, error)
+                return
+        group = self.groups.get(hello.group)
+        if group is None:
+            group = self._create(peer, hello)
+            if group is None:
+                return
+        if bound is not None and bound is not group:
+            # No member of its old group (checked above): a rejoin it queued there is void.
+            self._touched.add(bound)
+            self._send(
+                bound.coordinator.peer_lost(peer, now, "joined another group"), bound.observer
+            )
+        self._peer_group[peer] = group
+        self._touched.add(group)
+        group.observer.registering(peer, hello, frame.get("Peer-Address"))
+        self._send(group.coordinator.receive(peer, hello, now), group.observer)
+        if len(self._peer_group) > 2 * self.dp_size * len(self.groups) + 256:
+            self._forget_departed()
+
+    def _create(self, peer: bytes, hello: Hello) -> Group | None:
+        """A new group for `hello`, or None if it was refused (its name, its settings, the
+        limit). A Hello that no group would admit creates none."""
+        name = hello.group
+        problem = group_name_problem(name)
+        if problem is not None:
+            error = Rejected(
+                RejectReason.GROUP.value,
+                f"field group: {_shown(name)} cannot name a group ({problem}); a group name is "
+                f"1..{MAX_GROUP_NAME} printable characters without whitespace",
+                expected=f"1..{MAX_GROUP_NAME} printable characters, no whitespace",
+                got=_shown(name),
+            )
+            self._refuse(peer, hello, error)
+            return None
+        try:
+            check_basics(hello, self.dp_size)
+        except Rejected as refused:
+            self._refuse(peer, hello, refused)
+            return None
+        if len(self.groups) >= self.max_groups and not self._evict_one():
+            error = Rejected(
+                RejectReason.GROUP_LIMIT.value,
+                f"coordd serves {len(self.groups)} groups, its limit (--max-groups "
+                f"{self.max_groups}): group {name!r} cannot be created",
+                expected=f"at most {self.max_groups} groups",
+                got=f"{len(self.groups) + 1} groups",
+            )
+            self._refuse(peer, hello, error)
+            return None
+        # Epochs grow across the groups too: a report's epoch names one group's epoch at most.
+        epoch = self._last_epoch = max(int(self.wall() * 1000), self._last_epoch + 1)
+        coordinator = Coordinator(
+            self.dp_size,
+            epoch=epoch,
+            step_timeout=self.step_timeout,
+            on_rank_loss=self.on_rank_loss,
+        )
+        group = Group(name, coordinator, Observer(coordinator.snapshot, name=name, wall=self.wall))
+        self.groups[name] = group
+        self.events.group_created(name, epoch, len(self.groups), self.max_groups)
+        return group
+
+    def _evict_one(self) -> bool:
+        """Make room at the limit: drop the oldest group with no members and no open round
+        (its ranks all left; a stranger's Hellos cannot hold the slots forever). True if one
+        was dropped."""
+        for name, group in self.groups.items():
+            snap = group.coordinator.snapshot()
+            if not snap.members and snap.round is None:
+                del self.groups[name]
+                self._open.pop(group, None)
+                self._touched.discard(group)
+                self._peer_group = {p: g for p, g in self._peer_group.items() if g is not group}
+                self.events.group_dropped(name, snap.epoch)
+                return True
+        return False
+
+    def _forget_departed(self) -> None:
+        """Bound the peer map: keep the peers that are members of their group (a peer that left
+        is answered as a stranger from then on)."""
+        live = {
+            member.peer
+            for group in self.groups.values()
+            for member in group.coordinator.snapshot().members.values()
+        }
+        self._peer_group = {p: g for p, g in self._peer_group.items() if p in live}
+
+    def _refuse(self, peer: bytes, hello: Hello, error: Rejected) -> None:
+        reject = reject_message(error)
+        self.events.rejected_hello(peer, hello, reject, _shown(hello.group))
+        self._send_one(peer, reject)
+
+    def _from_stranger(self, peer: bytes, message: ToCoordinator) -> None:
+        """A message from a peer that registered with no group (never, before coordd
+        restarted, or so long ago that it was forgotten)."""
+        if isinstance(message, Heartbeat):
+            self._send_one(peer, message)
+            return
+        if isinstance(message, (Goodbye, Hello)):
+            return
+        report = message  # a StepReport or a GatherReport
+        error: CoordError
+        if any(g.coordinator.snapshot().epoch == report.epoch for g in self.groups.values()):
+            error = ProtocolError("report from a peer that has not registered", rank=report.dp_rank)
+        else:
+            error = CoordinatorUnavailable(
+                f"epoch {report.epoch} is the current epoch of no group coordd serves "
+                "(coordd restarted or the group re-formed): register again"
+            )
+        failure = failure_message(error, epoch=report.epoch, seq=report.seq, kind=report.kind)
+        self.events.refused_report(peer, failure)
+        self._send_one(peer, failure)
+
     # -- the one timer ----------------------------------------------------------------------
 
     def _schedule_deadline(self) -> None:
-        deadline = self.coordinator.next_deadline()
+        deadline = min(self._open.values()) if self._open else None
         if deadline == self._timer_at:
             return
         if self._timer is not None:
@@ -277,5 +534,16 @@ class CoordServer:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
-        self._send(self.coordinator.on_deadline(self.clock()))
+        now = self.clock()
+        for group, deadline in list(self._open.items()):
+            if deadline <= now:
+                self._touched.add(group)
+                self._send(group.coordinator.on_deadline(now), group.observer)
         self._drain()
+
+
+def _shown(name: str) -> str:
+    """A group name as logs and answers show it: itself when valid, else its ascii() (cut)."""
+    if group_name_problem(name) is None:
+        return name
+    return ascii(name[: MAX_GROUP_NAME + 1])

@@ -1,9 +1,10 @@
 """coordd's status: the /status document (built in the daemon) and `coordd status` (a table).
 
-The document says where the group stands (its state, epoch, the open round, readiness, the
-failure if any) and, per rank, who holds it (routing id, address, incarnation), when it last
-reported, how many rounds it took part in, how late its reports come on average, and how often
-it was the last to report (the straggler). `coordd status` fetches it over HTTP and prints it as a
+The document says whether coordd is ready and, for every group it serves, where the group
+stands (its state, epoch, the open round, readiness, the failure if any) and, per rank, who
+holds it (routing id, address, incarnation), when it last reported, how many rounds it took part
+in, how late its reports come on average, and how often it was the last to report (the
+straggler). `coordd status` fetches it over HTTP and prints it as a
 table; `coordd status --probe livez|readyz` is the health check the deploy files run.
 """
 
@@ -16,24 +17,24 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from coordd.proto.messages import PROTOCOL_VERSION
 from coordd.proto.snapshot import GroupSnapshot, OnRankLoss
 
 if TYPE_CHECKING:
-    from coordd.metrics import Observer
-    from coordd.server import CoordServer
+    from coordd.server import CoordServer, Group
 
 #: The port the deploy files serve metrics and health on, and `coordd status` asks by default.
 DEFAULT_METRICS_PORT = 9180
 
 
-def readiness(snap: GroupSnapshot) -> tuple[bool, str]:
-    """Ready: every dp rank registered (neutralize mode: or left out) and the group not failed."""
+def group_readiness(snap: GroupSnapshot) -> tuple[bool, str]:
+    """A group is formed: every dp rank registered (neutralize mode: or left out), not failed."""
     failure = snap.failure
     if failure is not None:
-        return False, f"group failed at seq {failure.seq}: {failure.text}"
+        return False, f"failed at seq {failure.seq}: {failure.text}"
     present = len(snap.members)
     counted = present + (len(snap.dead) if snap.on_rank_loss is OnRankLoss.NEUTRALIZE else 0)
     if present == 0 or counted < snap.dp_size:
@@ -43,13 +44,43 @@ def readiness(snap: GroupSnapshot) -> tuple[bool, str]:
     return True, f"{present}/{snap.dp_size} ranks registered"
 
 
-def status_document(server: CoordServer, observer: Observer) -> dict[str, Any]:
-    """The /status JSON: O(dp x recent rounds) work, only when asked."""
-    from coordd.metrics import version
+def readiness(groups: Mapping[str, GroupSnapshot], expect_groups: int = 0) -> tuple[bool, str]:
+    """coordd is ready (/readyz 200) when no group is failed and at least `expect_groups`
+    groups (at least one when 0) are formed; a group still forming, or empty because its ranks
+    left, holds nothing back once enough others are formed. The reason names the group."""
+    want = max(1, expect_groups)
+    formed = 0
+    waiting: tuple[str, str] | None = None
+    for name, snap in groups.items():
+        ready, why = group_readiness(snap)
+        if snap.failure is not None:
+            return False, f"group {name} {why}"
+        if ready:
+            formed += 1
+        elif waiting is None:
+            waiting = (name, why)
+    if not groups:
+        return False, "no group has registered yet"
+    if formed >= want:
+        if len(groups) == 1:
+            ((name, snap),) = groups.items()
+            return True, f"1/1 groups formed ({name}: {group_readiness(snap)[1]})"
+        return True, f"{formed}/{len(groups)} groups formed"
+    assert waiting is not None
+    return False, f"{formed}/{want} groups formed: group {waiting[0]} has {waiting[1]}"
 
-    snap = server.coordinator.snapshot()
-    now = server.clock()
-    ready, why = readiness(snap)
+
+def server_readiness(server: CoordServer) -> tuple[bool, str]:
+    """`readiness` of a running coordd's groups."""
+    snaps = {name: group.coordinator.snapshot() for name, group in server.groups.items()}
+    return readiness(snaps, server.expect_groups)
+
+
+def group_document(group: Group, now: float) -> dict[str, Any]:
+    """One group's part of /status: O(dp x recent rounds) work, only when asked."""
+    observer = group.observer
+    snap = group.coordinator.snapshot()
+    ready, why = group_readiness(snap)
     lateness = observer.mean_lateness()
     last = snap.last_round
     open_round = snap.round
@@ -78,20 +109,14 @@ def status_document(server: CoordServer, observer: Observer) -> dict[str, Any]:
         ranks.append(entry)
     failure = snap.failure
     return {
-        "coordd": {
-            "version": version(),
-            "protocol_version": PROTOCOL_VERSION,
-            "pid": os.getpid(),
-            "address": server.bound_address,
-            "uptime_s": round(observer.wall() - observer.started_wall, 3),
-        },
-        "group": observer.group,
+        "name": group.name,
         "dp_size": snap.dp_size,
         "state": snap.state.value,
         "epoch": snap.epoch,
         "seq": snap.seq,
         "on_rank_loss": snap.on_rank_loss.value,
         "step_timeout_s": snap.step_timeout,
+        "members": len(snap.members),
         "ready": ready,
         "ready_detail": why,
         "round": {
@@ -117,14 +142,44 @@ def status_document(server: CoordServer, observer: Observer) -> dict[str, Any]:
         },
         "lateness_window_rounds": len(observer.recent),
         "faults": dict(observer.faults),
+        "registrations": observer.registrations,
+        "rejected": dict(observer.rejected),
+        "ranks": ranks,
+        "recent_failures": list(observer.recent_failures),
+    }
+
+
+def status_document(server: CoordServer) -> dict[str, Any]:
+    """The /status JSON: coordd, its readiness, and every group (in the order they came)."""
+    from coordd.metrics import version
+
+    now = server.clock()
+    ready, why = server_readiness(server)
+    return {
+        "coordd": {
+            "version": version(),
+            "protocol_version": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "address": server.bound_address,
+            "uptime_s": round(server.wall() - server.started_wall, 3),
+            "dp_size": server.dp_size,
+            "max_groups": server.max_groups,
+            "expect_groups": server.expect_groups,
+        },
+        "ready": ready,
+        "ready_detail": why,
+        "groups": [group_document(group, now) for group in server.groups.values()],
+        "outside_groups": {
+            "rejected": dict(server.events.rejected),
+            "faults": dict(server.events.faults),
+            "groups_dropped": server.events.dropped_groups,
+        },
         "frames": {
             "received": server.stats.frames_in,
             "sent": server.stats.frames_out,
             "bad": server.stats.bad_frames,
         },
         "disconnects": server.stats.disconnects,
-        "ranks": ranks,
-        "recent_failures": list(observer.recent_failures),
     }
 
 
@@ -224,37 +279,51 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render(doc: dict[str, Any]) -> str:
-    """The status document as a terminal table."""
+    """The status document as a terminal table: coordd, then one block per group."""
     info = doc["coordd"]
-    rounds = doc["rounds"]
-    rnd = doc["round"]
+    frames = doc["frames"]
     lines = [
         f"coordd {info['version']} (protocol {info['protocol_version']}) at {info['address']}"
         f", pid {info['pid']}, up {_seconds(info['uptime_s'])}",
-        f"group {doc['group']}  dp {doc['dp_size']}  state {doc.get('state', '-')}"
+        f"dp {info['dp_size']}  groups {len(doc['groups'])} (at most {info['max_groups']}"
+        + (f", expecting {info['expect_groups']}" if info["expect_groups"] else "")
+        + f")  frames in {frames['received']}, out {frames['sent']}, bad {frames['bad']}; "
+        f"disconnects {doc['disconnects']}",
+        f"ready: {'yes' if doc['ready'] else 'NO'} ({doc['ready_detail']})",
+    ]
+    outside = doc["outside_groups"]
+    refused = {**outside["rejected"], **outside["faults"]}
+    if refused:
+        shown = ", ".join(f"{k} {n}" for k, n in sorted(refused.items()))
+        lines.append(f"refused outside any group: {shown}")
+    for group in doc["groups"]:
+        lines += ["", *_group_block(group)]
+    return "\n".join(lines)
+
+
+def _group_block(doc: dict[str, Any]) -> list[str]:
+    rounds = doc["rounds"]
+    rnd = doc["round"]
+    lines = [
+        f"group {doc['name']}  dp {doc['dp_size']}  state {doc['state']}"
         f"  epoch {doc['epoch']}  seq {doc['seq']}"
         f"  on rank loss: {doc['on_rank_loss']}  step timeout {_seconds(doc['step_timeout_s'])}",
-        f"ready: {'yes' if doc['ready'] else 'NO'} ({doc['ready_detail']})",
+        f"  ready: {'yes' if doc['ready'] else 'NO'} ({doc['ready_detail']})",
     ]
     if rnd["open"]:
         lines.append(
-            f"round {doc['seq']}: open, {rnd['kind']}, {rnd['reported']}/{doc['dp_size']} "
+            f"  round {doc['seq']}: open, {rnd['kind']}, {rnd['reported']}/{doc['dp_size']} "
             f"reported, {_seconds(rnd['age_s'])} old"
         )
     decided = ", ".join(f"{k} {n}" for k, n in sorted(rounds["decided"].items())) or "none"
     failed = sum(rounds["failed"].values())
-    frames = doc["frames"]
-    lines.append(
-        f"rounds decided: {decided}; failed: {failed}; frames in {frames['received']}, "
-        f"out {frames['sent']}, bad {frames['bad']}; disconnects {doc['disconnects']}"
-    )
+    lines.append(f"  rounds decided: {decided}; failed: {failed}")
     if doc["failure"]:
         f = doc["failure"]
         lines.append(
-            f"FAILED: epoch {f['epoch']} seq {f['seq']} {f['kind']} {f['reason']} "
+            f"  FAILED: epoch {f['epoch']} seq {f['seq']} {f['kind']} {f['reason']} "
             f"ranks {f['ranks']}: {f['text']}"
         )
-    lines.append("")
     rows = [
         [
             str(r["rank"]),
@@ -268,20 +337,32 @@ def render(doc: dict[str, Any]) -> str:
         ]
         for r in doc["ranks"]
     ]
-    lines += _table(
-        ["RANK", "STATE", "PEER", "INCARNATION", "LAST SEEN", "ROUNDS", "MEAN LATENESS", "LAST IN"],
-        rows,
-    )
+    lines += [
+        "  " + line
+        for line in _table(
+            [
+                "RANK",
+                "STATE",
+                "PEER",
+                "INCARNATION",
+                "LAST SEEN",
+                "ROUNDS",
+                "MEAN LATENESS",
+                "LAST IN",
+            ],
+            rows,
+        )
+    ]
     lines.append(
-        f"(mean lateness: after the round's first report, over the last "
+        f"  (mean lateness: after the round's first report, over the last "
         f"{doc['lateness_window_rounds']} rounds; last in: rounds this rank completed)"
     )
     if doc["recent_failures"]:
-        lines += ["", "recent failures:"]
+        lines.append("  recent failures:")
         for f in doc["recent_failures"]:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f["time"]))
             lines.append(
-                f"  {when} epoch {f['epoch']} seq {f['seq']} {f['kind']} {f['reason']} "
+                f"    {when} epoch {f['epoch']} seq {f['seq']} {f['kind']} {f['reason']} "
                 f"ranks {f['ranks']}: {f['text']}"
             )
-    return "\n".join(lines)
+    return lines

@@ -210,21 +210,23 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
     c = coordd("serve", "--dp", str(dp), "--bind", f"ipc://{tmp_path}/c.sock", *http_args())
     assert c.url.startswith("http://127.0.0.1:"), "HTTP binds loopback unless asked"
     assert fetch(c.url + "/livez", 5) == (200, b"ok\n")
-    assert fetch(c.url + "/readyz", 5) == (503, b"0/3 ranks registered\n")
+    assert fetch(c.url + "/readyz", 5) == (503, b"no group has registered yet\n")
     assert coordd_cli("status", "--url", c.url, "--probe", "readyz").returncode == 1
 
     ranks = Ranks(c.address, dp, rounds, late, delay)
     try:
         # during the rounds: ready, and `coordd status` renders the live group
-        wait_for(lambda: status(c.url)["rounds"]["completed"] >= 3, 90, "rounds to start")
+        wait_for(lambda: (groups := status(c.url)["groups"]) and
+                 groups[0]["rounds"]["completed"] >= 3, 90, "rounds to start")
         assert fetch(c.url + "/readyz", 5)[0] == 200
         probe = coordd_cli("status", "--url", c.url, "--probe", "readyz")
         assert probe.returncode == 0 and probe.stdout.startswith("readyz: 200"), probe
         table = coordd_cli("status", "--url", c.url)
         assert table.returncode == 0, table.stderr
         assert f"group default  dp {dp}" in table.stdout
-        assert "ready: yes (3/3 ranks registered)" in table.stdout
-        rows = [line.split() for line in table.stdout.splitlines() if line[:1].isdigit()]
+        assert "ready: yes (1/1 groups formed (default: 3/3 ranks registered))" in table.stdout
+        rows = [line.split() for line in table.stdout.splitlines()
+                if line.strip()[:1].isdigit()]
         assert [(row[0], row[1]) for row in rows] == [(str(r), "registered") for r in range(dp)]
 
         results = ranks.results(timeout=90)
@@ -233,19 +235,21 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
 
         # after the rounds, still registered: the counts are exact
         m = samples(c.url)
-        assert metric(m, "coordd_rounds_total", kind="forward", outcome="decided") == rounds
-        assert metric(m, "coordd_round_duration_seconds_count", kind="forward") == rounds
-        assert metric(m, "coordd_round_duration_seconds_bucket", kind="forward",
+        g = {"group": "default"}
+        assert metric(m, "coordd_rounds_total", **g, kind="forward", outcome="decided") == rounds
+        assert metric(m, "coordd_round_duration_seconds_count", **g, kind="forward") == rounds
+        assert metric(m, "coordd_round_duration_seconds_bucket", **g, kind="forward",
                       le="+Inf") == rounds
-        assert metric(m, "coordd_round_duration_seconds_sum", kind="forward") > 0
+        assert metric(m, "coordd_round_duration_seconds_sum", **g, kind="forward") > 0
         stragglers = {dict(k)["rank"]: v for k, v in m["coordd_straggler_rounds_total"].items()}
         assert sum(stragglers.values()) == rounds
         assert stragglers[str(late)] >= rounds - 3, f"rank {late} is the late one: {stragglers}"
-        assert metric(m, "coordd_registered_ranks") == dp
+        assert metric(m, "coordd_registered_ranks", **g) == dp
         assert metric(m, "coordd_dp_size") == dp
+        assert metric(m, "coordd_groups") == 1
         assert metric(m, "coordd_ready") == 1
-        assert metric(m, "coordd_round_seq") == rounds
-        assert metric(m, "coordd_registrations_total") == dp
+        assert metric(m, "coordd_round_seq", **g) == rounds
+        assert metric(m, "coordd_registrations_total", **g) == dp
         assert metric(m, "coordd_frames_received_total") == dp * (rounds + 1)
         assert metric(m, "coordd_frames_sent_total") == dp * (rounds + 1)
         assert metric(m, "coordd_bad_frames_total") == 0
@@ -255,6 +259,8 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
         assert dict(build)["protocol_version"] == "2"
 
         doc = status(c.url)
+        assert doc["ready"] is True
+        (doc,) = doc["groups"]
         assert doc["seq"] == rounds and doc["ready"] is True and doc["failure"] is None
         lateness = [r["mean_lateness_s"] for r in doc["ranks"]]
         assert lateness[late] > delay / 2
@@ -264,13 +270,14 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
     finally:
         ranks.close()
     # the ranks left: in fail-stop mode the group is failed, and coordd says so
-    m = wait_for(lambda: (s := samples(c.url)) and metric(s, "coordd_group_failed") == 1 and s,
+    m = wait_for(lambda: (s := samples(c.url)) and
+                 metric(s, "coordd_group_failed", group="default") == 1 and s,
                  30, "the group to fail once the ranks left")
-    assert metric(m, "coordd_faults_total", reason="lost") == 1
+    assert metric(m, "coordd_faults_total", group="default", reason="lost") == 1
     assert metric(m, "coordd_ready") == 0
     code, body = fetch(c.url + "/readyz", 5)
-    assert code == 503 and body.startswith(b"group failed")
-    (failure,) = status(c.url)["recent_failures"]
+    assert code == 503 and body.startswith(b"group default failed at seq")
+    (failure,) = status(c.url)["groups"][0]["recent_failures"]
     assert failure["reason"] == "lost" and failure["seq"] == rounds
     assert c.alive()
 
@@ -322,8 +329,11 @@ def test_curve_admits_only_the_given_client_keys(coordd: Callable[..., Coordd], 
             r.close()
     m = samples(c.url)
     assert metric(m, "coordd_curve_refused_total") >= 1
-    assert metric(m, "coordd_rounds_total", kind="forward", outcome="decided") == 3
-    assert metric(m, "coordd_registrations_total") == 2, "no refused client ever registered"
+    assert metric(m, "coordd_rounds_total", group="default", kind="forward",
+                  outcome="decided") == 3
+    assert metric(m, "coordd_registrations_total", group="default") == 2, (
+        "no refused client ever registered"
+    )
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     (refusal,) = [r for r in lines if r["message"] == "client refused"]
     intruder = (keys / "intruder.key").read_text().split('public-key = "')[1][:40]
@@ -356,7 +366,7 @@ def test_an_oversize_frame_is_cut_while_the_ranks_keep_coordinating(
             assert [p.wait(timeout=10).seq for p in pending] == [seq, seq]
         m = samples(c.url)
         assert metric(m, "coordd_bad_frames_total") == 1
-        assert metric(m, "coordd_registered_ranks") == 2
+        assert metric(m, "coordd_registered_ranks", group="default") == 2
         assert "coordd_faults_total" not in m
         assert c.alive()
     finally:

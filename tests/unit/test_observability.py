@@ -1,9 +1,10 @@
 """coordd's observer, metrics, status, endpoints and log lines, driven without sockets or clocks.
 
-`Daemon` feeds a real `Coordinator` and passes what it sends to the `Observer` the way
-coordd/server.py does (every Send, the Hello before it is handled, the failure check after),
-so the numbers here are the ones a scrape of a real coordd shows; the integration test
-(tests/integration/test_operability.py) checks the same against a real process.
+`Daemon` holds named groups (a real `Coordinator` and `Observer` each, as coordd/server.py
+builds them) and passes what each sends to its `Observer` the way the server does (every Send,
+the Hello before it is handled, the failure check after), so the numbers here are the ones a
+scrape of a real coordd shows; the integration tests (tests/integration/test_operability.py,
+test_groups.py) check the same against a real process.
 """
 
 from __future__ import annotations
@@ -18,67 +19,100 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordd.endpoints import HttpEndpoints, coordd_routes
 from coordd.logs import JsonFormatter, event, fault_fields, setup_logging
-from coordd.metrics import DURATION_BUCKETS, Observer
+from coordd.metrics import DURATION_BUCKETS, Observer, ServerEvents
 from coordd.proto.coordinator import Coordinator, OnRankLoss
 from coordd.proto.messages import Hello, StepKind, StepReport
-from coordd.server import ServerStats
-from coordd.status import readiness, render, status_document
+from coordd.proto.snapshot import GroupSnapshot
+from coordd.server import Group, ServerStats, group_name_problem
+from coordd.status import group_readiness, readiness, render, status_document
 
 EPOCH = 9
 
 
-def peer(rank: int) -> bytes:
-    return f"{rank}:inc{rank}".encode()
+def peer(rank: int, group: str = "default") -> bytes:
+    return f"{rank}:inc{rank}:{group}".encode()
 
 
 class Daemon:
-    """A Coordinator and an Observer wired as CoordServer wires them, with a settable clock."""
+    """Named groups wired as CoordServer wires them, with a settable clock, and the attributes
+    the endpoints read from a server. `group` names the group a call goes to ("default")."""
 
-    def __init__(self, dp: int, **kw: Any) -> None:
+    def __init__(self, dp: int, expect_groups: int = 0, **kw: Any) -> None:
         self.now = 100.0
-        self.coordinator = Coordinator(dp, epoch=EPOCH, step_timeout=10.0, **kw)
-        self.observer = Observer(self.coordinator.snapshot, wall=lambda: 1_700_000_000.0 + self.now)
+        self.dp_size = dp
+        self.kw = kw
+        self.groups: dict[str, Group] = {}
         self.stats = ServerStats()
+        self.events = ServerEvents()
         self.bound_address = "ipc:///run/coordd/coordd.sock"
+        self.max_groups = 64
+        self.expect_groups = expect_groups
+        self.curve_refused = None
+        self.started_wall = self.wall()
         self.sent: list[Any] = []
 
     def clock(self) -> float:
         return self.now
 
-    def _after(self, sends: Any) -> None:
+    def wall(self) -> float:
+        return 1_700_000_000.0 + self.now
+
+    def group(self, name: str = "default") -> Group:
+        found = self.groups.get(name)
+        if found is None:
+            c = Coordinator(self.dp_size, epoch=EPOCH, step_timeout=10.0, **self.kw)
+            found = self.groups[name] = Group(name, c, Observer(c.snapshot, name=name,
+                                                                wall=self.wall))
+        return found
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.group().coordinator
+
+    @property
+    def observer(self) -> Observer:
+        return self.group().observer
+
+    def snapshot(self, group: str = "default") -> GroupSnapshot:
+        return self.group(group).coordinator.snapshot()
+
+    def _after(self, sends: Any, g: Group) -> None:
         for s in sends:
             self.sent.append(s.message)
-            self.observer.sent(s.peers, s.message)
-        if self.coordinator.failures != self.observer.failures_seen:
-            self.observer.group_failed(self.coordinator.snapshot())
+            g.observer.sent(s.peers, s.message)
+        if g.coordinator.failures != g.observer.failures_seen:
+            g.observer.group_failed(g.coordinator.snapshot())
 
-    def hello(self, rank: int, at: float, **kw: Any) -> None:
+    def hello(self, rank: int, at: float, group: str = "default", **kw: Any) -> None:
         self.now = at
+        g = self.group(group)
         kw.setdefault("config_fingerprint", "fp")
-        message = Hello(dp_size=self.coordinator.dp_size, dp_rank=rank,
-                        incarnation=f"inc{rank}", **kw)
-        self.observer.registering(peer(rank), message, f"10.0.0.{rank}")
-        self._after(self.coordinator.receive(peer(rank), message, at))
+        message = Hello(dp_size=self.dp_size, dp_rank=rank, incarnation=f"inc{rank}",
+                        group=group, **kw)
+        g.observer.registering(peer(rank, group), message, f"10.0.0.{rank}")
+        self._after(g.coordinator.receive(peer(rank, group), message, at), g)
 
     def report(self, rank: int, seq: int, at: float, kind: StepKind = StepKind.FORWARD,
-               epoch: int = EPOCH) -> None:
+               epoch: int = EPOCH, group: str = "default") -> None:
         self.now = at
+        g = self.group(group)
         message = StepReport(num_tokens=rank, num_tokens_padded=rank, dp_rank=rank, epoch=epoch,
                              seq=seq, kind=kind)
-        self._after(self.coordinator.receive(peer(rank), message, at))
+        self._after(g.coordinator.receive(peer(rank, group), message, at), g)
 
-    def lose(self, rank: int, at: float) -> None:
+    def lose(self, rank: int, at: float, group: str = "default") -> None:
         self.now = at
-        c = self.coordinator
-        who = c.snapshot().rank_of(peer(rank))
-        for s in c.peer_lost(peer(rank), at, "connection closed"):
+        g = self.group(group)
+        c = g.coordinator
+        who = c.snapshot().rank_of(peer(rank, group))
+        for s in c.peer_lost(peer(rank, group), at, "connection closed"):
             self.sent.append(s.message)
-            self.observer.sent(s.peers, s.message)
-        self.observer.lost(who, peer(rank), "connection closed")
-        self._after(())
+            g.observer.sent(s.peers, s.message)
+        g.observer.lost(who, peer(rank, group), "connection closed")
+        self._after((), g)
 
     def metrics(self) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-        routes = coordd_routes(self, self.observer)  # type: ignore[arg-type]
+        routes = coordd_routes(self)  # type: ignore[arg-type]
         status, ctype, body = routes["/metrics"]()
         assert status == 200 and ctype.startswith("text/plain")
         out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
@@ -90,15 +124,21 @@ class Daemon:
         return out
 
 
-def registered(dp: int, **kw: Any) -> Daemon:
+def registered(dp: int, groups: tuple[str, ...] = ("default",), **kw: Any) -> Daemon:
     d = Daemon(dp, **kw)
-    for r in range(dp):
-        d.hello(r, 100.0)
+    for group in groups:
+        for r in range(dp):
+            d.hello(r, 100.0, group)
     return d
 
 
 def value(m: dict[str, Any], name: str, **labels: str) -> float:
     return m[name][tuple(sorted(labels.items()))]
+
+
+def default(m: dict[str, Any], name: str, **labels: str) -> float:
+    """A per-group series of the group "default"."""
+    return value(m, name, group="default", **labels)
 
 
 def test_rounds_durations_and_stragglers_are_counted_once_per_round() -> None:
@@ -124,26 +164,26 @@ def test_rounds_durations_and_stragglers_are_counted_once_per_round() -> None:
     assert lateness[2] == pytest.approx((0.003 + 0.010 + 0.2) / 3)
 
     m = d.metrics()
-    assert value(m, "coordd_rounds_total", kind="forward", outcome="decided") == 2
-    assert value(m, "coordd_rounds_total", kind="draft", outcome="decided") == 1
-    assert value(m, "coordd_round_duration_seconds_count", kind="forward") == 2
-    assert value(m, "coordd_round_duration_seconds_sum", kind="forward") == pytest.approx(0.203)
+    assert default(m, "coordd_rounds_total", kind="forward", outcome="decided") == 2
+    assert default(m, "coordd_rounds_total", kind="draft", outcome="decided") == 1
+    assert default(m, "coordd_round_duration_seconds_count", kind="forward") == 2
+    assert default(m, "coordd_round_duration_seconds_sum", kind="forward") == pytest.approx(0.203)
     # cumulative buckets: 3 ms is in le=0.005 and above; 200 ms only from le=0.25
-    assert value(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.0025") == 0
-    assert value(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.005") == 1
-    assert value(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.1") == 1
-    assert value(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.25") == 2
-    assert value(m, "coordd_round_duration_seconds_bucket", kind="forward", le="+Inf") == 2
-    assert value(m, "coordd_round_duration_seconds_bucket", kind="draft", le="0.05") == 1
-    assert value(m, "coordd_straggler_rounds_total", rank="2") == 2
-    assert value(m, "coordd_straggler_rounds_total", rank="0") == 1
-    assert ("rank", "1") not in {k[0] for k in m["coordd_straggler_rounds_total"]}
-    assert value(m, "coordd_registered_ranks") == 3
-    assert value(m, "coordd_round_seq") == 3
+    assert default(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.0025") == 0
+    assert default(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.005") == 1
+    assert default(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.1") == 1
+    assert default(m, "coordd_round_duration_seconds_bucket", kind="forward", le="0.25") == 2
+    assert default(m, "coordd_round_duration_seconds_bucket", kind="forward", le="+Inf") == 2
+    assert default(m, "coordd_round_duration_seconds_bucket", kind="draft", le="0.05") == 1
+    assert default(m, "coordd_straggler_rounds_total", rank="2") == 2
+    assert default(m, "coordd_straggler_rounds_total", rank="0") == 1
+    assert ("rank", "1") not in {pair for k in m["coordd_straggler_rounds_total"] for pair in k}
+    assert default(m, "coordd_registered_ranks") == 3
+    assert default(m, "coordd_round_seq") == 3
     assert value(m, "coordd_ready") == 1
-    assert value(m, "coordd_group_state", state="idle") == 1
-    assert value(m, "coordd_group_state", state="failed") == 0
-    assert value(m, "coordd_registrations_total") == 3
+    assert default(m, "coordd_group_state", state="idle") == 1
+    assert default(m, "coordd_group_state", state="failed") == 0
+    assert default(m, "coordd_registrations_total") == 3
     assert m["coordd_build_info"]
     assert len(DURATION_BUCKETS) + 1 == len(m["coordd_round_duration_seconds_bucket"]) // 2
 
@@ -164,10 +204,10 @@ def test_a_group_failure_is_counted_and_logged_once(caplog: pytest.LogCaptureFix
         "reason": "mismatch", "detail": line.fields["detail"],  # type: ignore[attr-defined]
     }
     m = d.metrics()
-    assert value(m, "coordd_faults_total", reason="mismatch") == 1
-    assert value(m, "coordd_rounds_total", kind="forward", outcome="failed") == 1
-    assert value(m, "coordd_group_failed") == 1
-    assert value(m, "coordd_group_state", state="failed") == 1
+    assert default(m, "coordd_faults_total", reason="mismatch") == 1
+    assert default(m, "coordd_rounds_total", kind="forward", outcome="failed") == 1
+    assert default(m, "coordd_group_failed") == 1
+    assert default(m, "coordd_group_state", state="failed") == 1
     assert value(m, "coordd_ready") == 0
     (recent,) = o.recent_failures
     assert recent["ranks"] == [1] and recent["reason"] == "mismatch"
@@ -223,26 +263,84 @@ def test_a_refused_registration_is_counted_and_names_the_rank(
     assert record.fields["ranks"] == [1]  # type: ignore[attr-defined]
     assert record.fields["kind"] == "register"  # type: ignore[attr-defined]
     m = d.metrics()
-    assert value(m, "coordd_registrations_rejected_total", reason="fingerprint") == 1
+    assert default(m, "coordd_registrations_rejected_total", reason="fingerprint") == 1
 
 
-def test_readiness() -> None:
+def test_group_readiness() -> None:
     d = Daemon(3)
-    assert readiness(d.coordinator.snapshot()) == (False, "0/3 ranks registered")
+    assert group_readiness(d.snapshot()) == (False, "0/3 ranks registered")
     d.hello(0, 100.0)
     d.hello(1, 100.0)
-    assert readiness(d.coordinator.snapshot()) == (False, "2/3 ranks registered")
+    assert group_readiness(d.snapshot()) == (False, "2/3 ranks registered")
     d.hello(2, 100.0)
-    assert readiness(d.coordinator.snapshot()) == (True, "3/3 ranks registered")
+    assert group_readiness(d.snapshot()) == (True, "3/3 ranks registered")
     d.lose(2, 101.0)
-    ready, why = readiness(d.coordinator.snapshot())
-    assert not ready and why.startswith("group failed at seq 0")
+    ready, why = group_readiness(d.snapshot())
+    assert not ready and why.startswith("failed at seq 0")
 
     elastic = registered(3, on_rank_loss=OnRankLoss.NEUTRALIZE)
     elastic.lose(2, 101.0)
-    assert readiness(elastic.coordinator.snapshot()) == (
-        True, "2/3 ranks registered, left out: [2]"
+    assert group_readiness(elastic.snapshot()) == (True, "2/3 ranks registered, left out: [2]")
+
+
+def test_readiness_over_groups() -> None:
+    """Ready: no group failed, and at least one group formed (or `expect_groups` of them)."""
+    d = Daemon(2)
+
+    def ready(expect: int = 0) -> tuple[bool, str]:
+        return readiness({name: g.coordinator.snapshot() for name, g in d.groups.items()}, expect)
+
+    assert ready() == (False, "no group has registered yet")
+    d.hello(0, 100.0, "dp-tp0-pp0")
+    assert ready() == (False, "0/1 groups formed: group dp-tp0-pp0 has 1/2 ranks registered")
+    d.hello(1, 100.0, "dp-tp0-pp0")
+    assert ready() == (True, "1/1 groups formed (dp-tp0-pp0: 2/2 ranks registered)")
+    d.hello(0, 100.0, "dp-tp1-pp0")  # a second group still forming holds nothing back
+    assert ready() == (True, "1/2 groups formed")
+    assert ready(expect=2) == (
+        False, "1/2 groups formed: group dp-tp1-pp0 has 1/2 ranks registered"
     )
+    d.hello(1, 100.0, "dp-tp1-pp0")
+    assert ready(expect=2) == (True, "2/2 groups formed")
+    d.report(0, 0, 101.0, group="dp-tp1-pp0")
+    d.report(1, 4, 101.0, group="dp-tp1-pp0")  # rank 1 skipped ahead: that group fails
+    ok, why = ready()
+    assert not ok and why.startswith("group dp-tp1-pp0 failed at seq 0: rank 1 reported seq=4")
+    assert group_readiness(d.snapshot("dp-tp0-pp0"))[0], "the other group is untouched"
+
+
+def test_every_series_of_a_group_carries_its_label() -> None:
+    d = registered(2, groups=("enginecore", "dp-tp0-pp0"))
+    for seq in range(3):
+        for rank in range(2):
+            d.report(rank, seq, 101.0 + seq, group="dp-tp0-pp0")
+    d.report(0, 0, 105.0, StepKind.STATE, group="enginecore")
+    d.report(1, 0, 105.2, StepKind.STATE, group="enginecore")
+    d.report(0, 1, 106.0, StepKind.STATE, group="enginecore")
+    d.report(1, 1, 106.1, StepKind.DRAFT, group="enginecore")  # a kind mismatch: it fails
+    d.events.rejected["group_limit"] += 1  # a refusal before any group took the Hello
+    m = d.metrics()
+    assert value(m, "coordd_groups") == 2
+    assert value(m, "coordd_ready") == 0, "a failed group makes coordd not ready"
+    rounds = m["coordd_rounds_total"]
+    assert rounds == {
+        (("group", "dp-tp0-pp0"), ("kind", "forward"), ("outcome", "decided")): 3,
+        (("group", "enginecore"), ("kind", "state"), ("outcome", "decided")): 1,
+        (("group", "enginecore"), ("kind", "state"), ("outcome", "failed")): 1,
+    }
+    for name, want in (("dp-tp0-pp0", (3, 0, 1)), ("enginecore", (1, 1, 0))):
+        seq, failed, ready = want
+        assert value(m, "coordd_round_seq", group=name) == seq
+        assert value(m, "coordd_group_failed", group=name) == failed
+        assert value(m, "coordd_group_ready", group=name) == ready
+        assert value(m, "coordd_registrations_total", group=name) == 2
+        assert value(m, "coordd_epoch", group=name) == EPOCH
+    assert value(m, "coordd_faults_total", group="enginecore", reason="mismatch") == 1
+    assert value(m, "coordd_registrations_rejected_total", group="", reason="group_limit") == 1
+    labelled = {name for name, series in m.items() if any(
+        ("group", "dp-tp0-pp0") in key for key in series)}
+    assert {"coordd_round_duration_seconds_bucket", "coordd_straggler_rounds_total",
+            "coordd_group_state", "coordd_registered_ranks", "coordd_dead_ranks"} <= labelled
 
 
 def test_status_document_and_table() -> None:
@@ -250,30 +348,41 @@ def test_status_document_and_table() -> None:
     d.report(0, 0, 101.0)
     d.report(1, 0, 101.5)
     d.report(1, 1, 102.0)  # round 1 open: rank 1 reported
+    d.hello(0, 102.5, "enginecore")
     d.now = 103.0
-    doc = json.loads(json.dumps(status_document(d, d.observer)))  # type: ignore[arg-type]
-    assert doc["dp_size"] == 2 and doc["epoch"] == EPOCH and doc["seq"] == 1
-    assert doc["state"] == "round_open"
-    assert doc["ready"] is True
-    assert doc["round"] == {"open": True, "kind": "forward", "reported": 1, "age_s": 1.0}
-    r0, r1 = doc["ranks"]
+    doc = json.loads(json.dumps(status_document(d)))  # type: ignore[arg-type]
+    assert doc["ready"] is True and doc["coordd"]["dp_size"] == 2
+    assert doc["ready_detail"] == "1/2 groups formed"
+    default, engine = doc["groups"]
+    assert (engine["name"], engine["members"], engine["ready"]) == ("enginecore", 1, False)
+    assert default["name"] == "default"
+    assert default["dp_size"] == 2 and default["epoch"] == EPOCH and default["seq"] == 1
+    assert default["state"] == "round_open"
+    assert default["ready"] is True
+    assert default["round"] == {"open": True, "kind": "forward", "reported": 1, "age_s": 1.0}
+    r0, r1 = default["ranks"]
     assert r0["state"] == "registered" and r0["address"] == "10.0.0.0"
-    assert r0["incarnation"] == "inc0" and r0["peer"] == "0:inc0"
+    assert r0["incarnation"] == "inc0" and r0["peer"] == "0:inc0:default"
     assert r0["last_seen_s"] == 2.0 and r1["last_seen_s"] == 1.0
     assert r0["reported_open_round"] is False and r1["reported_open_round"] is True
     assert r0["rounds"] == r1["rounds"] == 1
     assert r1["mean_lateness_s"] == 0.5 and r1["straggler_rounds"] == 1
     table = render(doc)
+    assert "ready: yes (1/2 groups formed)" in table
     assert "group default  dp 2  state round_open  epoch 9" in table
-    assert "round 1: open, forward, 1/2 reported" in table
-    rows = [line.split() for line in table.splitlines() if line[:1].isdigit()]
+    assert "group enginecore  dp 2  state idle  epoch 9" in table
+    assert "  round 1: open, forward, 1/2 reported" in table
+    assert "  ready: NO (1/2 ranks registered)" in table
+    blocks = table.split("\ngroup ")[1:]
+    assert [block.split()[0] for block in blocks] == ["default", "enginecore"]
+    rows = [line.split() for line in blocks[0].splitlines() if line.strip()[:1].isdigit()]
     assert [row[:3] for row in rows] == [["0", "registered", "10.0.0.0"],
                                          ["1", "registered", "10.0.0.1"]]
 
 
 def test_endpoints_answer_get_head_and_refuse_the_rest() -> None:
     d = registered(2)
-    routes = coordd_routes(d, d.observer)  # type: ignore[arg-type]
+    routes = coordd_routes(d)  # type: ignore[arg-type]
     endpoints = HttpEndpoints(routes)
     assert endpoints.respond("GET", "/livez") == (200, "text/plain; charset=utf-8", b"ok\n")
     assert endpoints.respond("GET", "/readyz?verbose=1")[0] == 200
@@ -297,12 +406,31 @@ def test_endpoints_answer_get_head_and_refuse_the_rest() -> None:
     got = asyncio.run(exchange(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n"))
     head, _, body = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK") and b"application/json" in head
-    assert json.loads(body)["dp_size"] == 2
+    assert json.loads(body)["groups"][0]["dp_size"] == 2
     got = asyncio.run(exchange(b"HEAD /metrics HTTP/1.1\r\n\r\n"))
     assert got.startswith(b"HTTP/1.1 200 OK") and got.endswith(b"\r\n\r\n")
     assert asyncio.run(exchange(b"garbage\r\n\r\n")).startswith(b"HTTP/1.1 400")
     d.lose(1, 101.0)
-    assert asyncio.run(exchange(b"GET /readyz HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 503")
+    got = asyncio.run(exchange(b"GET /readyz HTTP/1.1\r\n\r\n"))
+    assert got.startswith(b"HTTP/1.1 503") and b"group default failed at seq 0" in got
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("dp-tp0-pp0", None),
+        ("enginecore", None),
+        ("x" * 64, None),
+        ("", "it has 0 characters"),
+        ("x" * 65, "it has 65 characters"),
+        ("two words", "it holds ' '"),
+        ("tab\there", "it holds '\\t'"),
+        ("bell\x07", "it holds '\\x07'"),
+        ("nbsp\u00a0", "it holds '\\xa0'"),
+    ],
+)
+def test_group_names(name: str, problem: str | None) -> None:
+    assert group_name_problem(name) == problem
 
 
 def test_log_lines_carry_their_fields_in_both_formats(caplog: pytest.LogCaptureFixture) -> None:
