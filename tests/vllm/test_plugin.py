@@ -1,0 +1,163 @@
+"""The plugin inside one process: the entry point vLLM finds, install/uninstall, the checks
+that refuse a vLLM of another shape, and syncs that vLLM answers locally making no round."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (run tests/vllm in .ci/vllm-env)")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch
+import torch.distributed as torch_dist
+import vllm.config.parallel as config_parallel
+import vllm.v1.worker.dp_utils as v1
+from vllm.config import ParallelConfig
+from vllm.distributed import parallel_state as ps
+
+import coordd.vllm
+from coordd.vllm import patches
+from coordd.vllm.enable import PluginSettings
+
+#: Nothing listens here: any round the plugin tried to make would fail to connect.
+NOWHERE = PluginSettings("ipc:///nonexistent/coordd-vllm-test.sock", connect_timeout=0.5)
+
+
+@pytest.fixture
+def plugin() -> Iterator[None]:
+    assert patches.install(NOWHERE)
+    try:
+        yield
+    finally:
+        patches.uninstall()
+
+
+def _originals() -> dict[str, object]:
+    return {
+        "A": v1.__dict__["dist"],
+        "B": ps.GroupCoordinator.__dict__["cpu_all_reduce_"],
+        "C": config_parallel.__dict__["cpu_all_reduce_"],
+        "D1": ParallelConfig.__dict__["has_unfinished_dp"],
+        "D2": ParallelConfig.__dict__["sync_kv_cache_memory_size"],
+        "E": ParallelConfig.__dict__["stateless_init_dp_group"],
+    }
+
+
+def test_vllm_loads_the_plugin_through_its_entry_point(tmp_path: Path) -> None:
+    """vLLM's own load_general_plugins() (what its front-end, engine cores and workers call)
+    finds `coordd` in `vllm.general_plugins` and the plugin installs when COORDD_ADDRESS is set.
+    Run from an empty directory, as vLLM is (a stale coordd.egg-info in a checkout would
+    otherwise shadow the installed entry points)."""
+    code = (
+        "import importlib.metadata as md\n"
+        "eps = [e.value for e in md.entry_points(group='vllm.general_plugins')"
+        " if e.name == 'coordd']\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from coordd.vllm import patches\n"
+        "print(eps, patches.installed())\n"
+    )
+    env = {**os.environ, "COORDD_ADDRESS": NOWHERE.address or "", "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("VLLM_PLUGINS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "['coordd.vllm:register'] True"
+
+
+def test_register_does_nothing_unless_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COORDD_ADDRESS", raising=False)
+    monkeypatch.delenv("COORDD_VLLM", raising=False)
+    before = _originals()
+    coordd.vllm.register()
+    assert not patches.installed() and _originals() == before
+
+
+def test_install_is_idempotent_and_uninstall_restores_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = _originals()
+    monkeypatch.setenv("COORDD_ADDRESS", NOWHERE.address or "")
+    try:
+        coordd.vllm.register()
+        patched = _originals()
+        assert all(patched[k] is not before[k] for k in before)
+        coordd.vllm.register()  # vLLM may load plugins again in the same process
+        assert patches.install(NOWHERE)
+        assert _originals() == patched
+        assert isinstance(ParallelConfig.__dict__["has_unfinished_dp"], staticmethod)
+    finally:
+        patches.uninstall()
+    assert _originals() == before
+
+
+def test_a_vllm_of_another_shape_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """If one target moved, nothing is patched (never half), and the warning names it."""
+    monkeypatch.setattr(v1, "dist", object())  # as if _run_ar no longer used torch.distributed
+    before = _originals()
+    with caplog.at_level(logging.WARNING, logger="coordd.vllm"):
+        assert not patches.install(NOWHERE)
+    assert not patches.installed() and _originals() == before
+    assert "NOT installed" in caplog.text and "vllm.v1.worker.dp_utils.dist" in caplog.text
+
+
+def test_other_groups_and_ops_take_vllms_path(plugin: None) -> None:
+    """No DP group here: an all_reduce through the stand-in reaches torch.distributed itself
+    (which says it is not initialised), never coordd."""
+    with pytest.raises(ValueError, match=r"not been initialized|Default process group"):
+        v1.dist.all_reduce(torch.zeros(2, dtype=torch.int32))
+    assert v1.dist.ReduceOp is torch_dist.ReduceOp  # every other name is torch's own
+
+
+def test_skip_dp_coordination_answers_locally_with_no_round(plugin: None) -> None:
+    """vLLM's elastic-EP skip: the sync returns this rank's own view and no round is made
+    (the exchange would fail to connect if one were)."""
+    pc = ParallelConfig(data_parallel_size=4)
+    pc.data_parallel_rank = 2
+    with v1.skip_dp_coordination():
+        should_ubatch, across, mode = v1.coordinate_batch_across_dp(
+            num_tokens_unpadded=5,
+            parallel_config=pc,
+            allow_microbatching=False,
+            num_tokens_padded=8,
+            cudagraph_mode=2,
+        )
+    assert (should_ubatch, across.tolist(), mode) == (False, [8, 8, 8, 8], 2)
+    assert across.dtype == torch.int32
+    exchange = patches.exchange()
+    assert exchange is not None and exchange.rounds() == {}
+
+
+def test_a_reused_dp_sync_state_makes_no_round(plugin: None) -> None:
+    from vllm.v1.worker.gpu import dp_utils as v2
+
+    from tests.vllm.ranks import StubGraphManager
+
+    state = v2.DPSyncState(
+        num_tokens_across_dp=torch.tensor([16, 16], dtype=torch.int32),
+        uniform_token_count=None,
+        eager=False,
+        num_reqs=3,
+    )
+    desc, again = v2.dispatch_cg_and_sync_dp(
+        StubGraphManager(), 3, 16, None, dp_size=2, dp_rank=1, dp_sync_state=state
+    )
+    assert again is state and desc.num_tokens == 16
+    exchange = patches.exchange()
+    assert exchange is not None and exchange.rounds() == {}
