@@ -66,7 +66,8 @@ def readiness(groups: Mapping[str, GroupSnapshot], expect_groups: int = 0) -> tu
             ((name, snap),) = groups.items()
             return True, f"1/1 groups formed ({name}: {group_readiness(snap)[1]})"
         return True, f"{formed}/{len(groups)} groups formed"
-    assert waiting is not None
+    if waiting is None:  # every group is formed, but fewer groups than expected exist
+        return False, f"{formed}/{want} groups formed: {want - formed} more to register"
     return False, f"{formed}/{want} groups formed: group {waiting[0]} has {waiting[1]}"
 
 

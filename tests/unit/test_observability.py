@@ -295,6 +295,7 @@ def test_readiness_over_groups() -> None:
     assert ready() == (False, "0/1 groups formed: group dp-tp0-pp0 has 1/2 ranks registered")
     d.hello(1, 100.0, "dp-tp0-pp0")
     assert ready() == (True, "1/1 groups formed (dp-tp0-pp0: 2/2 ranks registered)")
+    assert ready(expect=3) == (False, "1/3 groups formed: 2 more to register")
     d.hello(0, 100.0, "dp-tp1-pp0")  # a second group still forming holds nothing back
     assert ready() == (True, "1/2 groups formed")
     assert ready(expect=2) == (
