@@ -482,14 +482,19 @@ class CoordServer:
         return False
 
     def _forget_departed(self) -> None:
-        """Bound the peer map: keep the peers that are members of their group (a peer that left
-        is answered as a stranger from then on)."""
+        """Bound the peer map: keep the peers that are members of their group, and every peer
+        of a group with an open round (one may be queued to rejoin at its end); a peer that
+        left is answered as a stranger from then on."""
         live = {
             member.peer
             for group in self.groups.values()
             for member in group.coordinator.snapshot().members.values()
         }
-        self._peer_group = {p: g for p, g in self._peer_group.items() if p in live}
+        self._peer_group = {
+            p: g
+            for p, g in self._peer_group.items()
+            if p in live or g.coordinator.snapshot().round is not None
+        }
 
     def _refuse(self, peer: bytes, hello: Hello, error: Rejected) -> None:
         reject = reject_message(error)

@@ -12,11 +12,13 @@ and a second group on one connection are refused naming the field; /metrics, /st
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import multiprocessing.synchronize
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,6 +44,7 @@ from coordd.proto.messages import (
     decode_from_coordinator,
     encode,
 )
+from coordd.server import CoordServer
 from coordd.status import fetch
 from tests.integration.test_operability import (
     Coordd,
@@ -381,3 +384,52 @@ def test_group_names_and_one_group_per_connection(
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_the_peer_map_stays_bounded_and_keeps_the_members(tmp_path: Path) -> None:
+    """Hellos from many peers (each refused: the rank is taken) fill the peer -> group map; past
+    its bound the peers that are no member are forgotten, and the members go on coordinating.
+    (A `CoordServer` in this process, on its own event loop thread, to read its map.)"""
+    server = CoordServer(f"ipc://{tmp_path}/s.sock", dp_size=1)
+    stop = threading.Event()
+    serving = threading.Thread(target=run_server, args=(server, stop), daemon=True)
+    serving.start()
+    ctx = zmq.Context()
+    socks: list[zmq.Socket] = []
+    member = CoordClient(server.bound_address, dp_rank=0, dp_size=1, group="g")
+    try:
+        member.connect(timeout=10)
+        for n in range(300):
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.setsockopt(zmq.ROUTING_ID, f"extra-{n}".encode())
+            sock.connect(server.bound_address)
+            socks.append(sock)
+            sock.send(encode(Hello(dp_size=1, dp_rank=0, config_fingerprint="",
+                                   incarnation=f"x{n}", group="g")))
+        for sock in socks:
+            assert sock.poll(10_000)
+            answer = decode_from_coordinator(sock.recv())
+            assert isinstance(answer, Reject) and answer.reason.value == "rank_taken"
+        bound = sum(server.group_of(f"extra-{n}".encode()) is not None for n in range(300))
+        assert bound <= 2 * 1 * 1 + 256, f"{bound} refused peers still mapped"
+        assert server.group_of(member.session.identity) is not None
+        assert member.coordinate(report(0, 0), timeout=10).seq == 0
+    finally:
+        member.close()
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+        stop.set()
+        serving.join(timeout=10)
+
+
+def run_server(server: CoordServer, stop: threading.Event) -> None:
+    async def main() -> None:
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=lambda: (stop.wait(30), loop.call_soon_threadsafe(done.set)),
+                         daemon=True).start()
+        await server.serve(done)
+
+    asyncio.run(main())
