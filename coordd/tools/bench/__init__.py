@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--crosshost-dp",
         type=_numbers(int),
-        default=[2, 4],
+        default=[2, 4, 8],
         help="dp measured across two network namespaces (none: skip)",
     )
     p.add_argument("--crosshost-rounds", type=int, default=500)

@@ -94,7 +94,7 @@ def _overlap(ax: Any, results: dict[str, Any]) -> None:
                     color=color,
                     marker=marker,
                     ls=ls,
-                    label=f"{method}, {variant}ing work",
+                    label=f"{method}, {'sleeping' if variant == 'sleep' else 'spinning'} work",
                 )
         sync = next(r["sync_p50_us"] for r in rows if r["method"] == method)
         ax.axhline(sync, color=color, ls=":", alpha=0.5, label=f"{method} sync round p50")
@@ -152,23 +152,37 @@ def _model(ax: Any, results: dict[str, Any]) -> None:
     for i, row in enumerate(rows):
         color, _marker = _STYLE.get(row["method"], ("black", "x"))
         xs = [c + (i - (len(rows) - 1) / 2) * width for c in range(len(cases))]
+        base = [row["base_p50_us"]] * len(cases)
         ax.bar(
             xs,
-            [row[f"p50_{n}n_{rtt:g}us"] for n, rtt in cases],
+            base,
             width,
             color=color,
-            label=f"{row['method']} ({row['base_from']} p50 {row['base_p50_us']:.0f} us)",
+            label=f"{row['method']}: measured p50 {row['base_p50_us']:.0f} us ({row['base_from']})",
+        )
+        ax.bar(
+            xs,
+            [row[f"p50_{n}n_{rtt:g}us"] - row["base_p50_us"] for n, rtt in cases],
+            width,
+            bottom=base,
+            color=color,
+            alpha=0.35,
+            hatch="//",
+            label=f"{row['method']}: modelled network trips "
+            f"({', '.join(str(row[f'trips_{n}n']) for n in crosshost.NODES)} at "
+            f"{'/'.join(str(n) for n in crosshost.NODES)} nodes) x RTT/2",
         )
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels([f"{n} nodes\nRTT {rtt:g} us" for n, rtt in cases])
     ax.set_yscale("log")
     ax.set_ylabel("modelled round p50, us")
     ax.set_title(
-        f"Across hosts at dp={dp}, MODELLED: measured local p50 + network trips x RTT/2",
+        f"Across hosts at dp={dp}, MODELLED: measured local p50 (solid) + network trips x RTT/2 "
+        "(hatched)",
         fontsize=9,
     )
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def plot(results: dict[str, Any], path: str) -> None:
