@@ -57,6 +57,7 @@ from coordd.proto.messages import (
     error_from_failure,
     error_from_reject,
 )
+from coordd.proto.policy import validate_report
 
 #: A round's outcome as a wait finds it: its decision or gathered rows, or its error.
 Outcome = StepDecision | GatherResult | CoordError
@@ -142,12 +143,16 @@ class RankSession:
         return self.hello_message
 
     def report(self, report: StepReport, kind: StepKind) -> StepReport:
-        """Stamp `report` with this rank's envelope and take the next seq."""
+        """Stamp `report` with this rank's envelope and take the next seq; raises
+        `InvalidReport` (naming this rank, the field, its value and the range; nothing sent,
+        no seq taken) for a value coordd would refuse (`validate_report`): the culprit's own
+        traceback points at the engine code that computed it."""
         if kind is StepKind.GATHER:
             raise InvalidReport(
                 self.dp_rank, "kind", kind.value, "forward, draft or state (gather: start_gather)"
             )
         stamped = self.stamp(report, kind)
+        validate_report(self.dp_rank, stamped)
         self.next_seq += 1
         return stamped
 

@@ -11,8 +11,10 @@ n = num_ubatches (a group setting every rank shares):
 - `any_unfinished` = OR of has_unfinished; `all_idle` = every rank reported 0 tokens;
 - `should_pause` = AND of want_pause; `any_pause` = OR of want_pause;
 - `dead_ranks` = the ranks left out (elastic mode), which count as neutral values.
-A report is valid when its kind is a policy round's (not "gather"), num_tokens >= 0,
-num_tokens_padded >= num_tokens and cudagraph_mode is 0, 1 or 2 (`validate_report`).
+A report is valid when its kind is a policy round's (not "gather"), 0 <= num_tokens <=
+num_tokens_padded <= MAX_TOKENS (2**31 - 1: vLLM builds int32 tensors of them), cudagraph_mode
+is 0, 1 or 2, and the flags are bools (`validate_report`; the client checks before sending,
+coordd and the device path when a report arrives).
 
 A gather round has no rules: its result is the reports' values as they came. Its only check
 (`validate_gather`) is that every rank sends as many values as the round's first report, and
@@ -33,25 +35,54 @@ from coordd.proto.messages import (
 )
 
 CUDAGRAPH_MODES = (0, 1, 2)  # NONE, PIECEWISE, FULL
+#: Largest token count a report may carry: every rank's engine builds int32 tensors of the
+#: decision's counts (vLLM's `num_tokens_across_dp`), so a larger one would fail there.
+MAX_TOKENS = 2**31 - 1
+_INT32 = "int32: the engines' token tensors"
+_FLAGS = ("want_ubatch", "has_unfinished", "want_pause")
 
 
 def validate_report(rank: int, report: StepReport) -> None:
-    """Raise `InvalidReport` naming the rank and the first field out of range."""
+    """Raise `InvalidReport` naming the rank, the first field out of range, its value and the
+    range. Cheap (a few comparisons): it runs on every report, in the client and in coordd."""
     if report.kind is StepKind.GATHER:
         raise InvalidReport(
             rank, "kind", StepKind.GATHER.value, "forward, draft or state (gather: a GatherReport)"
         )
-    if report.num_tokens < 0:
-        raise InvalidReport(rank, "num_tokens", report.num_tokens, ">= 0")
-    if report.num_tokens_padded < report.num_tokens:
+    tokens, padded = report.num_tokens, report.num_tokens_padded
+    if type(tokens) is not int and not _is_int(tokens):
+        raise InvalidReport(rank, "num_tokens", tokens, f"an int in 0..{MAX_TOKENS}")
+    if tokens < 0:
+        raise InvalidReport(rank, "num_tokens", tokens, ">= 0")
+    if tokens > MAX_TOKENS:
+        raise InvalidReport(rank, "num_tokens", tokens, f"0..{MAX_TOKENS} ({_INT32})")
+    if type(padded) is not int and not _is_int(padded):
         raise InvalidReport(
-            rank,
-            "num_tokens_padded",
-            report.num_tokens_padded,
-            f">= num_tokens ({report.num_tokens})",
+            rank, "num_tokens_padded", padded, f"an int in num_tokens ({tokens})..{MAX_TOKENS}"
         )
-    if report.cudagraph_mode not in CUDAGRAPH_MODES:
-        raise InvalidReport(rank, "cudagraph_mode", report.cudagraph_mode, "0, 1 or 2")
+    if padded < tokens:
+        raise InvalidReport(rank, "num_tokens_padded", padded, f">= num_tokens ({tokens})")
+    if padded > MAX_TOKENS:
+        raise InvalidReport(
+            rank, "num_tokens_padded", padded, f"num_tokens ({tokens})..{MAX_TOKENS} ({_INT32})"
+        )
+    mode = report.cudagraph_mode
+    if (type(mode) is not int and not _is_int(mode)) or mode not in CUDAGRAPH_MODES:
+        raise InvalidReport(rank, "cudagraph_mode", mode, "0, 1 or 2")
+    if (
+        type(report.want_ubatch) is not bool
+        or type(report.has_unfinished) is not bool
+        or type(report.want_pause) is not bool
+    ):
+        for name in _FLAGS:
+            value = getattr(report, name)
+            if type(value) is not bool:
+                raise InvalidReport(rank, name, value, "True or False")
+
+
+def _is_int(value: object) -> bool:
+    """An int the wire carries as one (an IntEnum member, say), not a bool."""
+    return isinstance(value, int) and type(value) is not bool
 
 
 def validate_gather(
