@@ -271,10 +271,13 @@ def render(results: dict[str, Any]) -> str:
     meta = results.get("meta", {})
     latency = results.get("latency", [])
     load = meta.get("loadavg_start")
+    end = meta.get("loadavg_end")
     parts.append(
         f"coordd bench, {meta.get('started', '')}: {meta.get('cpus', '?')} CPUs, "
-        f"load average {load[0]:.2f} at the start. On a shared machine every figure is noisy: "
-        "compare methods within one run, and runs by their ranges."
+        f"load average {load[0]:.2f} at the start"
+        + (f", {end[0]:.2f} at the end" if end else "")
+        + ". On a shared machine every figure is noisy: compare methods within one run, and "
+        "runs by their ranges."
         if load
         else "coordd bench"
     )
@@ -284,9 +287,10 @@ def render(results: dict[str, Any]) -> str:
             "rank's samples; measured)"
         )
         parts.append(_summary(latency))
-    tgts = results.get("targets") or targets(results)
-    parts.append("\nTargets")
-    parts.append(_targets_table(tgts))
+    if latency or results.get("scale"):  # (not for `--engine` alone: nothing to judge)
+        tgts = results.get("targets") or targets(results)
+        parts.append("\nTargets")
+        parts.append(_targets_table(tgts))
     engine_rows = results.get("engine", [])
     if engine_rows:
         first = engine_rows[0]
