@@ -61,7 +61,7 @@ from coordd.proto.messages import (
 )
 from coordd.proto.policy import decide, validate_gather, validate_report
 from coordd.proto.registration import check_basics, check_membership, rank_taken
-from coordd.proto.rounds import CompletedRound, Round
+from coordd.proto.rounds import CompletedRound, Round, Verdict
 from coordd.proto.snapshot import GroupSnapshot, Member, OnRankLoss
 
 _E, _S = GroupEvent, GroupState
@@ -109,6 +109,13 @@ class Coordinator:
         self._seq = 0
         self._members: dict[int, Member] = {}
         self._peer_rank: dict[bytes, int] = {}
+        #: Ranks of an earlier (failed) epoch whose connections are still open and that have
+        #: not registered again: each still holds its rank and binds the group's settings, so a
+        #: stranger's Hello after a failure cannot take the rank or re-form the group with
+        #: other settings (see `_on_hello`). A rank leaves here when its connection closes or it
+        #: registers again.
+        self._held: dict[int, Member] = {}
+        self._held_rank: dict[bytes, int] = {}
         self._dead: frozenset[int] = frozenset()
         self._round: Round | None = None
         self._queued: list[tuple[bytes, Hello]] = []  # lost ranks back mid-round (elastic)
@@ -140,6 +147,9 @@ class Coordinator:
         rank = self._peer_rank.get(peer)
         if rank is None:
             self._queued = [(p, h) for p, h in self._queued if p != peer]
+            held = self._held_rank.pop(peer, None)
+            if held is not None:
+                del self._held[held]
             return _NOTHING
         self._remove(rank)
         match self._loss_event():
@@ -173,6 +183,10 @@ class Coordinator:
         rnd = self._round
         if rnd is None or now < rnd.started + self.step_timeout:
             return _NOTHING
+        if rnd.disputed:
+            verdict = rnd.verdict()
+            if verdict is not None:
+                return self._fail_disputed(rnd, verdict, now)
         reports = rnd.reports
         missing = [r for r in range(self.dp_size) if reports[r] is None and r not in self._dead]
         return self._fail(StepTimeout(missing, self.step_timeout), now)
@@ -192,6 +206,12 @@ class Coordinator:
         """Group failures so far (as in the snapshot): the daemon compares it once per drain,
         which costs nothing, and builds a snapshot only when it moved."""
         return self._failures
+
+    def holders(self) -> list[bytes]:
+        """Every peer that holds a rank: this epoch's members, and the ranks of a failed epoch
+        still connected that have not registered again (the daemon must tell the machine when
+        any of them closes)."""
+        return [*(m.peer for m in self._members.values()), *self._held_rank]
 
     def peers(self) -> tuple[bytes, ...]:
         """Every registered peer of the current epoch, in rank order (cached)."""
@@ -272,23 +292,23 @@ class Coordinator:
             return self._fail(
                 StepMismatch(rank, self._seq, expected, report.seq, report.label), now, report
             )
+        first: Report | None = None
         if rnd is not None:
-            if report.kind is not rnd.kind or (rnd.kind is _GATHER and report.label != rnd.label):
-                return self._fail(
-                    StepMismatch(rank, self._seq, rnd.label, report.seq, report.label),
-                    now,
-                    report,
-                )
             previous = rnd.reports[rank]
             if previous is not None:
                 if previous == report:
                     return _NOTHING
                 return self._fail(ConflictingReport(rank, report.seq), now, report)
+            first = rnd.first
+            if report.kind is not rnd.kind or (rnd.kind is _GATHER and report.label != rnd.label):
+                # Another kind (or site) than the first report's: which rank is wrong shows
+                # only once the others have reported (see `Round.verdict`).
+                rnd.disputed = True
+                first = rnd.first_of(report.label)
         try:
             if type(report) is StepReport:
                 validate_report(rank, report)
             else:
-                first = None if rnd is None else rnd.first
                 validate_gather(rank, report, self.dp_size, first)  # type: ignore[arg-type]
         except InvalidReport as error:
             return self._fail(error, now, report)
@@ -306,6 +326,10 @@ class Coordinator:
             return _NOTHING
         if len(self._members) + len(self._dead) < self.dp_size:
             return _NOTHING
+        if rnd.disputed:
+            verdict = rnd.verdict()
+            if verdict is not None:
+                return self._fail_disputed(rnd, verdict, now)
         dead = self._dead
         decision: Outcome
         if rnd.kind is _GATHER:
@@ -367,6 +391,14 @@ class Coordinator:
     def _failure_of(self, error: CoordError, report: Report) -> StepFailed:
         return failure_message(error, epoch=self._epoch, seq=report.seq, kind=report.kind)
 
+    def _fail_disputed(self, rnd: Round, verdict: Verdict, now: float) -> Sequence[Send]:
+        """A round whose reports disagree on the kind (or site) fails naming the culprit by its
+        evidence: the lowest rank off the majority label (the device path's rule)."""
+        rnd.kind = verdict.kind
+        got = verdict.report
+        error = StepMismatch(verdict.rank, rnd.seq, verdict.label, got.seq, got.label)
+        return self._fail(error, now)
+
     def _fail(self, error: CoordError, now: float, report: Report | None = None) -> Sequence[Send]:
         """End the round (and the group) with `error`; `report` is the one that caused it."""
         if self._round is not None:
@@ -385,8 +417,13 @@ class Coordinator:
     def _on_hello(self, peer: bytes, hello: Hello, now: float) -> Sequence[Send]:
         try:
             check_basics(hello, self.dp_size)
-            # After a failure this Hello opens a new epoch: the old members no longer bind it.
-            if self._state is not _S.FAILED:
+            # The same checks before and after a failure: a rank held by a live connection (of
+            # this epoch, or of a failed one that has not registered again) is taken, and the
+            # group's settings are those of the ranks still connected.
+            if self._held:
+                holders = {**self._held, **self._members}
+                check_membership(peer, hello, holders, {**self._held_rank, **self._peer_rank})
+            else:
                 check_membership(peer, hello, self._members, self._peer_rank)
         except Rejected as error:
             return (Send((peer,), reject_message(error)),)
@@ -408,6 +445,9 @@ class Coordinator:
 
     def _join(self, peer: bytes, hello: Hello, now: float) -> Sequence[Send]:
         self._move(_E.JOIN)
+        held = self._held.pop(hello.dp_rank, None)
+        if held is not None:
+            del self._held_rank[held.peer]
         self._dead -= {hello.dp_rank}
         self._members[hello.dp_rank] = Member(peer, hello, now)
         self._peer_rank[peer] = hello.dp_rank
@@ -431,11 +471,16 @@ class Coordinator:
         self._members_changed()
 
     def _reform(self) -> None:
-        """The first Hello after a failure re-forms the group: new epoch, next seq."""
+        """The first Hello after a failure (checked against the failed epoch's ranks still
+        connected) re-forms the group: new epoch, next seq. The old members that are still
+        connected keep holding their ranks until they register again or leave."""
         assert self._failure is not None
         self._move(_E.REFORM)
         self._epoch += 1
         self._seq = self._failure.seq + 1
+        for rank, member in self._members.items():
+            self._held[rank] = member
+            self._held_rank[member.peer] = rank
         self._members.clear()
         self._peer_rank.clear()
         self._members_changed()

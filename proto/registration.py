@@ -53,23 +53,33 @@ def check_basics(hello: Hello, dp_size: int) -> None:
 def check_membership(
     peer: bytes, hello: Hello, members: Mapping[int, Member], peer_rank: Mapping[bytes, int]
 ) -> None:
-    """A Hello against the ranks registered in the current epoch: its rank is free (or already
-    this peer's), this peer holds no other rank, and it has the group's settings (those of the
-    lowest registered rank; the only member may change them by registering again)."""
+    """A Hello against the ranks held by live connections (`members`: the current epoch's,
+    and after a failure also the failed epoch's ranks still connected): its rank is free (or
+    already this peer's), this peer holds no other rank, and it has the group's settings
+    (those of the lowest rank held; the only holder may change them by registering again).
+
+    The same checks apply to the first registration and to the one after a failure: the
+    settings a new epoch must match (config_fingerprint, num_ubatches, group) are those of the
+    ranks still connected. Only once no connection holds a rank of the group (every rank left
+    or was lost) may a Hello bring new settings, as the group's very first one did; to change
+    the fingerprint deliberately, stop every rank (or restart coordd) and start them with the
+    new config."""
     held = members.get(hello.dp_rank)
     if held is not None and held.peer != peer:
+        # Nothing of the holder is echoed (its incarnation, its connection): what identifies
+        # a connection stays between it and coordd.
         raise _reject(
             RejectReason.RANK_TAKEN,
-            f"dp_rank {hello.dp_rank} is held by a live "
-            f"peer (incarnation {held.hello.incarnation})",
-            held.hello.incarnation,
-            hello.incarnation,
+            f"dp_rank {hello.dp_rank} is held by another live connection (a rank is the "
+            "connection that registered it, until that connection closes)",
+            "a dp_rank no live connection holds",
+            hello.dp_rank,
         )
     other = peer_rank.get(peer)
     if other is not None and other != hello.dp_rank:
         raise _reject(
             RejectReason.RANK_TAKEN,
-            f"this peer is already registered as rank {other}",
+            f"this connection is already registered as rank {other}",
             other,
             hello.dp_rank,
         )
@@ -96,7 +106,7 @@ def rank_taken(holder: Hello, hello: Hello) -> Rejected:
     """A second peer wants a lost rank that another peer is already queued to take back."""
     return Rejected(
         RejectReason.RANK_TAKEN.value,
-        f"dp_rank {hello.dp_rank} is already rejoining (incarnation {holder.incarnation})",
-        expected=holder.incarnation,
-        got=hello.incarnation,
+        f"dp_rank {hello.dp_rank} is already rejoining over another live connection",
+        expected="a dp_rank no live connection holds",
+        got=str(hello.dp_rank),
     )

@@ -4,10 +4,34 @@ it while open (`OpenRound`) and once it completed (`CompletedRound`).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from coordd.proto.messages import GatherReport, Report, StepKind
+
+_T = TypeVar("_T")
+
+
+def majority(labels: Sequence[_T]) -> _T:
+    """The label most ranks report (`labels` in rank order); a tie goes to the label of the
+    lowest rank among the tied ones. Both paths take a disputed round's kind by this rule:
+    coordd over the reports it collected, the device path over the gathered matrix."""
+    counts = Counter(labels)
+    top = max(counts.values())
+    return next(label for label in labels if counts[label] == top)
+
+
+class Verdict(NamedTuple):
+    """Who is at fault in a round whose reports disagree on the kind (or gather site)."""
+
+    #: The round's kind by the evidence: the label most reports carry (see `majority`).
+    label: str
+    kind: StepKind
+    #: The lowest rank whose report carries another label, and that report.
+    rank: int
+    report: Report
 
 
 class Round:
@@ -20,7 +44,17 @@ class Round:
     next report opens a new one.
     """
 
-    __slots__ = ("arrivals", "first", "kind", "label", "reported", "reports", "seq", "started")
+    __slots__ = (
+        "arrivals",
+        "disputed",
+        "first",
+        "kind",
+        "label",
+        "reported",
+        "reports",
+        "seq",
+        "started",
+    )
 
     def __init__(self, seq: int, first: Report, started: float, dp_size: int) -> None:
         self.seq = seq
@@ -32,6 +66,10 @@ class Round:
         self.reports: list[Report | None] = [None] * dp_size
         self.arrivals: list[float | None] = [None] * dp_size
         self.reported = 0
+        #: A report of another kind (or gather site) than the first came: the round cannot be
+        #: decided, and its culprit is named from all its reports (`verdict`) once every live
+        #: rank reported or the step timeout passed, never from who happened to come first.
+        self.disputed = False
 
     @property
     def site(self) -> str:
@@ -49,6 +87,31 @@ class Round:
             self.reports[rank] = None
             self.arrivals[rank] = None
             self.reported -= 1
+
+    def first_of(self, label: str) -> Report | None:
+        """The earliest-ranked report carrying `label` (a disputed round's length checks)."""
+        if label == self.label:
+            return self.first
+        return next((r for r in self.reports if r is not None and r.label == label), None)
+
+    def verdict(self) -> Verdict | None:
+        """The culprit of a disputed round by the evidence: the majority label over the reports
+        in hand (rank order; a tie goes to the lowest rank's), and the lowest rank reporting
+        another. None if the reports in hand agree (the rank that disagreed was withdrawn): the
+        round is then re-based on them and may be decided."""
+        present = [(r, rep) for r, rep in enumerate(self.reports) if rep is not None]
+        labels = [rep.label for _, rep in present]
+        label = majority(labels) if labels else self.label
+        for rank, rep in present:
+            if rep.label != label:
+                kind = next(rep.kind for _, rep in present if rep.label == label)
+                return Verdict(label, kind, rank, rep)
+        if present:
+            self.first = present[0][1]
+            self.kind = self.first.kind
+            self.label = label
+        self.disputed = False
+        return None
 
     def view(self) -> OpenRound:
         return OpenRound(

@@ -106,7 +106,8 @@ def test_two_peers_racing_for_one_dead_rank() -> None:
     (to, msg), = c.receive(peer(1, "b"), hello(1, "b"), 1.3)
     assert to == (peer(1, "b"),)
     assert isinstance(msg, Reject) and msg.reason is RejectReason.RANK_TAKEN
-    assert (msg.expected, msg.got) == ("a", "b")
+    assert (msg.expected, msg.got) == ("a dp_rank no live connection holds", "1")
+    assert "a" not in msg.got  # the holder's incarnation is not echoed
     sends = list(c.receive(peer(2), report(2, 0), 2.0))
     assert [type(s.message) for s in sends] == [StepDecision, Welcome]
     assert sends[1] == Send((peer(1, "a"),), Welcome(epoch=EPOCH, next_seq=1, dp_size=DP))

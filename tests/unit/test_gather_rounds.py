@@ -139,9 +139,10 @@ def test_another_site_is_a_mismatch_naming_the_rank() -> None:
     g = Group()
     g.send(gat(0, 0))
     g.send(gat(1, 0))
-    sends = g.send(gat(2, 0, site=OTHER))
+    assert g.send(gat(2, 0, site=OTHER)) == []  # the round waits for the evidence
+    sends = g.send(gat(3, 0))
     msg = failed(sends, StepMismatch(2, 0, f"gather:{SITE}", 0, f"gather:{OTHER}"),
-                 to=all_peers(), reported=[peer(0), peer(1), peer(2)], seq=0)
+                 to=all_peers(), reported=all_peers(), seq=0)
     assert msg.kind is StepKind.GATHER
     assert g.c.state is GroupState.FAILED
     # Fail-stop: every later report, gather or not, gets the same failure at once.
@@ -152,14 +153,18 @@ def test_another_site_is_a_mismatch_naming_the_rank() -> None:
 def test_a_policy_report_in_a_gather_round_is_a_mismatch() -> None:
     g = Group()
     g.send(gat(0, 0))
-    sends = g.send(rep(1, 0, kind=D))
+    g.send(gat(2, 0))
+    g.send(rep(1, 0, kind=D))
+    sends = g.send(gat(3, 0))
     failed(sends, StepMismatch(1, 0, f"gather:{SITE}", 0, "draft"), to=all_peers(), seq=0)
 
 
 def test_a_gather_in_a_policy_round_is_a_mismatch() -> None:
     g = Group()
     g.send(rep(0, 0, kind=F))
-    sends = g.send(gat(3, 0))
+    g.send(gat(3, 0))
+    g.send(rep(1, 0, kind=F))
+    sends = g.send(rep(2, 0, kind=F))
     msg = failed(sends, StepMismatch(3, 0, "forward", 0, f"gather:{SITE}"), to=all_peers(), seq=0)
     assert msg.kind is StepKind.FORWARD
 
@@ -293,7 +298,9 @@ def test_neutralize_the_loss_of_the_last_missing_rank_completes_the_round() -> N
 def test_a_new_epoch_gathers_from_the_next_seq() -> None:
     g = Group()
     g.send(gat(0, 0))
-    failure = g.send(gat(1, 0, site=OTHER))[0].message
+    g.send(gat(1, 0, site=OTHER))
+    g.send(gat(2, 0))
+    failure = g.send(gat(3, 0))[0].message
     assert isinstance(failure, StepFailed)
     for r in range(DP):
         (_, welcome), = g.hello(r)
