@@ -1,0 +1,135 @@
+"""A rank is the connection that registered it: the coordinator's side (sans-IO, fake clock).
+
+After a failure the next Hello passes the same checks as the first registration: the failed
+epoch's ranks whose connections are still open keep their ranks and bind the group's settings
+until they register again or leave, so a stranger's Hello can neither re-form the group with
+other settings nor take an honest rank (today's code let any Hello re-form the group and locked
+the honest ranks out with rank_taken / fingerprint Rejects).
+"""
+
+from __future__ import annotations
+
+from coordd.proto import (
+    Coordinator,
+    Hello,
+    Reject,
+    RejectReason,
+    StepDecision,
+    StepFailed,
+    StepKind,
+    StepReport,
+    Welcome,
+)
+from coordd.proto.group_state import GroupState
+
+DP = 3
+EPOCH = 11
+
+
+def peer(rank: int) -> bytes:
+    return f"honest{rank}".encode()
+
+
+def hello(rank: int, fingerprint: str = "fp", **kw: object) -> Hello:
+    return Hello(dp_size=DP, dp_rank=rank, config_fingerprint=fingerprint,
+                 incarnation=f"inc{rank}", **kw)  # type: ignore[arg-type]
+
+
+def report(rank: int, seq: int, epoch: int = EPOCH, tokens: int = 4) -> StepReport:
+    return StepReport(num_tokens=tokens, num_tokens_padded=max(tokens, 0), dp_rank=rank,
+                      epoch=epoch, seq=seq, kind=StepKind.FORWARD)
+
+
+def failed_group() -> Coordinator:
+    """Every rank registered, then rank 2 sent an invalid report: the group is FAILED and every
+    honest connection is still open."""
+    c = Coordinator(DP, epoch=EPOCH, step_timeout=10.0)
+    for r in range(DP):
+        (_, welcome), = c.receive(peer(r), hello(r), 0.0)
+        assert isinstance(welcome, Welcome)
+    c.receive(peer(0), report(0, 0), 1.0)
+    (_, failure), = c.receive(peer(2), report(2, 0, tokens=-1), 1.0)
+    assert isinstance(failure, StepFailed) and c.state is GroupState.FAILED
+    return c
+
+
+def answer(c: Coordinator, who: bytes, message: Hello) -> object:
+    (to, msg), = c.receive(who, message, 2.0)
+    assert to == (who,)
+    return msg
+
+
+def test_a_strangers_hello_after_a_failure_cannot_change_the_fingerprint() -> None:
+    c = failed_group()
+    msg = answer(c, b"stranger", hello(1, "evil"))
+    assert isinstance(msg, Reject) and msg.reason is RejectReason.RANK_TAKEN
+    assert c.snapshot().epoch == EPOCH, "a refused Hello opened no epoch"
+    # every honest rank registers again: a new epoch, the same settings
+    for r in range(DP):
+        assert isinstance(answer(c, peer(r), hello(r)), Welcome)
+    assert c.snapshot().epoch == EPOCH + 1
+
+
+def test_a_strangers_hello_for_a_free_rank_with_another_fingerprint_is_refused() -> None:
+    c = failed_group()
+    c.peer_lost(peer(2), 2.0)  # rank 2's process died: its rank is free
+    msg = answer(c, b"stranger", hello(2, "evil"))
+    assert isinstance(msg, Reject) and msg.reason is RejectReason.FINGERPRINT
+    assert msg.expected == "fp" and msg.got == "evil"
+    assert c.snapshot().epoch == EPOCH
+
+
+def test_a_strangers_hello_cannot_take_a_rank_whose_connection_is_live() -> None:
+    """Rank 1 re-registers first; the stranger then claims rank 0, whose old connection is
+    still open (it has not re-registered yet): refused, and rank 0 gets its rank back."""
+    c = failed_group()
+    assert isinstance(answer(c, peer(1), hello(1)), Welcome)
+    msg = answer(c, b"stranger", hello(0))
+    assert isinstance(msg, Reject) and msg.reason is RejectReason.RANK_TAKEN
+    assert "inc0" not in f"{msg.text}{msg.expected}{msg.got}"
+    msg = answer(c, b"stranger", hello(2, "evil"))
+    assert isinstance(msg, Reject) and msg.reason is RejectReason.RANK_TAKEN
+    for r in (0, 2):
+        assert isinstance(answer(c, peer(r), hello(r)), Welcome)
+    epoch = c.snapshot().epoch
+    seq = c.snapshot().seq
+    sends = []
+    for r in range(DP):
+        sends.extend(c.receive(peer(r), report(r, seq, epoch), 3.0))
+    (to, decision), = sends
+    assert isinstance(decision, StepDecision) and set(to) == {peer(r) for r in range(DP)}
+
+
+def test_a_held_rank_is_freed_when_its_connection_closes() -> None:
+    c = failed_group()
+    assert isinstance(answer(c, peer(1), hello(1)), Welcome)
+    assert isinstance(answer(c, b"stranger", hello(0)), Reject)
+    c.peer_lost(peer(0), 3.0)  # rank 0's old connection closes
+    assert isinstance(answer(c, b"newzero", hello(0)), Welcome)
+    assert b"newzero" in c.holders() and peer(0) not in c.holders()
+
+
+def test_a_held_rank_binds_through_a_second_failure() -> None:
+    c = failed_group()
+    assert isinstance(answer(c, peer(1), hello(1)), Welcome)
+    # the new epoch fails too (rank 1 skips a seq) while ranks 0 and 2 still hold
+    seq = c.snapshot().seq
+    c.receive(peer(1), report(1, seq + 1, EPOCH + 1), 3.0)
+    assert c.state is GroupState.FAILED
+    for r in (0, 2):
+        msg = answer(c, b"stranger", hello(r))
+        assert isinstance(msg, Reject) and msg.reason is RejectReason.RANK_TAKEN
+    msg = answer(c, b"stranger2", hello(1, "evil"))
+    assert isinstance(msg, Reject)
+    assert set(c.holders()) == {peer(r) for r in range(DP)}
+
+
+def test_once_no_connection_holds_a_rank_new_settings_are_accepted() -> None:
+    """The documented way to change the fingerprint: stop every rank (or restart coordd)."""
+    c = failed_group()
+    for r in range(DP):
+        c.peer_lost(peer(r), 2.0)
+    assert c.holders() == []
+    assert isinstance(answer(c, b"v2-0", hello(0, "v2")), Welcome)
+    msg = answer(c, b"v1-1", hello(1, "fp"))
+    assert isinstance(msg, Reject) and msg.reason is RejectReason.FINGERPRINT
