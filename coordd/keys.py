@@ -20,6 +20,7 @@ import stat
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,12 @@ SECRET_SUFFIX = ".key_secret"
 ZAP_DOMAIN = "coordd"
 #: A refused key is logged at most this often (a client retries its handshake every second).
 REFUSAL_LOG_INTERVAL = 60.0
+#: The refusal limiter remembers at most this many keys (the least recently refused go first),
+#: and logs at most REFUSAL_LINES refusals per REFUSAL_LOG_INTERVAL, whatever the keys: the
+#: rest are counted into the next line (`suppressed=N`). 200,000 fresh keys cost a few lines
+#: and a bounded table, not 200,000 of each.
+REFUSAL_KEYS_KEPT = 1024
+REFUSAL_LINES = 20
 
 _SECRET_BANNER = (
     "#   ZeroMQ CURVE **Secret** Certificate, written by coordd keygen\n"
@@ -207,7 +214,9 @@ class CurveGate:
     where: Callable[[], dict[str, Any]] = field(
         default=lambda: logs.fault_fields(group="-", epoch=0, seq=0, kind="connect", ranks=[])
     )
-    _last_logged: dict[bytes, float] = field(default_factory=dict)
+    _last_logged: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
+    _window: tuple[float, int] = (float("-inf"), 0)
+    _suppressed: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -235,19 +244,43 @@ class CurveGate:
         self.refused += 1
         now = time.monotonic()
         with self._lock:
-            last = self._last_logged.get(key)
-            if last is None or now - last >= REFUSAL_LOG_INTERVAL:
-                self._last_logged[key] = now
-                logs.event(
-                    log,
-                    logging.WARNING,
-                    "client refused",
-                    **self.where(),
-                    reason="curve_key",
-                    key=key.decode("ascii", "replace"),
-                    detail=f"CURVE key not among the {len(self.allowed)} admitted",
-                )
+            if not self._may_log(key, now):
+                self._suppressed += 1
+                return False
+            suppressed, self._suppressed = self._suppressed, 0
+        extra = {"suppressed": suppressed} if suppressed else {}
+        logs.event(
+            log,
+            logging.WARNING,
+            "client refused",
+            **self.where(),
+            reason="curve_key",
+            key=key.decode("ascii", "replace"),
+            detail=f"CURVE key not among the {len(self.allowed)} admitted",
+            **extra,
+        )
         return False
+
+    def _may_log(self, key: bytes, now: float) -> bool:
+        """Whether this refusal gets a line (holding the lock): a key at most once per
+        interval, and at most REFUSAL_LINES lines per interval in all; the table of keys is
+        bounded (least recently refused dropped first)."""
+        table = self._last_logged
+        last = table.get(key)
+        if last is not None and now - last < REFUSAL_LOG_INTERVAL:
+            table.move_to_end(key)
+            return False
+        start, lines = self._window
+        if now - start >= REFUSAL_LOG_INTERVAL:
+            start, lines = now, 0
+        if lines >= REFUSAL_LINES:
+            return False
+        self._window = (start, lines + 1)
+        table[key] = now
+        table.move_to_end(key)
+        while len(table) > REFUSAL_KEYS_KEPT:
+            table.popitem(last=False)
+        return True
 
     def configure(self, sock: zmq.Socket) -> None:
         """Make `sock` a CURVE server that asks this gate (call before bind)."""

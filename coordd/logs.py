@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 LOG_FORMATS = ("text", "json")
@@ -19,12 +20,32 @@ LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def _plain(text: str) -> bool:
+    """True if `text` can stand in a log line as it is: printable, no whitespace, no quote."""
+    return (
+        bool(text) and text.isprintable() and '"' not in text and not any(c.isspace() for c in text)
+    )
+
+
 def _value(value: object) -> str:
+    """A field's value as the text format shows it: a string a peer may control (a group
+    name, a fingerprint) is quoted and escaped (JSON string rules, ASCII only) unless it is
+    plainly printable, so a newline or a terminal escape in it cannot forge or hide a line."""
     if isinstance(value, str):
-        return json.dumps(value) if (not value or " " in value or '"' in value) else value
+        return value if _plain(value) else json.dumps(value)
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(str(v) for v in value) + "]"
+        return "[" + ",".join(_value(v) if isinstance(v, str) else str(v) for v in value) + "]"
+    if isinstance(value, bytes):
+        return json.dumps(value.decode("utf-8", "backslashreplace"))
     return str(value)
+
+
+def one_line(text: str) -> str:
+    """`text` with every control character (newline, carriage return, escape, ...) written
+    as an escape, so it cannot start a line of its own; printable text is kept as it is."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def event(logger: logging.Logger, level: int, name: str, **fields: Any) -> None:
@@ -40,6 +61,80 @@ def fault_fields(
 ) -> dict[str, Any]:
     """The fields every fault line carries, in this order."""
     return {"group": group, "epoch": epoch, "seq": seq, "kind": kind, "ranks": list(ranks)}
+
+
+class Aggregated:
+    """One kind of warning that a peer can cause once per message (a bad frame, a report from
+    a peer that never registered): the first is logged at once, the rest of each `interval`
+    counted and logged as one summary line (`suppressed=N`) when the interval ends, so a flood
+    of 20,000 costs a few lines, not 20,000.
+
+    `schedule(delay, callback)` arranges the summary when no further message comes (coordd
+    passes its event loop's `call_later`); without it, the summary waits for the next one."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        name: str,
+        *,
+        interval: float = 10.0,
+        level: int = logging.WARNING,
+        clock: Callable[[], float] = time.monotonic,
+        schedule: Callable[[float, Callable[[], None]], object] | None = None,
+    ) -> None:
+        self.logger = logger
+        self.name = name
+        self.interval = interval
+        self.level = level
+        self.clock = clock
+        self.schedule = schedule
+        self.total = 0
+        self.suppressed = 0
+        self._window_end: float | None = None
+        self._last: dict[str, Any] = {}
+        self._flush_pending = False
+
+    def __call__(self, **fields: Any) -> None:
+        """One occurrence, with its fields (logged, or counted into the next summary)."""
+        self.total += 1
+        now = self.clock()
+        if self._window_end is not None and now < self._window_end:
+            self.suppressed += 1
+            self._last = fields
+            if self.schedule is not None and not self._flush_pending:
+                self._flush_pending = True
+                self.schedule(max(0.0, self._window_end - now), self._scheduled_flush)
+            return
+        self.flush()
+        self._window_end = now + self.interval
+        event(self.logger, self.level, self.name, **fields)
+
+    def _scheduled_flush(self) -> None:
+        self._flush_pending = False
+        self.flush()
+
+    def flush(self) -> None:
+        """Log the summary of what was counted since the last line, if anything was."""
+        if not self.suppressed:
+            return
+        count, self.suppressed = self.suppressed, 0
+        event(
+            self.logger,
+            self.level,
+            self.name,
+            **self._last,
+            suppressed=count,
+            detail=f"{count} more like this within {self.interval:g}s (last one's fields shown)",
+        )
+
+
+class TextFormatter(logging.Formatter):
+    """The text format, one record per line whatever a message holds: control characters in
+    the message (from a value a peer chose) are escaped; a traceback keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = one_line(record.message)
+        return super().formatMessage(record)
 
 
 class JsonFormatter(logging.Formatter):
@@ -69,7 +164,7 @@ def setup_logging(level: str, fmt: str = "text") -> None:
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

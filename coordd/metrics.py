@@ -338,14 +338,19 @@ class ServerEvents:
         self.rejected: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
         self.dropped_groups = 0
+        # A peer can cause these once per message: the first of each 10 s is logged, the rest
+        # counted into one summary line (coordd.logs.Aggregated).
+        self._rejected_log = logs.Aggregated(log, "registration rejected")
+        self._refused_log = logs.Aggregated(log, "report refused")
+
+    def aggregated(self) -> tuple[logs.Aggregated, ...]:
+        """The aggregated log lines (the server gives them its loop's timer)."""
+        return (self._rejected_log, self._refused_log)
 
     def rejected_hello(self, peer: bytes, hello: Hello, reject: Reject, group: str) -> None:
         """`hello` (for group `group`, shown safely) was refused before any group took it."""
         self.rejected[reject.reason.value] += 1
-        logs.event(
-            log,
-            logging.WARNING,
-            "registration rejected",
+        self._rejected_log(
             **logs.fault_fields(
                 group=group, epoch=0, seq=0, kind="register", ranks=[hello.dp_rank]
             ),
@@ -359,10 +364,7 @@ class ServerEvents:
     def refused_report(self, peer: bytes, failure: StepFailed) -> None:
         """A report from a peer of no group got `failure` (sent to it alone)."""
         self.faults[failure.reason.value] += 1
-        logs.event(
-            log,
-            logging.WARNING,
-            "report refused",
+        self._refused_log(
             **logs.fault_fields(
                 group="-",
                 epoch=failure.epoch,

@@ -1,0 +1,162 @@
+"""coordd's resource limits: file descriptors, connections, and what a stranger may cost.
+
+Why these exist (issue 11, part B):
+
+- libzmq aborts the process when it cannot accept a connection for want of a descriptor on
+  ipc (`Too many open files (src/ipc_listener.cpp)`), and its tcp listener spins at 100% CPU
+  on EMFILE. So coordd never lets the table fill: the soft NOFILE limit is raised to the hard
+  one at start, and the connections that can hold descriptors (ZeroMQ peers, HTTP clients) are
+  capped well under it, with a reserve left for what coordd itself opens.
+- libzmq gives no way to refuse a connection or to close one peer of a ROUTER. coordd watches
+  the listener's accepted and closed descriptors (its socket monitor) and, over the cap, shuts
+  down the oldest connection that registered no rank (`shutdown(2)` on libzmq's descriptor:
+  libzmq then reads end-of-file and closes it as if the peer had left). A registered rank's
+  connection is never chosen, so registered ranks keep working whatever strangers do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import resource
+import socket
+from collections import OrderedDict
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+log = logging.getLogger("coordd")
+
+#: Descriptors kept free for coordd itself: its sockets' internal pipes (libzmq's mailboxes,
+#: the monitor), the event loop, log files, a dup while evicting, and the HTTP listener.
+FD_RESERVE = 64
+#: Default most ZeroMQ connections (ranks and anything else that connects) held at once.
+DEFAULT_MAX_CONNECTIONS = 1024
+#: Default most HTTP connections (/metrics, /livez, ...) held at once.
+DEFAULT_MAX_HTTP_CONNECTIONS = 64
+#: A connection that has not finished its ZMTP (or CURVE) handshake within this is closed.
+HANDSHAKE_TIMEOUT = 5.0
+#: Per-peer outbound queue (messages). A registered rank reads its decision every round; one
+#: that falls this far behind is broken, and a peer that never reads costs no more than this.
+SEND_QUEUE = 128
+
+
+def raise_nofile() -> tuple[int, int]:
+    """Raise the soft NOFILE limit to the hard one; returns the (soft, hard) now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or (target != resource.RLIM_INFINITY and soft >= target):
+        return soft, hard
+    for want in (target, 1 << 16):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            continue
+        return want, hard
+    return soft, hard
+
+
+@dataclass(frozen=True)
+class ConnectionCaps:
+    """How many ZeroMQ and HTTP connections coordd holds at once, fitted to its NOFILE limit."""
+
+    zmq: int
+    http: int
+    nofile: int
+
+    @classmethod
+    def fit(cls, nofile: int, max_connections: int, max_http: int) -> ConnectionCaps:
+        """The caps asked for, shrunk (HTTP first) if they and the reserve exceed `nofile`.
+
+        Each ZeroMQ connection holds one descriptor; each HTTP one holds one."""
+        room = max(nofile - FD_RESERVE, 2)
+        http = min(max_http, max(1, room // 8))
+        zmq_cap = min(max_connections, max(1, room - http))
+        return cls(zmq=zmq_cap, http=http, nofile=nofile)
+
+
+class ConnectionGuard:
+    """The listener's open connections (by descriptor, oldest first), from its monitor's
+    ACCEPTED and DISCONNECTED events; over `cap`, the oldest that holds no registered rank is
+    shut down.
+
+    `registered()` gives the descriptors of registered ranks (never evicted); `shutdown` is
+    injectable for tests (default: `shutdown(2)` through a duplicate of the descriptor, so
+    coordd never closes libzmq's own)."""
+
+    def __init__(
+        self,
+        cap: int,
+        registered: Callable[[], Collection[int]],
+        shutdown: Callable[[int], bool] | None = None,
+    ) -> None:
+        self.cap = cap
+        self._registered = registered
+        self._shutdown = shutdown or shutdown_fd
+        #: open descriptor -> True (insertion order = accept order)
+        self.open: OrderedDict[int, bool] = OrderedDict()
+        self.evicted = 0
+        self.peak = 0
+
+    def accepted(self, fd: int) -> None:
+        self.open.pop(fd, None)
+        self.open[fd] = True
+        self.peak = max(self.peak, len(self.open))
+
+    def closed(self, fd: int) -> None:
+        self.open.pop(fd, None)
+
+    def over(self) -> int:
+        """How many connections beyond the cap."""
+        return max(0, len(self.open) - self.cap)
+
+    def enforce(self) -> int:
+        """Shut down the oldest unregistered connections beyond the cap; how many were.
+
+        Call with the monitor drained: every descriptor in `open` is then one libzmq holds (a
+        close is announced before the descriptor is released)."""
+        excess = self.over()
+        if not excess:
+            return 0
+        keep = set(self._registered())
+        victims = [fd for fd in self.open if fd not in keep][:excess]
+        for fd in victims:
+            del self.open[fd]
+            if self._shutdown(fd):
+                self.evicted += 1
+        return len(victims)
+
+
+def shutdown_fd(fd: int) -> bool:
+    """End the connection on `fd` (libzmq's) without closing libzmq's descriptor."""
+    try:
+        dup = socket.socket(fileno=socket.dup(fd))
+    except OSError:
+        return False
+    with contextlib.closing(dup):
+        try:
+            dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+    return True
+
+
+class TokenBucket:
+    """At most `rate` events a second, `burst` at once (what coordd answers strangers)."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float]) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.clock = clock
+        self.tokens = burst
+        self.at = clock()
+        self.denied = 0
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        self.denied += 1
+        return False

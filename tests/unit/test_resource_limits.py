@@ -1,0 +1,68 @@
+"""coordd.limits: NOFILE, fitted caps, the connection guard, the stranger token bucket."""
+
+from __future__ import annotations
+
+import resource
+import socket
+import subprocess
+import sys
+
+from coordd import limits
+
+
+def test_raise_nofile_lifts_the_soft_limit_to_the_hard_one() -> None:
+    # In a child, so this process's limit is left alone.
+    code = (
+        "import resource; from coordd.limits import raise_nofile\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
+        "now = raise_nofile()\n"
+        "assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == now[0]\n"
+        "print(now[0], hard)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    soft, hard = (int(v) for v in out.stdout.split())
+    if hard != resource.RLIM_INFINITY:
+        assert soft == hard
+
+
+def test_caps_fit_the_descriptor_limit() -> None:
+    roomy = limits.ConnectionCaps.fit(65536, 1024, 64)
+    assert (roomy.zmq, roomy.http) == (1024, 64)
+    tight = limits.ConnectionCaps.fit(256, 1024, 64)
+    assert tight.zmq + tight.http + limits.FD_RESERVE <= 256
+    assert tight.zmq >= 100 and tight.http >= 1
+
+
+def test_the_guard_closes_the_oldest_strangers_never_a_rank() -> None:
+    shut: list[int] = []
+    ranks = {10, 11}
+    guard = limits.ConnectionGuard(4, lambda: ranks, shutdown=lambda fd: shut.append(fd) or True)
+    for fd in (10, 20, 11, 21, 22, 23):
+        guard.accepted(fd)
+    assert guard.over() == 2
+    assert guard.enforce() == 2
+    assert shut == [20, 21]  # the oldest that hold no rank
+    assert set(guard.open) == {10, 11, 22, 23}
+    guard.closed(22)
+    guard.accepted(24)
+    assert guard.enforce() == 0
+    assert guard.evicted == 2 and guard.peak == 6
+
+
+def test_shutdown_fd_ends_the_connection_but_keeps_the_descriptor() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        assert limits.shutdown_fd(a.fileno())
+        assert b.recv(1) == b""  # the peer sees end-of-file
+        a.getsockname()  # a's descriptor is still open (not closed under its owner)
+    assert not limits.shutdown_fd(a.fileno() if a.fileno() >= 0 else 10**6)
+
+
+def test_the_token_bucket() -> None:
+    now = [0.0]
+    bucket = limits.TokenBucket(10.0, 5.0, lambda: now[0])
+    assert sum(bucket.take() for _ in range(100)) == 5
+    now[0] = 1.0
+    assert sum(bucket.take() for _ in range(100)) == 5  # refilled up to the burst only
+    assert bucket.denied == 190
