@@ -3,6 +3,7 @@
 from coordd.client.aio import AsyncCoordClient
 from coordd.client.config import ClientConfig, CurveKeys
 from coordd.client.factory import connect_coordinator
+from coordd.client.session import RoundStillOpen
 from coordd.client.sync import CoordClient, PendingGather, PendingStep
 
 __all__ = [
@@ -12,5 +13,6 @@ __all__ = [
     "CurveKeys",
     "PendingGather",
     "PendingStep",
+    "RoundStillOpen",
     "connect_coordinator",
 ]

@@ -21,6 +21,7 @@ from coordd.client.session import (
     Registered,
     RegistrationFailed,
     Resolved,
+    RoundStillOpen,
 )
 from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
@@ -76,8 +77,7 @@ class AsyncCoordClient(ClientShell):
             return await asyncio.wait_for(self._welcome, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             error = CoordinatorUnavailable(
-                f"no answer from coordd at {self.address} within {timeout:g}s"
-                + self.connection.why_unreachable()
+                f"no answer from coordd within {timeout:g}s" + self.connection.why_unreachable()
             )
             self._dispatch(self.session.registration_failed(error))
             raise error from None
@@ -92,6 +92,7 @@ class AsyncCoordClient(ClientShell):
     ) -> asyncio.Future[StepDecision]:
         """Send the report now; the future resolves to the round's decision or its error."""
         loop = self._attach()
+        self._refuse_if_open()
         future: asyncio.Future[StepDecision] = loop.create_future()
         try:
             stamped = self.session.report(
@@ -108,6 +109,7 @@ class AsyncCoordClient(ClientShell):
         future resolves to every rank's values in rank order ([] for a rank left out) or the
         round's error (`InvalidReport`, nothing sent, for what the wire cannot carry)."""
         loop = self._attach()
+        self._refuse_if_open()
         future: asyncio.Future[list[list[int]]] = loop.create_future()
         try:
             stamped = self.session.gather(site, values)
@@ -122,6 +124,17 @@ class AsyncCoordClient(ClientShell):
     ) -> list[list[int]]:
         """start_gather() and await the rows, within `timeout` (default the client's)."""
         return await self.wait(self.start_gather(site, values), timeout)
+
+    def _refuse_if_open(self) -> None:
+        """Rounds are not pipelined (see `CoordClient.start`): `RoundStillOpen` while the
+        previous round of this registration is unanswered."""
+        if not self._pending or self._closed:
+            return
+        self._drain()
+        registration = self.session.registration
+        for seq, (began_in, future, _) in self._pending.items():
+            if began_in == registration and not future.done():
+                raise RoundStillOpen(self.dp_rank, seq)
 
     def _send_report(
         self, stamped: StepReport | GatherReport, future: asyncio.Future[Any], *, gather: bool
@@ -144,7 +157,8 @@ class AsyncCoordClient(ClientShell):
 
     async def wait(self, future: asyncio.Future[T], timeout: float | None = None) -> T:
         """Await a `start()` future within `timeout` (default the client's); `StepTimeout`
-        if no answer came by then (the round stays pending: waiting again may succeed)."""
+        if no answer came by then (the round stays pending: waiting again may succeed).
+        Awaiting an answered future again gives the same outcome at once."""
         timeout = self.config.wait_timeout if timeout is None else timeout
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
@@ -207,8 +221,17 @@ class AsyncCoordClient(ClientShell):
         self._drain()
 
     def _check_monitor(self) -> None:
-        dropped = self.connection.disconnected()
+        connection = self.connection
+        dropped = connection.disconnected()
         self._drain()  # what coordd sent before the close is still this rank's
+        welcome = self._welcome
+        if connection.handshake_refused and welcome is not None and not welcome.done():
+            welcome.set_exception(  # it fails the same way every retry: say so now
+                CoordinatorUnavailable(
+                    f"coordd refused the connection ({connection.where()}): "
+                    f"{connection.handshake_failure}"
+                )
+            )
         if dropped:
             self._dispatch(self.session.connection_lost())
 

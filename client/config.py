@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,24 @@ class ClientConfig:
     heartbeat_timeout: float = 5.0
     #: None: the key files named by the environment, if set (see `curve_keys_from_env`).
     curve: CurveKeys | None = None
+
+    def __post_init__(self) -> None:
+        """Times must be finite positive seconds that libzmq's millisecond options hold."""
+        for name, high in (
+            ("wait_timeout", 31_536_000.0),
+            ("heartbeat_interval", 86_400.0),
+            ("heartbeat_timeout", 86_400.0),
+        ):
+            value = getattr(self, name)
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or not 0.001 <= value <= high
+            ):
+                raise ValueError(
+                    f"ClientConfig.{name} must be 0.001..{high:g} seconds, got {value!r}"
+                )
 
     @classmethod
     def of(

@@ -127,11 +127,17 @@ class RankSession:
         #: How many times `connect()` began; a round belongs to the registration it started in.
         self.registration = 0
         self._answers: dict[int, list[Outcome]] = {}
+        self._identity: bytes | None = None
 
     @property
     def identity(self) -> bytes:
-        """The ZeroMQ routing id: stable across reconnects of this incarnation."""
-        return f"{self.dp_rank}:{self.hello_message.incarnation}".encode()
+        """The ZeroMQ routing id of this client's connection: 128 random bits, not derived from
+        the rank or the incarnation, never shown by coordd (with ROUTER_HANDOVER off, coordd
+        drops a second connection that presents it while this one lives; see coordd.identity).
+        Made once per session: a client keeps its one DEALER across connect()."""
+        if self._identity is None:
+            self._identity = secrets.token_urlsafe(16).encode("ascii")
+        return self._identity
 
     # -- what to send ---------------------------------------------------------------------------
 

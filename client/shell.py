@@ -26,9 +26,11 @@ class ClientShell:
         context: zmq.Context | None = None,
         **options: Any,
     ) -> None:
-        self.config = ClientConfig.of(config, address=address, **options).resolved()
+        given = ClientConfig.of(config, address=address, **options)
+        self.config = given.resolved()
         self.session = RankSession(self.config)
-        self.connection = RankConnection.open(self.config, self.session.identity, context)
+        # from `given`: the connection's errors say where the address came from
+        self.connection = RankConnection.open(given, self.session.identity, context)
         self._closed = False
 
     @property

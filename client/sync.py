@@ -8,6 +8,7 @@ answer means is `RankSession`'s; this shell only decides how to wait (`zmq.Polle
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import zmq
 
 from coordd.client.config import ClientConfig
-from coordd.client.session import Pong, Registered, RegistrationFailed
+from coordd.client.session import Pong, Registered, RegistrationFailed, RoundStillOpen
 from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
@@ -32,39 +33,55 @@ from coordd.proto.messages import (
 )
 
 _GOODBYE = encode(Goodbye(text="rank closed"))
+#: Longest single poll: a wait looks at `_closed` this often, so close() from another thread
+#: ends it within this (the rounds themselves are answered far sooner).
+_POLL_SLICE_MS = 50
+_CLOSED = "client closed"
 
 
 class PendingStep:
     """A round this rank has reported for; `wait()` returns its decision or raises its error."""
 
-    __slots__ = ("_client", "_registration", "kind", "seq")
+    __slots__ = ("_client", "_outcome", "_registration", "kind", "seq")
 
     def __init__(self, client: CoordClient, seq: int, kind: StepKind, registration: int) -> None:
         self._client = client
         self._registration = registration
+        self._outcome: StepDecision | CoordError | None = None
         self.seq = seq
         self.kind = kind
 
     def wait(self, timeout: float | None = None) -> StepDecision:
-        """Block until the decision arrives (at most `timeout`, default the client's)."""
-        return self._client._wait(self.seq, self._registration, timeout)
+        """Block until the decision arrives (at most `timeout`, default the client's); a
+        second call returns the same decision (or raises the same error) at once."""
+        outcome = self._outcome
+        if outcome is None:
+            try:
+                outcome = self._client._wait(self.seq, self._registration, timeout)
+            except StepTimeout:
+                raise  # still open: waiting again may succeed
+            except CoordError as error:
+                outcome = error
+            self._outcome = outcome
+        if isinstance(outcome, CoordError):
+            raise outcome
+        return outcome
 
     def done(self) -> bool:
         """True if `wait()` would return or raise without blocking."""
-        client = self._client
-        client._read_available()
-        return client.session.settled(self.seq, self._registration)
+        return self._outcome is not None or self._client._settled(self.seq, self._registration)
 
 
 class PendingGather:
     """A gather round this rank has sent its values to; `wait()` returns every rank's values
     (rows[r] is rank r's; [] for a rank left out) or raises the round's error."""
 
-    __slots__ = ("_client", "_registration", "seq", "site")
+    __slots__ = ("_client", "_outcome", "_registration", "seq", "site")
 
     def __init__(self, client: CoordClient, seq: int, site: str, registration: int) -> None:
         self._client = client
         self._registration = registration
+        self._outcome: GatherResult | CoordError | None = None
         self.seq = seq
         self.site = site
 
@@ -73,17 +90,27 @@ class PendingGather:
         return self.result(timeout).rows
 
     def result(self, timeout: float | None = None) -> GatherResult:
-        """As `wait()`, but the whole `GatherResult` (its `dead_ranks` too)."""
-        outcome = self._client._wait_outcome(self.seq, self._registration, timeout)
-        if type(outcome) is not GatherResult:
-            raise _wrong_answer(self.seq, "gather", outcome)
+        """As `wait()`, but the whole `GatherResult` (its `dead_ranks` too); a second call
+        returns the same result (or raises the same error) at once."""
+        outcome = self._outcome
+        if outcome is None:
+            try:
+                got = self._client._wait_outcome(self.seq, self._registration, timeout)
+                if type(got) is not GatherResult:
+                    raise _wrong_answer(self.seq, "gather", got)
+                outcome = got
+            except StepTimeout:
+                raise
+            except CoordError as error:
+                outcome = error
+            self._outcome = outcome
+        if isinstance(outcome, CoordError):
+            raise outcome
         return outcome
 
     def done(self) -> bool:
         """True if `wait()` would return or raise without blocking."""
-        client = self._client
-        client._read_available()
-        return client.session.settled(self.seq, self._registration)
+        return self._outcome is not None or self._client._settled(self.seq, self._registration)
 
 
 def _wrong_answer(seq: int, expected: str, outcome: object) -> ProtocolError:
@@ -112,6 +139,12 @@ class CoordClient(ClientShell):
         self._poller.register(self.connection.monitor, zmq.POLLIN)
         self._welcome: Welcome | None = None
         self._pong: int | None = None
+        #: The last round started and not yet answered: (seq, registration).
+        self._open: tuple[int, int] | None = None
+        #: The thread inside a call that uses the socket (close() from another leaves the
+        #: socket to it), and whether the sockets are closed.
+        self._busy: int | None = None
+        self._sockets_closed = False
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -121,21 +154,42 @@ class CoordClient(ClientShell):
         return self._register(timeout)
 
     def start(self, report: StepReport, kind: StepKind | str = StepKind.FORWARD) -> PendingStep:
-        """Send this rank's report for the next round; returns at once."""
+        """Send this rank's report for the next round; returns at once.
+
+        Rounds are not pipelined: while this client's previous round is unanswered, start()
+        raises `RoundStillOpen` (wait() for it first). coordd runs one round at a time per
+        group, and a report for the next round before every rank reported this one would
+        fail the group with `StepMismatch`."""
         if type(kind) is not StepKind:
             kind = StepKind(kind)
-        stamped = self.session.report(report, kind)
-        self._send_report(stamped)
-        return PendingStep(self, stamped.seq, kind, self.session.registration)
+        self._enter()
+        try:
+            if self._open is not None:
+                self._check_open(self._open)
+            stamped = self.session.report(report, kind)
+            self._send_report(stamped)
+        finally:
+            self._leave()
+        registration = self.session.registration
+        self._open = (stamped.seq, registration)
+        return PendingStep(self, stamped.seq, kind, registration)
 
     def start_gather(self, site: str, values: Sequence[int]) -> PendingGather:
         """Send this rank's values for the next round, a gather round labelled `site` (the
         call site; every rank must gather the same site in the same place); returns at once.
         Raises `InvalidReport` without sending for what the wire cannot carry (more than
         MAX_GATHER_VALUES values, a value outside int64)."""
-        stamped = self.session.gather(site, values)
-        self._send_report(stamped)
-        return PendingGather(self, stamped.seq, site, self.session.registration)
+        self._enter()
+        try:
+            if self._open is not None:
+                self._check_open(self._open)
+            stamped = self.session.gather(site, values)
+            self._send_report(stamped)
+        finally:
+            self._leave()
+        registration = self.session.registration
+        self._open = (stamped.seq, registration)
+        return PendingGather(self, stamped.seq, site, registration)
 
     def gather(
         self, site: str, values: Sequence[int], timeout: float | None = None
@@ -157,18 +211,32 @@ class CoordClient(ClientShell):
         nonce = time.monotonic_ns()
         began = time.perf_counter()
         deadline = time.monotonic() + timeout
-        self._send_before(encode(Heartbeat(nonce=nonce)), deadline)
-        while self._pong != nonce:
-            if not self._pump(deadline):
-                raise CoordinatorUnavailable(f"no pong from coordd within {timeout:g}s")
+        self._enter()
+        try:
+            self._send_before(encode(Heartbeat(nonce=nonce)), deadline)
+            while self._pong != nonce:
+                if not self._pump(deadline):
+                    raise CoordinatorUnavailable(f"no pong from coordd within {timeout:g}s")
+        finally:
+            self._leave()
         return time.perf_counter() - began
 
     def close(self) -> None:
-        """Say goodbye (if registered), fail what is pending, close; idempotent."""
+        """Say goodbye (if registered), fail what is pending, close; idempotent. Safe from
+        another thread: a wait() in progress there raises `CoordinatorUnavailable("client
+        closed")` within 50 ms, and that thread closes the sockets as it leaves."""
         if self._closed:
             return
         self._closed = True
-        self.session.fail(CoordinatorUnavailable("client closed"))
+        self.session.fail(CoordinatorUnavailable(_CLOSED))
+        busy = self._busy
+        if busy is None or busy == threading.get_ident():
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._sockets_closed:
+            return
+        self._sockets_closed = True
         self.connection.close(_GOODBYE if self.session.epoch is not None else None)
 
     def __enter__(self) -> CoordClient:
@@ -179,10 +247,55 @@ class CoordClient(ClientShell):
 
     # -- waiting ------------------------------------------------------------------------------
 
+    # -- one thread at a time on the sockets ---------------------------------------------------
+
+    def _enter(self) -> None:
+        """Mark this thread as using the sockets; raises "client closed" after close()."""
+        self._busy = threading.get_ident()
+        if self._closed:  # read after marking: close() either sees the mark or we see this
+            self._busy = None
+            raise CoordinatorUnavailable(_CLOSED)
+
+    def _leave(self) -> None:
+        self._busy = None
+        if self._closed:  # close() came from another thread meanwhile: it left this to us
+            self._close_sockets()
+
+    def _settled(self, seq: int, registration: int) -> bool:
+        """Read what came, then: would round `seq`'s wait return or raise at once?"""
+        try:
+            self._enter()
+        except CoordinatorUnavailable:
+            return True  # closed: every wait raises "client closed"
+        try:
+            self._read_available()
+        finally:
+            self._leave()
+        return self.session.settled(seq, registration)
+
+    def _check_open(self, open_round: tuple[int, int]) -> None:
+        """Refuse a start() while this client's previous round is unanswered."""
+        seq, registration = open_round
+        session = self.session
+        if registration == session.registration:
+            self._read_available()
+            if not session.settled(seq, registration):
+                raise RoundStillOpen(self.dp_rank, seq)
+        self._open = None
+
     def _register(self, timeout: float, hello: Hello | None = None) -> Welcome:
         """Begin a registration and send `hello` (default: this rank's own) for it."""
+        self._enter()
+        try:
+            return self._register_now(timeout, hello)
+        finally:
+            self._leave()
+
+    def _register_now(self, timeout: float, hello: Hello | None) -> Welcome:
         self._welcome = None
-        self.connection.disconnected()
+        self._open = None
+        connection = self.connection
+        connection.disconnected()
         own = self.session.hello()
         data = encode(own if hello is None else hello)
         deadline = time.monotonic() + timeout
@@ -191,8 +304,12 @@ class CoordClient(ClientShell):
             while self._welcome is None:
                 if not self._pump(deadline):
                     raise CoordinatorUnavailable(
-                        f"no answer from coordd at {self.address} within {timeout:g}s"
-                        + self.connection.why_unreachable()
+                        f"no answer from coordd within {timeout:g}s" + connection.why_unreachable()
+                    )
+                if connection.handshake_refused:  # it fails the same way every retry
+                    raise CoordinatorUnavailable(
+                        f"coordd refused the connection ({connection.where()}): "
+                        f"{connection.handshake_failure}"
                     )
         except CoordinatorUnavailable as error:
             self.session.registration_failed(error)
@@ -226,28 +343,53 @@ class CoordClient(ClientShell):
     ) -> StepDecision | GatherResult:
         timeout = self.config.wait_timeout if timeout is None else timeout
         session = self.session
-        self._read_available()
-        deadline = time.monotonic() + timeout
-        while True:
-            outcome = session.outcome(seq, registration)
-            if outcome is not None:
-                if isinstance(outcome, CoordError):
-                    raise outcome
-                return outcome
-            if not self._pump(deadline):
-                raise StepTimeout((), timeout)
+        self._enter()
+        try:
+            self._read_available()
+            deadline = time.monotonic() + timeout
+            while True:
+                outcome = session.outcome(seq, registration)
+                if outcome is not None:
+                    if self._open is not None and self._open[0] == seq:
+                        self._open = None
+                    if isinstance(outcome, CoordError):
+                        raise outcome
+                    return outcome
+                if not self._pump(deadline):
+                    raise StepTimeout((), timeout)
+        finally:
+            self._leave()
 
     def _read_available(self) -> None:
-        self.connection.drain(self._on_frame)
+        try:
+            self.connection.drain(self._on_frame)
+        except zmq.ZMQError as exc:
+            raise self._socket_error(exc) from None
+
+    def _socket_error(self, exc: zmq.ZMQError) -> CoordinatorUnavailable:
+        if self._closed:
+            return CoordinatorUnavailable(_CLOSED)
+        error = CoordinatorUnavailable(f"the socket to coordd at {self.address} failed: {exc}")
+        self.session.fail(error)
+        return error
 
     def _pump(self, deadline: float) -> bool:
-        """Wait for traffic until `deadline`; False if none came."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        events = dict(self._poller.poll(max(1, int(remaining * 1000))))
-        if not events:
-            return False
+        """Wait for traffic until `deadline`; False if none came. Polls in slices, so that a
+        close() from another thread ends the wait ("client closed")."""
+        while True:
+            if self._closed:
+                raise CoordinatorUnavailable(_CLOSED)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                events = dict(self._poller.poll(min(_POLL_SLICE_MS, max(1, int(remaining * 1000)))))
+            except zmq.ZMQError as exc:
+                raise self._socket_error(exc) from None
+            if events:
+                break
+        if self._closed:
+            raise CoordinatorUnavailable(_CLOSED)
         if self.connection.monitor in events and self.connection.disconnected():
             self._read_available()  # what coordd sent before the close is still this rank's
             self.session.connection_lost()

@@ -8,6 +8,10 @@ Python running; a socket monitor tells the client when the connection to coordd 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import socket
+import stat
 from collections.abc import Callable
 
 import zmq
@@ -19,6 +23,17 @@ from coordd.client.config import (
     CurveKeys,
     curve_keys_from_env,
 )
+from coordd.proto.address import (
+    FROM_ARGUMENT,
+    FROM_DEFAULT,
+    FROM_ENV,
+    AddressError,
+    Endpoint,
+    check_address,
+    resolve_address,
+    runtime_dir_problem,
+)
+from coordd.proto.errors import CoordinatorUnavailable
 from coordd.proto.messages import MAX_MESSAGE_BYTES
 
 # Plain ints: pyzmq's constants are enum.Flag members, slow to combine in Python.
@@ -32,6 +47,11 @@ _HANDSHAKE_FAILED = int(
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+_HANDSHAKE_DEFINITE = int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+#: Handshakes failed without detail in a row, over tcp, after which connect() gives up: a wrong
+#: server key, or a rank without CURVE at a coordd with it, fails every retry the same way.
+_NO_DETAIL_LIMIT = 2
 
 __all__ = [
     "CLIENT_KEY_ENV",
@@ -60,12 +80,28 @@ class RankConnection:
         heartbeat_interval: float,
         heartbeat_timeout: float,
         curve: CurveKeys | None = None,
+        source: str = FROM_ARGUMENT,
     ) -> None:
+        self.address = address
+        #: Where the address came from: FROM_ARGUMENT, FROM_ENV or FROM_DEFAULT.
+        self.source = source
+        try:
+            self.endpoint: Endpoint = check_address(address)
+        except AddressError as exc:
+            raise CoordinatorUnavailable(
+                f"cannot use coordd's address ({self.where()}): {exc}"
+            ) from None
+        if source == FROM_DEFAULT and self.endpoint.scheme == "ipc":
+            problem = runtime_dir_problem(os.path.dirname(self.endpoint.path))
+            if problem is not None:
+                raise CoordinatorUnavailable(f"refusing the default address: {problem}")
         if curve is None:
             curve = curve_keys_from_env()
-        self.address = address
         self.uses_curve = curve is not None
         self.handshake_failure: str | None = None
+        #: Set when a failed handshake will fail again the same way (connect() stops waiting).
+        self.handshake_refused = False
+        self._no_detail = 0
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, identity)
         sock.setsockopt(zmq.LINGER, 0)
@@ -82,23 +118,47 @@ class RankConnection:
             sock.curve_serverkey = curve.server_public
             sock.curve_publickey = curve.public
             sock.curve_secretkey = curve.secret
+        if self.endpoint.ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
         self.socket = sock
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
-        sock.connect(address)
+        self.monitor = sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            close_dealer(sock, self.monitor)
+            raise CoordinatorUnavailable(
+                f"cannot connect to coordd ({self.where()}): {exc.strerror}"
+            ) from None
 
     @classmethod
     def open(
         cls, config: ClientConfig, identity: bytes, context: zmq.Context | None = None
     ) -> RankConnection:
         """The connection `config` describes (its address resolved), under routing id `identity`."""
+        address, source = resolve_address(config.address)
         return cls(
             context or zmq.Context.instance(),
-            config.resolved().address or "",
+            address,
             identity,
             heartbeat_interval=config.heartbeat_interval,
             heartbeat_timeout=config.heartbeat_timeout,
             curve=config.curve,
+            source=source,
         )
+
+    def where(self) -> str:
+        """The address and where it came from, as errors say it."""
+        if self.source == FROM_ENV:
+            return f"{self.address}, from $COORDD_ADDRESS"
+        if self.source == FROM_DEFAULT:
+            return (
+                f"{self.address}, the default: no address given and $COORDD_ADDRESS unset "
+                "(coordd's default --bind when it runs as this user, with the same "
+                "$XDG_RUNTIME_DIR)"
+            )
+        return f"{self.address}, as given"
 
     def writable(self) -> bool:
         """True if a send would be queued now (the pipe to coordd exists)."""
@@ -141,14 +201,27 @@ class RankConnection:
                 return seen
             event = int.from_bytes(frames[0][:2], "little")
             seen = seen or event == _DISCONNECTED
-            if event & _HANDSHAKE_FAILED:
+            if event == _HANDSHAKE_SUCCEEDED:
+                self._no_detail = 0
+                self.handshake_failure = None
+            elif event & _HANDSHAKE_FAILED:
                 value = int.from_bytes(frames[0][2:6], "little")
-                self.handshake_failure = _explain_handshake(event, value, self.uses_curve)
+                tcp = self.endpoint.scheme == "tcp"
+                self.handshake_failure = _explain_handshake(event, value, self.uses_curve, tcp)
+                if event & _HANDSHAKE_DEFINITE:
+                    self.handshake_refused = True
+                elif tcp:
+                    self._no_detail += 1
+                    self.handshake_refused = self._no_detail >= _NO_DETAIL_LIMIT
 
     def why_unreachable(self) -> str:
-        """': <reason>' if the last security handshake failed, else ''."""
+        """': <reason>': why coordd did not answer, as far as this side can tell (a failed
+        handshake; for ipc whether the socket file exists and anything listens on it; for
+        tcp whether the port refuses connections), and the address with where it came from."""
         self.disconnected()
-        return f": {self.handshake_failure}" if self.handshake_failure else ""
+        if self.handshake_failure:
+            return f" ({self.where()}): {self.handshake_failure}"
+        return f" ({self.where()}): {_diagnose(self.endpoint)}"
 
     def close(self, final: bytes | None = None) -> None:
         """Send `final` if the pipe is up (best effort, never blocks), then close both sockets."""
@@ -190,7 +263,61 @@ def close_dealer(sock: zmq.Socket, monitor: zmq.Socket, final: bytes | None = No
     sock.close()
 
 
-def _explain_handshake(event: int, value: int, curve: bool) -> str:
+def _diagnose(endpoint: Endpoint) -> str:
+    """What a look at the address shows when coordd does not answer (only on that path)."""
+    if endpoint.scheme == "ipc":
+        if endpoint.abstract:
+            return "nothing answered on the abstract socket: is coordd running, bound there?"
+        path = endpoint.path
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            directory = os.path.dirname(path) or "."
+            where = "" if os.path.isdir(directory) else f" (nor its directory {directory})"
+            return (
+                f"no socket file at {path}{where}: coordd is not running there; start it "
+                "(coordd --dp N, with the same --bind) or give the client coordd's address"
+            )
+        except OSError as exc:
+            return f"cannot look at {path}: {exc.strerror}"
+        if not stat.S_ISSOCK(info.st_mode):
+            return f"{path} is not a socket: coordd's --bind names another path?"
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(0.5)
+        try:
+            probe.connect(path)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                return (
+                    f"this process (uid {os.getuid()}) may not use the socket {path} (owner "
+                    f"uid {info.st_uid}, mode {info.st_mode & 0o777:o}): run as coordd's user, "
+                    "or start coordd with --ipc-mode 660 and a shared group"
+                )
+            return (
+                f"the socket file {path} exists but nothing listens on it: coordd is gone "
+                "(it stopped without removing it); start coordd again"
+            )
+        finally:
+            probe.close()
+        return f"coordd's socket {path} accepts connections but coordd did not answer: is it busy?"
+    host, port = endpoint.host.strip("[]"), int(endpoint.port)
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            pass
+    except ConnectionRefusedError:
+        return f"connection refused: nothing listens on {endpoint.host}:{port}; is coordd running?"
+    except OSError as exc:
+        return (
+            f"cannot reach {endpoint.host}:{port} ({exc.strerror or exc}): check the host, the "
+            "network and firewalls between this rank and coordd"
+        )
+    return (
+        f"{endpoint.host}:{port} accepts connections but coordd did not answer (a listener "
+        "that is not coordd, or coordd busy)"
+    )
+
+
+def _explain_handshake(event: int, value: int, curve: bool, tcp: bool = True) -> str:
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (
             f"coordd refused this rank's CURVE key (ZAP status {value}): it is not among "
@@ -200,6 +327,11 @@ def _explain_handshake(event: int, value: int, curve: bool) -> str:
         return (
             "the security handshake failed (ZMTP protocol error): one side uses CURVE and the "
             f"other does not, or they disagree (code {value:#x})"
+        )
+    if not tcp:
+        return (
+            "the connection closed during the ZeroMQ handshake: coordd stopped, or what "
+            "listens on the socket is not coordd"
         )
     if not curve:
         return (

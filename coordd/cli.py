@@ -74,7 +74,16 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bind",
         default=_env("bind", None),
-        help="ipc://PATH or tcp://HOST:PORT (default: ipc in a private runtime dir)",
+        help="ipc://PATH or tcp://HOST:PORT, IPv6 as tcp://[::1]:PORT (default: ipc in a "
+        "private runtime dir)",
+    )
+    p.add_argument(
+        "--ipc-mode",
+        choices=["600", "660"],
+        default=_env("ipc_mode", "600"),
+        help="the ipc socket's permissions, whatever the umask: 600 (coordd's user only, the "
+        "default) or 660 (also the group of the socket's directory: ranks of another uid in "
+        "that group, e.g. a pod's fsGroup)",
     )
     p.add_argument(
         "--step-timeout",
@@ -159,23 +168,24 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 
 
 def check_server_args(args: argparse.Namespace) -> bool:
-    """Reject unsafe or incomplete option sets before anything starts; True if CURVE is on."""
+    """Reject unsafe, incomplete or out-of-range option sets before anything starts, with one
+    line naming the option (exit code 1); True if CURVE is on."""
     from coordd.keys import SecurityConfigError, check_security_options
+    from coordd.listen import BindError, check_bind
+    from coordd.options import OptionError, check_serve
 
-    if args.dp < 1:
-        raise SystemExit(f"coordd: --dp must be >= 1, got {args.dp}")
-    if args.max_groups < 1:
-        raise SystemExit(f"coordd: --max-groups must be >= 1, got {args.max_groups}")
-    if not 0 <= args.expect_groups <= args.max_groups:
-        raise SystemExit(
-            f"coordd: --expect-groups must be in 0..--max-groups ({args.max_groups}), "
-            f"got {args.expect_groups}"
-        )
-    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-        raise SystemExit(f"coordd: --metrics-port must be 0..65535, got {args.metrics_port}")
+    try:
+        check_serve(args)
+    except OptionError as exc:
+        raise SystemExit(f"coordd: {exc}") from None
+    bind = args.bind or default_address()
+    try:
+        check_bind(bind)
+    except BindError as exc:
+        raise SystemExit(f"coordd: {exc}") from None
     try:
         return check_security_options(
-            args.bind or default_address(),
+            bind,
             args.curve_secret_key,
             args.curve_client_keys,
             args.insecure,
@@ -188,6 +198,7 @@ def serve(args: argparse.Namespace) -> int:
     import zmq
 
     from coordd.keys import CurveGate, SecurityConfigError
+    from coordd.listen import IPC_MODES, BindError
     from coordd.logs import setup_logging
     from coordd.proto.keyfile import KeyFileError
     from coordd.server import CoordServer
@@ -206,18 +217,22 @@ def serve(args: argparse.Namespace) -> int:
                 gate = CurveGate.start(context, args.curve_secret_key, args.curve_client_keys)
             except (KeyFileError, SecurityConfigError) as exc:
                 raise SystemExit(f"coordd: {exc}") from None
-        server = CoordServer(
-            bind,
-            dp_size=args.dp,
-            step_timeout=args.step_timeout,
-            on_rank_loss=OnRankLoss(args.on_rank_loss),
-            max_groups=args.max_groups,
-            expect_groups=args.expect_groups,
-            heartbeat_interval=args.heartbeat_interval,
-            heartbeat_timeout=args.heartbeat_timeout,
-            context=context,
-            configure_socket=gate.configure if gate else None,
-        )
+        try:
+            server = CoordServer(
+                bind,
+                dp_size=args.dp,
+                step_timeout=args.step_timeout,
+                on_rank_loss=OnRankLoss(args.on_rank_loss),
+                max_groups=args.max_groups,
+                expect_groups=args.expect_groups,
+                heartbeat_interval=args.heartbeat_interval,
+                heartbeat_timeout=args.heartbeat_timeout,
+                context=context,
+                configure_socket=gate.configure if gate else None,
+                ipc_mode=IPC_MODES[args.ipc_mode],
+            )
+        except BindError as exc:
+            raise SystemExit(f"coordd: {exc}") from None
         if gate is not None:
             server.curve_refused = lambda: gate.refused
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from coordd import logs
+from coordd.identity import peer_label
 from coordd.proto.coordinator import LEFT_THE_GROUP
 from coordd.proto.group_state import GroupState
 from coordd.proto.messages import (
@@ -400,7 +401,8 @@ class ServerEvents:
 
 
 def _peer_text(peer: bytes) -> str:
-    return peer.decode("utf-8", "backslashreplace")
+    """A routing id as logs show it: a keyed hash, never the id (see coordd.identity)."""
+    return peer_label(peer)
 
 
 class CoorddCollector:
@@ -554,6 +556,16 @@ class CoorddCollector:
                 "Connections refused: a CURVE client key coordd was not given",
                 server.curve_refused(),
             )
+        takeovers = CounterMetricFamily(
+            "coordd_rank_takeovers_refused",
+            "Attempts to speak for a rank over a connection that did not register it: a Hello "
+            "for a rank a live connection holds (rank_held), a message over another connection "
+            "(other_connection)",
+            labels=["group", "kind"],
+        )
+        for (group_name, kind), count in sorted(server.takeovers.refused.items()):
+            takeovers.add_metric([group_name, kind], count)
+        yield takeovers
 
 
 def _bound(bound: float) -> str:

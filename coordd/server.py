@@ -16,6 +16,10 @@ Liveness comes from libzmq: ZMTP heartbeats (PING/PONG, answered by each rank's 
 thread) on every connection, so a rank that stops answering has its connection closed; a socket
 monitor reports the closed connection's file descriptor, and the descriptor a rank registered
 from (the SRCFD of its Hello) names the rank, which becomes `Coordinator.peer_lost`.
+
+A rank is the connection that registered it (`coordd.identity`): ROUTER_HANDOVER is off, so a
+live connection's routing id cannot be taken over, and a message from a routing id counts only
+if it came over the descriptor its Hello came in on; routing ids are never logged or shown.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 import zmq
 
 from coordd.cli import DEFAULT_MAX_GROUPS
+from coordd.identity import Takeovers, frame_address, peer_label
 from coordd.metrics import Observer, ServerEvents
 from coordd.proto.address import runtime_dir
 from coordd.proto.coordinator import Coordinator, Send
@@ -61,6 +66,7 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 _RCVMORE = int(zmq.RCVMORE)
+_SRCFD = int(zmq.SRCFD)
 
 
 @dataclass
@@ -169,6 +175,8 @@ class CoordServer:
         self.stats = ServerStats()
         #: Refusals outside any group (bad names, the limit, reports from unknown peers).
         self.events = ServerEvents()
+        #: Attempts to speak for a rank over a connection that did not register it.
+        self.takeovers = Takeovers(clock)
         #: Clients refused by the CURVE gate, when coordd runs with CURVE.
         self.curve_refused: Callable[[], int] | None = None
         self.clock = clock
@@ -178,7 +186,10 @@ class CoordServer:
         self._context = context or zmq.Context()
         self._ipc_path = prepare_ipc_path(address)
         sock = self._context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Off: while a connection holds a routing id, libzmq drops a second connection that
+        # presents it (on, the newcomer took the id over, and with it a rank's decisions); a
+        # rank is the connection that registered it (see coordd.identity).
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
@@ -288,6 +299,7 @@ class CoordServer:
         stats = self.stats
         clock = self.clock
         peer_group = self._peer_group
+        peer_fd = self._peer_fd
         touched = self._touched
         while True:
             # Until Again, not EVENTS per frame: getsockopt is a syscall plus an enum lookup
@@ -318,6 +330,10 @@ class CoordServer:
             group = peer_group.get(peer)
             if group is None:
                 self._from_stranger(peer, message)
+                continue
+            fd = peer_fd.get(peer)
+            if fd is not None and frame.get(_SRCFD) != fd:
+                self._other_connection(peer, message, frame, group)
                 continue
             touched.add(group)
             self._send(group.coordinator.receive(peer, message, clock()), group.observer)
@@ -367,7 +383,7 @@ class CoordServer:
                     sock.send(peer, _SNDMORE_NOBLOCK)
                     sock.send(payload, _NOBLOCK)
                 except zmq.ZMQError as exc:
-                    log.debug("dropped a frame to %r: %s", peer, exc)
+                    log.debug("dropped a frame to %s: %s", peer_label(peer), exc)
                     continue
                 self.stats.frames_out += 1
 
@@ -377,7 +393,7 @@ class CoordServer:
             self._sock.send(peer, _SNDMORE_NOBLOCK)
             self._sock.send(encode(message), _NOBLOCK)
         except zmq.ZMQError as exc:
-            log.debug("dropped a frame to %r: %s", peer, exc)
+            log.debug("dropped a frame to %s: %s", peer_label(peer), exc)
             return
         self.stats.frames_out += 1
 
@@ -390,7 +406,14 @@ class CoordServer:
     def _on_hello(self, peer: bytes, hello: Hello, frame: zmq.Frame) -> None:
         """Route a Hello to the group it names (created here on the first one)."""
         self._drain_monitor()
-        self._track_connection(peer, frame.get(zmq.SRCFD))
+        fd = frame.get(_SRCFD)
+        registered = self._peer_fd.get(peer)
+        if registered is not None and registered != fd:
+            # This routing id's registering connection is open (its close is not reported,
+            # and libzmq admits one live connection per id): the Hello came over another one.
+            self._other_connection(peer, hello, frame, self._peer_group.get(peer))
+            return
+        self._track_connection(peer, fd)
         now = self.clock()
         bound = self._peer_group.get(peer)
         if bound is not None and bound.name != hello.group:
@@ -418,10 +441,42 @@ class CoordServer:
             )
         self._peer_group[peer] = group
         self._touched.add(group)
-        group.observer.registering(peer, hello, frame.get("Peer-Address"))
-        self._send(group.coordinator.receive(peer, hello, now), group.observer)
+        address = frame_address(frame)
+        group.observer.registering(peer, hello, address)
+        sends = group.coordinator.receive(peer, hello, now)
+        for _, answer in sends:
+            if type(answer) is Reject and answer.reason is RejectReason.RANK_TAKEN:
+                self.takeovers.refuse(
+                    group.name,
+                    Takeovers.RANK_HELD,
+                    rank=hello.dp_rank,
+                    address=address,
+                    peer=peer,
+                    detail=answer.text,
+                )
+        self._send(sends, group.observer)
         if len(self._peer_group) > 2 * self.dp_size * len(self.groups) + 256:
             self._forget_departed()
+
+    def _other_connection(
+        self, peer: bytes, message: ToCoordinator, frame: zmq.Frame, group: Group | None
+    ) -> None:
+        """`message` came from routing id `peer` over another connection than the one that
+        said its Hello, which coordd knows open: it does not count for the rank (refused,
+        counted, logged with the address), and is answered as a stranger's."""
+        rank = None
+        if group is not None:
+            rank = group.coordinator.snapshot().rank_of(peer)
+        self.takeovers.refuse(
+            group.name if group is not None else "-",
+            Takeovers.OTHER_CONNECTION,
+            rank=rank,
+            address=frame_address(frame),
+            peer=peer,
+            detail=f"a {type(message).__name__} over another connection than the one that "
+            "registered: not counted",
+        )
+        self._from_stranger(peer, message)
 
     def _create(self, peer: bytes, hello: Hello) -> Group | None:
         """A new group for `hello`, or None if it was refused (its name, its settings, the
@@ -485,11 +540,7 @@ class CoordServer:
         """Bound the peer map: keep the peers that are members of their group, and every peer
         of a group with an open round (one may be queued to rejoin at its end); a peer that
         left is answered as a stranger from then on."""
-        live = {
-            member.peer
-            for group in self.groups.values()
-            for member in group.coordinator.snapshot().members.values()
-        }
+        live = {peer for group in self.groups.values() for peer in group.coordinator.holders()}
         self._peer_group = {
             p: g
             for p, g in self._peer_group.items()

@@ -2,10 +2,10 @@
 
 The document says whether coordd is ready and, for every group it serves, where the group
 stands (its state, epoch, the open round, readiness, the failure if any) and, per rank, who
-holds it (routing id, address, incarnation), when it last reported, how many rounds it took part
-in, how late its reports come on average, and how often it was the last to report (the
-straggler). `coordd status` fetches it over HTTP and prints it as a
-table; `coordd status --probe livez|readyz` is the health check the deploy files run.
+holds it (a label of its connection, never the routing id; its address and incarnation), when
+it last reported, how many rounds it took part in, how late its reports come on average, and
+how often it was the last to report (the straggler). `coordd status` fetches it over HTTP and
+prints it as a table; `coordd status --probe livez|readyz` is the health check the deploy files run.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from coordd.identity import peer_label
 from coordd.proto.messages import PROTOCOL_VERSION
 from coordd.proto.snapshot import GroupSnapshot, OnRankLoss
 
@@ -98,7 +99,7 @@ def group_document(group: Group, now: float) -> dict[str, Any]:
         entry: dict[str, Any] = {
             "rank": rank,
             "state": state,
-            "peer": member.peer.decode("utf-8", "backslashreplace") if member else None,
+            "peer": peer_label(member.peer) if member else None,
             "address": observer.addresses.get(member.peer) if member else None,
             "incarnation": member.hello.incarnation if member else None,
             "last_seen_s": None if seen is None else round(max(0.0, now - seen), 6),

@@ -43,8 +43,63 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="simulated GPU time scale: a step takes step_ms * (0.6 + tokens/1024) ms",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bind", default=None, help="default: ipc in a temporary directory")
+    p.add_argument(
+        "--bind",
+        default=None,
+        help="default: ipc in a temporary directory; tcp://HOST:PORT needs --insecure or the "
+        "CURVE options (as coordd serve)",
+    )
+    p.add_argument(
+        "--insecure", action="store_true", help="allow a tcp --bind without CURVE (as serve)"
+    )
+    p.add_argument(
+        "--curve-secret-key",
+        default=None,
+        help="coordd's NAME.key_secret, as serve; the ranks read $COORDD_CURVE_SERVER_KEY and "
+        "$COORDD_CURVE_CLIENT_KEY",
+    )
+    p.add_argument(
+        "--curve-client-keys",
+        default=None,
+        help="comma list of admitted client key files (NAME.key), as serve",
+    )
     p.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
+
+
+#: The most rank processes the demo starts.
+MAX_DEMO_DP = 256
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """Refuse out-of-range options with one line naming the option (SystemExit, code 1);
+    returns the options coordd serve gets for the bind (security)."""
+    from coordd.keys import SecurityConfigError, check_security_options
+    from coordd.listen import BindError, check_bind
+    from coordd.options import OptionError, count, seconds
+
+    try:
+        if type(args.dp) is not int or not 2 <= args.dp <= MAX_DEMO_DP:
+            raise OptionError(
+                f"--dp must be 2..{MAX_DEMO_DP} (at dp=1 nothing is agreed; each rank is a "
+                f"process), got {args.dp}"
+            )
+        if args.seconds is not None:
+            seconds("--seconds", args.seconds, low=0.1)
+        if args.rounds is not None:
+            count("--rounds", args.rounds, low=1, high=10_000_000)
+        seconds("--step-ms", args.step_ms, low=0.0, high=10_000.0)
+        if args.bind is not None:
+            check_bind(args.bind)
+        clients = [k for k in (args.curve_client_keys or "").split(",") if k.strip()]
+        bind = args.bind or "ipc://demo"
+        check_security_options(bind, args.curve_secret_key, clients, args.insecure)
+    except (OptionError, BindError, SecurityConfigError) as exc:
+        raise SystemExit(f"coordd demo: {exc}") from None
+    extra = ["--insecure"] if args.insecure else []
+    if args.curve_secret_key:
+        extra += ["--curve-secret-key", args.curve_secret_key]
+        extra += ["--curve-client-keys", ",".join(clients)]
+    return extra
 
 
 # -- what the view shows ------------------------------------------------------------------------
@@ -226,16 +281,20 @@ def verify(finished: list[Finished], num_ubatches: int) -> tuple[int, list[str]]
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.dp < 2:
-        raise SystemExit(
-            f"coordd demo: --dp must be >= 2 (at dp=1 nothing is agreed), got {args.dp}"
-        )
+    security = check_args(args)
     seconds = args.seconds if args.seconds is not None or args.rounds is not None else 5.0
     limit = (seconds or 0) + (args.rounds or 0) * 0.05 + 60  # a hard stop: never hang
     decoder = msgspec.msgpack.Decoder(RankMessage)
     with tempfile.TemporaryDirectory(prefix="coordd-demo-") as tmp:
         bind = args.bind or f"ipc://{tmp}/coordd.sock"
-        with CoorddProcess(args.dp, bind, ["--log-level", "error"]) as coordd:
+        coordd = CoorddProcess(args.dp, bind, ["--log-level", "error", *security])
+        try:
+            coordd.start()
+        except (RuntimeError, TimeoutError) as exc:
+            raise SystemExit(
+                f"coordd demo: coordd did not start ({exc}); see its error above"
+            ) from None
+        try:
             ctx = mp.get_context("spawn")
             pipes = [ctx.Pipe(duplex=False) for _ in range(args.dp)]
             procs = [
@@ -297,6 +356,8 @@ def run(args: argparse.Namespace) -> int:
                     if p.is_alive():
                         p.kill()
                         p.join(timeout=5)
+        finally:
+            coordd.stop()
     if interrupted:
         print("coordd demo: interrupted; every rank and coordd stopped", file=sys.stderr)
         return 130

@@ -46,6 +46,8 @@ def batch(rank: int, step: int) -> tuple[int, int]:
 def _rank_loop(address: str, conn: Connection) -> None:
     """Rank 2: step after step as fast as the group goes, each decision sent back as msgpack."""
     adapter = VllmAdapter.connect(CFG, 2, address, as_tensor=False, incarnation=VICTIM)
+    # Its routing id first (random, known only to it and coordd): the test's stray presents it.
+    conn.send_bytes(adapter.client.session.identity)  # type: ignore[union-attr]
     step = 0
     while True:
         tokens, padded = batch(2, step)
@@ -53,6 +55,12 @@ def _rank_loop(address: str, conn: Connection) -> None:
         adapter.finish_dp_coordination(handle, 60)
         conn.send_bytes(encode(handle.decision))
         step += 1
+
+
+def victim_routing_id(from_victim: Connection) -> bytes:
+    """The victim's first message: its connection's routing id."""
+    assert from_victim.poll(WAIT), "rank 2 did not register"
+    return from_victim.recv_bytes()
 
 
 @contextmanager
@@ -109,6 +117,7 @@ def assert_left_out(decision: StepDecision, reports: list[StepReport]) -> None:
 def test_sigkilled_rank_is_left_out_then_returns_at_a_round_boundary(start_coordd) -> None:
     coordd = start_coordd(3, "ipc", "--on-rank-loss", "neutralize", "--step-timeout", "60")
     with victim_rank(coordd.address) as (victim, from_victim), live_ranks(coordd.address) as ranks:
+        victim_id = victim_routing_id(from_victim)
         # Healthy rounds: the victim's decisions are the live ranks' decisions.
         for step in range(4):
             decision, _ = run_step(ranks, step)
@@ -131,10 +140,11 @@ def test_sigkilled_rank_is_left_out_then_returns_at_a_round_boundary(start_coord
             assert_left_out(decision, reports)
         epoch, next_seq = decision.epoch, decision.seq + 1
 
-        # Its peer comes back without a Hello (same routing id): an error, never a decision.
+        # Its routing id comes back without a Hello (its connection is known closed, so the id
+        # is free): an error, never a decision.
         tokens, padded = batch(2, 9)
         with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as stray:
-            stray.setsockopt(zmq.ROUTING_ID, f"2:{VICTIM}".encode())
+            stray.setsockopt(zmq.ROUTING_ID, victim_id)
             stray.setsockopt(zmq.LINGER, 0)
             stray.connect(coordd.address)
             stray.send(encode(StepReport(num_tokens=tokens, num_tokens_padded=padded, dp_rank=2,
@@ -186,6 +196,7 @@ def test_sigkilled_rank_is_left_out_then_returns_at_a_round_boundary(start_coord
 def test_step_timeout_names_only_live_ranks(start_coordd) -> None:
     coordd = start_coordd(3, "ipc", "--on-rank-loss", "neutralize", "--step-timeout", "1.5")
     with victim_rank(coordd.address) as (victim, from_victim), live_ranks(coordd.address) as ranks:
+        victim_routing_id(from_victim)
         run_step(ranks, 0)
         assert from_victim.poll(WAIT)
         os.kill(victim.pid, signal.SIGKILL)
@@ -204,6 +215,7 @@ def test_step_timeout_names_only_live_ranks(start_coordd) -> None:
 def test_fail_stop_stays_the_default(start_coordd) -> None:
     coordd = start_coordd(3, "ipc", "--step-timeout", "60")
     with victim_rank(coordd.address) as (victim, from_victim), live_ranks(coordd.address) as ranks:
+        victim_routing_id(from_victim)
         run_step(ranks, 0)
         assert from_victim.poll(WAIT)
         os.kill(victim.pid, signal.SIGKILL)

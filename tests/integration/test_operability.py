@@ -276,7 +276,9 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
     assert metric(m, "coordd_faults_total", group="default", reason="lost") == 1
     assert metric(m, "coordd_ready") == 0
     code, body = fetch(c.url + "/readyz", 5)
-    assert code == 503 and body.startswith(b"group default failed at seq")
+    # the ranks closed cleanly (Goodbye): still fail-stop, but said as an orderly departure
+    assert code == 503 and body.startswith(b"group default stopped at seq"), body
+    assert b"left the group (closed cleanly)" in body and b"connect() again" in body
     (failure,) = status(c.url)["groups"][0]["recent_failures"]
     assert failure["reason"] == "lost" and failure["seq"] == rounds
     assert c.alive()

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordd.endpoints import HttpEndpoints, coordd_routes
+from coordd.identity import Takeovers, peer_label
 from coordd.logs import JsonFormatter, event, fault_fields, setup_logging
 from coordd.metrics import DURATION_BUCKETS, Observer, ServerEvents
 from coordd.proto.coordinator import Coordinator, OnRankLoss
@@ -44,6 +45,7 @@ class Daemon:
         self.groups: dict[str, Group] = {}
         self.stats = ServerStats()
         self.events = ServerEvents()
+        self.takeovers = Takeovers()
         self.bound_address = "ipc:///run/coordd/coordd.sock"
         self.max_groups = 64
         self.expect_groups = expect_groups
@@ -363,7 +365,9 @@ def test_status_document_and_table() -> None:
     assert default["round"] == {"open": True, "kind": "forward", "reported": 1, "age_s": 1.0}
     r0, r1 = default["ranks"]
     assert r0["state"] == "registered" and r0["address"] == "10.0.0.0"
-    assert r0["incarnation"] == "inc0" and r0["peer"] == "0:inc0:default"
+    # the routing id itself is never shown: a label of the connection instead
+    assert r0["incarnation"] == "inc0" and r0["peer"] == peer_label(b"0:inc0:default")
+    assert "0:inc0:default" not in json.dumps(doc)
     assert r0["last_seen_s"] == 2.0 and r1["last_seen_s"] == 1.0
     assert r0["reported_open_round"] is False and r1["reported_open_round"] is True
     assert r0["rounds"] == r1["rounds"] == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from coordd.keys import (
     load_secret_key,
     write_keypair,
 )
+from coordd.listen import BindError
 from coordd.proto.address import default_address, runtime_dir
 from coordd.proto.keyfile import KeyFileError, is_z85, parse_key_text, read_key_file
 from coordd.server import prepare_ipc_path
@@ -153,13 +155,16 @@ def test_the_default_bind_is_ipc_in_a_private_runtime_dir(tmp_path: Path,
     assert address == f"ipc://{tmp_path}/coordd/coordd.sock"
     old = os.umask(0)
     try:
-        path = prepare_ipc_path(address)
+        claimed = prepare_ipc_path(address)
     finally:
         os.umask(old)
-    assert path == f"{tmp_path}/coordd/coordd.sock"
+    assert claimed is not None and claimed.path == f"{tmp_path}/coordd/coordd.sock"
+    claimed.release()
     assert mode(runtime_dir()) == 0o700
     os.chmod(runtime_dir(), 0o755)  # loosened by someone: made private again
-    prepare_ipc_path(address)
+    claimed = prepare_ipc_path(address)
+    assert claimed is not None
+    claimed.release()
     assert mode(runtime_dir()) == 0o700
 
 
@@ -169,8 +174,12 @@ def test_an_operators_existing_directory_is_left_as_it_is(tmp_path: Path,
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o770)  # a pod's emptyDir, shared on purpose
-    (shared / "coordd.sock").write_text("stale")
-    assert prepare_ipc_path(f"ipc://{shared}/coordd.sock") == f"{shared}/coordd.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(shared / "coordd.sock"))  # a socket nobody listens on: a dead coordd's
+    stale.close()
+    claimed = prepare_ipc_path(f"ipc://{shared}/coordd.sock")
+    assert claimed is not None and claimed.path == f"{shared}/coordd.sock"
+    claimed.release()
     assert mode(shared) == 0o770
     assert not (shared / "coordd.sock").exists(), "a stale socket file is removed"
     assert prepare_ipc_path("tcp://127.0.0.1:5555") is None
@@ -182,5 +191,5 @@ def test_a_runtime_dir_owned_by_another_user_is_refused(tmp_path: Path,
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     os.makedirs(runtime_dir(), mode=0o700)
     os.chown(runtime_dir(), 54321, 54321)
-    with pytest.raises(PermissionError, match="belongs to uid 54321"):
+    with pytest.raises(BindError, match="belongs to uid 54321"):
         prepare_ipc_path(default_address())

@@ -74,10 +74,15 @@ def test_the_hello_and_identity_come_from_the_config() -> None:
     hello = session.hello()
     assert (hello.dp_rank, hello.dp_size, hello.config_fingerprint) == (1, 2, "fp")
     assert (hello.group, hello.num_ubatches) == ("default", 2)
-    assert session.identity == f"1:{hello.incarnation}".encode()
     assert session.registering
+    # the routing id is random, not derived from the rank or a configured incarnation (a peer
+    # that could guess it could present it), and stable for the session
     again = RankSession(dataclasses.replace(CONFIG, incarnation="pod-7"))
-    assert again.identity == b"1:pod-7"
+    assert session.identity == session.identity
+    assert session.identity != again.identity
+    for ident in (session.identity, again.identity):
+        assert len(ident) >= 16 and not ident.startswith(b"\x00")
+        assert b"pod-7" not in ident and hello.incarnation.encode() not in ident
     # keywords build the same config
     assert RankSession(dp_rank=1, dp_size=2, config_fingerprint="fp").config == dataclasses.replace(
         CONFIG, address=None

@@ -35,6 +35,24 @@ def _numbers(kind: type) -> Any:
     return parse
 
 
+def _dps(text: str) -> list[int]:
+    """`--dp`: a comma list of rank counts, each 1..MAX_DP_SIZE (0 or nothing is refused: it
+    would measure nothing and exit 0)."""
+    from coordd.proto.messages import MAX_DP_SIZE
+
+    try:
+        dps = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of rank counts, got {text!r}"
+        ) from None
+    if not dps or any(not 1 <= dp <= MAX_DP_SIZE for dp in dps):
+        raise argparse.ArgumentTypeError(
+            f"every dp must be 1..{MAX_DP_SIZE}, got {text!r} (--dp 0 would measure nothing)"
+        )
+    return dps
+
+
 def _names(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in ALL_METHODS]
@@ -46,7 +64,7 @@ def _names(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dp", type=_numbers(int), default=[2, 4, 8], help="rank counts (2,4,8)")
+    p.add_argument("--dp", type=_dps, default=[2, 4, 8], help="rank counts (2,4,8)")
     p.add_argument("--methods", type=_names, default=list(ALL_METHODS), help=", ".join(ALL_METHODS))
     p.add_argument("--rounds", type=int, default=2000, help="timed rounds per method and dp")
     p.add_argument("--blocks", type=int, default=10, help="interleaved blocks per phase")

@@ -57,6 +57,20 @@ def parse_kinds(text: str) -> list[Fault]:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
+    from coordd.options import OptionError, count, dp_size, heartbeats, seconds
+
+    try:
+        count("--seeds", args.seeds, low=1, high=100_000)
+        count("--first-seed", args.first_seed, low=0)
+        seconds("--step-timeout", args.step_timeout, low=0.001)
+        heartbeats(args.heartbeat_interval, args.heartbeat_timeout)
+        dp_size("--min-dp", args.min_dp, low=2)
+        dp_size("--max-dp", args.max_dp, low=2)
+        count("--rounds", args.rounds, low=1, high=1_000_000)
+        seconds("--grace", args.grace, low=0.0, high=3600.0)
+        count("--parallel", args.parallel, low=1, high=256)
+    except OptionError as exc:
+        raise SystemExit(f"coordd chaos: {exc}") from None
     if not 2 <= args.min_dp <= args.max_dp:
         raise SystemExit("coordd chaos: need 2 <= --min-dp <= --max-dp (a fault needs a group)")
     return Settings(

@@ -1,0 +1,279 @@
+"""Where coordd listens: `--bind` checked, the ipc socket's directory, lock and mode, and every
+reason a bind fails as one sentence (`BindError`) that names the option and the fix.
+
+An ipc socket is coordd's only while coordd runs, and only one coordd may own a path:
+- a lock file beside the socket (`PATH.lock`, flock'd for coordd's lifetime, holding its pid):
+  a second coordd on the same path is refused and names the first one's pid; the kernel drops
+  the lock when coordd dies, however it dies;
+- a socket file found at the path is removed only when the lock is ours, it is a socket owned by
+  this uid, and nothing answers on it (a coordd of a release without the lock, say);
+- the socket is created 0600 (0660 with `--ipc-mode 660`: the directory's group, a pod's shared
+  fsGroup) whatever the umask, and at exit removed only if it is still the one coordd bound;
+- the default runtime directory ($XDG_RUNTIME_DIR/coordd, else /tmp/coordd-<uid>) must be a
+  real directory owned by this uid (never followed through a symlink): made 0700 when coordd
+  creates it, made 0700 again if loosened; an operator's own directory is left as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import socket
+import stat
+from dataclasses import dataclass
+
+from coordd.proto.address import AddressError, Endpoint, check_address, runtime_dir
+
+#: `--ipc-mode` choices: the socket's permission bits.
+IPC_MODES = {"600": 0o600, "660": 0o660}
+
+
+class BindError(Exception):
+    """coordd cannot listen where `--bind` says; the message says why and what to do."""
+
+
+def check_bind(address: str) -> Endpoint:
+    """`--bind` taken apart, or `BindError` naming the option and the fix."""
+    try:
+        return check_address(address, binding=True)
+    except AddressError as exc:
+        raise BindError(f"--bind {address}: {exc}") from None
+
+
+@dataclass
+class IpcSocket:
+    """An ipc path coordd owns while it runs: its lock, and the socket it bound there."""
+
+    address: str
+    path: str
+    lock_path: str
+    lock_fd: int
+    mode: int
+    bound: tuple[int, int, int] | None = None
+
+    @classmethod
+    def claim(cls, address: str, mode: int = 0o600) -> IpcSocket | None:
+        """Make ready to bind `address` (None for tcp and abstract ipc, which need nothing):
+        the directory, the lock, the stale socket gone. `BindError` if coordd may not."""
+        endpoint = check_bind(address)
+        if endpoint.scheme != "ipc" or endpoint.abstract:
+            return None
+        path = os.path.abspath(endpoint.path)
+        _prepare_directory(address, os.path.dirname(path))
+        lock_path = path + ".lock"
+        fd = _lock(address, lock_path, mode)
+        claimed = cls(address, path, lock_path, fd, mode)
+        try:
+            _remove_stale(address, path)
+        except BaseException:
+            claimed.release()
+            raise
+        return claimed
+
+    def bind(self, sock: object) -> None:
+        """`sock.bind(address)` with the socket created `mode` whatever the umask."""
+        old = os.umask(0o777 & ~self.mode)
+        try:
+            sock.bind(self.address)  # type: ignore[attr-defined]
+        finally:
+            os.umask(old)
+        info = os.lstat(self.path)
+        if stat.S_ISSOCK(info.st_mode) and info.st_uid == os.getuid():
+            os.chmod(self.path, self.mode)  # the umask did it; this says so to a reader
+            self.bound = _file_identity(os.lstat(self.path))
+
+    def release(self) -> None:
+        """Remove the socket if it is still the one coordd bound, then the lock; idempotent."""
+        if self.lock_fd < 0:
+            return
+        if self.bound is not None:
+            with contextlib.suppress(FileNotFoundError):
+                if _file_identity(os.lstat(self.path)) == self.bound:
+                    os.unlink(self.path)
+            self.bound = None
+        # Unlinked while still held: a coordd that opened the old file sees it is gone.
+        with contextlib.suppress(FileNotFoundError):
+            info = os.lstat(self.lock_path)
+            if (info.st_dev, info.st_ino) == _identity(self.lock_fd):
+                os.unlink(self.lock_path)
+        os.close(self.lock_fd)
+        self.lock_fd = -1
+
+
+def _file_identity(info: os.stat_result) -> tuple[int, int, int]:
+    """A file, told from one made later at the same path (inode numbers are reused)."""
+    return info.st_dev, info.st_ino, info.st_ctime_ns
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
+def _prepare_directory(address: str, directory: str) -> None:
+    is_runtime = os.path.abspath(directory) == os.path.abspath(runtime_dir())
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        info = None
+    except OSError as exc:
+        why = exc.strerror
+        raise BindError(f"--bind {address}: cannot use directory {directory}: {why}") from None
+    if info is None:
+        try:
+            os.makedirs(directory, mode=0o700)
+        except FileExistsError:
+            pass  # made at the same moment by another process: checked below
+        except OSError as exc:
+            raise BindError(
+                f"--bind {address}: cannot create directory {directory} ({exc.strerror}): "
+                "bind in a directory this user can write (e.g. $XDG_RUNTIME_DIR or /run/coordd)"
+            ) from None
+        info = os.lstat(directory)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            os.chmod(directory, 0o700, follow_symlinks=False)  # makedirs applies the umask
+    if stat.S_ISLNK(info.st_mode) and is_runtime:
+        raise BindError(
+            f"--bind {address}: runtime directory {directory} is a symbolic link: "
+            "remove it (coordd makes the directory itself) or bind elsewhere"
+        )
+    if not stat.S_ISDIR(os.stat(directory).st_mode):
+        raise BindError(
+            f"--bind {address}: {directory} is not a directory: pick a path in a directory"
+        )
+    if not is_runtime:
+        return
+    if info.st_uid != os.getuid():
+        raise BindError(
+            f"--bind {address}: runtime directory {directory} belongs to uid {info.st_uid}, not "
+            f"to coordd's uid {os.getuid()} (another user made it, and could swap the socket): "
+            "remove it, set XDG_RUNTIME_DIR, or bind elsewhere"
+        )
+    if info.st_mode & 0o077:
+        logging.getLogger("coordd").warning(
+            "runtime directory %s had mode %o: made 0700", directory, info.st_mode & 0o777
+        )
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) == (info.st_dev, info.st_ino):
+                os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+
+
+def _lock(address: str, lock_path: str, mode: int) -> int:
+    """Hold `lock_path` (created `mode`, never through a symlink) for as long as coordd runs."""
+    for _ in range(10):
+        try:
+            fd = os.open(
+                lock_path,
+                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                mode,
+            )
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise BindError(
+                    f"--bind {address}: the lock file {lock_path} is a symbolic link: remove "
+                    "it, and bind in a directory only coordd's user can write"
+                ) from None
+            raise BindError(
+                f"--bind {address}: cannot create files in {os.path.dirname(lock_path)} "
+                f"({exc.strerror}): bind in a directory this user can write"
+            ) from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                raise BindError(
+                    f"--bind {address}: the lock file {lock_path} is not a file this uid "
+                    f"({os.getuid()}) owns: remove it or bind elsewhere"
+                )
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                raise BindError(
+                    f"--bind {address}: another coordd (pid {holder}) serves this path: "
+                    "stop it first, or give this one another --bind"
+                ) from None
+            try:
+                now = os.lstat(lock_path)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+                os.close(fd)  # the one who held it removed it as we opened it: again
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+    raise BindError(f"--bind {address}: the lock file {lock_path} keeps changing: try again")
+
+
+def _remove_stale(address: str, path: str) -> None:
+    """With the lock held: a socket at `path` is a dead coordd's, unless something answers."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise BindError(
+            f"--bind {address}: {path} exists and is not a socket: remove it or bind elsewhere"
+        )
+    if info.st_uid != os.getuid():
+        raise BindError(
+            f"--bind {address}: the socket {path} belongs to uid {info.st_uid}, not to "
+            f"coordd's uid {os.getuid()}: coordd removes only its own; remove it or bind elsewhere"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        pass  # refused: nobody listens, the socket is stale
+    else:
+        raise BindError(
+            f"--bind {address}: a live process listens on {path} (a coordd without the lock "
+            "file, or another program): stop it first, or give coordd another --bind"
+        )
+    finally:
+        probe.close()
+    os.unlink(path)
+
+
+def explain_bind_failure(address: str, endpoint: Endpoint, errno_: int, text: str) -> str:
+    """libzmq's bind error as one sentence naming `--bind` and the fix."""
+    where = f"--bind {address}"
+    if endpoint.scheme == "tcp":
+        port = endpoint.port
+        if errno_ == errno.EADDRINUSE:
+            return (
+                f"{where}: port {port} is in use on {endpoint.host}: stop the process holding it "
+                f"(ss -ltnp 'sport = :{port}'), or pick another port (tcp://{endpoint.host}:* "
+                "takes any free one)"
+            )
+        if errno_ == errno.EADDRNOTAVAIL:
+            return (
+                f"{where}: {endpoint.host} is not an address of this machine: bind one of its "
+                "addresses (ip -brief address), 127.0.0.1, or * for every interface"
+            )
+        if errno_ == errno.EACCES:
+            return f"{where}: binding port {port} needs privileges: use a port above 1023"
+        if errno_ in (errno.ENODEV, errno.EINVAL):
+            return (
+                f"{where}: cannot resolve host {endpoint.host!r}: give an IP address, a name this "
+                "machine resolves, or * (IPv6 in brackets: tcp://[::1]:PORT)"
+            )
+    else:
+        if errno_ == errno.EADDRINUSE:
+            return f"{where}: another process listens on this name: stop it or bind elsewhere"
+        if errno_ in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return f"{where}: cannot create the socket ({text}): bind where this user can write"
+        if errno_ in (errno.ENOENT, errno.ENOTDIR):
+            return f"{where}: the socket's directory cannot hold it ({text}): bind elsewhere"
+    return f"{where}: cannot listen there: {text}"

@@ -1,0 +1,79 @@
+"""The ranges of coordd's options, checked before anything starts (`coordd serve`, and the
+demo's, the chaos runner's and the benchmark's own), each refusal one sentence that names the
+option, the value and the range.
+
+Times are seconds, finite and positive, and within what libzmq's millisecond options hold;
+counts are whole numbers in their range. `check_serve` holds every rule of `coordd serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from coordd.proto.messages import MAX_DP_SIZE
+
+#: Longest a round may stay open, and the longest heartbeat setting: a day (libzmq takes the
+#: heartbeat in int milliseconds; past ~24 days it would wrap).
+MAX_SECONDS = 86_400.0
+#: Shortest heartbeat setting libzmq can apply (it takes milliseconds; 0 turns it off).
+MIN_HEARTBEAT = 0.001
+
+
+class OptionError(ValueError):
+    """An option outside its range; the message names it, the value and the range."""
+
+
+def seconds(option: str, value: float, *, low: float, high: float = MAX_SECONDS) -> float:
+    """`value` if it is a finite number of seconds in [low, high], else `OptionError`."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise OptionError(f"{option} must be a number of seconds, got {value!r}")
+    if not low <= value <= high:
+        raise OptionError(f"{option} must be in {low:g}..{high:g} seconds, got {value:g}")
+    return float(value)
+
+
+def count(option: str, value: int, *, low: int, high: int | None = None) -> int:
+    """`value` if it is a whole number in [low, high], else `OptionError`."""
+    if type(value) is not int:
+        raise OptionError(f"{option} must be a whole number, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise OptionError(f"{option} must be {bound}, got {value}")
+    return value
+
+
+def dp_size(option: str, value: int, *, low: int = 1) -> int:
+    """A dp size: `low`..MAX_DP_SIZE (the most ranks a decision's frame and every client's
+    decoder hold)."""
+    try:
+        return count(option, value, low=low, high=MAX_DP_SIZE)
+    except OptionError:
+        raise OptionError(
+            f"{option} must be {low}..{MAX_DP_SIZE} (the most ranks coordd's messages carry), "
+            f"got {value!r}"
+        ) from None
+
+
+def heartbeats(interval: float, timeout: float, prefix: str = "--heartbeat") -> None:
+    """The ZMTP heartbeat pair: each 1 ms..a day; the timeout at least the interval (a peer is
+    declared lost only after it had the chance to answer one PING)."""
+    seconds(f"{prefix}-interval", interval, low=MIN_HEARTBEAT)
+    seconds(f"{prefix}-timeout", timeout, low=MIN_HEARTBEAT)
+    if timeout < interval:
+        raise OptionError(
+            f"{prefix}-timeout ({timeout:g}s) must be at least {prefix}-interval ({interval:g}s)"
+        )
+
+
+def check_serve(args: argparse.Namespace) -> None:
+    """Every range of `coordd serve`'s options (`OptionError` for the first one out)."""
+    dp_size("--dp", args.dp)
+    seconds("--step-timeout", args.step_timeout, low=0.001)
+    heartbeats(args.heartbeat_interval, args.heartbeat_timeout)
+    count("--max-groups", args.max_groups, low=1, high=1_000_000)
+    count("--expect-groups", args.expect_groups, low=0, high=args.max_groups)
+    if args.metrics_port is not None:
+        count("--metrics-port", args.metrics_port, low=0, high=65535)
+    if not str(args.metrics_host).strip():
+        raise OptionError("--metrics-host must name an address (127.0.0.1, or 0.0.0.0)")

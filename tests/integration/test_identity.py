@@ -1,0 +1,159 @@
+"""A rank is its registered connection: a real coordd, real clients, a rogue DEALER.
+
+The attack of issue 11: a peer that never sent a Hello presents a registered rank's routing id
+(learnt from a Reject, /status, or guessed from `<rank>:<incarnation>`). With ROUTER_HANDOVER on
+it took the id over: it received the rank's decisions and its forged reports counted as the
+rank's, the real rank was orphaned. Now libzmq drops the second connection, the rank's rounds go
+on with its own reports, and nothing that identifies a connection is echoed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import zmq
+
+from coordd.client.sync import CoordClient
+from coordd.client.transport import CurveKeys
+from coordd.proto import Rejected, StepReport
+from coordd.proto.messages import StepKind, encode
+from coordd.proto.policy import decide
+from tests.integration.test_operability import (  # noqa: F401 - the fixture
+    Coordd,
+    coordd,
+    coordd_cli,
+    metric,
+    samples,
+    status,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+HONEST = [StepReport(num_tokens=8 + r, num_tokens_padded=8 + r) for r in range(2)]
+FORGED = StepReport(num_tokens=4000, num_tokens_padded=4000, has_unfinished=True)
+
+
+def rogue_takes(address: str, victim: CoordClient, curve: CurveKeys | None) -> zmq.Socket:
+    """A DEALER presenting the victim's routing id (the worst case: the id leaked), which
+    sends a forged report for the victim's rank and next seq."""
+    ctx = zmq.Context.instance()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.ROUTING_ID, victim.session.identity)
+    rogue.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        rogue.curve_serverkey = curve.server_public
+        rogue.curve_publickey = curve.public
+        rogue.curve_secretkey = curve.secret
+    rogue.connect(address)
+    forged = victim.session.stamp(FORGED, StepKind.FORWARD)
+    deadline = time.monotonic() + 5
+    while not rogue.poll(50, zmq.POLLOUT) and time.monotonic() < deadline:
+        pass
+    rogue.send(encode(forged), zmq.NOBLOCK)
+    time.sleep(0.3)  # the forged report reaches coordd before the honest ones
+    return rogue
+
+
+def run_attack(c: Coordd, curve: CurveKeys | None, log: Path) -> None:
+    ranks = [CoordClient(c.address, dp_rank=r, dp_size=2, config_fingerprint="fp", curve=curve)
+             for r in range(2)]
+    rogue = None
+    try:
+        for r in ranks:
+            r.connect(timeout=10)
+        rogue = rogue_takes(c.address, ranks[0], curve)
+        for seq in range(3):
+            pending = [r.start(HONEST[i]) for i, r in enumerate(ranks)]
+            decisions = [p.wait(timeout=10) for p in pending]
+            epoch = decisions[0].epoch
+            want = decide([r.session.stamp(HONEST[i], StepKind.FORWARD, seq=seq)
+                           for i, r in enumerate(ranks)], epoch=epoch, seq=seq)
+            assert decisions == [want, want], "a forged report counted for rank 0"
+        assert not rogue.poll(500), "the rogue received the rank's decisions"
+
+        # A second client asks for rank 0: refused, and the Reject names nothing of the holder.
+        with CoordClient(c.address, dp_rank=0, dp_size=2, config_fingerprint="fp",
+                         curve=curve) as impostor, pytest.raises(Rejected) as info:
+            impostor.connect(timeout=10)
+        error = info.value
+        assert error.reason == "rank_taken"
+        said = f"{error} {error.expected} {error.got}"
+        for r in ranks:
+            assert r.session.identity.decode() not in said
+            assert r.session.hello_message.incarnation not in said
+    finally:
+        if rogue is not None:
+            rogue.close()
+        for r in ranks:
+            r.close()
+
+    m = samples(c.url)
+    assert metric(m, "coordd_rank_takeovers_refused_total", group="default",
+                  kind="rank_held") >= 1
+    doc = json.dumps(status(c.url))
+    text = log.read_text()
+    for r in ranks:
+        ident = r.session.identity.decode()
+        assert ident not in doc, "/status shows a routing id"
+        assert ident not in text, "the log shows a routing id"
+    lines = [json.loads(line) for line in text.splitlines()]
+    (refusal, *_) = [r for r in lines if r["message"] == "rank takeover refused"]
+    assert refusal["kind"] == "rank_held" and refusal["rank"] == 0
+    assert refusal["address"] not in ("", "-"), "the refusal names the peer's address"
+
+
+def test_ipc_a_live_ranks_routing_id_cannot_be_taken_over(coordd: Callable[..., Coordd],  # noqa: F811
+                                                          tmp_path: Path) -> None:
+    log = tmp_path / "coordd.log"
+    c = coordd("serve", "--dp", "2", "--bind", f"ipc://{tmp_path}/c.sock", "--metrics-port", "0",
+               "--log-format", "json", stderr=log)
+    run_attack(c, None, log)
+
+
+def test_tcp_curve_with_a_shared_key_a_live_ranks_routing_id_cannot_be_taken_over(
+        coordd: Callable[..., Coordd], tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = tmp_path / "keys"
+    assert coordd_cli("keygen", "--dir", str(keys), "coordd", "rank").returncode == 0
+    monkeypatch.delenv("COORDD_CURVE_SERVER_KEY", raising=False)
+    monkeypatch.delenv("COORDD_CURVE_CLIENT_KEY", raising=False)
+    log = tmp_path / "coordd.log"
+    c = coordd("serve", "--dp", "2", "--bind", "tcp://127.0.0.1:*",
+               "--curve-secret-key", str(keys / "coordd.key_secret"),
+               "--curve-client-keys", str(keys / "rank.key"), "--metrics-port", "0",
+               "--log-format", "json", stderr=log)
+    # every rank and the rogue hold the one shared key, as the deploy files do
+    shared = CurveKeys.from_files(str(keys / "coordd.key"), str(keys / "rank.key_secret"))
+    run_attack(c, shared, log)
+
+
+def test_a_report_over_another_connection_is_not_counted(coordd: Callable[..., Coordd],  # noqa: F811
+                                                         tmp_path: Path) -> None:
+    """Every message from a routing id must come over the connection its Hello came in on: a
+    report that names the rank's routing id over another live connection is refused."""
+    log = tmp_path / "coordd.log"
+    c = coordd("serve", "--dp", "2", "--bind", f"ipc://{tmp_path}/c.sock", "--metrics-port", "0",
+               "--log-format", "json", stderr=log)
+    ranks = [CoordClient(c.address, dp_rank=r, dp_size=2, config_fingerprint="fp")
+             for r in range(2)]
+    try:
+        for r in ranks:
+            r.connect(timeout=10)
+        decisions = [p.wait(timeout=10) for p in [r.start(HONEST[i]) for i, r in
+                                                   enumerate(ranks)]]
+        assert decisions[0] == decisions[1]
+        # The rogue's frames never reach coordd (libzmq drops the duplicate id): the group
+        # keeps working and its registered connections are untouched.
+        rogue = rogue_takes(c.address, ranks[1], None)
+        rogue.close()
+        decisions = [p.wait(timeout=10) for p in [r.start(HONEST[i]) for i, r in
+                                                   enumerate(ranks)]]
+        assert decisions[0] == decisions[1] and decisions[0].seq == 1
+        assert decisions[0].num_tokens_across_dp == [8, 9]
+    finally:
+        for r in ranks:
+            r.close()
