@@ -100,6 +100,23 @@ Event = Registered | RegistrationFailed | Resolved | GroupFailed | Pong
 SUPERSEDED = "superseded by connect()"
 
 
+class RoundStillOpen(RuntimeError):
+    """`start()` (or `start_gather()`) while this client's previous round is unanswered.
+
+    Rounds are not pipelined: coordd runs one round at a time per group, and a rank's report
+    for the next round that reaches coordd before another rank's report for this one fails the
+    group with `StepMismatch`. A programming error in the engine's loop, not a coordd failure
+    (so not a `CoordError`): wait() for the previous round first."""
+
+    def __init__(self, rank: int, seq: int) -> None:
+        self.rank = rank
+        self.seq = seq
+        super().__init__(
+            f"rank {rank}: start() while round seq={seq} is still unanswered: wait() for it "
+            "first (coordd runs one round at a time; rounds are not pipelined)"
+        )
+
+
 def new_incarnation() -> str:
     return f"{os.getpid()}-{secrets.token_hex(4)}"
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -34,13 +33,16 @@ from dataclasses import dataclass
 
 import zmq
 
+from coordd import limits
 from coordd.cli import DEFAULT_MAX_GROUPS
 from coordd.identity import Takeovers, frame_address, peer_label
+from coordd.listen import BindError, IpcSocket, check_bind, explain_bind_failure
+from coordd.logs import Aggregated
 from coordd.metrics import Observer, ServerEvents
-from coordd.proto.address import runtime_dir
 from coordd.proto.coordinator import Coordinator, Send
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, Rejected
 from coordd.proto.messages import (
+    MAX_DP_SIZE,
     MAX_MESSAGE_BYTES,
     Goodbye,
     Heartbeat,
@@ -67,6 +69,21 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 _RCVMORE = int(zmq.RCVMORE)
 _SRCFD = int(zmq.SRCFD)
+_ACCEPTED = int(zmq.EVENT_ACCEPTED)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+
+#: Most messages handled in one turn of the event loop: then the loop runs its timers (step
+#: timeouts), the HTTP endpoints and the monitor, and the drain goes on at its next turn. One
+#: peer sending as fast as it can no longer holds the loop for the length of its flood.
+DRAIN_BUDGET = 512
+#: Most parts of a refused multipart message dropped in one turn (~25 ms of work).
+DROP_BUDGET = 50_000
+#: Turns in a row that closed connections may wait for the frames before them to be read
+#: (so a rank's last report counts before its loss), before the monitor goes first anyway.
+MONITOR_PATIENCE = 8
+#: Answers to peers that registered with no group (an echo, a refusal): at most this many a
+#: second over all of them, so a stranger's flood gets little back and queues little here.
+STRANGER_ANSWERS_PER_S = 200.0
 
 
 @dataclass
@@ -77,36 +94,16 @@ class ServerStats:
     bad_frames: int = 0
     frames_out: int = 0
     disconnects: int = 0
+    #: parts of refused multipart messages, dropped without decoding
+    parts_dropped: int = 0
+    #: answers to strangers not sent (over STRANGER_ANSWERS_PER_S)
+    stranger_answers_dropped: int = 0
 
 
-def prepare_ipc_path(address: str) -> str | None:
-    """For ipc://, create the socket's directory private (0700); return the path to unlink.
-
-    A directory that exists is left as the operator made it (a pod's shared emptyDir), except
-    the default runtime directory, which must be ours and private: made looser, it is made
-    0700 again; owned by another user (who could swap the socket), it is refused."""
-    if not address.startswith("ipc://"):
-        return None
-    path = address[len("ipc://") :]
-    directory = os.path.dirname(path) or "."
-    if not os.path.isdir(directory):
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        os.chmod(directory, 0o700)  # makedirs applies the umask
-    elif os.path.realpath(directory) == os.path.realpath(runtime_dir()):
-        info = os.stat(directory)
-        if info.st_uid != os.getuid():
-            raise PermissionError(
-                f"runtime directory {directory} belongs to uid {info.st_uid}, not to coordd's "
-                f"uid {os.getuid()}: remove it or bind elsewhere"
-            )
-        if info.st_mode & 0o077:
-            log.warning(
-                "runtime directory %s had mode %o: made 0700", directory, info.st_mode & 0o777
-            )
-            os.chmod(directory, 0o700)
-    if os.path.exists(path):
-        os.unlink(path)
-    return path
+def prepare_ipc_path(address: str, mode: int = 0o600) -> IpcSocket | None:
+    """For ipc://, claim the path (`coordd.listen.IpcSocket`: the directory, the lock beside
+    the socket, a stale socket removed); None for tcp. `BindError` if coordd may not."""
+    return IpcSocket.claim(address, mode)
 
 
 #: Longest group name; names are printable and hold no whitespace (they are metric labels and
@@ -157,9 +154,11 @@ class CoordServer:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         configure_socket: Callable[[zmq.Socket], None] | None = None,
+        max_connections: int = limits.DEFAULT_MAX_CONNECTIONS,
+        ipc_mode: int = 0o600,
     ) -> None:
-        if dp_size < 1:
-            raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+        if not 1 <= dp_size <= MAX_DP_SIZE:
+            raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
         if not 0 <= expect_groups <= max_groups:
@@ -184,8 +183,11 @@ class CoordServer:
         self.started_wall = wall()
         self._last_epoch = 0
         self._context = context or zmq.Context()
-        self._ipc_path = prepare_ipc_path(address)
+        endpoint = check_bind(address)
+        self._ipc = prepare_ipc_path(address, ipc_mode)
         sock = self._context.socket(zmq.ROUTER)
+        if endpoint.ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
         # Off: while a connection holds a routing id, libzmq drops a second connection that
         # presents it (on, the newcomer took the id over, and with it a rank's decisions); a
         # rank is the connection that registered it (see coordd.identity).
@@ -194,14 +196,51 @@ class CoordServer:
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout * 1000))
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
+        # A peer that never reads its answers holds at most SEND_QUEUE of them here (then
+        # the ROUTER drops what is sent to it); a rank reads its decision every round.
+        sock.setsockopt(zmq.SNDHWM, limits.SEND_QUEUE)
+        # No inbound queue limit, on purpose: with one, a peer that sends faster than coordd
+        # reads fills its pipe, libzmq stops reading its connection ("input stopped"), and if
+        # the peer then disconnects, libzmq 4.3.5 marks the engine `_io_error` and a later
+        # heartbeat (coordd's PING timer, or a PING still in the read buffer when reading
+        # resumes) calls out_event() -> `Assertion failed: !_io_error
+        # (src/stream_engine_base.cpp:310)`, aborting coordd (libzmq issue #4841; no release
+        # fixes it). Unbounded, the pipe never fills and that path is never taken; coordd
+        # reads every peer in turn (fair queueing) and drops strangers' frames cheaply.
+        sock.setsockopt(zmq.RCVHWM, 0)
+        # A connection that never finishes its handshake (a key-less tcp+CURVE client, a
+        # socket that sends nothing) is closed after this, freeing its descriptor.
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(limits.HANDSHAKE_TIMEOUT * 1000))
         if configure_socket is not None:
             configure_socket(sock)
-        sock.bind(address)
+        try:
+            if self._ipc is not None:
+                self._ipc.bind(sock)
+            else:
+                sock.bind(address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            if self._ipc is not None:
+                self._ipc.release()
+            raise BindError(
+                explain_bind_failure(address, endpoint, exc.errno or 0, exc.strerror)
+            ) from None
         self.bound_address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
+        #: Open connections, capped: over the cap the oldest that holds no rank is closed.
+        self.connections = limits.ConnectionGuard(max_connections, self._registered_fds)
+        #: Answers to strangers, rate-limited.
+        self._stranger_answers = limits.TokenBucket(
+            STRANGER_ANSWERS_PER_S, STRANGER_ANSWERS_PER_S, clock
+        )
+        #: Log lines a peer could cause once per message: aggregated.
+        self._bad_frame_log = Aggregated(log, "bad frame dropped", clock=clock)
+        self._evicted_log = Aggregated(log, "connection closed over the cap", clock=clock)
+        #: Dropping the rest of a refused multipart message (over several turns).
+        self._dropping = False
+        self._again_pending = False
+        self._monitor_waited = 0
         self._fd_peer: dict[int, bytes] = {}
         self._peer_fd: dict[bytes, int] = {}
         #: The group each peer registered with (its reports go there).
@@ -219,6 +258,8 @@ class CoordServer:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.fileno(), self._on_frames)
         self._loop.add_reader(self._monitor.fileno(), self._drain)
+        for aggregated in (self._bad_frame_log, self._evicted_log, *self.events.aggregated()):
+            aggregated.schedule = self._loop.call_later
         self._drain()
         log.info(
             "coordd serving dp=%d on %s (at most %d groups)",
@@ -243,8 +284,8 @@ class CoordServer:
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=int(linger * 1000))
-        if self._ipc_path and os.path.exists(self._ipc_path):
-            os.unlink(self._ipc_path)
+        if self._ipc is not None:
+            self._ipc.release()  # the socket only if it is still the one we bound
 
     def group_of(self, peer: bytes) -> Group | None:
         """The group `peer` registered with, or None."""
@@ -253,23 +294,48 @@ class CoordServer:
     # -- the hot path -----------------------------------------------------------------------
 
     def _drain(self) -> None:
-        """Handle every queued frame, then closed connections, until both are empty.
+        """Handle queued frames, then closed connections, until both are empty or this turn's
+        budget is spent (then the loop gets a turn and the drain goes on at the next).
 
         The FDs are edge-triggered, and a send can swallow the edge: so both are re-checked
-        after any work. Frames go first, so that what a rank sent before its connection
-        closed (a last report, a Goodbye) counts before the loss does.
+        after any work, and a drain cut short is resumed by `call_soon` (no edge would come).
+        Frames go first, so that what a rank sent before its connection closed (a last
+        report, a Goodbye) counts before the loss does; under a flood that never empties the
+        queue, closed connections wait at most MONITOR_PATIENCE turns.
         """
-        self._drain_frames()
-        while self._drain_monitor():
-            self._drain_frames()
+        more = False
+        for _ in range(4):
+            more = self._drain_frames()
+            if more and self._monitor_waited < MONITOR_PATIENCE:
+                self._monitor_waited += 1
+                break
+            self._monitor_waited = 0
+            if not self._drain_monitor():
+                break
+            more = True
         self._drained()
+        if more:
+            self._again()
 
     def _on_frames(self) -> None:
         """The ROUTER's FD fired: frames only. The monitor's own FD brings closed connections
         (to `_drain`), and only work on the monitor socket can swallow its edge; checking it
         here too cost a syscall and an enum lookup on every wakeup (~4.6 per round at dp=8)."""
-        self._drain_frames()
+        more = self._drain_frames()
         self._drained()
+        if more:
+            self._again()
+
+    def _again(self) -> None:
+        """Resume the drain at the loop's next turn (once, however often asked)."""
+        if not self._again_pending and self._loop is not None:
+            self._again_pending = True
+            self._loop.call_soon(self._resume)
+
+    def _resume(self) -> None:
+        self._again_pending = False
+        if not self._sock.closed:
+            self._drain()
 
     def _drained(self) -> None:
         """Once per drain, for each group that got input: a group failure nobody was sent (a
@@ -294,20 +360,23 @@ class CoordServer:
         if moved or (self._timer_at is None and self._open):
             self._schedule_deadline()
 
-    def _drain_frames(self) -> None:
+    def _drain_frames(self) -> bool:
+        """Handle up to DRAIN_BUDGET queued messages; True if some may be left."""
+        if self._dropping and not self._drop_parts():
+            return True
         sock = self._sock
         stats = self.stats
         clock = self.clock
         peer_group = self._peer_group
         peer_fd = self._peer_fd
         touched = self._touched
-        while True:
+        for _ in range(DRAIN_BUDGET):
             # Until Again, not EVENTS per frame: getsockopt is a syscall plus an enum lookup
             # in pyzmq each time, Again one exception per drain; `head.more` saves RCVMORE.
             try:
                 head = sock.recv(_NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return False
             peer = head.bytes
             stats.frames_in += 1
             if not head.more:
@@ -315,9 +384,12 @@ class CoordServer:
                 continue
             frame = sock.recv(_NOBLOCK, copy=False)
             if frame.more:
-                while sock.getsockopt(_RCVMORE):
-                    sock.recv(_NOBLOCK)
+                # Refused as soon as its second payload part shows: the rest is dropped
+                # part by part (no bytes object, no decoding), DROP_BUDGET parts a turn.
                 self._bad_frame(peer, "more than one payload frame")
+                self._dropping = True
+                if not self._drop_parts():
+                    return True
                 continue
             try:
                 message = decode_to_coordinator(frame.buffer)
@@ -337,6 +409,49 @@ class CoordServer:
                 continue
             touched.add(group)
             self._send(group.coordinator.receive(peer, message, clock()), group.observer)
+        return True
+
+    def _drop_parts(self) -> bool:
+        """Drop parts of the refused multipart message being read, up to DROP_BUDGET; True
+        once its last part is gone. libzmq hands a message over only whole, so every part is
+        there: no wait."""
+        recv = self._sock.recv
+        dropped = 0
+        try:
+            while dropped < DROP_BUDGET:
+                dropped += 1
+                if not recv(_NOBLOCK, copy=False).more:
+                    self._dropping = False
+                    break
+        except zmq.Again:  # pragma: no cover - a message is delivered whole
+            dropped -= 1
+            self._dropping = False
+        self.stats.parts_dropped += dropped
+        return not self._dropping
+
+    def _registered_fds(self) -> set[int]:
+        """The descriptors of connections that registered a rank now a member of its group
+        (never closed for the connection cap)."""
+        members = {
+            member.peer
+            for group in self.groups.values()
+            for member in group.coordinator.snapshot().members.values()
+        }
+        return {fd for peer, fd in self._peer_fd.items() if peer in members}
+
+    def _enforce_connection_cap(self) -> None:
+        """Over the cap: close the oldest connections that hold no rank (see coordd.limits)."""
+        guard = self.connections
+        if guard.over():
+            before = guard.evicted
+            guard.enforce()
+            if guard.evicted != before:
+                self._evicted_log(
+                    connections=len(guard.open),
+                    cap=guard.cap,
+                    closed=guard.evicted - before,
+                    detail="the oldest connections that registered no rank were closed",
+                )
 
     def _track_connection(self, peer: bytes, fd: int) -> None:
         old = self._peer_fd.get(peer)
@@ -350,12 +465,18 @@ class CoordServer:
         only). True if any event."""
         monitor = self._monitor
         seen = False
-        while int(monitor.getsockopt(_EVENTS)) & _POLLIN:
+        budget = 4 * DRAIN_BUDGET
+        while budget and int(monitor.getsockopt(_EVENTS)) & _POLLIN:
+            budget -= 1
             seen = True
             frames = monitor.recv_multipart(_NOBLOCK)
             event, fd = struct.unpack("=HI", frames[0][:6])
-            if event != zmq.EVENT_DISCONNECTED:
+            if event == _ACCEPTED:
+                self.connections.accepted(fd)
                 continue
+            if event != _DISCONNECTED:
+                continue
+            self.connections.closed(fd)
             peer = self._fd_peer.pop(fd, None)
             if peer is None or self._peer_fd.get(peer) != fd:
                 continue
@@ -371,6 +492,8 @@ class CoordServer:
                 coordinator.peer_lost(peer, self.clock(), "connection closed"), group.observer
             )
             group.observer.lost(rank, peer, "connection closed")
+        if seen:
+            self._enforce_connection_cap()
         return seen
 
     def _send(self, sends: Sequence[Send], observer: Observer) -> None:
@@ -399,7 +522,7 @@ class CoordServer:
 
     def _bad_frame(self, peer: bytes, why: str) -> None:
         self.stats.bad_frames += 1
-        log.debug("dropped a bad frame from %r: %s", peer, why)
+        self._bad_frame_log(peer=peer_label(peer), why=why, total=self.stats.bad_frames)
 
     # -- registration: which group a peer belongs to ----------------------------------------
 
@@ -554,11 +677,16 @@ class CoordServer:
 
     def _from_stranger(self, peer: bytes, message: ToCoordinator) -> None:
         """A message from a peer that registered with no group (never, before coordd
-        restarted, or so long ago that it was forgotten)."""
+        restarted, or so long ago that it was forgotten). Answered at most
+        STRANGER_ANSWERS_PER_S times a second over all strangers: a flood gets little back
+        (and so queues little here)."""
+        if isinstance(message, (Goodbye, Hello)):
+            return
+        if not self._stranger_answers.take():
+            self.stats.stranger_answers_dropped += 1
+            return
         if isinstance(message, Heartbeat):
             self._send_one(peer, message)
-            return
-        if isinstance(message, (Goodbye, Hello)):
             return
         report = message  # a StepReport or a GatherReport
         error: CoordError
