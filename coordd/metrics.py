@@ -183,7 +183,17 @@ class Observer:
             return
         self.failed[failure.kind.value] += 1
         departed = failure.reason is FailReason.LOST and failure.detail == LEFT_THE_GROUP
-        self._fault(failure, "group failed", level=logging.INFO if departed else logging.WARNING)
+        if departed:
+            # An orderly departure (the rank's client said Goodbye), not a crash: still
+            # fail-stop, so the others get RankLost and connect() again for a new epoch.
+            self._fault(
+                failure,
+                "group stopped: a rank left",
+                level=logging.INFO,
+                then="the other ranks get RankLost(left the group) and connect() again",
+            )
+            return
+        self._fault(failure, "group failed", level=logging.WARNING)
 
     def lost(self, rank: int | None, peer: bytes, detail: str) -> None:
         """A registered rank's connection closed (called after the coordinator was told)."""

@@ -72,7 +72,11 @@ def check_serve(args: argparse.Namespace) -> None:
     seconds("--step-timeout", args.step_timeout, low=0.001)
     heartbeats(args.heartbeat_interval, args.heartbeat_timeout)
     count("--max-groups", args.max_groups, low=1, high=1_000_000)
-    count("--expect-groups", args.expect_groups, low=0, high=args.max_groups)
+    if type(args.expect_groups) is not int or not 0 <= args.expect_groups <= args.max_groups:
+        raise OptionError(
+            f"--expect-groups must be in 0..--max-groups ({args.max_groups}), "
+            f"got {args.expect_groups}"
+        )
     if args.metrics_port is not None:
         count("--metrics-port", args.metrics_port, low=0, high=65535)
     if not str(args.metrics_host).strip():

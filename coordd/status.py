@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 import urllib.error
@@ -21,7 +22,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from coordd.identity import peer_label
-from coordd.proto.messages import PROTOCOL_VERSION
+from coordd.proto.coordinator import LEFT_THE_GROUP
+from coordd.proto.messages import PROTOCOL_VERSION, FailReason, StepFailed
 from coordd.proto.snapshot import GroupSnapshot, OnRankLoss
 
 if TYPE_CHECKING:
@@ -31,10 +33,21 @@ if TYPE_CHECKING:
 DEFAULT_METRICS_PORT = 9180
 
 
+def departed(failure: StepFailed) -> bool:
+    """The group ended because a rank left in order (its client said Goodbye), not a fault."""
+    return failure.reason is FailReason.LOST and failure.detail == LEFT_THE_GROUP
+
+
 def group_readiness(snap: GroupSnapshot) -> tuple[bool, str]:
     """A group is formed: every dp rank registered (neutralize mode: or left out), not failed."""
     failure = snap.failure
     if failure is not None:
+        if departed(failure):
+            return False, (
+                f"stopped at seq {failure.seq}: rank(s) {list(failure.culprits)} left the group "
+                "(closed cleanly); fail-stop: the other ranks get RankLost and connect() again "
+                "to start a new epoch once every rank is back"
+            )
         return False, f"failed at seq {failure.seq}: {failure.text}"
     present = len(snap.members)
     counted = present + (len(snap.dead) if snap.on_rank_loss is OnRankLoss.NEUTRALIZE else 0)
@@ -239,20 +252,48 @@ def run(args: argparse.Namespace) -> int:
     try:
         code, body = fetch(base + path, args.timeout)
     except OSError as exc:
-        print(f"coordd status: cannot reach coordd at {base + path}: {exc}", file=sys.stderr)
+        print(f"coordd status: {unreachable(base + path, exc)}", file=sys.stderr)
         return 2 if not args.probe else 1
     if args.probe:
-        print(f"{args.probe}: {code} {body.decode('utf-8', 'replace').strip()}")
-        return 0 if code == 200 else 1
+        return _print(f"{args.probe}: {code} {body.decode('utf-8', 'replace').strip()}", code)
     if code != 200:
         print(f"coordd status: {base + path} answered {code}", file=sys.stderr)
         return 2
-    document = json.loads(body)
-    if args.json:
-        print(json.dumps(document, indent=2))
-    else:
-        print(render(document))
-    return 0
+    try:
+        document = json.loads(body)
+    except ValueError:
+        print(f"coordd status: {base + path} did not answer JSON: is it coordd?", file=sys.stderr)
+        return 2
+    return _print(json.dumps(document, indent=2) if args.json else render(document), 200)
+
+
+def unreachable(url: str, exc: OSError) -> str:
+    """Why `url` did not answer, and what to do: above all, that coordd serves HTTP only with
+    --metrics-port (a refused connection is mostly a coordd started without it)."""
+    reason = getattr(exc, "reason", exc)
+    if isinstance(reason, ConnectionRefusedError):
+        return (
+            f"cannot reach coordd at {url} (connection refused): it serves /status, /livez and "
+            "/readyz only when started with --metrics-port PORT (the deploy files use "
+            f"{DEFAULT_METRICS_PORT}); start it so, or point --url (or $COORDD_STATUS_URL) at "
+            "the port it uses"
+        )
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return f"{url} did not answer in time: is the host right, and coordd not stuck?"
+    return f"cannot reach coordd at {url}: {reason}"
+
+
+def _print(text: str, code: int) -> int:
+    """Print to stdout; a reader that went away (`coordd status | head`) is not an error."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that is quiet too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 0 if code == 200 else 1
 
 
 def _seconds(value: float | None) -> str:
@@ -278,6 +319,26 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
         "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
     return lines
+
+
+#: The per-rank table's columns, and what the footnote says of those that need it.
+RANK_COLUMNS: dict[str, str] = {
+    "RANK": "",
+    "STATE": "",
+    "PEER": "",
+    "INCARNATION": "",
+    "LAST SEEN": "",
+    "ROUNDS": "rounds this rank took part in since it registered",
+    "MEAN LATENESS": "how long after the round's first report this rank's came, on average "
+    "over the last {window} rounds",
+    "LAST IN": "rounds whose last report was this rank's (the straggler)",
+}
+
+
+def rank_footnote(window: int) -> str:
+    """The footnote under a group's rank table: each column it explains, by its header."""
+    parts = [f"{name}: {text.format(window=window)}" for name, text in RANK_COLUMNS.items() if text]
+    return "(" + "; ".join(parts) + ")"
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -339,26 +400,8 @@ def _group_block(doc: dict[str, Any]) -> list[str]:
         ]
         for r in doc["ranks"]
     ]
-    lines += [
-        "  " + line
-        for line in _table(
-            [
-                "RANK",
-                "STATE",
-                "PEER",
-                "INCARNATION",
-                "LAST SEEN",
-                "ROUNDS",
-                "MEAN LATENESS",
-                "LAST IN",
-            ],
-            rows,
-        )
-    ]
-    lines.append(
-        f"  (mean lateness: after the round's first report, over the last "
-        f"{doc['lateness_window_rounds']} rounds; last in: rounds this rank completed)"
-    )
+    lines += ["  " + line for line in _table(list(RANK_COLUMNS), rows)]
+    lines.append("  " + rank_footnote(doc["lateness_window_rounds"]))
     if doc["recent_failures"]:
         lines.append("  recent failures:")
         for f in doc["recent_failures"]:

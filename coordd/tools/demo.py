@@ -80,8 +80,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
     try:
         if type(args.dp) is not int or not 2 <= args.dp <= MAX_DEMO_DP:
             raise OptionError(
-                f"--dp must be 2..{MAX_DEMO_DP} (at dp=1 nothing is agreed; each rank is a "
-                f"process), got {args.dp}"
+                f"--dp must be >= 2 (at dp=1 nothing is agreed) and <= {MAX_DEMO_DP} (each "
+                f"rank is a process), got {args.dp}"
             )
         if args.seconds is not None:
             seconds("--seconds", args.seconds, low=0.1)
