@@ -15,9 +15,11 @@ Differences from the coordd path, by construction:
 - the epoch is always `DEVICE_EPOCH` (0): there is no daemon that could restart;
 - a round's expected seq is the shared sequence every rank counts (one per collective since
   `connect`), the device analog of the coordinator's counter; its expected kind is the kind
-  most ranks report, ties going to the lowest rank's (coordd takes the first report to
-  arrive); when several ranks are at fault, the lowest one is named (coordd: the first to
-  arrive);
+  most ranks report, ties going to the lowest rank's, and the lowest rank off it is named: the
+  same rule as coordd's (`coordd.proto.rounds.majority`; coordd waits for every report of a
+  round whose kinds disagree), so both paths name the same culprit whoever reported first;
+  when several ranks are at fault in different ways (a skipped seq and a wrong kind), the
+  lowest one is named (coordd: a skipped seq at once, as it arrives);
 - a lost rank surfaces as the backend's error, so `RankLost` names no rank.
 """
 
@@ -60,6 +62,7 @@ from coordd.proto.messages import (
     error_from_reject,
 )
 from coordd.proto.policy import decide, validate_report
+from coordd.proto.rounds import majority
 
 #: The epoch of every device-path decision and Welcome (coordd's is its start time in ms).
 DEVICE_EPOCH = 0
@@ -127,10 +130,8 @@ def check_fits(report: StepReport) -> None:
 
 
 def _majority_kind(codes: Sequence[int]) -> int:
-    """The code most rows carry; a tie goes to the lowest rank's."""
-    counts = collections.Counter(codes)
-    top = max(counts.values())
-    return next(code for code in codes if counts[code] == top)
+    """The code most rows carry; a tie goes to the lowest rank's (coordd's rule)."""
+    return majority(codes)
 
 
 def resolve_round(

@@ -152,13 +152,15 @@ def _attribute(
         return
     if (
         expect.mirror_ok
+        and info.dp == 2
+        and info.culprit == 0
         and error.type == "StepMismatch"
         and error.fields.get("expected_kind") == injected_kind
         and error.fields.get("got_kind") != injected_kind
     ):
         found.notes.append(
-            f"{where}: the culprit reported first, so the mismatch names rank "
-            f"{error.culprits} (expected {injected_kind})"
+            f"{where}: no majority at dp=2, the tie goes to rank 0's kind, so the mismatch "
+            f"names rank {error.culprits} (expected {injected_kind})"
         )
         return
     found.violations.append(f"{what}: it does not name the culprit rank {info.culprit}")

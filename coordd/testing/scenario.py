@@ -26,8 +26,10 @@ class Expect(msgspec.Struct, frozen=True, kw_only=True):
     refusal: str = ""
     #: coordd crashed (SIGKILL): a round's broadcast may reach some ranks and not others.
     split_allowed: bool = False
-    #: Wrong kind: if the culprit reported first, the mismatch names the rank that disagreed
-    #: with it (the round's kind is set by its first report); the fields must still show it.
+    #: Wrong kind: coordd names the culprit by the round's evidence (the majority kind, ties
+    #: going to the lowest rank's), whoever reported first. With no majority (dp=2, the culprit
+    #: rank 0) the tie makes the culprit's kind the round's, and the mismatch names the other
+    #: rank: accepted then (only then) when its fields show the injected kind as expected.
     mirror_ok: bool = False
 
 

@@ -3,8 +3,9 @@
 A real gloo group of spawned rank processes and a real coordd process: every rank sends each
 random report through both paths (`connect_coordinator` builds both clients); the decisions
 must be equal per seq across ranks and across paths (the epoch aside) and equal to the policy.
-Injected faults (skipped seq, wrong kind, invalid report, other fingerprint or num_ubatches)
-must raise the same error type with the same culprit and values on both paths.
+Injected faults (skipped seq, wrong kind reported last and first, invalid report, other
+fingerprint or num_ubatches) must raise the same error type with the same culprit and values
+on both paths.
 
 The run's seed is random (printed on failure); `COORDD_TEST_SEED=N` repeats one.
 """
@@ -147,24 +148,30 @@ def _random_rounds(device, coordd, rng: random.Random, plan: Plan, n: int,  # ty
 
 def _fault_round(rank: int, name: str, device, coordd, rng: random.Random, plan: Plan,  # type: ignore[no-untyped-def]
                  barrier: mp.synchronize.Barrier, log: RankLog) -> None:
-    """The faulty rank reports last (so coordd's round already has its kind), with the fault."""
+    """The faulty rank reports last (so coordd's round already has its kind), with the fault;
+    for `wrong_kind_first` it reports first (so its report opens coordd's round): coordd must
+    still name it, by the round's evidence, as the device path does."""
     seq = device.session.next_seq
     kind = kind_for(plan.seed, seq)
     report = random_report(rng)
     faulty = rank == plan.faulty
+    first = name == "wrong_kind_first"
     if faulty:
         barrier.wait(timeout=60)
-        time.sleep(0.3)  # the others' reports reach coordd first
+        if not first:
+            time.sleep(0.3)  # the others' reports reach coordd first
         if name == "skip_seq":
             device.session.next_seq += 1
             coordd.session.next_seq += 1
-        elif name == "wrong_kind":
+        elif name in ("wrong_kind", "wrong_kind_first"):
             kind = StepKind.DRAFT if kind is not StepKind.DRAFT else StepKind.FORWARD
         elif name == "invalid":
             report = msgspec.structs.replace(report, cudagraph_mode=7)
-    pd, pc = device.start(report, kind), coordd.start(report, kind)
     if not faulty:
         barrier.wait(timeout=60)
+        if first:
+            time.sleep(0.3)  # the faulty rank's report reaches coordd first
+    pd, pc = device.start(report, kind), coordd.start(report, kind)
     errors: list[CoordError | None] = []
     for pending in (pd, pc):
         try:
@@ -283,7 +290,7 @@ def expected_errors(plan: Plan, fault: FaultLog) -> CoordError:
     f, seq, kind = plan.faulty, fault.seq, fault.kind.value
     if fault.name == "skip_seq":
         return StepMismatch(f, seq, kind, seq + 1, kind)
-    if fault.name == "wrong_kind":
+    if fault.name in ("wrong_kind", "wrong_kind_first"):
         other = "draft" if kind != "draft" else "forward"
         return StepMismatch(f, seq, kind, seq, other)
     if fault.name == "invalid":
@@ -353,7 +360,8 @@ def make_plan(tmp_path: Path, procs: list[CoorddProcess], world: int, backend: s
     )
 
 
-ALL_FAULTS = ["skip_seq", "wrong_kind", "invalid", "fingerprint", "num_ubatches"]
+ALL_FAULTS = ["skip_seq", "wrong_kind", "wrong_kind_first", "invalid", "fingerprint",
+              "num_ubatches"]
 
 
 @pytest.mark.timeout(240)

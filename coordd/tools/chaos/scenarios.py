@@ -64,12 +64,23 @@ class RawFault(Scenario):
 
 
 class WrongKind(RawFault):
+    """vLLM's drafter-skip: one rank reports forward where the others run a drafter round. Half
+    the seeds the rogue reports first (its report opens coordd's round), half last: either way
+    the round's evidence (the majority kind) must name it."""
+
     def fault_seq(self, run: ScenarioRun) -> int:
         """The first drafter round from the seeded point on: the rogue reports it as forward."""
         for seq in range(run.inject_seq, run.end_seq - 3):
             if kind_for(run.seed, seq) is StepKind.DRAFT:
                 return seq
         return run.inject_seq
+
+    def run(self, run: ScenarioRun) -> None:
+        run.inject_seq = self.fault_seq(run)
+        run.culprit_name = f"rank{run.culprit}"
+        first = run.seed % 2 == 0
+        run.event(Note(t=time.monotonic(), what="rogue reports " + ("first" if first else "last")))
+        run.start_ranks({run.culprit: "raw"}, fault_seq=run.inject_seq, rogue_first=first)
 
 
 # -- a rank whose Hello disagrees with the group ----------------------------------------------
@@ -306,7 +317,7 @@ SCENARIOS: dict[Fault, Scenario] = {
         RawFault(Fault.REPEATED_SEQ, "a rank re-sends an earlier seq with other data", _MISMATCH),
         WrongKind(
             Fault.WRONG_KIND,
-            "a rank reports forward where the round is a drafter step",
+            "a rank reports forward where the round is a drafter step (first or last)",
             Expect(failure=True, errors=["StepMismatch"], mirror_ok=True),
         ),
         RawFault(

@@ -76,6 +76,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     recover: bool = True
     fault: str = ""
     fault_seq: int = -1
+    #: wrong_kind: the rogue reports round `fault_seq` first (the honest ranks hold back a
+    #: moment), so its report opens coordd's round; else it reports last.
+    rogue_first: bool = False
     straggle_seqs: list[int] = []
     straggle_delay: float = 0.0
     #: joiner: the bad Hello field and value (dp_size, config_fingerprint, protocol_version)

@@ -166,6 +166,8 @@ class Worker:
         spec = self.spec
         kind = kind_for(spec.seed, seq)
         report = report_for(spec.seed, spec.dp_rank, seq)
+        if spec.rogue_first and seq == spec.fault_seq:
+            time.sleep(min(0.1, spec.step_timeout / 10))  # the rogue's report opens the round
         if seq in spec.straggle_seqs:
             if not self.injected:
                 self.injected = True
@@ -213,7 +215,8 @@ class Worker:
         report = report_for(spec.seed, spec.dp_rank, seq)
         epoch = rank.epoch or 0
         if fault is Fault.WRONG_KIND:
-            time.sleep(min(0.1, spec.step_timeout / 10))  # let the honest ranks set the kind
+            if not spec.rogue_first:
+                time.sleep(min(0.1, spec.step_timeout / 10))  # the honest ranks report first
             kind = StepKind.FORWARD if kind is not StepKind.FORWARD else StepKind.DRAFT
         sent: list[StepReport]
         if fault is Fault.SKIPPED_SEQ:
