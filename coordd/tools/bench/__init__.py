@@ -122,7 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--from-json",
         metavar="FILE",
-        help="measure nothing: print the tables (and --plot) of a run saved with --json",
+        help="measure nothing: the tables (and --plot, --json) of a run saved with --json, with "
+        "the targets and the model derived again",
     )
 
 
@@ -148,12 +149,15 @@ def _versions() -> dict[str, str]:
 def _replay(args: argparse.Namespace) -> int:
     import json
 
-    from coordd.tools.bench import report
+    from coordd.tools.bench import crosshost, report
 
     with open(args.from_json) as f:
         results = json.load(f)
     results["targets"] = report.targets(results)
+    results["crosshost_model"] = crosshost.model(results)
     print(report.render(results))
+    if args.json:
+        report.write_json(results, args.json)
     if args.plot:
         from coordd.tools.bench.plot import plot
 

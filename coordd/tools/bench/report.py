@@ -313,7 +313,8 @@ def render(results: dict[str, Any]) -> str:
     model_rows = results.get("crosshost_model") or crosshost.model(results)
     if model_rows:
         parts.append(
-            "\nAcross hosts, MODELLED (not measured): p50 = measured local p50 + one-way "
+            "\nAcross hosts, MODELLED (not measured): p50 = measured local p50 (the lower of "
+            "across namespaces and one host) + one-way "
             "network trips on the critical path x RTT/2, in us, for 2 and 4 nodes (ranks in "
             "contiguous blocks per node, coordd and the hubs on node 0) at RTT 50 and 200 us. "
             "Trips: star (coordd, pyzmq hub, floor) = report in + decision out = 2; gloo ring = "
