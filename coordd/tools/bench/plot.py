@@ -201,10 +201,10 @@ def plot(results: dict[str, Any], path: str) -> None:
     _engine(axes[1][0], results)
     _model(axes[1][1], results)
     meta = results.get("meta", {})
-    load = meta.get("loadavg_start") or ["?"]
+    load = [f"{x[0]:.2f}" for x in (meta.get("loadavg_start"), meta.get("loadavg_end")) if x]
     fig.suptitle(
-        f"coordd bench: {meta.get('cpus', '?')} CPUs (load {load[0]:.2f} at the start), "
-        f"{meta.get('started', '')}",
+        f"coordd bench: {meta.get('cpus', '?')} CPUs, load average {' -> '.join(load) or '?'} "
+        f"(start -> end), {meta.get('started', '')}; a shared machine: figures are noisy",
         fontsize=10,
     )
     fig.tight_layout()
