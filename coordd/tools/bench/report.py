@@ -22,10 +22,28 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text.rstrip("%x").split(" ")[0])
+    except ValueError:
+        return text == "-"
+    return True
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns of numbers right-aligned, columns of words left-aligned."""
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    left = [not all(_is_number(r[i]) for r in cells[1:]) for i in range(len(headers))]
+    lines = [
+        "  ".join(
+            (c.ljust(w) if lf else c.rjust(w)).rstrip()
+            if i == len(r) - 1
+            else (c.ljust(w) if lf else c.rjust(w))
+            for i, (c, w, lf) in enumerate(zip(r, widths, left, strict=True))
+        )
+        for r in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
