@@ -14,10 +14,13 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from coordd.proto.address import default_address
 from coordd.proto.snapshot import OnRankLoss
+
+if TYPE_CHECKING:
+    from coordd.limits import ConnectionCaps
 
 #: `--max-groups`' default, and `CoordServer`'s.
 DEFAULT_MAX_GROUPS = 64
@@ -157,7 +160,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         type=_paths,
         default=_env("curve_client_keys", [], _paths),
         help="comma list of client public key files (NAME.key) or directories of them: "
-        "coordd admits only these",
+        "coordd admits only these; a file named rank<N>.key, or an entry N=PATH, admits its "
+        "key(s) for dp_rank N only",
     )
     p.add_argument(
         "--insecure",
@@ -165,6 +169,49 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         default=_env("insecure", False, _flag),
         help="allow a tcp bind without CURVE (any host that reaches the port can join)",
     )
+    add_limit_options(p)
+
+
+def add_limit_options(p: argparse.ArgumentParser) -> None:
+    """Caps on what peers can hold (coordd.limits): fitted to the NOFILE limit at start."""
+    from coordd.limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HTTP_CONNECTIONS
+
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=_env("max_connections", DEFAULT_MAX_CONNECTIONS, int),
+        help="most ZeroMQ connections held at once; over it the oldest that registered no rank "
+        f"is closed (default {DEFAULT_MAX_CONNECTIONS}; lowered to fit the NOFILE limit)",
+    )
+    p.add_argument(
+        "--max-http-connections",
+        type=int,
+        default=_env("max_http_connections", DEFAULT_MAX_HTTP_CONNECTIONS, int),
+        help="most HTTP connections held at once; one more is closed at once "
+        f"(default {DEFAULT_MAX_HTTP_CONNECTIONS})",
+    )
+
+
+def fit_limits(args: argparse.Namespace, log: logging.Logger) -> ConnectionCaps:
+    """Raise the soft NOFILE limit to the hard one and fit the connection caps under it."""
+    from coordd.limits import ConnectionCaps, raise_nofile
+
+    for option in ("max_connections", "max_http_connections"):
+        if getattr(args, option) < 1:
+            flag = "--" + option.replace("_", "-")
+            raise SystemExit(f"coordd: {flag} must be >= 1, got {getattr(args, option)}")
+    soft, _hard = raise_nofile()
+    caps = ConnectionCaps.fit(soft, args.max_connections, args.max_http_connections)
+    if (caps.zmq, caps.http) != (args.max_connections, args.max_http_connections):
+        log.warning(
+            "NOFILE limit %d: connection caps lowered to %d ZeroMQ and %d HTTP (raise "
+            "LimitNOFILE / ulimit -n to keep --max-connections %d)",
+            soft,
+            caps.zmq,
+            caps.http,
+            args.max_connections,
+        )
+    return caps
 
 
 def check_server_args(args: argparse.Namespace) -> bool:
@@ -207,6 +254,7 @@ def serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("coordd")
     curve = check_server_args(args)
     bind = args.bind or default_address()
+    caps = fit_limits(args, log)
     if args.insecure and bind.startswith("tcp://"):
         log.warning("tcp without CURVE (--insecure): any host that reaches %s can join", bind)
     context = zmq.Context()
@@ -229,12 +277,15 @@ def serve(args: argparse.Namespace) -> int:
                 heartbeat_timeout=args.heartbeat_timeout,
                 context=context,
                 configure_socket=gate.configure if gate else None,
+                max_connections=caps.zmq,
                 ipc_mode=IPC_MODES[args.ipc_mode],
             )
         except BindError as exc:
             raise SystemExit(f"coordd: {exc}") from None
         if gate is not None:
             server.curve_refused = lambda: gate.refused
+            if any(bound is not None for bound in gate.ranks.values()):
+                server.rank_keys = gate.rank_refusal
 
         async def main() -> None:
             stop = asyncio.Event()
@@ -245,7 +296,7 @@ def serve(args: argparse.Namespace) -> int:
             if args.metrics_port is not None:
                 from coordd.endpoints import HttpEndpoints, coordd_routes
 
-                endpoints = HttpEndpoints(coordd_routes(server))
+                endpoints = HttpEndpoints(coordd_routes(server), max_connections=caps.http)
                 try:
                     await endpoints.start(args.metrics_host, args.metrics_port)
                 except OSError as exc:

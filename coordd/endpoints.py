@@ -6,6 +6,12 @@ by one thread, so the counters need no lock on the round path, and a scrape sees
 snapshot (never half a round). A request is answered in one callback (rendering is
 microseconds to a millisecond); a slow or silent client only holds its own connection,
 which has a deadline. HTTP/1.1, GET and HEAD, one request per connection.
+
+At most `max_connections` are held at once (each holds a file descriptor), so half-open
+connections cannot fill coordd's descriptor table (libzmq aborts on EMFILE). At the cap, a
+new connection makes room by closing the one that has waited longest for its request to end
+(a slow or silent client); if none is waiting, the new one is closed. A probe that sends its
+request at once (/livez from a kubelet) is so still answered under a flood of half-open ones.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coordd.limits import DEFAULT_MAX_HTTP_CONNECTIONS
 from coordd.metrics import CoorddCollector, make_registry
 from coordd.status import server_readiness, status_document
 
@@ -47,8 +54,16 @@ _IO_TIMEOUT = 5.0
 class HttpEndpoints:
     """Serve `routes` (path -> handler) on host:port from the running event loop."""
 
-    def __init__(self, routes: dict[str, Route]) -> None:
+    def __init__(
+        self, routes: dict[str, Route], max_connections: int = DEFAULT_MAX_HTTP_CONNECTIONS
+    ) -> None:
         self.routes = routes
+        self.max_connections = max_connections
+        #: connections open now, and how many were closed unanswered at the cap
+        self.open = 0
+        self.refused = 0
+        #: connections still reading their request, oldest first
+        self._waiting: dict[asyncio.StreamWriter, None] = {}
         self._server: asyncio.Server | None = None
         self.url = ""
 
@@ -83,11 +98,31 @@ class HttpEndpoints:
             return 500, _TEXT, b"internal error\n"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.open >= self.max_connections:
+            self.refused += 1
+            if not self._waiting:
+                writer.transport.abort()  # every slot is answering: no room for this one
+                return
+            oldest = next(iter(self._waiting))
+            del self._waiting[oldest]
+            oldest.transport.abort()  # its handler sees the connection end, and returns
+        self.open += 1
+        self._waiting[writer] = None
+        try:
+            await self._answer(reader, writer)
+        finally:
+            self._waiting.pop(writer, None)
+            self.open -= 1
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _IO_TIMEOUT)
+                self._waiting.pop(writer, None)
                 method, target, _version = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
             except (ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                if writer.transport.is_closing():
+                    return  # closed to make room, or by the client: nobody to answer
                 status, ctype, body = 400, _TEXT, b"bad request\n"
                 method = "GET"
             else:

@@ -65,12 +65,13 @@ class ConnectionCaps:
 
     @classmethod
     def fit(cls, nofile: int, max_connections: int, max_http: int) -> ConnectionCaps:
-        """The caps asked for, shrunk (HTTP first) if they and the reserve exceed `nofile`.
-
-        Each ZeroMQ connection holds one descriptor; each HTTP one holds one."""
-        room = max(nofile - FD_RESERVE, 2)
+        """The caps asked for, shrunk to fit `nofile`: each connection holds one descriptor,
+        FD_RESERVE stay free, and the ZeroMQ cap is at most half of what is left, since
+        connections keep being accepted between the monitor's report and coordd closing
+        the excess (a flood can outrun it by that much)."""
+        room = max(nofile - FD_RESERVE, 4)
         http = min(max_http, max(1, room // 8))
-        zmq_cap = min(max_connections, max(1, room - http))
+        zmq_cap = min(max_connections, max(1, (room - http) // 2))
         return cls(zmq=zmq_cap, http=http, nofile=nofile)
 
 

@@ -30,8 +30,8 @@ def test_caps_fit_the_descriptor_limit() -> None:
     roomy = limits.ConnectionCaps.fit(65536, 1024, 64)
     assert (roomy.zmq, roomy.http) == (1024, 64)
     tight = limits.ConnectionCaps.fit(256, 1024, 64)
-    assert tight.zmq + tight.http + limits.FD_RESERVE <= 256
-    assert tight.zmq >= 100 and tight.http >= 1
+    assert 2 * tight.zmq + tight.http + limits.FD_RESERVE <= 256  # room for the lag
+    assert tight.zmq >= 64 and tight.http >= 1
 
 
 def test_the_guard_closes_the_oldest_strangers_never_a_rank() -> None:

@@ -1,0 +1,357 @@
+"""Load generators against a live coordd, and honest ranks that time their rounds meanwhile
+(issue 11, part B): every load is bounded in count and time and stops by itself.
+
+Run one from the command line (it is a separate process, so it does not share the measuring
+process's interpreter lock):
+
+    python -m coordd.testing.load garbage ADDRESS --peers 50 --messages 20000 --repeat 3
+    python -m coordd.testing.load fast ADDRESS --seconds 5
+    python -m coordd.testing.load multipart ADDRESS --parts 2000000
+    python -m coordd.testing.load unread ADDRESS --peers 20 --messages 10000
+    python -m coordd.testing.load connections ADDRESS --count 1000 --seconds 5   (raw sockets)
+    python -m coordd.testing.load http HOST:PORT --count 1000 --seconds 5
+
+or all of them with figures: `python -m coordd.testing.load measure --dp 4`.
+`LOADS` names them; `start_load(kind, address, ...)` starts one as a child process;
+`HonestRounds` drives dp real clients through rounds and keeps each round's latency;
+`ProcessGauge` samples a process's RSS and descriptors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from types import TracebackType
+
+import zmq
+
+from coordd.client.sync import CoordClient
+from coordd.proto.messages import StepReport, encode
+from coordd.testing.rogue import APP_LEVEL, bad_frame
+
+LOADS = ("garbage", "fast", "multipart", "unread", "connections", "http")
+
+
+def _dealer(context: zmq.Context, address: str, *, ping_ms: int = 100) -> zmq.Socket:
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    if ping_ms:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ping_ms)
+    sock.connect(address)
+    return sock
+
+
+def garbage(address: str, peers: int = 50, messages: int = 20_000, repeat: int = 1) -> int:
+    """`peers` DEALERs (pinging every 100 ms) each queue `messages` bad frames as fast as they
+    can, then all disconnect at once; `repeat` times. The libzmq 4.3.5 abort
+    (`!_io_error`, stream_engine_base.cpp:310) came from exactly this. Returns frames sent."""
+    context = zmq.Context()
+    rng = random.Random(11)
+    frames = [bad_frame(rng, rng.choice(APP_LEVEL), 4) for _ in range(64)]
+    sent = 0
+    try:
+        for _ in range(repeat):
+            socks = [_dealer(context, address) for _ in range(peers)]
+            for i in range(messages):
+                message = frames[i % len(frames)]
+                for sock in socks:
+                    sock.send_multipart(message, zmq.NOBLOCK)
+                sent += peers
+            time.sleep(0.05)
+            for sock in socks:
+                sock.close(linger=0)
+            time.sleep(0.2)
+    finally:
+        context.term()
+    return sent
+
+
+def fast(address: str, seconds: float = 5.0) -> int:
+    """One peer sending reports it never registered for, as fast as it can, for `seconds`."""
+    context = zmq.Context()
+    sock = _dealer(context, address, ping_ms=0)
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    payload = encode(StepReport(num_tokens=1, num_tokens_padded=1, dp_rank=0, epoch=1, seq=0))
+    sent = 0
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            for _ in range(256):
+                sock.send(payload)  # blocks at the HWM: as fast as coordd's side takes them
+            sent += 256
+    finally:
+        sock.close(linger=0)
+        context.term()
+    return sent
+
+
+def multipart(address: str, parts: int = 2_000_000) -> int:
+    """One message of `parts` empty parts (2 bytes each on the wire)."""
+    context = zmq.Context()
+    sock = _dealer(context, address, ping_ms=0)
+    try:
+        sock.poll(5000, zmq.POLLOUT)
+        for _ in range(parts - 1):
+            sock.send(b"", zmq.SNDMORE)
+        sock.send(b"")
+        time.sleep(0.5)  # let it leave
+    finally:
+        sock.close(linger=2000)
+        context.term()
+    return parts
+
+
+def unread(address: str, peers: int = 20, messages: int = 10_000, hold: float = 2.0) -> int:
+    """`peers` peers that send reports they never registered for (each answered with a
+    refusal) and never read a reply; they stay connected `hold` seconds after sending."""
+    context = zmq.Context()
+    payload = encode(StepReport(num_tokens=1, num_tokens_padded=1, dp_rank=0, epoch=1, seq=0))
+    socks = [_dealer(context, address, ping_ms=0) for _ in range(peers)]
+    try:
+        for _ in range(messages):
+            for sock in socks:
+                sock.send(payload, zmq.NOBLOCK)
+        time.sleep(hold)
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        context.term()
+    return peers * messages
+
+
+def connections(address: str, count: int = 1000, seconds: float = 5.0) -> int:
+    """`count` raw connections to coordd's ZeroMQ port that never handshake (a key-less
+    client of tcp+CURVE, a port scanner), held `seconds`. Returns how many connected."""
+    held: list[socket.socket] = []
+    end = time.monotonic() + seconds
+    try:
+        for _ in range(count):
+            if time.monotonic() >= end:
+                break
+            try:
+                held.append(_raw_connect(address))
+            except OSError:
+                time.sleep(0.01)
+        time.sleep(max(0.0, end - time.monotonic()))
+    finally:
+        for sock in held:
+            sock.close()
+    return len(held)
+
+
+def _raw_connect(address: str) -> socket.socket:
+    if address.startswith("ipc://"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(1.0)
+        sock.connect(address[len("ipc://") :])
+        return sock
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=1.0)
+    return sock
+
+
+def http(hostport: str, count: int = 1000, seconds: float = 5.0) -> int:
+    """`count` half-open HTTP connections (a request line, never its end), held `seconds`."""
+    host, port = hostport.removeprefix("http://").rsplit(":", 1)
+    held: list[socket.socket] = []
+    end = time.monotonic() + seconds
+    try:
+        for _ in range(count):
+            if time.monotonic() >= end:
+                break
+            try:
+                sock = socket.create_connection((host.strip("[]"), int(port)), timeout=1.0)
+                sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+                held.append(sock)
+            except OSError:
+                time.sleep(0.01)
+        time.sleep(max(0.0, end - time.monotonic()))
+    finally:
+        for sock in held:
+            sock.close()
+    return len(held)
+
+
+def start_load(kind: str, address: str, *args: str) -> subprocess.Popen[bytes]:
+    """Start load `kind` (one of LOADS) against `address` as a child process."""
+    if kind not in LOADS:
+        raise ValueError(f"load kind must be one of {LOADS}, got {kind!r}")
+    argv = [sys.executable, "-m", "coordd.testing.load", kind, address, *args]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+
+
+class ProcessGauge:
+    """Samples a process's resident memory and open descriptors (Linux /proc) every
+    `interval` seconds in a thread; `peak_rss_mb`, `peak_fds` and `alive` afterwards."""
+
+    def __init__(self, pid: int, interval: float = 0.05) -> None:
+        self.pid = pid
+        self.interval = interval
+        self.peak_rss_mb = 0.0
+        self.peak_fds = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    @property
+    def alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().split(") ", 1)[1][0] not in "ZX"
+        except OSError:
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak_rss_mb = max(self.peak_rss_mb, self.rss_mb())
+                self.peak_fds = max(self.peak_fds, self.fds())
+                self.samples += 1
+            except OSError:
+                return
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> ProcessGauge:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+
+class HonestRounds:
+    """`dp` real clients of one group driven through rounds from one thread (every rank
+    starts, then every rank waits), until stopped or `max_rounds`; keeps each round's
+    latency (first start to last decision), and every error."""
+
+    def __init__(
+        self, address: str, dp: int, *, group: str = "default", wait_timeout: float = 10.0
+    ) -> None:
+        self.clients = [
+            CoordClient(address, dp_rank=r, dp_size=dp, config_fingerprint="load", group=group)
+            for r in range(dp)
+        ]
+        self.wait_timeout = wait_timeout
+        self.latencies: list[float] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def connect(self, timeout: float = 10.0) -> HonestRounds:
+        for client in self.clients:
+            client.connect(timeout=timeout)
+        return self
+
+    def round(self) -> float:
+        report = StepReport(num_tokens=8, num_tokens_padded=8)
+        t0 = time.perf_counter()
+        pending = [c.start(report) for c in self.clients]
+        for p in pending:
+            p.wait(timeout=self.wait_timeout)
+        return time.perf_counter() - t0
+
+    def run(self, rounds: int) -> list[float]:
+        """`rounds` rounds now; their latencies."""
+        out = [self.round() for _ in range(rounds)]
+        self.latencies.extend(out)
+        return out
+
+    def start(self, max_rounds: int = 1_000_000, pause: float = 0.0) -> HonestRounds:
+        """Run rounds in a thread until `stop()` (or the first error, or `max_rounds`)."""
+
+        def loop() -> None:
+            for _ in range(max_rounds):
+                if self._stop.is_set():
+                    return
+                try:
+                    self.latencies.append(self.round())
+                except Exception as exc:  # a failed round is data for the caller
+                    self.errors.append(exc)
+                    return
+                if pause:
+                    time.sleep(pause)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 15.0) -> list[float]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.latencies
+
+    def close(self) -> None:
+        self.stop()
+        for client in self.clients:
+            client.close()
+
+    def __enter__(self) -> HonestRounds:
+        return self.connect()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def p50_ms(latencies: Sequence[float]) -> float:
+    return statistics.median(latencies) * 1000 if latencies else float("nan")
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m coordd.testing.load", description=__doc__)
+    p.add_argument("kind", choices=(*LOADS, "measure"))
+    p.add_argument("address", nargs="?", default="")
+    p.add_argument("--peers", type=int, default=50)
+    p.add_argument("--messages", type=int, default=20_000)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--parts", type=int, default=2_000_000)
+    p.add_argument("--count", type=int, default=1000)
+    p.add_argument("--dp", type=int, default=4)
+    args = p.parse_args(argv)
+    if args.kind == "measure":
+        from coordd.testing.load_measure import measure
+
+        return measure(args.dp)
+    if args.kind == "garbage":
+        n = garbage(args.address, args.peers, args.messages, args.repeat)
+    elif args.kind == "fast":
+        n = fast(args.address, args.seconds)
+    elif args.kind == "multipart":
+        n = multipart(args.address, args.parts)
+    elif args.kind == "unread":
+        n = unread(args.address, args.peers, args.messages, hold=args.seconds)
+    elif args.kind == "connections":
+        n = connections(args.address, args.count, args.seconds)
+    else:
+        n = http(args.address, args.count, args.seconds)
+    print(n, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
