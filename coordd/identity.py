@@ -60,6 +60,7 @@ class Takeovers:
     #: kind values
     RANK_HELD = "rank_held"  # a Hello for a rank another live connection holds
     OTHER_CONNECTION = "other_connection"  # a message over another connection than the Hello's
+    KEY_BOUND = "key_bound"  # a Hello for a rank its CURVE key is not bound to
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.refused: Counter[tuple[str, str]] = Counter()

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import stat
 import sys
 import threading
@@ -176,11 +177,52 @@ def load_secret_key(path: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
+#: A client key file named `rank<N>.key` admits its key for dp_rank N only.
+_RANK_KEY_FILE = re.compile(r"rank(\d+)" + re.escape(PUBLIC_SUFFIX))
+
+
+def split_rank_entry(entry: str) -> tuple[int | None, str]:
+    """A `--curve-client-keys` entry: `N=PATH` binds PATH's keys to dp_rank N; `PATH` alone
+    binds a file named `rank<N>.key` to rank N and any other key to no rank (any rank)."""
+    head, sep, tail = entry.partition("=")
+    if sep and head.strip().isdigit():
+        return int(head), tail.strip()
+    return None, entry
+
+
+def _key_files(path: str) -> list[str]:
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(PUBLIC_SUFFIX))
+        if not files:
+            raise KeyFileError(path, f"directory holds no *{PUBLIC_SUFFIX} file")
+        return files
+    return [path]
+
+
+def load_rank_bindings(entries: Sequence[str]) -> dict[bytes, frozenset[int] | None]:
+    """Each admitted client key (z85) -> the dp_ranks it may register as, None for any: with
+    one key per rank, a leaked key speaks for its own rank only. A key given once unbound
+    (a shared `rank.key`) may register as any rank."""
+    ranks: dict[bytes, frozenset[int] | None] = {}
+    for entry in entries:
+        rank, path = split_rank_entry(entry)
+        for file in _key_files(path):
+            public, _ = read_key_file(file)
+            named = _RANK_KEY_FILE.fullmatch(os.path.basename(file))
+            bound = rank if rank is not None else (int(named.group(1)) if named else None)
+            if bound is None or (public in ranks and ranks[public] is None):
+                ranks[public] = None
+            else:
+                ranks[public] = (ranks.get(public) or frozenset()) | {bound}
+    return ranks
+
+
 def load_client_keys(paths: Sequence[str]) -> dict[bytes, str]:
     """Admitted client public keys (z85) -> the file each came from: each path is a key file
-    or a directory whose *.key files are read."""
+    or a directory whose *.key files are read (an `N=PATH` entry: see `split_rank_entry`)."""
     keys: dict[bytes, str] = {}
-    for path in paths:
+    for entry in paths:
+        path = split_rank_entry(entry)[1]
         if os.path.isdir(path):
             files = sorted(
                 os.path.join(path, n) for n in os.listdir(path) if n.endswith(PUBLIC_SUFFIX)
@@ -208,6 +250,8 @@ class CurveGate:
     secret: bytes
     allowed: dict[bytes, str]
     refused: int = 0
+    #: Keys bound to ranks (`load_rank_bindings`); a key not here, or None, may be any rank.
+    ranks: dict[bytes, frozenset[int] | None] = field(default_factory=dict)
     _auth: Any = None
     #: The group's fields for the refusal's log line (set by `coordd serve`; read from the
     #: authenticator's thread, which only reads).
@@ -226,6 +270,7 @@ class CurveGate:
 
         public, secret = load_secret_key(secret_key)
         gate = cls(public, secret, load_client_keys(client_keys))
+        gate.ranks = load_rank_bindings(client_keys)
         auth = ThreadAuthenticator(context, log=logging.getLogger("coordd.zap"))
         auth.start()
         auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=gate)
@@ -281,6 +326,16 @@ class CurveGate:
         while len(table) > REFUSAL_KEYS_KEPT:
             table.popitem(last=False)
         return True
+
+    def rank_refusal(self, user_id: str, rank: int) -> str | None:
+        """Why a connection authenticated with key `user_id` (z85, the ZAP User-Id) may not
+        register as `rank`, or None if it may (checked at its Hello)."""
+        bound = self.ranks.get(user_id.encode("ascii", "replace"))
+        if bound is None or rank in bound:
+            return None
+        named = self.allowed.get(user_id.encode("ascii", "replace"), "?")
+        shown = ", ".join(str(r) for r in sorted(bound))
+        return f"its CURVE key ({os.path.basename(named)}) is bound to dp_rank {shown}"
 
     def configure(self, sock: zmq.Socket) -> None:
         """Make `sock` a CURVE server that asks this gate (call before bind)."""

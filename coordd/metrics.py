@@ -570,7 +570,7 @@ class CoorddCollector:
             "coordd_rank_takeovers_refused",
             "Attempts to speak for a rank over a connection that did not register it: a Hello "
             "for a rank a live connection holds (rank_held), a message over another connection "
-            "(other_connection)",
+            "(other_connection), a Hello for a rank its CURVE key is not bound to (key_bound)",
             labels=["group", "kind"],
         )
         for (group_name, kind), count in sorted(server.takeovers.refused.items()):

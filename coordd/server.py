@@ -178,6 +178,9 @@ class CoordServer:
         self.takeovers = Takeovers(clock)
         #: Clients refused by the CURVE gate, when coordd runs with CURVE.
         self.curve_refused: Callable[[], int] | None = None
+        #: With CURVE keys bound to ranks: why a connection's key (its ZAP User-Id) may not
+        #: register as a rank, or None (`coordd.keys.CurveGate.rank_refusal`).
+        self.rank_keys: Callable[[str, int], str | None] | None = None
         self.clock = clock
         self.wall = wall
         self.started_wall = wall()
@@ -537,6 +540,8 @@ class CoordServer:
             self._other_connection(peer, hello, frame, self._peer_group.get(peer))
             return
         self._track_connection(peer, fd)
+        if self.rank_keys is not None and self._key_refused(peer, hello, frame):
+            return
         now = self.clock()
         bound = self._peer_group.get(peer)
         if bound is not None and bound.name != hello.group:
@@ -580,6 +585,34 @@ class CoordServer:
         self._send(sends, group.observer)
         if len(self._peer_group) > 2 * self.dp_size * len(self.groups) + 256:
             self._forget_departed()
+
+    def _key_refused(self, peer: bytes, hello: Hello, frame: zmq.Frame) -> bool:
+        """A Hello over a connection whose CURVE key is bound to other ranks: refused (one
+        leaked rank key cannot speak for another rank), counted and logged. True if refused."""
+        assert self.rank_keys is not None
+        try:
+            key = str(frame.get("User-Id"))
+        except zmq.ZMQError:
+            key = ""
+        why = self.rank_keys(key, hello.dp_rank)
+        if why is None:
+            return False
+        error = Rejected(
+            RejectReason.CURVE_KEY.value,
+            f"this connection may not register as dp_rank {hello.dp_rank}: {why}",
+            expected="a dp_rank its CURVE key is bound to",
+            got=str(hello.dp_rank),
+        )
+        self.takeovers.refuse(
+            _shown(hello.group),
+            Takeovers.KEY_BOUND,
+            rank=hello.dp_rank,
+            address=frame_address(frame),
+            peer=peer,
+            detail=error.detail,
+        )
+        self._refuse(peer, hello, error)
+        return True
 
     def _other_connection(
         self, peer: bytes, message: ToCoordinator, frame: zmq.Frame, group: Group | None

@@ -81,6 +81,11 @@ REJECT_HINTS = {
         "give every rank the same micro-batching settings (vLLM: enable_dbo, ubatch_size)"
     ),
     "fingerprint": "deploy the same engine config to every rank (the config fingerprints differ)",
+    "curve_key": (
+        "coordd binds this CURVE key to other ranks (--curve-client-keys N=PATH, or a key file "
+        "named rank<N>.key): give this rank its own key (COORDD_CURVE_CLIENT_KEY) or fix its "
+        "--data-parallel-rank"
+    ),
     "group_limit": (
         "coordd serves at most --max-groups groups (COORDD_MAX_GROUPS): raise it, or find "
         "what registers so many group names (vLLM: one per TP/PP position, plus the engine cores)"

@@ -75,6 +75,9 @@ class RejectReason(str, enum.Enum):
     FINGERPRINT = "fingerprint"
     #: coordd already serves --max-groups groups; a Hello for another one is refused.
     GROUP_LIMIT = "group_limit"
+    #: The connection's CURVE key is bound to other ranks (`--curve-client-keys N=PATH` or a
+    #: key file named rank<N>.key).
+    CURVE_KEY = "curve_key"
 
 
 class FailReason(str, enum.Enum):

@@ -157,3 +157,46 @@ def test_a_report_over_another_connection_is_not_counted(coordd: Callable[..., C
     finally:
         for r in ranks:
             r.close()
+
+
+def test_curve_keys_bound_to_ranks(coordd: Callable[..., Coordd], tmp_path: Path,  # noqa: F811
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """One key per rank (`rank<N>.key`, or `N=PATH`): a leaked rank key cannot speak for
+    another rank; a shared key (any other name) still admits any rank."""
+    keys = tmp_path / "keys"
+    made = coordd_cli("keygen", "--dir", str(keys), "coordd", "rank0", "node-b", "shared")
+    assert made.returncode == 0, made.stderr
+    monkeypatch.delenv("COORDD_CURVE_SERVER_KEY", raising=False)
+    monkeypatch.delenv("COORDD_CURVE_CLIENT_KEY", raising=False)
+    log = tmp_path / "coordd.log"
+    c = coordd("serve", "--dp", "3", "--bind", "tcp://127.0.0.1:*",
+               "--curve-secret-key", str(keys / "coordd.key_secret"),
+               "--curve-client-keys",
+               f"{keys / 'rank0.key'},1={keys / 'node-b.key'},{keys / 'shared.key'}",
+               "--metrics-port", "0", "--log-format", "json", stderr=log)
+
+    def key(name: str) -> CurveKeys:
+        return CurveKeys.from_files(str(keys / "coordd.key"), str(keys / f"{name}.key_secret"))
+
+    def client(rank: int, name: str) -> CoordClient:
+        return CoordClient(c.address, dp_rank=rank, dp_size=3, config_fingerprint="fp",
+                           curve=key(name))
+
+    for rank, name in ((1, "rank0"), (2, "rank0"), (0, "node-b"), (2, "node-b")):
+        with client(rank, name) as leaked, pytest.raises(Rejected) as info:
+            leaked.connect(timeout=10)
+        assert info.value.reason == "curve_key", info.value
+        assert f"dp_rank {rank}" in str(info.value)
+    ranks = [client(0, "rank0"), client(1, "node-b"), client(2, "shared")]
+    try:
+        for r in ranks:
+            r.connect(timeout=10)
+        decisions = [p.wait(timeout=10) for p in [r.start(HONEST[0]) for r in ranks]]
+        assert len({d.seq for d in decisions}) == 1
+    finally:
+        for r in ranks:
+            r.close()
+    m = samples(c.url)
+    assert metric(m, "coordd_rank_takeovers_refused_total", group="default",
+                  kind="key_bound") == 4
+    assert metric(m, "coordd_registrations_total", group="default") == 3

@@ -133,3 +133,27 @@ def test_once_no_connection_holds_a_rank_new_settings_are_accepted() -> None:
     assert isinstance(answer(c, b"v2-0", hello(0, "v2")), Welcome)
     msg = answer(c, b"v1-1", hello(1, "fp"))
     assert isinstance(msg, Reject) and msg.reason is RejectReason.FINGERPRINT
+
+
+def test_curve_keys_bound_to_ranks_by_file_name_or_entry(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from coordd.keys import CurveGate, load_client_keys, load_rank_bindings, write_keypair
+    from coordd.proto.keyfile import read_key_file
+
+    for name in ("rank3", "rank", "node", "both"):
+        write_keypair(str(tmp_path), name)
+
+    def pub(name: str) -> bytes:
+        return read_key_file(str(tmp_path / f"{name}.key"))[0]
+
+    entries = [str(tmp_path / "rank3.key"), str(tmp_path / "rank.key"),
+               f"5={tmp_path / 'node.key'}", f"6={tmp_path / 'both.key'}",
+               str(tmp_path / "both.key")]
+    ranks = load_rank_bindings(entries)
+    assert ranks == {pub("rank3"): frozenset({3}), pub("rank"): None,
+                     pub("node"): frozenset({5}), pub("both"): None}
+    assert set(load_client_keys(entries)) == set(ranks)
+    gate = CurveGate(b"", b"", load_client_keys(entries), ranks=ranks)
+    assert gate.rank_refusal(pub("rank3").decode(), 3) is None
+    assert "bound to dp_rank 3" in str(gate.rank_refusal(pub("rank3").decode(), 4))
+    assert gate.rank_refusal(pub("rank").decode(), 7) is None
+    assert gate.rank_refusal(pub("both").decode(), 1) is None
