@@ -21,7 +21,13 @@ Two families of rounds share the group's one seq sequence and every rule above: 
 (a `StepReport` of kind forward, draft or state; coordd applies `decide` and sends a
 `StepDecision`) and gather rounds (a `GatherReport`; coordd sends every rank's values back as
 one `GatherResult`, a left-out rank's row empty). A report of the other family, kind or
-gather site than the open round's is a `StepMismatch`.
+gather site than the open round's is a `StepMismatch`, whose culprit the round's evidence
+names: the round waits for every live rank (or the step timeout) and names the lowest rank off
+the majority (`Round.verdict`; ties go to the lowest rank's kind, as on the device path).
+
+Identity: a peer is a connection (the daemon binds a routing id to the connection its Hello
+came in on). After a failure the next Hello passes the same checks as the first registration,
+against the ranks still connected (`_held`): see `coordd.proto.registration.check_membership`.
 """
 
 from __future__ import annotations

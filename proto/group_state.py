@@ -20,6 +20,13 @@ state is a bug in the coordinator, and fails loudly here rather than corrupting 
     ROUND_OPEN   FAIL     FAILED       a fault ends the round for every rank
     FAILED       LEAVE    FAILED       a rank was lost while the group waits to re-form
     FAILED       REFORM   EMPTY        a rank registered again: a new epoch, no members yet
+
+REFORM is no fresh start: the Hello that causes it passed the same checks as a first
+registration, against the failed epoch's ranks whose connections are still open; those keep
+their ranks and the group's settings in the new epoch until they register again or leave
+(the coordinator's `_held`), so EMPTY after a REFORM still binds a Hello to the settings of
+the ranks still connected. Only with no rank held by any live connection does a Hello set new
+settings.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from types import MappingProxyType
 class GroupState(str, enum.Enum):
     """Where the group stands; the value is what /status shows."""
 
-    #: No rank registered and no failure pending: the next Hello sets the group's settings.
+    #: No rank registered in this epoch and no failure pending: the next Hello sets the group's
+    #: settings, unless ranks of a failed epoch are still connected (then it must match them).
     EMPTY = "empty"
     #: Ranks registered, between rounds.
     IDLE = "idle"
