@@ -431,3 +431,28 @@ def test_demo_over_tcp_needs_insecure_or_keys() -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "every rank got the same decision" in done.stdout
+
+
+def test_the_readme_client_snippet_runs_as_pasted(tmp_path: Path) -> None:
+    """Before: the snippet used ipc:///run/coordd/coordd.sock (not coordd's default) and
+    placeholders; now it must run as it stands against `coordd --dp 1` at the default address."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme[readme.index("### The client"):]
+    snippet = section[section.index("```python\n") + 10:section.index("```\n", 10)]
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    env.pop("COORDD_ADDRESS", None)
+    proc = subprocess.Popen([*COORDD, "--dp", "1", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None
+        ready = proc.stdout.readline().decode()
+        assert ready == f"coordd ready on ipc://{tmp_path}/coordd/coordd.sock\n", ready
+        done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "[8]"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
