@@ -20,6 +20,7 @@ import contextlib
 import logging
 import resource
 import socket
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -97,11 +98,35 @@ class ConnectionGuard:
         self.open: OrderedDict[int, bool] = OrderedDict()
         self.evicted = 0
         self.peak = 0
+        #: ipc peers' process ids cut off for flooding -> until when (monotonic seconds)
+        self.banned: dict[int, float] = {}
+        self.refused = 0
 
-    def accepted(self, fd: int) -> None:
+    def accepted(self, fd: int, now: float = 0.0) -> None:
+        """A connection was accepted; one from a process cut off for flooding within
+        BAN_SECONDS is shut down at once (its reconnects would flood again)."""
+        if self.banned:
+            pid = peer_pid(fd)
+            until = self.banned.get(pid) if pid is not None else None
+            if until is not None and now < until:
+                self.refused += 1
+                self._shutdown(fd)
+                return
+            if until is not None:
+                del self.banned[pid]  # type: ignore[arg-type]
         self.open.pop(fd, None)
         self.open[fd] = True
         self.peak = max(self.peak, len(self.open))
+
+    def cut(self, fd: int, now: float) -> bool:
+        """Shut down a flooding peer's connection and, over ipc, refuse its process's
+        connections for BAN_SECONDS. True if it was shut down."""
+        pid = peer_pid(fd)
+        if pid is not None:
+            if len(self.banned) >= 1024:
+                self.banned = {p: t for p, t in self.banned.items() if t > now}
+            self.banned[pid] = now + BAN_SECONDS
+        return self._shutdown(fd)
 
     def closed(self, fd: int) -> None:
         self.open.pop(fd, None)
@@ -125,6 +150,27 @@ class ConnectionGuard:
             if self._shutdown(fd):
                 self.evicted += 1
         return len(victims)
+
+
+#: How long a process cut off for flooding has its new ipc connections refused.
+BAN_SECONDS = 10.0
+
+
+def peer_pid(fd: int) -> int | None:
+    """The process id at the other end of a unix socket (SO_PEERCRED), or None (tcp)."""
+    try:
+        dup = socket.socket(fileno=socket.dup(fd))
+    except OSError:
+        return None
+    with contextlib.closing(dup):
+        if dup.family != socket.AF_UNIX:
+            return None
+        try:
+            creds = dup.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            return None
+    pid, _uid, _gid = struct.unpack("3i", creds)
+    return pid if pid > 0 else None
 
 
 def shutdown_fd(fd: int) -> bool:

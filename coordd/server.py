@@ -84,6 +84,10 @@ MONITOR_PATIENCE = 8
 #: Answers to peers that registered with no group (an echo, a refusal): at most this many a
 #: second over all of them, so a stranger's flood gets little back and queues little here.
 STRANGER_ANSWERS_PER_S = 200.0
+#: A peer that holds no rank and sends more messages than this in a second (bad frames,
+#: reports it never registered for) has its connection shut down: libzmq's inbound queue is
+#: unbounded (see RCVHWM), so a flood must be cut off at its source.
+STRANGER_MESSAGES_PER_S = 2000
 
 
 @dataclass
@@ -98,6 +102,8 @@ class ServerStats:
     parts_dropped: int = 0
     #: answers to strangers not sent (over STRANGER_ANSWERS_PER_S)
     stranger_answers_dropped: int = 0
+    #: connections of flooding strangers shut down (over STRANGER_MESSAGES_PER_S)
+    cut_off: int = 0
 
 
 def prepare_ipc_path(address: str, mode: int = 0o600) -> IpcSocket | None:
@@ -244,6 +250,12 @@ class CoordServer:
         self._dropping = False
         self._again_pending = False
         self._monitor_waited = 0
+        #: Messages from peers that hold no rank in the current one-second window; the
+        #: (peer, descriptor) pairs already cut off (never twice: a stale descriptor).
+        self._stranger_counts: dict[bytes, int] = {}
+        self._stranger_window_end = 0.0
+        self._cut: dict[tuple[bytes, int], None] = {}
+        self._cut_log = Aggregated(log, "flooding peer cut off", clock=clock)
         self._fd_peer: dict[int, bytes] = {}
         self._peer_fd: dict[bytes, int] = {}
         #: The group each peer registered with (its reports go there).
@@ -261,7 +273,12 @@ class CoordServer:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.fileno(), self._on_frames)
         self._loop.add_reader(self._monitor.fileno(), self._drain)
-        for aggregated in (self._bad_frame_log, self._evicted_log, *self.events.aggregated()):
+        for aggregated in (
+            self._bad_frame_log,
+            self._evicted_log,
+            self._cut_log,
+            *self.events.aggregated(),
+        ):
             aggregated.schedule = self._loop.call_later
         self._drain()
         log.info(
@@ -367,6 +384,10 @@ class CoordServer:
         """Handle up to DRAIN_BUDGET queued messages; True if some may be left."""
         if self._dropping and not self._drop_parts():
             return True
+        now = self.clock()
+        if now >= self._stranger_window_end:
+            self._stranger_counts.clear()
+            self._stranger_window_end = now + 1.0
         sock = self._sock
         stats = self.stats
         clock = self.clock
@@ -383,13 +404,13 @@ class CoordServer:
             peer = head.bytes
             stats.frames_in += 1
             if not head.more:
-                self._bad_frame(peer, "no payload frame")
+                self._bad_frame(peer, "no payload frame", head)
                 continue
             frame = sock.recv(_NOBLOCK, copy=False)
             if frame.more:
                 # Refused as soon as its second payload part shows: the rest is dropped
                 # part by part (no bytes object, no decoding), DROP_BUDGET parts a turn.
-                self._bad_frame(peer, "more than one payload frame")
+                self._bad_frame(peer, "more than one payload frame", frame)
                 self._dropping = True
                 if not self._drop_parts():
                     return True
@@ -397,13 +418,14 @@ class CoordServer:
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
-                self._bad_frame(peer, str(exc))
+                self._bad_frame(peer, str(exc), frame)
                 continue
             if type(message) is Hello:
                 self._on_hello(peer, message, frame)
                 continue
             group = peer_group.get(peer)
             if group is None:
+                self._stranger_sent(peer, frame)
                 self._from_stranger(peer, message)
                 continue
             fd = peer_fd.get(peer)
@@ -475,7 +497,7 @@ class CoordServer:
             frames = monitor.recv_multipart(_NOBLOCK)
             event, fd = struct.unpack("=HI", frames[0][:6])
             if event == _ACCEPTED:
-                self.connections.accepted(fd)
+                self.connections.accepted(fd, self.clock())
                 continue
             if event != _DISCONNECTED:
                 continue
@@ -523,7 +545,35 @@ class CoordServer:
             return
         self.stats.frames_out += 1
 
-    def _bad_frame(self, peer: bytes, why: str) -> None:
+    def _stranger_sent(self, peer: bytes, frame: zmq.Frame) -> None:
+        """Count a message from a peer that holds no rank; over STRANGER_MESSAGES_PER_S in a
+        second, shut its connection down (once per connection; never a registered rank's)."""
+        count = self._stranger_counts.get(peer, 0) + 1
+        self._stranger_counts[peer] = count
+        if count != STRANGER_MESSAGES_PER_S:
+            return
+        fd = frame.get(_SRCFD)
+        if (peer, fd) in self._cut:
+            return  # its connection was cut: what is left are its queued messages
+        self._drain_monitor()  # `open` must be current: fd still this connection's
+        if fd not in self.connections.open or fd in self._registered_fds():
+            return
+        self._cut[(peer, fd)] = None
+        while len(self._cut) > 4096:
+            del self._cut[next(iter(self._cut))]
+        if self.connections.cut(fd, self.clock()):
+            self.stats.cut_off += 1
+            self._cut_log(
+                peer=peer_label(peer),
+                messages=count,
+                detail=f"more than {STRANGER_MESSAGES_PER_S} messages in a second from a peer "
+                "that holds no rank: connection shut down (over ipc, its process's new "
+                f"connections too for {limits.BAN_SECONDS:g}s)",
+            )
+
+    def _bad_frame(self, peer: bytes, why: str, frame: zmq.Frame | None = None) -> None:
+        if frame is not None and peer not in self._peer_group:
+            self._stranger_sent(peer, frame)
         self.stats.bad_frames += 1
         self._bad_frame_log(peer=peer_label(peer), why=why, total=self.stats.bad_frames)
 

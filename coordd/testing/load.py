@@ -321,6 +321,71 @@ def p50_ms(latencies: Sequence[float]) -> float:
     return statistics.median(latencies) * 1000 if latencies else float("nan")
 
 
+#: The loads `measure` runs, with their arguments (each bounded in count and time).
+MEASURED: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("garbage", ("--peers", "50", "--messages", "20000", "--repeat", "2")),
+    ("fast", ("--seconds", "4")),
+    ("multipart", ("--parts", "2000000")),
+    ("unread", ("--peers", "20", "--messages", "10000", "--seconds", "1")),
+    ("connections", ("--count", "1000", "--seconds", "4")),
+    ("http", ("--count", "1000", "--seconds", "4")),
+)
+
+
+def measure(dp: int = 4, quiet_rounds: int = 300, limit: float = 60.0) -> int:
+    """For each load of MEASURED, against a fresh coordd (ipc, metrics on): honest-round p50
+    at `dp` quiet and during the load, coordd's peak RSS and descriptors, whether it lived.
+    Prints one line per load; returns 1 if coordd died under any."""
+    import tempfile
+
+    from coordd.testing.process import CoorddProcess
+
+    died = 0
+    print(
+        f"{'load':<12} {'quiet p50':>10} {'load p50':>9} {'ratio':>6} {'rounds':>7} "
+        f"{'peak RSS':>9} {'peak FDs':>8}  coordd"
+    )
+    for kind, load_args in MEASURED:
+        with tempfile.TemporaryDirectory(prefix="coordd-load-") as tmp:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = int(probe.getsockname()[1])
+            proc = CoorddProcess(
+                dp, f"ipc://{tmp}/c.sock", ["--log-level", "error", "--metrics-port", str(port)]
+            ).start()
+            try:
+                with HonestRounds(proc.address, dp) as ranks, ProcessGauge(proc.pid) as gauge:
+                    ranks.run(20)
+                    quiet = p50_ms(ranks.run(quiet_rounds))
+                    target = f"127.0.0.1:{port}" if kind == "http" else proc.address
+                    load = start_load(kind, target, *load_args)
+                    during: list[float] = []
+                    end = time.monotonic() + limit
+                    error = ""
+                    while load.poll() is None and time.monotonic() < end:
+                        try:
+                            during.extend(ranks.run(1))
+                        except Exception as exc:
+                            error = type(exc).__name__
+                            break
+                    if load.poll() is None:
+                        load.kill()
+                    load.wait()
+                    alive = gauge.alive
+                died += not alive
+                busy = p50_ms(during)
+                state = "alive" if alive else "DIED"
+                print(
+                    f"{kind:<12} {quiet:>8.2f}ms {busy:>7.2f}ms {busy / quiet:>6.1f} "
+                    f"{len(during):>7} {gauge.peak_rss_mb:>7.0f}MB {gauge.peak_fds:>8}  "
+                    f"{state}{' ' + error if error else ''}",
+                    flush=True,
+                )
+            finally:
+                proc.stop()
+    return 1 if died else 0
+
+
 def _main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m coordd.testing.load", description=__doc__)
     p.add_argument("kind", choices=(*LOADS, "measure"))
@@ -334,8 +399,6 @@ def _main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dp", type=int, default=4)
     args = p.parse_args(argv)
     if args.kind == "measure":
-        from coordd.testing.load_measure import measure
-
         return measure(args.dp)
     if args.kind == "garbage":
         n = garbage(args.address, args.peers, args.messages, args.repeat)

@@ -102,7 +102,8 @@ def test_garbage_from_50_peers_then_their_disconnects_never_aborts_coordd(
 
 def test_one_fast_peer_does_not_hold_the_loop(coordd, tmp_path: Path) -> None:
     """While one peer sends as fast as it can, a 0.5 s step timeout still fires on time and
-    /livez still answers (the drain yields to the loop every DRAIN_BUDGET messages)."""
+    /livez still answers (the drain yields to the loop every DRAIN_BUDGET messages), and
+    the peer is cut off before it costs coordd much memory."""
     port = free_port()
     proc = start(
         coordd,
@@ -114,7 +115,8 @@ def test_one_fast_peer_does_not_hold_the_loop(coordd, tmp_path: Path) -> None:
     )
     url = f"http://127.0.0.1:{port}"
     ranks = HonestRounds(proc.address, 2)
-    with ranks:
+    with ranks, ProcessGauge(proc.pid) as gauge:
+        base = gauge.rss_mb()
         ranks.run(2)
         load = start_load("fast", proc.address, "--seconds", "6")
         try:
@@ -132,6 +134,11 @@ def test_one_fast_peer_does_not_hold_the_loop(coordd, tmp_path: Path) -> None:
     print(f"step timeout 0.5 s fired after {fired:.2f} s; /livez in {answered:.3f} s")
     assert fired < 3.0, f"the 0.5 s step timeout fired after {fired:.2f} s (flood held the loop)"
     assert answered < 3.0
+    # libzmq's inbound queue is unbounded (RCVHWM 0, against the abort): the flooding
+    # stranger is cut off after STRANGER_MESSAGES_PER_S messages (it was +300 MB uncut)
+    grew = gauge.peak_rss_mb - base
+    print(f"rss {base:.0f} MB -> peak {gauge.peak_rss_mb:.0f} MB (+{grew:.0f})")
+    assert grew < 150, f"one fast peer grew coordd by {grew:.0f} MB"
 
 
 def test_a_two_million_part_message_is_dropped_without_stalling(coordd, tmp_path: Path) -> None:

@@ -66,3 +66,20 @@ def test_the_token_bucket() -> None:
     now[0] = 1.0
     assert sum(bucket.take() for _ in range(100)) == 5  # refilled up to the burst only
     assert bucket.denied == 190
+
+
+def test_a_process_cut_off_for_flooding_is_refused_for_a_while() -> None:
+    import os
+
+    shut: list[int] = []
+    guard = limits.ConnectionGuard(100, set, shutdown=lambda fd: shut.append(fd) or True)
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    with a, b, c, d:
+        assert limits.peer_pid(a.fileno()) == os.getpid()
+        guard.accepted(a.fileno(), now=0.0)
+        assert guard.cut(a.fileno(), now=1.0)
+        guard.accepted(c.fileno(), now=2.0)  # the same process again: refused at once
+        assert shut == [a.fileno(), c.fileno()] and guard.refused == 1
+        guard.accepted(c.fileno(), now=1.0 + limits.BAN_SECONDS + 0.1)  # the ban is over
+        assert c.fileno() in guard.open and guard.refused == 1
