@@ -122,11 +122,19 @@ class ConnectionGuard:
         """Shut down a flooding peer's connection and, over ipc, refuse its process's
         connections for BAN_SECONDS. True if it was shut down."""
         pid = peer_pid(fd)
-        if pid is not None:
-            if len(self.banned) >= 1024:
-                self.banned = {p: t for p, t in self.banned.items() if t > now}
-            self.banned[pid] = now + BAN_SECONDS
-        return self._shutdown(fd)
+        done = self._shutdown(fd)
+        if pid is None:
+            return done
+        if len(self.banned) >= 1024:
+            self.banned = {p: t for p, t in self.banned.items() if t > now}
+        self.banned[pid] = now + BAN_SECONDS
+        # and the same process's other connections that hold no rank (one flood, many sockets)
+        keep = set(self._registered())
+        for other in [f for f in self.open if f != fd and f not in keep]:
+            if peer_pid(other) == pid:
+                del self.open[other]
+                self._shutdown(other)
+        return done
 
     def closed(self, fd: int) -> None:
         self.open.pop(fd, None)
