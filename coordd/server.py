@@ -575,6 +575,9 @@ class CoordServer:
         if frame is not None and peer not in self._peer_group:
             self._stranger_sent(peer, frame)
         self.stats.bad_frames += 1
+        # One line each only at --log-level debug (the chaos checker counts them); the
+        # warning is aggregated: a flood costs a few lines.
+        log.debug("dropped a bad frame from %s: %s", peer_label(peer), why)
         self._bad_frame_log(peer=peer_label(peer), why=why, total=self.stats.bad_frames)
 
     # -- registration: which group a peer belongs to ----------------------------------------
