@@ -57,7 +57,7 @@ from coordd.proto.messages import (
     error_from_failure,
     error_from_reject,
 )
-from coordd.proto.policy import validate_report
+from coordd.proto.policy import check_carriable
 
 #: A round's outcome as a wait finds it: its decision or gathered rows, or its error.
 Outcome = StepDecision | GatherResult | CoordError
@@ -168,14 +168,16 @@ class RankSession:
     def report(self, report: StepReport, kind: StepKind) -> StepReport:
         """Stamp `report` with this rank's envelope and take the next seq; raises
         `InvalidReport` (naming this rank, the field, its value and the range; nothing sent,
-        no seq taken) for a value coordd would refuse (`validate_report`): the culprit's own
-        traceback points at the engine code that computed it."""
+        no seq taken) for what the wire cannot carry (`check_carriable`: a float, a value past
+        int64, a flag that is not a bool). A value the wire carries but the policy refuses
+        (2**31 tokens) is sent: coordd (or the device path) fails the round for every rank
+        with the same `InvalidReport` naming this one, so no rank waits for it in vain."""
         if kind is StepKind.GATHER:
             raise InvalidReport(
                 self.dp_rank, "kind", kind.value, "forward, draft or state (gather: start_gather)"
             )
         stamped = self.stamp(report, kind)
-        validate_report(self.dp_rank, stamped)
+        check_carriable(self.dp_rank, stamped)
         self.next_seq += 1
         return stamped
 

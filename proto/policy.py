@@ -13,8 +13,9 @@ n = num_ubatches (a group setting every rank shares):
 - `dead_ranks` = the ranks left out (elastic mode), which count as neutral values.
 A report is valid when its kind is a policy round's (not "gather"), 0 <= num_tokens <=
 num_tokens_padded <= MAX_TOKENS (2**31 - 1: vLLM builds int32 tensors of them), cudagraph_mode
-is 0, 1 or 2, and the flags are bools (`validate_report`; the client checks before sending,
-coordd and the device path when a report arrives).
+is 0, 1 or 2, and the flags are bools (`validate_report`, in coordd and the device path when a
+report arrives; the client refuses before sending only what the wire cannot carry,
+`check_carriable`, and sends the rest so that every rank gets the same `InvalidReport`).
 
 A gather round has no rules: its result is the reports' values as they came. Its only check
 (`validate_gather`) is that every rank sends as many values as the round's first report, and
@@ -27,6 +28,8 @@ from collections.abc import Sequence
 
 from coordd.proto.errors import InvalidReport
 from coordd.proto.messages import (
+    INT64_MAX,
+    INT64_MIN,
     GatherReport,
     StepDecision,
     StepKind,
@@ -78,6 +81,24 @@ def validate_report(rank: int, report: StepReport) -> None:
             value = getattr(report, name)
             if type(value) is not bool:
                 raise InvalidReport(rank, name, value, "True or False")
+
+
+def check_carriable(rank: int, report: StepReport) -> None:
+    """Raise `InvalidReport` for what the wire cannot carry at all (a count or mode that is not
+    an int in int64, a flag that is not a bool): the client checks this before sending, taking
+    no seq. A value the wire carries but the policy refuses (2**31 tokens, mode 7) is sent, so
+    that coordd fails the round for every rank, naming this one, instead of leaving the others
+    to wait for a report that never comes."""
+    for name in ("num_tokens", "num_tokens_padded", "cudagraph_mode"):
+        value = getattr(report, name)
+        if type(value) is not int and not _is_int(value):
+            raise InvalidReport(rank, name, value, f"an int in 0..{MAX_TOKENS}")
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise InvalidReport(rank, name, value, f"0..{MAX_TOKENS} ({_INT32})")
+    for name in _FLAGS:
+        value = getattr(report, name)
+        if type(value) is not bool:
+            raise InvalidReport(rank, name, value, "True or False")
 
 
 def _is_int(value: object) -> bool:

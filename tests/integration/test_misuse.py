@@ -456,3 +456,28 @@ def test_the_readme_client_snippet_runs_as_pasted(tmp_path: Path) -> None:
         proc.wait(10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+def test_an_int32_overflow_fails_the_round_for_every_rank_naming_the_culprit(
+    start_coordd,  # type: ignore[no-untyped-def]
+) -> None:
+    """Before: coordd decided the round, and every rank's vLLM adapter then failed building its
+    int32 tensor with an untyped RuntimeError."""
+    from coordd.proto import InvalidReport
+
+    coordd = start_coordd(2)
+    cs = clients(coordd.address, 2)
+    try:
+        a = cs[0].start(REPORT)
+        cs[0].ping()  # rank 0's report reaches coordd first: the round is open
+        b = cs[1].start(StepReport(num_tokens=2**31, num_tokens_padded=2**31))
+        errors = []
+        for pending in (a, b):
+            with pytest.raises(InvalidReport) as caught:
+                pending.wait(10)
+            errors.append(caught.value)
+        assert errors[0] == errors[1]
+        assert (errors[0].rank, errors[0].field, errors[0].value) == (1, "num_tokens", 2**31)
+        assert "0..2147483647" in errors[0].expected
+    finally:
+        close_all(cs)

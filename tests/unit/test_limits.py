@@ -56,15 +56,35 @@ def _registered(dp_size: int = 2, rank: int = 0) -> RankSession:
     return session
 
 
-def test_the_client_refuses_an_int32_overflow_before_sending_and_takes_no_seq() -> None:
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        (dict(num_tokens=2**63, num_tokens_padded=2**63), "num_tokens"),
+        (dict(num_tokens=1.5, num_tokens_padded=8), "num_tokens"),
+        (dict(num_tokens=1, num_tokens_padded=8, cudagraph_mode=-(2**64)), "cudagraph_mode"),
+        (dict(num_tokens=1, num_tokens_padded=8, want_ubatch=1), "want_ubatch"),
+    ],
+)
+def test_the_client_refuses_what_the_wire_cannot_carry_and_takes_no_seq(
+    fields: dict[str, object], field: str
+) -> None:
+    """Before: msgspec failed to encode (TypeError, OverflowError) or coordd dropped the frame
+    as undecodable and every rank waited for the step timeout."""
     session = _registered(rank=1)
     with pytest.raises(InvalidReport) as caught:
-        session.report(StepReport(num_tokens=INT32_OVER, num_tokens_padded=INT32_OVER),
-                       StepKind.FORWARD)
-    assert (caught.value.rank, caught.value.field) == (1, "num_tokens")
+        session.report(StepReport(**fields), StepKind.FORWARD)  # type: ignore[arg-type]
+    assert (caught.value.rank, caught.value.field) == (1, field)
     assert session.next_seq == 0
     stamped = session.report(StepReport(num_tokens=4, num_tokens_padded=8), StepKind.FORWARD)
     assert stamped.seq == 0
+
+
+def test_an_int32_overflow_is_sent_for_coordd_to_fail_the_round_for_everyone() -> None:
+    """The wire carries 2**31: the client sends it, so that every rank gets coordd's
+    InvalidReport naming this one (refused locally, the others would wait in vain)."""
+    session = _registered(rank=1)
+    big = StepReport(num_tokens=INT32_OVER, num_tokens_padded=INT32_OVER)
+    assert session.report(big, StepKind.FORWARD).seq == 0
 
 
 def test_coordd_fails_the_round_for_every_rank_naming_the_sender() -> None:
