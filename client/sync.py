@@ -39,65 +39,29 @@ _POLL_SLICE_MS = 50
 _CLOSED = "client closed"
 
 
-class PendingStep:
-    """A round this rank has reported for; `wait()` returns its decision or raises its error."""
+class _PendingRound:
+    """A round this rank has sent its part of; the first outcome is kept, so a second `wait()`
+    returns the same answer (or raises the same error) at once. A timeout is not an outcome:
+    the round is still open and waiting again may succeed."""
 
-    __slots__ = ("_client", "_outcome", "_registration", "kind", "seq")
+    __slots__ = ("_client", "_outcome", "_registration", "seq")
+    #: The answer this kind of round ends with, and its name in a wrong-answer error.
+    _answer: type[StepDecision] | type[GatherResult]
+    _round_name: str
 
-    def __init__(self, client: CoordClient, seq: int, kind: StepKind, registration: int) -> None:
+    def __init__(self, client: CoordClient, seq: int, registration: int) -> None:
         self._client = client
         self._registration = registration
-        self._outcome: StepDecision | CoordError | None = None
+        self._outcome: StepDecision | GatherResult | CoordError | None = None
         self.seq = seq
-        self.kind = kind
 
-    def wait(self, timeout: float | None = None) -> StepDecision:
-        """Block until the decision arrives (at most `timeout`, default the client's); a
-        second call returns the same decision (or raises the same error) at once."""
-        outcome = self._outcome
-        if outcome is None:
-            try:
-                outcome = self._client._wait(self.seq, self._registration, timeout)
-            except StepTimeout:
-                raise  # still open: waiting again may succeed
-            except CoordError as error:
-                outcome = error
-            self._outcome = outcome
-        if isinstance(outcome, CoordError):
-            raise outcome
-        return outcome
-
-    def done(self) -> bool:
-        """True if `wait()` would return or raise without blocking."""
-        return self._outcome is not None or self._client._settled(self.seq, self._registration)
-
-
-class PendingGather:
-    """A gather round this rank has sent its values to; `wait()` returns every rank's values
-    (rows[r] is rank r's; [] for a rank left out) or raises the round's error."""
-
-    __slots__ = ("_client", "_outcome", "_registration", "seq", "site")
-
-    def __init__(self, client: CoordClient, seq: int, site: str, registration: int) -> None:
-        self._client = client
-        self._registration = registration
-        self._outcome: GatherResult | CoordError | None = None
-        self.seq = seq
-        self.site = site
-
-    def wait(self, timeout: float | None = None) -> list[list[int]]:
-        """Block until the rows arrive (at most `timeout`, default the client's)."""
-        return self.result(timeout).rows
-
-    def result(self, timeout: float | None = None) -> GatherResult:
-        """As `wait()`, but the whole `GatherResult` (its `dead_ranks` too); a second call
-        returns the same result (or raises the same error) at once."""
+    def _settle(self, timeout: float | None) -> StepDecision | GatherResult:
         outcome = self._outcome
         if outcome is None:
             try:
                 got = self._client._wait_outcome(self.seq, self._registration, timeout)
-                if type(got) is not GatherResult:
-                    raise _wrong_answer(self.seq, "gather", got)
+                if type(got) is not self._answer:
+                    raise _wrong_answer(self.seq, self._round_name, got)
                 outcome = got
             except StepTimeout:
                 raise
@@ -111,6 +75,48 @@ class PendingGather:
     def done(self) -> bool:
         """True if `wait()` would return or raise without blocking."""
         return self._outcome is not None or self._client._settled(self.seq, self._registration)
+
+
+class PendingStep(_PendingRound):
+    """A round this rank has reported for; `wait()` returns its decision or raises its error."""
+
+    __slots__ = ("kind",)
+    _answer = StepDecision
+    _round_name = "step"
+
+    def __init__(self, client: CoordClient, seq: int, kind: StepKind, registration: int) -> None:
+        super().__init__(client, seq, registration)
+        self.kind = kind
+
+    def wait(self, timeout: float | None = None) -> StepDecision:
+        """Block until the decision arrives (at most `timeout`, default the client's); a
+        second call returns the same decision (or raises the same error) at once."""
+        decision = self._settle(timeout)
+        assert type(decision) is StepDecision
+        return decision
+
+
+class PendingGather(_PendingRound):
+    """A gather round this rank has sent its values to; `wait()` returns every rank's values
+    (rows[r] is rank r's; [] for a rank left out) or raises the round's error."""
+
+    __slots__ = ("site",)
+    _answer = GatherResult
+    _round_name = "gather"
+
+    def __init__(self, client: CoordClient, seq: int, site: str, registration: int) -> None:
+        super().__init__(client, seq, registration)
+        self.site = site
+
+    def wait(self, timeout: float | None = None) -> list[list[int]]:
+        """Block until the rows arrive (at most `timeout`, default the client's)."""
+        return self.result(timeout).rows
+
+    def result(self, timeout: float | None = None) -> GatherResult:
+        """As `wait()`, but the whole `GatherResult` (its `dead_ranks` too)."""
+        result = self._settle(timeout)
+        assert type(result) is GatherResult
+        return result
 
 
 def _wrong_answer(seq: int, expected: str, outcome: object) -> ProtocolError:
