@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from coordd.client.config import ClientConfig
-from coordd.client.session import RankSession
+from coordd.client.session import RankSession, SessionView
 from coordd.proto.coordinator import Coordinator
 from coordd.proto.errors import (
     CoordError,
@@ -342,7 +342,7 @@ class DevicePendingStep:
         return self._client._done(self)
 
 
-class DeviceCoordClient:
+class DeviceCoordClient(SessionView):
     """One DP rank's agreement over a torch.distributed process group the engine already has.
 
     Same surface as `CoordClient`: `connect`, `start` -> pending, `wait`, `coordinate`,
@@ -403,18 +403,6 @@ class DeviceCoordClient:
         self._closed = False
 
     # -- public API ---------------------------------------------------------------------------
-
-    @property
-    def wait_timeout(self) -> float:
-        return self.config.wait_timeout
-
-    @property
-    def dp_rank(self) -> int:
-        return self.session.dp_rank
-
-    @property
-    def epoch(self) -> int | None:
-        return self.session.epoch
 
     def connect(self, timeout: float = 5.0) -> Welcome:
         """Exchange Hellos with every rank of the group (a collective: all ranks call it).

@@ -330,3 +330,24 @@ class RankSession:
         if msg.reason is FailReason.UNAVAILABLE or msg.epoch == self.epoch:
             return self.fail(error)
         return None
+
+
+class SessionView:
+    """What every client of a rank answers from its config and session alone (the blocking,
+    asyncio and device-path clients alike), so they cannot drift apart on what it means."""
+
+    config: ClientConfig
+    session: RankSession
+
+    @property
+    def wait_timeout(self) -> float:
+        return self.config.wait_timeout
+
+    @property
+    def dp_rank(self) -> int:
+        return self.session.dp_rank
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the current registration; None before the first Welcome."""
+        return self.session.epoch

@@ -11,11 +11,11 @@ from typing import Any
 import zmq
 
 from coordd.client.config import ClientConfig
-from coordd.client.session import RankSession
+from coordd.client.session import RankSession, SessionView
 from coordd.client.transport import RankConnection
 
 
-class ClientShell:
+class ClientShell(SessionView):
     """The parts of a rank's client that do not wait: built once from one `ClientConfig`."""
 
     def __init__(
@@ -36,16 +36,3 @@ class ClientShell:
     @property
     def address(self) -> str:
         return self.connection.address
-
-    @property
-    def wait_timeout(self) -> float:
-        return self.config.wait_timeout
-
-    @property
-    def dp_rank(self) -> int:
-        return self.session.dp_rank
-
-    @property
-    def epoch(self) -> int | None:
-        """The epoch of the current registration; None before the first Welcome."""
-        return self.session.epoch

@@ -403,27 +403,7 @@ def _device_rank(store: str, rank: int, conn: Connection) -> None:
 def test_the_adapter_runs_on_the_device_path(tmp_path) -> None:
     """The same table through the device-path client (a gloo group of 2): same results."""
     pytest.importorskip("coordd.client.device", reason="the device path is absent")
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=_device_rank, args=(str(tmp_path / "store"), r, pipes[r][1]),
-                         daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    for _, sender in pipes:
-        sender.close()  # a rank that dies then reads as EOF at once
-    try:
-        results = []
-        for rank, (receiver, _) in enumerate(pipes):
-            assert receiver.poll(120), f"device-path rank {rank} sent nothing"
-            try:
-                results.append(msgspec.msgpack.decode(receiver.recv_bytes()))
-            except EOFError:
-                pytest.fail(f"device-path rank {rank} died (its traceback is above)")
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
+    results = run_rank_processes(_device_rank, [(str(tmp_path / "store"), r) for r in range(2)])
     expected = []
     for name, cfg in CONFIGS.items():
         expected += [[name, e[0], e[1], e[2]] for _, _, e in live_cases(cfg)]

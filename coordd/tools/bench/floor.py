@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import selectors
 import socket
 import struct
-import subprocess
 import sys
 import time
 
-from coordd.testing.process import stop_process
+from coordd.tools.bench.child import HubChild
 from coordd.tools.bench.workload import FLOOR_REPORT
 
 READY = "floor ready on "
@@ -147,54 +145,13 @@ class FloorRank:
         self.sock.close()
 
 
-class FloorProcess:
-    """The hub as a child process (like `CoorddProcess`), ready once it has bound `path`."""
+class FloorProcess(HubChild):
+    """The floor hub as a child process (like `CoorddProcess`), ready once it has bound."""
 
-    def __init__(self, dp: int, path: str, timeout: float = 120.0) -> None:
-        self.argv = [
-            sys.executable,
-            "-m",
-            "coordd.tools.bench.floor",
-            "--dp",
-            str(dp),
-            "--path",
-            path,
-            "--timeout",
-            str(timeout),
-        ]
-        self.path = path
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self, timeout: float = 15.0) -> FloorProcess:
-        self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, text=True, start_new_session=True
-        )
-        self.path = read_ready_line(self.proc, READY, timeout, "floor hub")
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, timeout)
-
-
-def read_ready_line(proc: subprocess.Popen[str], ready: str, timeout: float, what: str) -> str:
-    """The address a child hub printed after `ready`; stops it and raises if it did not."""
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            stop_process(proc, 5.0)
-            raise TimeoutError(f"{what} not ready within {timeout}s")
-        line = proc.stdout.readline()
-    if not line.startswith(ready):
-        stop_process(proc, 5.0)
-        raise RuntimeError(f"{what} failed to start: {line!r}")
-    return line[len(ready) :].strip()
+    module = "coordd.tools.bench.floor"
+    where_flag = "--path"
+    ready = READY
+    what = "floor hub"
 
 
 def main() -> int:

@@ -11,7 +11,6 @@ over this one is what its protocol and event loop cost on top of ZeroMQ.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 import msgspec
@@ -19,7 +18,7 @@ import zmq
 
 from coordd.proto.messages import StepDecision, StepReport
 from coordd.proto.policy import decide
-from coordd.testing.process import stop_process
+from coordd.tools.bench.child import HubChild
 
 READY = "hub ready on "
 
@@ -76,41 +75,13 @@ class HubRank:
         self.ctx.term()
 
 
-class HubProcess:
+class HubProcess(HubChild):
     """The hub as a child process, ready once it has bound; `address` is where it listens."""
 
-    def __init__(self, dp: int, bind: str, timeout: float = 120.0) -> None:
-        self.argv = [
-            sys.executable,
-            "-m",
-            "coordd.tools.bench.hub",
-            "--dp",
-            str(dp),
-            "--bind",
-            bind,
-            "--timeout",
-            str(timeout),
-        ]
-        self.address = bind
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self, timeout: float = 15.0) -> HubProcess:
-        from coordd.tools.bench.floor import read_ready_line
-
-        self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, text=True, start_new_session=True
-        )
-        self.address = read_ready_line(self.proc, READY, timeout, "pyzmq hub")
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, timeout)
+    module = "coordd.tools.bench.hub"
+    where_flag = "--bind"
+    ready = READY
+    what = "pyzmq hub"
 
 
 def main() -> int:

@@ -201,7 +201,7 @@ def _servers(
             path = f"tcp://{tcp_host}:0" if tcp_host else f"{tmp}/floor.sock"
             hub = FloorProcess(dp, path, timeout=900).start()
             procs.append(hub)
-            fields["floor_path"] = hub.path
+            fields["floor_path"] = hub.address
             fields["servers"][FLOOR] = hub.pid
         fields["gloo_store"] = f"{tmp}/gloo-store"
         yield RankSetup(**fields), procs
