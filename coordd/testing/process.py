@@ -2,21 +2,74 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
 READY = "coordd ready on "
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Any:
+    """libc's prctl, resolved once here: the child of a fork calls it and nothing else."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_prctl = _load_prctl()
+
+
+def die_with_parent(*, any_thread: bool = False) -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child die (SIGKILL) when the process starting it dies,
+    so a test run killed from outside (SIGKILL: no cleanup runs) leaves no coordd or rank
+    behind. Linux only (None elsewhere: nothing to do).
+
+    The kernel sends the signal when the *thread* that started the child ends, so by default
+    only a child started from the main thread gets it (None from another thread: a worker
+    thread that ends would take its child along); `any_thread=True` where the caller knows its
+    thread outlives the child. The parent's pid is taken before the fork: a parent gone before
+    the child's prctl ran (the child was already re-parented) ends the child at once."""
+    if _prctl is None:
+        return None
+    if not any_thread and threading.current_thread() is not threading.main_thread():
+        return None
+    prctl = _prctl
+    parent = os.getpid()
+    sigkill = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sigkill)
+
+    return preexec
+
 
 class CoorddProcess:
-    """A `coordd serve` child process; `address` is where it listens once started."""
+    """A `coordd serve` child process; `address` is where it listens once started. It dies
+    with the process that started it (`die_with_parent`)."""
+
+    #: The thread that calls `start` outlives the child (see `die_with_parent`); else only a
+    #: start from the main thread ties the child's life to this process.
+    starter_outlives_child = False
 
     def __init__(
         self,
@@ -42,7 +95,12 @@ class CoorddProcess:
     def start(self, timeout: float = 15.0) -> CoorddProcess:
         """Start coordd and wait for its ready line (read unbuffered: no line is missed)."""
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=None, env=self.env, start_new_session=True
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=die_with_parent(any_thread=self.starter_outlives_child),
         )
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()

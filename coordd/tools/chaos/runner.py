@@ -35,7 +35,7 @@ from coordd.testing.history import (
     Registered,
     tail_records,
 )
-from coordd.testing.process import CoorddProcess
+from coordd.testing.process import CoorddProcess, die_with_parent
 from coordd.testing.scenario import ScenarioInfo
 from coordd.tools.chaos.scenarios import SCENARIOS, Scenario, Skip
 from coordd.tools.chaos.spec import Fault, Settings, WorkerSpec
@@ -59,6 +59,8 @@ class GaveUp(Exception):
 
 class ChaosCoordd(CoorddProcess):
     """A real `coordd serve`, run through `coordd.tools.chaos.serve` so its log lands in a file."""
+
+    starter_outlives_child = True  # a scenario's thread ends only after its processes
 
     def __init__(self, dp: int, bind: str, settings: Settings, log_path: str) -> None:
         super().__init__(
@@ -177,6 +179,9 @@ class ScenarioRun:
                 stdout=subprocess.DEVNULL,
                 stderr=err,
                 start_new_session=True,
+                # a run killed from outside takes its ranks along (the scenario's thread
+                # ends only after them)
+                preexec_fn=die_with_parent(any_thread=True),
             )
         process = Process(spec.name, popen, spec.log_path)
         self.processes[spec.name] = process
