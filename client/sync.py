@@ -3,7 +3,8 @@
 `start()` hands the report to ZeroMQ and returns at once; ZeroMQ's I/O thread takes the
 decision in while the engine thread is busy (on the GPU, say), so `wait()` usually finds it
 already queued and only decodes it. No Python thread of ours runs on this path. What each
-answer means is `RankSession`'s; this shell only decides how to wait (`zmq.Poller`).
+answer means is `RankSession`'s; this shell only decides how to wait (a blocking recv,
+as the minimal pyzmq hub's rank does, in slices that also look at `close()` and the monitor).
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ from coordd.proto.messages import (
 )
 
 _GOODBYE = encode(Goodbye(text="rank closed"))
-#: Longest single poll: a wait looks at `_closed` this often, so close() from another thread
-#: ends it within this (the rounds themselves are answered far sooner).
+#: Longest single blocking recv: a wait looks at `_closed` and at the monitor this often, so
+#: close() from another thread, or a dropped connection, ends it within this (the rounds
+#: themselves are answered far sooner).
 _POLL_SLICE_MS = 50
+_RCVTIMEO = int(zmq.RCVTIMEO)
+_NOBLOCK = int(zmq.NOBLOCK)
 _CLOSED = "client closed"
 
 
@@ -140,9 +144,8 @@ class CoordClient(ClientShell):
         **options: Any,
     ) -> None:
         super().__init__(address, config=config, context=context, **options)
-        self._poller = zmq.Poller()
-        self._poller.register(self.connection.socket, zmq.POLLIN)
-        self._poller.register(self.connection.monitor, zmq.POLLIN)
+        #: The DEALER's RCVTIMEO in ms (-1: libzmq's default, block): a wait's slice.
+        self._rcvtimeo = -1
         self._welcome: Welcome | None = None
         self._pong: int | None = None
         #: The last round started and not yet answered: (seq, registration).
@@ -351,18 +354,18 @@ class CoordClient(ClientShell):
         session = self.session
         self._enter()
         try:
-            self._read_available()
-            deadline = time.monotonic() + timeout
-            while True:
-                outcome = session.outcome(seq, registration)
-                if outcome is not None:
-                    if self._open is not None and self._open[0] == seq:
-                        self._open = None
-                    if isinstance(outcome, CoordError):
-                        raise outcome
-                    return outcome
-                if not self._pump(deadline):
-                    raise StepTimeout((), timeout)
+            outcome = session.outcome(seq, registration)
+            if outcome is None:
+                deadline = time.monotonic() + timeout
+                while outcome is None:
+                    if not self._pump(deadline):
+                        raise StepTimeout((), timeout)
+                    outcome = session.outcome(seq, registration)
+            if self._open is not None and self._open[0] == seq:
+                self._open = None
+            if isinstance(outcome, CoordError):
+                raise outcome
+            return outcome
         finally:
             self._leave()
 
@@ -380,27 +383,41 @@ class CoordClient(ClientShell):
         return error
 
     def _pump(self, deadline: float) -> bool:
-        """Wait for traffic until `deadline`; False if none came. Polls in slices, so that a
-        close() from another thread ends the wait ("client closed")."""
-        while True:
-            if self._closed:
-                raise CoordinatorUnavailable(_CLOSED)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            try:
-                events = dict(self._poller.poll(min(_POLL_SLICE_MS, max(1, int(remaining * 1000)))))
-            except zmq.ZMQError as exc:
-                raise self._socket_error(exc) from None
-            if events:
-                break
+        """Read one frame, waiting for it until `deadline`; True if one came or a slice of
+        the wait passed (the caller looks again), False once the deadline has passed with
+        nothing queued.
+
+        A blocking recv, as the pyzmq hub's rank does: no poller, no ZMQ_EVENTS. RCVTIMEO
+        ends it every slice, so close() from another thread ends the wait ("client closed"),
+        and then the monitor is read: a disconnect is noticed within a slice of the
+        DEALER going quiet, after every frame coordd sent before it."""
+        sock = self.connection.socket
         if self._closed:
             raise CoordinatorUnavailable(_CLOSED)
-        if self.connection.monitor in events and self.connection.disconnected():
-            self._read_available()  # what coordd sent before the close is still this rank's
-            self.session.connection_lost()
-        if self.connection.socket in events:
-            self._read_available()
+        remaining_ms = (deadline - time.monotonic()) * 1000
+        if remaining_ms >= _POLL_SLICE_MS:
+            flags, slice_ms = 0, _POLL_SLICE_MS
+        elif remaining_ms > 0:
+            flags, slice_ms = 0, max(1, int(remaining_ms))
+        else:
+            flags, slice_ms = _NOBLOCK, self._rcvtimeo
+        try:
+            if slice_ms != self._rcvtimeo:
+                sock.setsockopt(_RCVTIMEO, slice_ms)
+                self._rcvtimeo = slice_ms
+            frame = sock.recv(flags)
+        except zmq.Again:
+            if self._closed:
+                raise CoordinatorUnavailable(_CLOSED) from None
+            if self.connection.disconnected():
+                self._read_available()  # what coordd sent before the close is this rank's
+                self.session.connection_lost()
+            return not flags
+        except zmq.ZMQError as exc:
+            raise self._socket_error(exc) from None
+        if self._closed:
+            raise CoordinatorUnavailable(_CLOSED)
+        self._on_frame(frame)
         return True
 
     def _on_frame(self, frame: bytes) -> None:
