@@ -145,10 +145,15 @@ def test_a_protocol_error_answers_one_report_and_the_group_goes_on() -> None:
     spoofed = ProtocolError("report for another rank", rank=1)
     event = session.receive(failure_message(spoofed, epoch=3, seq=seq, kind=FORWARD))
     assert isinstance(event, Resolved)
-    # two answers for one seq (a test peer's duplicate) are taken in order
+    # more answers for one seq (a test peer's duplicates) are taken in order, one per wait
     session.receive(decision(3, seq))
+    session.receive(failure_message(spoofed, epoch=3, seq=seq, kind=FORWARD))
+    assert session.settled(seq, registration)
     assert session.outcome(seq, registration) == spoofed
     assert session.outcome(seq, registration) == decision(3, seq)
+    assert session.outcome(seq, registration) == spoofed
+    assert not session.settled(seq, registration)
+    assert session.outcome(seq, registration) is None
     assert session.failed is None
 
 
