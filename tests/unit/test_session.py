@@ -269,8 +269,7 @@ def test_a_gather_takes_the_next_seq_like_any_round() -> None:
     assert report == GatherReport(site=SITE, values=[3, 4], dp_rank=1, epoch=3, seq=11)
     assert session.report(REPORT, FORWARD).seq == 12
     assert step.seq == 10
-    forged = session.stamp(GatherReport(site=SITE, values=[]), StepKind.GATHER, seq=99,
-                           dp_rank=0)
+    forged = session.stamp(GatherReport(site=SITE, values=[]), StepKind.GATHER, seq=99, dp_rank=0)
     assert (forged.seq, forged.dp_rank, forged.epoch, session.next_seq) == (99, 0, 3, 13)
 
 
@@ -281,7 +280,8 @@ def test_a_gather_result_resolves_its_own_round() -> None:
     assert session.receive(gathered(3, gather[0])) == Resolved(gather[0], gathered(3, gather[0]))
     assert session.outcome(*step) is None
     assert session.receive_frame(encode(decision(3, step[0]))) == Resolved(
-        step[0], decision(3, step[0]))
+        step[0], decision(3, step[0])
+    )
     assert session.outcome(*gather) == gathered(3, gather[0])
     assert session.outcome(*step) == decision(3, step[0])
     assert session.receive(gathered(2, gather[0])) is None, "an older epoch's"
@@ -291,8 +291,9 @@ def test_a_failure_fails_a_gather_as_any_round() -> None:
     session = registered()
     seq, registration = session.gather(SITE, [1]).seq, session.registration
     error = StepMismatch(0, seq, f"gather:{SITE}", seq, "gather:other")
-    assert session.receive(failure_message(error, epoch=3, seq=seq, kind=StepKind.GATHER)) \
-        == GroupFailed(error)
+    assert session.receive(
+        failure_message(error, epoch=3, seq=seq, kind=StepKind.GATHER)
+    ) == GroupFailed(error)
     assert session.outcome(seq, registration) == error
     with pytest.raises(StepMismatch):
         session.gather(SITE, [1])
@@ -310,7 +311,11 @@ def test_values_are_plain_int64s_or_refused_before_sending() -> None:
             return 7
 
     assert session.gather(SITE, (True, Index(), INT64_MIN, INT64_MAX)).values == [
-        1, 7, INT64_MIN, INT64_MAX]
+        1,
+        7,
+        INT64_MIN,
+        INT64_MAX,
+    ]
     refusals = [
         (SITE, [1.5], "values"),
         (SITE, ["1"], "values"),
@@ -339,8 +344,10 @@ def test_a_step_of_kind_gather_is_refused_before_sending() -> None:
 
 
 def test_client_config_takes_keywords_a_config_or_both(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert ClientConfig.of(dp_rank=1, dp_size=2, config_fingerprint="fp", address="ipc:///x.sock") \
+    assert (
+        ClientConfig.of(dp_rank=1, dp_size=2, config_fingerprint="fp", address="ipc:///x.sock")
         == CONFIG
+    )
     assert ClientConfig.of(CONFIG) is CONFIG
     assert ClientConfig.of(CONFIG, address=None).address == "ipc:///x.sock", "None: not given"
     assert ClientConfig.of(CONFIG, address="tcp://h:1", wait_timeout=2.0) == dataclasses.replace(
