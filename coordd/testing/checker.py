@@ -8,11 +8,14 @@ For every round (epoch, seq) that any rank saw an outcome of:
 - otherwise every rank must have got the same typed failure, of a type the fault explains, naming
   the injected culprit; a mix of decisions and failures in one round is a violation (except when
   coordd itself crashed mid-broadcast, or for the culprit's own view of a process fault);
-- no failure before the fault was injected, and none at all where the fault must be absorbed.
+- no failure before the fault was injected, and none at all where the fault must be absorbed;
+  an `InvalidReport` names the field the fault set out of range.
 Across the run: every rank that took part saw the failure, within the step timeout plus the
 heartbeat timeout (plus a grace for scheduling); the culprit was refused where it must be; no
 rank is left waiting (a round begun and never ended, a wait that coordd never answered, a process
-still running at the deadline: each is a hang); every surviving rank finished its rounds.
+still running at the deadline: each is a hang); every surviving rank finished its rounds; no
+process logged a "violation" note (a rule it checked itself: a client misuse answered wrongly,
+a stranger that received a rank's decision).
 """
 
 from __future__ import annotations
@@ -81,6 +84,12 @@ def check_history(
     for r in runner:
         if isinstance(r, Note) and r.what in ("harness error", "coordd died", "crashed", "gave up"):
             found.violations.append(f"{r.what}: {r.detail}".rstrip(": "))
+    for log in logs:
+        for r in log.records:
+            if isinstance(r, Note) and r.what == "violation":
+                # a rule the process checked itself (a second wait() that blocked, a start()
+                # while open that went through, a taker that received a rank's decision)
+                found.violations.append(f"{log.name}: {r.detail}")
     if "Traceback" in coordd_log:
         found.violations.append("coordd logged a traceback")
 

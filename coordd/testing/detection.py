@@ -118,6 +118,10 @@ def _refusal(
     if culprit.role not in PARTICIPANTS and any(isinstance(r, Registered) for r in culprit.records):
         found.violations.append(f"coordd admitted {info.culprit_name}, which it must refuse")
         return False, None
+    if want == "stranger":
+        return _stranger_refused(culprit, refused, coordd_log, found), None
+    if want == "takeover":
+        return _takeover_refused(culprit, refused, coordd_log, found), None
     kind, _, reason = want.partition(":")
     for r in refused:
         if r.error.type != kind or (reason and r.error.reason != reason):
@@ -157,4 +161,50 @@ def _rogue_refused(
         f"rogue sent {sum(n.count for n in notes if n.what == 'sent')} bad frames; "
         f"coordd dropped {dropped} at the protocol layer"
     )
+    return ok
+
+
+def _stranger_refused(
+    stranger: ProcessLog, refused: list[Refused], coordd_log: str, found: Findings
+) -> bool:
+    """A peer that never registered, sending forged reports for the live rounds amid garbage:
+    every forged report answered to it alone with a typed error, the garbage dropped and
+    counted, coordd still answering (the burst after the probe is judged by the group's
+    rounds alone: a cut-off stranger cannot say what became of it)."""
+    notes = [r for r in stranger.records if isinstance(r, Note)]
+    ok = _rogue_refused(stranger, refused, coordd_log, found)
+    forged = [r for r in refused if r.what == "forged report"]
+    wrong = [r for r in forged if r.error.type not in ("ProtocolError", "CoordinatorUnavailable")]
+    if not forged:
+        found.violations.append("coordd did not refuse the stranger's forged reports")
+        ok = False
+    for r in wrong:
+        found.violations.append(f"a forged report was answered with {r.error.type}: {r.error.text}")
+        ok = False
+    sent = sum(n.count for n in notes if n.what == "sent" and n.detail == "forged")
+    answered = sum(n.count for n in notes if n.what == "answered" and n.detail == "forged")
+    found.notes.append(f"stranger: {sent} forged reports, {answered} answered with an error")
+    return ok and not wrong
+
+
+def _takeover_refused(
+    taker: ProcessLog, refused: list[Refused], coordd_log: str, found: Findings
+) -> bool:
+    """A peer that tried to speak for a live rank (its leaked routing id, a Hello for the rank,
+    a report claiming it): refused at each door, counted and logged."""
+    notes = [r for r in taker.records if isinstance(r, Note)]
+    ok = True
+    if not any(n.what == "id taken: nothing received" for n in notes):
+        found.violations.append("the taker never finished its attempt over the leaked id")
+        ok = False
+    if not any(r.what == "hello" and r.error.reason == "rank_taken" for r in refused):
+        got = [f"{r.what}:{r.error.type}:{r.error.reason}" for r in refused]
+        found.violations.append(f"a Hello for a held rank was not refused rank_taken ({got})")
+        ok = False
+    if not any(r.what == "claimed report" and r.error.type == "ProtocolError" for r in refused):
+        found.violations.append("a report claiming a held rank from a stranger was not refused")
+        ok = False
+    if "rank takeover refused" not in coordd_log:
+        found.violations.append("coordd did not log the refused takeover")
+        ok = False
     return ok

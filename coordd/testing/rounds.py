@@ -148,6 +148,10 @@ def _attribute(
     if error.type not in expect.errors:
         found.violations.append(f"{what}, which {info.fault} does not explain")
         return
+    field = error.fields.get("field")
+    if error.type == "InvalidReport" and info.culprit_field and field != info.culprit_field:
+        found.violations.append(f"{what}: it names field {field}, not {info.culprit_field}")
+        return
     if not expect.names_culprit or info.culprit in error.culprits:
         return
     if (

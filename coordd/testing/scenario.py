@@ -53,4 +53,6 @@ class ScenarioInfo(msgspec.Struct, frozen=True, kw_only=True):
     end_seq: int = -1
     #: Processes the harness killed on purpose (not hangs, not expected to finish).
     harness_kills: list[str] = []
+    #: An `InvalidReport` the fault explains must name this report field ("": any).
+    culprit_field: str = ""
     skipped: str = ""

@@ -294,3 +294,88 @@ def test_a_split_is_excused_only_when_coordd_crashed() -> None:
     assert any("mid-broadcast" in n for n in crashed.notes)
     clean = check("SIGTERM")
     assert any("split outcome" in v for v in clean.violations)
+
+
+# -- the classes of issue 11: values, misuse, hostile peers -------------------------------------
+
+
+def clean_history(rank: int) -> list[Record]:
+    """Every round decided, one epoch: what a group a peer outside it cannot disturb shows."""
+    out: list[Record] = [Registered(t=9.0, epoch=E1, next_seq=0)]
+    for seq in range(END_SEQ):
+        out += [Begin(t=10.0 + seq, epoch=E1, seq=seq, kind=kind_for(SEED, seq).value,
+                      sent=[stamped(rank, E1, seq)]),
+                End(t=10.01 + seq, epoch=E1, seq=seq, decision=decision(E1, seq))]
+    return [*out, Done(t=20.0, next_seq=END_SEQ)]
+
+
+def test_a_rule_a_process_checked_itself_and_saw_broken_fails_the_scenario() -> None:
+    """client_misuse: the rank checks the client's rules (a second wait() answered at once, a
+    start() while open refused) and logs a "violation" note where one breaks."""
+    h1 = [*rank_history(1)[:-1], Note(t=19.0, what="violation", detail="second wait() blocked"),
+          rank_history(1)[-1]]
+    result = check_history(info(), logs(h1=h1), [])
+    assert "rank1: second wait() blocked" in result.violations
+
+
+def test_an_invalid_report_must_name_the_injected_field() -> None:
+    def invalid(field: str) -> ErrorInfo:
+        return ErrorInfo(type="InvalidReport", reason="invalid", culprits=[0],
+                         text=f"rank 0: invalid {field}=2147483648",
+                         fields={"rank": 0, "field": field, "value": 2**31})
+
+    def history(rank: int, field: str) -> list[Record]:
+        out = replace_end(rank_history(rank), FAIL_SEQ, error=invalid(field))
+        return [Inject(t=r.t, fault="invalid_value", rank=0, detail=f"num_tokens={2**31}")
+                if isinstance(r, Inject) else r for r in out]
+
+    scenario = info(Fault.INVALID_VALUE, culprit_field="num_tokens")
+    good = check_history(scenario, logs(history(0, "num_tokens"), history(1, "num_tokens")), [])
+    assert good.ok, good.violations
+    bad = check_history(scenario, logs(history(0, "cudagraph_mode"),
+                                       history(1, "cudagraph_mode")), [])
+    assert any("names field cudagraph_mode, not num_tokens" in v for v in bad.violations)
+
+
+def taker(*records: Record) -> ProcessLog:
+    return ProcessLog("taker", Header(t=8.0, role="taker", rank=0, pid=3, name="taker"),
+                      [Inject(t=T_INJECT, fault="takeover_attempt", rank=0), *records,
+                       Done(t=T_INJECT + 0.5, next_seq=0, reason="taker")])
+
+
+TAKEN = ErrorInfo(type="Rejected", reason="rank_taken", culprits=[],
+                  text="dp_rank 0 is held by another live connection")
+STRANGER = ErrorInfo(type="ProtocolError", reason="protocol", culprits=[0],
+                     text="rank 0: report from a peer that has not registered")
+
+
+def test_a_takeover_must_be_refused_at_every_door_and_logged() -> None:
+    scenario = info(Fault.TAKEOVER_ATTEMPT, culprit=-1, culprit_name="taker")
+    ranks = logs(clean_history(0), clean_history(1))
+    quiet = Note(t=T_INJECT + 0.1, what="id taken: nothing received", count=13)
+    hello = Refused(t=T_INJECT + 0.2, error=TAKEN, what="hello")
+    claim = Refused(t=T_INJECT + 0.3, error=STRANGER, what="claimed report")
+    logged = "WARNING coordd: rank takeover refused group=default kind=rank_held rank=0"
+    good = check_history(scenario, [*ranks, taker(quiet, hello, claim)], [], logged)
+    assert good.ok, good.violations
+    admitted = taker(quiet, Registered(t=T_INJECT + 0.2, epoch=E1, next_seq=3), claim)
+    bad = check_history(scenario, [*ranks, admitted], [], logged)
+    assert any("admitted taker" in v for v in bad.violations)
+    unlogged = check_history(scenario, [*ranks, taker(quiet, hello, claim)], [], "")
+    assert any("did not log the refused takeover" in v for v in unlogged.violations)
+    received = Note(t=T_INJECT + 0.1, what="violation", detail="the victim's id received ...")
+    heard = check_history(scenario, [*ranks, taker(received, quiet, hello, claim)], [], logged)
+    assert any("the victim's id received" in v for v in heard.violations)
+
+
+def test_a_forged_report_counted_for_a_rank_is_a_wrong_decision() -> None:
+    """stranger_noise/takeover: a decision built from a forged report differs from the policy
+    applied to the ranks' own reports."""
+    forged = msgspec.structs.replace(report_for(SEED, 0, 3), num_tokens=9999,
+                                     num_tokens_padded=9999)
+    wrong = decision_dict(decide([forged, report_for(SEED, 1, 3)], epoch=E1, seq=3,
+                                 kind=kind_for(SEED, 3)))
+    ranks = [replace_end(clean_history(r), 3, decision=wrong) for r in range(DP)]
+    scenario = info(Fault.STRANGER_NOISE, culprit=-1, culprit_name="stranger")
+    result = check_history(scenario, logs(*ranks), [])
+    assert any("differs from the policy" in v for v in result.violations)

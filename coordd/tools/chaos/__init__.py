@@ -1,10 +1,11 @@
 """The chaos suite: a real coordd and real rank processes, one injected fault per scenario
 (rank mismatches, bad joins, killed/paused/straggling ranks, a coordd restart, garbage frames,
-spoofing, a network cut), every sync of every rank logged, and a checker that holds the whole
-history to the rules. `coordd chaos` runs it and prints the table.
+spoofing, a network cut, out-of-range values, client misuse, strangers forging reports, takeover
+attempts with a leaked routing id), every sync of every rank logged, and a checker that holds
+the whole history to the rules. `coordd chaos` runs it and prints the table.
 
 runner.py runs scenarios; scenarios.py defines one per fault kind; worker.py is the processes
-(ranks, the raw rank and the rogue from `coordd.testing`); report.py tabulates. What the
-processes log and the checker that judges it live in `coordd.testing` (history.py, checker.py),
-so an engine's own tests can use them.
+(ranks, the raw rank, the rogue from `coordd.testing`, the stranger and the taker); report.py
+tabulates. What the processes log and the checker that judges it live in `coordd.testing`
+(history.py, checker.py), so an engine's own tests can use them.
 """

@@ -117,9 +117,12 @@ class ScenarioRun:
         self.processes: dict[str, Process] = {}
         self.coordd: ChaosCoordd | None = None
         self.coordd_log = os.path.join(directory, "coordd.log")
+        #: `WorkerSpec.until_file`: the ranks run on until the runner creates it
+        self.until_file = os.path.join(directory, "until")
         self.address = ""
         self.bind_host = "127.0.0.1"
         self.culprit_name = ""
+        self.culprit_field = ""
         self.harness_kills: set[str] = set()
         self.deadline_kills: set[str] = set()
         self.resources: dict[str, Any] = {}
@@ -413,6 +416,7 @@ class ScenarioRun:
             wait_timeout=self.settings.wait_timeout,
             detection_bound=self.settings.detection_bound,
             harness_kills=sorted(self.harness_kills),
+            culprit_field=self.culprit_field,
             skipped=skipped,
         )
         with open(os.path.join(self.dir, "scenario.json"), "wb") as f:

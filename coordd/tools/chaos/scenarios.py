@@ -12,17 +12,18 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from coordd.proto.messages import PROTOCOL_VERSION, StepKind
-from coordd.testing.history import Inject, Note
+from coordd.testing.history import Begin, Inject, Note
 from coordd.testing.scenario import Expect
 from coordd.tools.chaos import netns
 from coordd.tools.chaos.spec import Fault
 from coordd.tools.chaos.workload import kind_for
 
 if TYPE_CHECKING:
-    from coordd.tools.chaos.runner import ScenarioRun
+    from coordd.tools.chaos.runner import Process, ScenarioRun
 
 
 class Skip(Exception):
@@ -308,6 +309,133 @@ class NetworkCut(Scenario):
             cut.remove()
 
 
+# -- values, misuse and hostile peers (issue 11, parts A-D) -----------------------------------
+
+
+#: Out-of-range values the wire carries (int64) and the policy refuses, by field; each names
+#: its own field (`validate_report` checks num_tokens first, then num_tokens_padded, then the
+#: mode: a padded count below the rank's tokens names num_tokens_padded).
+_BAD_VALUES = {
+    "num_tokens": [2**31, 2**40, -1, -(2**31)],
+    "num_tokens_padded": [2**31, 2**33, -1],
+    "cudagraph_mode": [3, 7, -1, 2**31],
+}
+
+
+class InvalidValue(Scenario):
+    fault = Fault.INVALID_VALUE
+    summary = "a rank reports a value out of range (2**31 tokens, mode 3, ...) via the client"
+    expect = Expect(failure=True, errors=["InvalidReport"])
+
+    def run(self, run: ScenarioRun) -> None:
+        c = run.culprit
+        run.culprit_name = f"rank{c}"
+        field = run.rng.choice(sorted(_BAD_VALUES))
+        value = run.rng.choice(_BAD_VALUES[field])
+        run.culprit_field = field
+        for rank in range(run.dp):
+            extra: dict[str, object] = {}
+            if rank == c:
+                extra = dict(fault_seq=run.inject_seq, bad_field=field, bad_value=value)
+            run.start_worker(run.spec(f"rank{rank}", "rank", rank, **extra))
+        run.release([f"rank{r}" for r in range(run.dp)])
+
+
+class ClientMisuse(Scenario):
+    fault = Fault.CLIENT_MISUSE
+    summary = "a rank waits twice, starts while open, then is closed from another thread"
+    expect = Expect(failure=True, errors=["RankLost", "StepTimeout"], culprit_view="any")
+
+    def run(self, run: ScenarioRun) -> None:
+        c = run.culprit
+        run.culprit_name = f"rank{c}"
+        first, second = run.rng.sample(range(run.inject_seq, run.inject_seq + 6), 2)
+        close = max(first, second) + run.rng.randint(2, 5)
+        order = ["second_wait", "start_twice"]
+        run.rng.shuffle(order)
+        misuse = {order[0]: first, order[1]: second, "close": close}
+        run.inject_seq = close
+        run.event(Note(t=time.monotonic(), what="misuse", detail=repr(misuse)))
+        for rank in range(run.dp):
+            # the others hold back where the misuse needs the round open (a start() twice;
+            # the close, which must land mid-wait)
+            extra: dict[str, object] = dict(hold_seqs=[misuse["start_twice"], close])
+            if rank == c:
+                extra = dict(misuse_seqs=misuse, close_delay=run.rng.uniform(0.005, 0.04))
+            run.start_worker(run.spec(f"rank{rank}", "rank", rank, **extra))
+        run.release([f"rank{r}" for r in range(run.dp)])
+
+
+class StrangerNoise(Scenario):
+    fault = Fault.STRANGER_NOISE
+    summary = "a stranger forges reports for the live rounds amid garbage, then bursts"
+    expect = Expect(culprit_view="refused", refusal="stranger")
+
+    def run(self, run: ScenarioRun) -> None:
+        run.culprit = -1
+        run.culprit_name = "stranger"
+        stranger = run.start_observer(
+            run.spec(
+                "stranger",
+                "stranger",
+                -1,
+                frames=3000,
+                trigger_log=run.log_path("rank0"),
+                trigger_seq=run.inject_seq,
+            )
+        )
+        run_on_until_done(run, stranger, lambda: run.start_ranks(until_file=run.until_file))
+
+
+class TakeoverAttempt(Scenario):
+    fault = Fault.TAKEOVER_ATTEMPT
+    summary = "a peer presents a live rank's leaked routing id, says Hello for it, claims it"
+    expect = Expect(culprit_view="refused", refusal="takeover")
+
+    def run(self, run: ScenarioRun) -> None:
+        victim = run.culprit
+        run.culprit = -1
+        run.culprit_name = "taker"
+        victim_log = run.log_path(f"rank{victim}")
+        taker = run.start_observer(
+            run.spec(
+                "taker",
+                "taker",
+                victim,
+                victim_log=victim_log,
+                trigger_log=victim_log,
+                trigger_seq=run.inject_seq,
+            )
+        )
+
+        def start() -> None:
+            for rank in range(run.dp):
+                extra: dict[str, object] = dict(until_file=run.until_file)
+                if rank == victim:
+                    extra["leak_identity"] = True
+                run.start_worker(run.spec(f"rank{rank}", "rank", rank, **extra))
+            run.release([f"rank{r}" for r in range(run.dp)])
+
+        run_on_until_done(run, taker, start)
+
+
+def run_on_until_done(run: ScenarioRun, culprit: Process, start: Callable[[], None]) -> None:
+    """Start the group (`start`), which rounds on past its end until `culprit` has exited, then
+    10 rounds more (the end seq written into `until_file`): the culprit acts while the group
+    runs, and the group is seen going on."""
+    start()
+    run.wait_until(lambda: culprit.popen.poll() is not None, f"{culprit.name} to finish")
+    ranks = [p for name, p in run.processes.items() if name.startswith("rank")]
+    for p in ranks:
+        p.poll_log()
+    seq = max((r.seq for p in ranks for r in p.records if isinstance(r, Begin)), default=0)
+    end = max(run.end_seq, seq + 10)  # one end for all: a rank that stops early fails the rest
+    with open(run.until_file + ".tmp", "w") as f:
+        f.write(str(end))
+    os.replace(run.until_file + ".tmp", run.until_file)
+    run.event(Note(t=time.monotonic(), what="released", detail=f"until seq {end}"))
+
+
 _MISMATCH = Expect(failure=True, errors=["StepMismatch"])
 
 SCENARIOS: dict[Fault, Scenario] = {
@@ -352,6 +480,10 @@ SCENARIOS: dict[Fault, Scenario] = {
             Expect(refusal="ProtocolError", culprit_view="same"),
         ),
         NetworkCut(),
+        InvalidValue(),
+        ClientMisuse(),
+        StrangerNoise(),
+        TakeoverAttempt(),
     ]
 }
 assert set(SCENARIOS) == set(Fault), "one scenario per fault kind"

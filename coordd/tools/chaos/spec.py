@@ -25,6 +25,10 @@ class Fault(str, enum.Enum):
     GARBAGE_FRAMES = "garbage_frames"
     SPOOFED_RANK = "spoofed_rank"
     NETWORK_CUT = "network_cut"
+    INVALID_VALUE = "invalid_value"
+    CLIENT_MISUSE = "client_misuse"
+    STRANGER_NOISE = "stranger_noise"
+    TAKEOVER_ATTEMPT = "takeover_attempt"
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,7 +63,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything one chaos process needs; the runner writes it as JSON for the worker to read."""
 
-    role: str  # rank | raw | joiner | impostor | garbage
+    role: str  # rank | raw | joiner | impostor | garbage | stranger | taker
     name: str
     address: str
     dp_size: int
@@ -80,12 +84,29 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: moment), so its report opens coordd's round; else it reports last.
     rogue_first: bool = False
     straggle_seqs: list[int] = []
+    #: Rounds this rank reports a moment late (another rank's misuse lands while they are open)
+    hold_seqs: list[int] = []
+    #: Run on past `end_seq` until the runner writes this file (the culprit outside the group
+    #: is done), then up to the seq in it: the group is seen going on after the culprit.
+    until_file: str = ""
     straggle_delay: float = 0.0
     #: joiner: the bad Hello field and value (dp_size, config_fingerprint, protocol_version)
     hello_field: str = ""
     hello_value: str = ""
-    #: garbage: how many bad frames to send
+    #: garbage: how many bad frames to send; stranger: how many messages in its fast burst
     frames: int = 0
+    #: invalid_value: the report field set out of range in round `fault_seq`, and its value
+    bad_field: str = ""
+    bad_value: int = 0
+    #: client_misuse: the rounds of a second wait(), of a start() while the round is open,
+    #: and of a close() from another thread during wait() (the last, the one detected), and
+    #: how long after its start() the close comes
+    misuse_seqs: dict[str, int] = {}
+    close_delay: float = 0.0
+    #: takeover_attempt: the victim writes its connection's routing id into its log (the
+    #: worst case: it leaked), and the taker reads it there
+    leak_identity: bool = False
+    victim_log: str = ""
     #: Start only once the process logging to `trigger_log` has begun round `trigger_seq`
     #: (the process is already up then, so the fault lands while the group is running).
     trigger_log: str = ""

@@ -8,19 +8,34 @@ A rank runs rounds until the group's seq reaches `end_seq`, logging every sync (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
+import zmq
 
 from coordd.client.config import ClientConfig
+from coordd.client.session import RoundStillOpen
 from coordd.client.sync import CoordClient
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
-from coordd.proto.messages import StepDecision, StepKind, StepReport, Welcome
+from coordd.proto.messages import (
+    Goodbye,
+    Heartbeat,
+    StepDecision,
+    StepFailed,
+    StepKind,
+    StepReport,
+    Welcome,
+    decode_from_coordinator,
+    encode,
+    error_from_failure,
+)
 from coordd.testing.history import (
     Begin,
     Done,
@@ -33,10 +48,11 @@ from coordd.testing.history import (
     decision_dict,
     error_info,
     report_dict,
+    tail_records,
     wait_for_round,
 )
 from coordd.testing.rawrank import RawRank
-from coordd.testing.rogue import RoguePeer
+from coordd.testing.rogue import APP_LEVEL, RoguePeer
 from coordd.tools.chaos.spec import Fault, WorkerSpec
 from coordd.tools.chaos.workload import kind_for, other_report, report_for
 
@@ -73,7 +89,11 @@ class ClientDriver:
     """The real client, used as an engine uses it: `start` now, `wait` later."""
 
     def __init__(self, spec: WorkerSpec, **overrides: Any) -> None:
-        self.client = CoordClient(config=client_config(spec, **overrides))
+        self.config = client_config(spec, **overrides)
+        self.client = CoordClient(config=self.config)
+        #: close() was called (client_misuse): the next registration takes a new client, as
+        #: an engine that closed its client makes a new one
+        self.closed = False
 
     @property
     def epoch(self) -> int | None:
@@ -84,6 +104,10 @@ class ClientDriver:
         return self.client.session.next_seq
 
     def register(self, timeout: float) -> Welcome:
+        if self.closed:
+            self.client.close()
+            self.client = CoordClient(config=self.config)
+            self.closed = False
         return self.client.connect(timeout=timeout)
 
     def stamped(self, report: StepReport, kind: StepKind) -> StepReport:
@@ -108,6 +132,8 @@ class Worker:
         self.log = log
         self.rng = random.Random(f"work:{spec.seed}:{spec.dp_rank}:{spec.name}")
         self.injected = False
+        self.misused: set[str] = set()
+        self.until_end: int | None = None
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -127,6 +153,9 @@ class Worker:
                 time.sleep(0.05)
                 continue
             self.log.write(Registered(t=now(), epoch=welcome.epoch, next_seq=welcome.next_seq))
+            if spec.leak_identity and isinstance(driver, ClientDriver):
+                identity = driver.client.session.identity.hex()
+                self.log.write(Note(t=now(), what="identity", detail=identity))
             return True
         return False
 
@@ -140,7 +169,7 @@ class Worker:
         wait_for_go(spec)
         while True:
             seq = driver.next_seq
-            if seq >= spec.end_seq:
+            if seq >= self._end_seq():
                 self.log.write(Done(t=now(), next_seq=seq))
                 return 0
             if now() >= spec.deadline:
@@ -148,8 +177,11 @@ class Worker:
                 return 0
             epoch = driver.epoch or 0
             try:
+                misuse = self._misuse_due(seq)
                 if isinstance(driver, RawRank) and self._fault_due(seq):
                     self._misbehave(driver, seq)
+                elif isinstance(driver, ClientDriver) and misuse:
+                    self._misuse(driver, seq, misuse)
                 else:
                     self._round(driver, seq)
             except CoordError as error:
@@ -162,12 +194,32 @@ class Worker:
                     self.log.write(Done(t=now(), next_seq=driver.next_seq, reason="failed"))
                     return 0
 
+    def _end_seq(self) -> int:
+        """`end_seq`, or with `until_file`: the end seq the runner writes there (none yet: on)."""
+        spec = self.spec
+        if not spec.until_file:
+            return spec.end_seq
+        if self.until_end is None:
+            try:
+                with open(spec.until_file) as f:
+                    self.until_end = int(f.read())
+            except FileNotFoundError:
+                return 2**62
+        return self.until_end
+
     def _round(self, driver: ClientDriver | RawRank, seq: int) -> None:
         spec = self.spec
         kind = kind_for(spec.seed, seq)
         report = report_for(spec.seed, spec.dp_rank, seq)
-        if spec.rogue_first and seq == spec.fault_seq:
+        if (spec.rogue_first and seq == spec.fault_seq) or seq in spec.hold_seqs:
             time.sleep(min(0.1, spec.step_timeout / 10))  # the rogue's report opens the round
+        if spec.bad_field and seq >= spec.fault_seq >= 0 and not self.injected:
+            # invalid_value: a value the wire carries and the policy refuses, sent through the
+            # real client (which refuses before sending only what the wire cannot carry)
+            report = msgspec.structs.replace(report, **{spec.bad_field: spec.bad_value})
+            self.injected = True
+            detail = f"{spec.bad_field}={spec.bad_value}"
+            self.log.write(Inject(t=now(), fault=spec.fault, rank=spec.dp_rank, detail=detail))
         if seq in spec.straggle_seqs:
             if not self.injected:
                 self.injected = True
@@ -201,6 +253,85 @@ class Worker:
 
     def _end(self, epoch: int, seq: int, decision: StepDecision) -> None:
         self.log.write(End(t=now(), epoch=epoch, seq=seq, decision=decision_dict(decision)))
+
+    # -- a user's misuse of the real client (client_misuse) ------------------------------------
+
+    def _misuse_due(self, seq: int) -> str:
+        for what, at in sorted(self.spec.misuse_seqs.items(), key=lambda item: item[1]):
+            if what not in self.misused and seq >= at:
+                return what
+        return ""
+
+    def _violation(self, detail: str) -> None:
+        self.log.write(Note(t=now(), what="violation", detail=detail))
+
+    def _misuse(self, driver: ClientDriver, seq: int, what: str) -> None:
+        """One round with a misuse in it; the client must keep its rules (checked here, logged
+        as a "violation" note where broken) and the group its rounds:
+        - second_wait: wait() again on the answered round returns the same decision at once;
+        - start_twice: start() while the round is open raises RoundStillOpen, takes no seq;
+        - close: close() from another thread during wait() ends the wait with a typed error
+          (the injected fault: the group sees the rank leave)."""
+        spec = self.spec
+        self.misused.add(what)
+        kind = kind_for(spec.seed, seq)
+        report = report_for(spec.seed, spec.dp_rank, seq)
+        epoch = driver.epoch or 0
+        client = driver.client
+        timer: threading.Timer | None = None
+        if what == "close":
+            detail = f"close() from another thread {spec.close_delay * 1000:.0f} ms into wait()"
+            self.log.write(Inject(t=now(), fault=spec.fault, rank=spec.dp_rank, detail=detail))
+        self._begin(epoch, seq, kind, [driver.stamped(report, kind)])
+        pending = client.start(report, kind)
+        if what == "start_twice" and pending.done():
+            # answered already (an answered round does not hold the next start): try again
+            # next round, while one is open
+            self.misused.discard(what)
+        elif what == "start_twice":
+            before = driver.next_seq
+            nxt = seq + 1
+            try:
+                client.start(report_for(spec.seed, spec.dp_rank, nxt), kind_for(spec.seed, nxt))
+            except RoundStillOpen as error:
+                self.log.write(Note(t=now(), what="misuse", detail=f"start() twice: {error}"))
+            except Exception as error:  # the rule says RoundStillOpen, nothing else
+                self._violation(f"start() while round {seq} was open raised {error!r}")
+            else:
+                self._violation(f"a second start() while round {seq} was open went through")
+            if driver.next_seq != before:
+                self._violation(f"the refused start() took a seq ({before} -> {driver.next_seq})")
+        elif what == "close":
+            driver.closed = True
+            timer = threading.Timer(spec.close_delay, client.close)
+            timer.start()
+        self._work()
+        try:
+            decision = pending.wait(spec.wait_timeout)
+        except CoordError:
+            if timer is not None:
+                timer.join(5.0)
+            raise
+        self._end(epoch, seq, decision)
+        if what == "second_wait":
+            began = now()
+            try:
+                again = pending.wait(1.0)
+            except CoordError as error:
+                self._violation(f"the second wait() of round {seq} raised {error!r}")
+                return
+            took = now() - began
+            if again != decision:
+                self._violation(f"the second wait() of round {seq} gave {again}, not {decision}")
+            elif took > 0.5:
+                self._violation(f"the second wait() of round {seq} blocked {took:.2f}s")
+            else:
+                note = f"second wait(): the same decision in {took * 1000:.1f} ms"
+                self.log.write(Note(t=now(), what="misuse", detail=note))
+        elif timer is not None:
+            timer.join(5.0)
+            note = "the decision came before the close"
+            self.log.write(Note(t=now(), what="misuse", detail=note))
 
     # -- the injected misbehaviour --------------------------------------------------------------
 
@@ -345,6 +476,213 @@ def run_rogue(spec: WorkerSpec, log: HistoryWriter) -> int:
     return 0
 
 
+def _live_round(path: str, offset: int, last: tuple[int, int]) -> tuple[int, tuple[int, int]]:
+    """The (epoch, seq) a rank's log shows it in last, read on from `offset`."""
+    records, offset = tail_records(path, offset)
+    for r in records:
+        if isinstance(r, Begin):
+            last = (r.epoch, r.seq)
+    return offset, last
+
+
+def _answers(sock: zmq.Socket, timeout: float = 0.0) -> list[object]:
+    """Whatever coordd sent `sock` (undecodable frames left out), waiting up to `timeout`."""
+    out: list[object] = []
+    while sock.poll(int(timeout * 1000), zmq.POLLIN):
+        with contextlib.suppress(CoordError, zmq.Again):
+            out.append(decode_from_coordinator(sock.recv(zmq.NOBLOCK)))
+        timeout = 0.0
+    return out
+
+
+def run_stranger(spec: WorkerSpec, log: HistoryWriter) -> int:
+    """stranger_noise's culprit: a peer that never registers sends forged reports for the live
+    rounds (right epoch and seq, any rank's id, other values) amid garbage frames, then checks
+    coordd still answers (the rogue's probe), then bursts forged reports as fast as it can on
+    a second connection (coordd may cut it off). The group's rounds must not notice."""
+    rng = random.Random(f"stranger:{spec.seed}")
+    with RoguePeer(
+        spec.address,
+        spec.dp_size,
+        seed=spec.seed,
+        heartbeat_interval=spec.heartbeat_interval,
+        heartbeat_timeout=spec.heartbeat_timeout,
+    ) as rogue:
+        if not rogue.connected(timeout=5.0):
+            log.write(Note(t=now(), what="stranger could not connect"))
+            return 0
+        wait_for_round(spec.trigger_log, spec.trigger_seq, spec.deadline)
+        log.write(Inject(t=now(), fault=spec.fault, detail="forged reports amid garbage"))
+        offset, live = _live_round(spec.trigger_log, 0, (0, 0))
+        forged = answered = 0
+        refused: set[str] = set()
+
+        def collect(timeout: float = 0.0) -> None:
+            nonlocal answered
+            for answer in _answers(rogue.sock, timeout):
+                if isinstance(answer, StepFailed):
+                    answered += 1
+                    error = error_from_failure(answer)
+                    if type(error).__name__ not in refused:
+                        refused.add(type(error).__name__)
+                        info = error_info(error)
+                        log.write(Refused(t=now(), error=info, what="forged report"))
+                elif not isinstance(answer, Heartbeat):
+                    log.write(Note(t=now(), what="violation", detail=f"a stranger got {answer}"))
+
+        for i in range(60):
+            offset, live = _live_round(spec.trigger_log, offset, live)
+            if i % 2 == 0:
+                epoch, seq = live[0], live[1] + rng.choice([0, 0, 1])
+                report = report_for(spec.seed, 99, seq, salt=f"forged{i}")
+                rogue.sock.send(
+                    encode(
+                        msgspec.structs.replace(
+                            report,
+                            num_tokens=report.num_tokens + 7919,
+                            num_tokens_padded=report.num_tokens_padded + 7919,
+                            dp_rank=rng.randrange(spec.dp_size),
+                            epoch=epoch,
+                            seq=seq,
+                            kind=kind_for(spec.seed, seq),
+                        )
+                    ),
+                    zmq.NOBLOCK,
+                )
+                forged += 1
+            elif i % 6 == 1:
+                rogue.sock.send(encode(Goodbye(text="forged")), zmq.NOBLOCK)
+            else:
+                rogue.send(rng.choice(APP_LEVEL))
+            collect()
+            time.sleep(rng.uniform(0.001, 0.004))
+        collect(0.3)
+        log.write(Note(t=now(), what="sent", detail="forged", count=forged))
+        log.write(Note(t=now(), what="answered", detail="forged", count=answered))
+        for category, count in sorted(rogue.sent.items()):
+            log.write(Note(t=now(), what="sent", detail=category, count=count))
+        rogue.probe(log, spec.wait_timeout, spec.fingerprint)
+        burst = _burst(spec, live)
+        log.write(Note(t=now(), what="burst", detail="forged reports, one connection", count=burst))
+    return 0
+
+
+def _burst(spec: WorkerSpec, live: tuple[int, int]) -> int:
+    """`spec.frames` forged reports as fast as a fresh DEALER takes them (a fast stranger)."""
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, spec.frames + 10)
+    sock.connect(spec.address)
+    sent = 0
+    try:
+        if not sock.poll(2000, zmq.POLLOUT):
+            return 0
+        frame = encode(
+            StepReport(num_tokens=1, num_tokens_padded=1, dp_rank=0, epoch=live[0], seq=live[1])
+        )
+        for _ in range(spec.frames):
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            sent += 1
+        time.sleep(0.05)
+    finally:
+        sock.close()
+    return sent
+
+
+def run_taker(spec: WorkerSpec, log: HistoryWriter) -> int:
+    """takeover_attempt's culprit: speaks for a live rank (`dp_rank`, the victim) without
+    holding it: over a new connection presenting the victim's routing id (leaked: the victim
+    logs it), it sends forged reports, a heartbeat and a Goodbye, and must receive nothing;
+    then a Hello for the rank (refused rank_taken) and a report claiming it from a connection
+    that never registered (refused). The victim's rounds must not notice."""
+    victim = spec.dp_rank
+    wait_for_round(spec.victim_log, spec.trigger_seq, spec.deadline)
+    identity = ""
+    for r in tail_records(spec.victim_log, 0)[0]:
+        if isinstance(r, Note) and r.what == "identity":
+            identity = r.detail
+    _, live = _live_round(spec.victim_log, 0, (0, 0))
+    if not identity:
+        log.write(Note(t=now(), what="no identity in the victim's log"))
+        return 0
+    log.write(Inject(t=now(), fault=spec.fault, rank=victim, detail="the victim's routing id"))
+    ctx: zmq.Context = zmq.Context.instance()
+    sock: zmq.Socket = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, bytes.fromhex(identity))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(spec.address)
+    sent = 0
+    got: list[object] = []
+    try:
+        sock.poll(1000, zmq.POLLOUT)
+        epoch, seq = live
+        for i in range(6):
+            forged = other_report(report_for(spec.seed, victim, seq + 1 + i % 2))
+            frames = [
+                msgspec.structs.replace(
+                    forged,
+                    num_tokens=forged.num_tokens + 4999,
+                    num_tokens_padded=forged.num_tokens_padded + 4999,
+                    dp_rank=victim,
+                    epoch=epoch,
+                    seq=seq + 1 + i % 2,
+                    kind=kind_for(spec.seed, seq + 1 + i % 2),
+                ),
+                Heartbeat(nonce=i),
+            ]
+            if i == 5:
+                frames.append(Goodbye(text="forged"))
+            for message in frames:
+                try:
+                    sock.send(encode(message), zmq.NOBLOCK)
+                    sent += 1
+                except zmq.Again:
+                    pass
+            got += _answers(sock, 0.05)
+        got += _answers(sock, 0.3)
+    finally:
+        sock.close()
+    for answer in got:
+        log.write(Note(t=now(), what="violation", detail=f"the victim's id received {answer}"))
+    log.write(Note(t=now(), what="id taken: nothing received", count=sent))
+    # a Hello for the held rank, as a real client would say it
+    rank = RawRank(config=client_config(spec))
+    try:
+        welcome = rank.register(min(5.0, spec.wait_timeout))
+    except CoordError as error:
+        log.write(Refused(t=now(), error=error_info(error), what="hello"))
+    else:
+        log.write(Registered(t=now(), epoch=welcome.epoch, next_seq=welcome.next_seq))
+    finally:
+        rank.close()
+    # a report claiming the held rank from a connection that never registered
+    _, live = _live_round(spec.victim_log, 0, live)
+    claim = ctx.socket(zmq.DEALER)
+    claim.setsockopt(zmq.LINGER, 0)
+    claim.connect(spec.address)
+    try:
+        claim.poll(1000, zmq.POLLOUT)
+        report = StepReport(
+            num_tokens=1, num_tokens_padded=1, dp_rank=victim, epoch=live[0], seq=live[1] + 1
+        )
+        claim.send(encode(report), zmq.NOBLOCK)
+        for answer in _answers(claim, spec.wait_timeout):
+            if isinstance(answer, StepFailed):
+                info = error_info(error_from_failure(answer))
+                log.write(Refused(t=now(), error=info, what="claimed report"))
+            else:
+                detail = f"a report claiming rank {victim} got {answer}"
+                log.write(Note(t=now(), what="violation", detail=detail))
+            break
+    finally:
+        claim.close()
+    log.write(Done(t=now(), next_seq=0, reason="taker"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     with open(args[0], "rb") as f:
@@ -356,6 +694,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_impostor(spec, log)
     if spec.role == "garbage":
         return run_rogue(spec, log)
+    if spec.role == "stranger":
+        return run_stranger(spec, log)
+    if spec.role == "taker":
+        return run_taker(spec, log)
     worker = Worker(spec, log)
     driver: ClientDriver | RawRank
     driver = RawRank(config=client_config(spec)) if spec.role == "raw" else ClientDriver(spec)
