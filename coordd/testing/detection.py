@@ -184,6 +184,8 @@ def _stranger_refused(
     sent = sum(n.count for n in notes if n.what == "sent" and n.detail == "forged")
     answered = sum(n.count for n in notes if n.what == "answered" and n.detail == "forged")
     found.notes.append(f"stranger: {sent} forged reports, {answered} answered with an error")
+    if "flooding peer cut off" in coordd_log:
+        found.notes.append("coordd cut the stranger's burst off")
     return ok and not wrong
 
 
