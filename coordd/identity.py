@@ -21,14 +21,53 @@ The binding, over ipc and tcp (+CURVE) alike:
 What is left: after rank r's connection closes, and before coordd has read the monitor's
 report of it (one loop turn), a new connection that presents r's routing id *and* got the same
 descriptor number would pass; it would have to know a 128-bit id that only the rank and coordd
-hold. (libzmq's own routing ids are no alternative: they are a counter from a fixed start, and a
-peer that picks `\\x00` + the next value makes libzmq abort when an id-less peer connects.)
+hold.
+
+**libzmq's own routing ids** (`new_router`). A peer that presents no routing id gets `\\x00` + a
+32-bit counter from libzmq, and libzmq asserts (aborting coordd: `Assertion failed: ok
+(src/socket_base.cpp:2113)`) if that name is already held by a peer that chose it. The counter
+starts at `generate_random()`, two calls of the C library's `rand()`, and the libzmq that pyzmq
+bundles (4.3.5) never seeds `rand()`: every process started at 0x6B8B4567, so two connections (one
+claiming `\\x00\\x6b\\x8b\\x45\\x67`, then one with no id) killed coordd. coordd now seeds
+`rand()` from the OS just before it creates its ROUTER, and checks at start (an id-less peer over
+inproc) that libzmq's first automatic id is the one that seed gives; if not (another libzmq
+build), it says so in a warning. coordd cannot refuse such peers earlier: libzmq settles a
+connection's routing id when it attaches the connection, before coordd reads anything from it,
+a peer that only holds an id never sends, and neither ZAP nor the monitor sees routing ids
+(ROUTER_NOTIFY is a draft API, absent from the bundled build). What remains: a peer holding C
+ids of the form `\\x00`+4 bytes (C is bounded by the connection cap) hits the counter, which moves
+by one per id-less connection, with probability (C + n) / 2**32 after n id-less connections.
+
+**Duplicate routing ids.** With ROUTER_HANDOVER off, a second connection that presents a live
+routing id (a peer's own id twice, or a leaked one) is kept by libzmq as an "anonymous pipe" that
+coordd never reads; what it sends is queued there, unbounded (RCVHWM 0, see `coordd.server`),
+until the connection closes. The two libzmq settings that would avoid it abort coordd instead
+(libzmq 4.3.5; the first measured against coordd with handover turned on, by
+tests/integration/test_routing_ids.py, the second on a bare ROUTER):
+
+- ROUTER_HANDOVER on: the newcomer takes the id, and the old connection's pipe is dropped while
+  its engine lives on. If the old connection then sends a message, its engine stops reading; if
+  its peer then hangs up, the engine is marked `_io_error`, and coordd's next heartbeat PING
+  aborts in `stream_engine_base.cpp:310` (any peer can do this with its own id: the third try
+  aborted). Without coordd-side heartbeats the same engine is never freed: one descriptor leaked
+  per try (20 tries, +20 descriptors).
+- A finite RCVHWM: a flooding peer fills its pipe, its engine stops reading, it hangs up, and when
+  coordd drains the pipe the engine decodes a PING the peer had sent and aborts the same way; the
+  PINGs come from the peer (its HEARTBEAT_IVL), so no coordd-side setting avoids it (30 peers x 2
+  floods with client heartbeats: abort; the same without client heartbeats: no abort).
+
+So coordd keeps handover off and RCVHWM 0, and an anonymous pipe is bounded only by closing its
+connection (coordd cannot read it, and never learns its routing id): the connection cap closes
+the oldest connections that hold no rank (`coordd.limits`), and a guard on coordd's memory is
+the other lever.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
+import os
 import secrets
 import time
 from collections import Counter
@@ -101,3 +140,69 @@ def frame_address(frame: object) -> str:
         return str(frame.get("Peer-Address"))  # type: ignore[attr-defined]
     except (zmq.ZMQError, KeyError, TypeError, ValueError):  # the transport set none
         return ""
+
+
+#: How long the start-up check waits for its own id-less peer over inproc.
+_CHECK_TIMEOUT_MS = 2000
+
+
+def _c_library() -> ctypes.CDLL | None:
+    """The process's C library (the `rand()` libzmq calls), or None where it cannot be had."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.srand.argtypes = [ctypes.c_uint]
+        libc.rand.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _seed_rand(libc: ctypes.CDLL) -> int:
+    """Seed `rand()` from the OS; returns the counter libzmq's `generate_random()` (two `rand()`
+    calls: the first, OR the second shifted left by 31) will draw from it next."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    libc.srand(seed)
+    low, high = libc.rand(), libc.rand()
+    libc.srand(seed)
+    return (low | (high << 31)) & 0xFFFFFFFF
+
+
+def _first_automatic_id(context: zmq.Context, sock: zmq.Socket) -> bytes | None:
+    """The routing id libzmq gives an id-less peer of `sock` (one over inproc), or None."""
+    endpoint = f"inproc://coordd-routing-id-check-{secrets.token_hex(8)}"
+    sock.bind(endpoint)
+    probe = context.socket(zmq.DEALER)
+    try:
+        probe.setsockopt(zmq.LINGER, 0)
+        probe.connect(endpoint)
+        probe.send(b"")
+        if not sock.poll(_CHECK_TIMEOUT_MS):
+            return None
+        return bytes(sock.recv_multipart()[0])
+    finally:
+        probe.close(linger=0)
+        sock.unbind(endpoint)
+
+
+def new_router(context: zmq.Context) -> zmq.Socket:
+    """coordd's ROUTER, with libzmq's automatic routing ids started from a secret value.
+
+    libzmq names an id-less peer `\\x00` + a 32-bit counter and aborts if a peer already chose
+    that name; the bundled libzmq starts the counter from an unseeded `rand()`, the same value
+    in every process. So `rand()` is seeded from the OS just before the socket is made, and one
+    id-less peer over inproc checks that libzmq drew from that seed (a warning if not: another
+    libzmq build, whose counter coordd cannot vouch for). The value is never shown."""
+    libc = _c_library()
+    expected = _seed_rand(libc) if libc is not None else None
+    sock = context.socket(zmq.ROUTER)
+    try:
+        got = _first_automatic_id(context, sock)
+    except zmq.ZMQError:
+        got = None
+    if expected is None or got != b"\x00" + expected.to_bytes(4, "big"):
+        log.warning(
+            "libzmq's automatic routing ids do not start from coordd's seed (%s): a peer that "
+            "predicts the next one can make libzmq abort coordd (see coordd.identity)",
+            "no C library rand()" if expected is None else "this libzmq draws them otherwise",
+        )
+    return sock

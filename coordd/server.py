@@ -35,7 +35,7 @@ import zmq
 
 from coordd import limits
 from coordd.cli import DEFAULT_MAX_GROUPS
-from coordd.identity import Takeovers, frame_address, peer_label
+from coordd.identity import Takeovers, frame_address, new_router, peer_label
 from coordd.listen import BindError, IpcSocket, check_bind, explain_bind_failure
 from coordd.logs import Aggregated
 from coordd.metrics import Observer, ServerEvents
@@ -194,12 +194,16 @@ class CoordServer:
         self._context = context or zmq.Context()
         endpoint = check_bind(address)
         self._ipc = prepare_ipc_path(address, ipc_mode)
-        sock = self._context.socket(zmq.ROUTER)
+        # Its automatic routing ids start from a secret (a peer that held the next one could
+        # make libzmq abort coordd; see coordd.identity.new_router).
+        sock = new_router(self._context)
         if endpoint.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         # Off: while a connection holds a routing id, libzmq drops a second connection that
         # presents it (on, the newcomer took the id over, and with it a rank's decisions); a
-        # rank is the connection that registered it (see coordd.identity).
+        # rank is the connection that registered it (see coordd.identity). On, it also lets any
+        # peer abort coordd with its own id twice (libzmq #4841's path, measured in
+        # tests/integration/test_routing_ids.py).
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
@@ -214,7 +218,8 @@ class CoordServer:
         # heartbeat (coordd's PING timer, or a PING still in the read buffer when reading
         # resumes) calls out_event() -> `Assertion failed: !_io_error
         # (src/stream_engine_base.cpp:310)`, aborting coordd (libzmq issue #4841; no release
-        # fixes it). Unbounded, the pipe never fills and that path is never taken; coordd
+        # fixes it; the PING can be the peer's own, so no coordd-side heartbeat setting avoids
+        # it). Unbounded, the pipe never fills and that path is never taken; coordd
         # reads every peer in turn (fair queueing) and drops strangers' frames cheaply.
         sock.setsockopt(zmq.RCVHWM, 0)
         # A connection that never finishes its handshake (a key-less tcp+CURVE client, a
