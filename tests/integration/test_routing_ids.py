@@ -11,11 +11,14 @@ name it presents, and the libzmq settings coordd must keep (see `coordd.identity
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -24,6 +27,7 @@ import zmq
 
 from coordd.client.sync import CoordClient
 from coordd.identity import new_router
+from coordd.proto.errors import CoordinatorUnavailable
 from coordd.proto.messages import Heartbeat, StepReport, encode
 from coordd.testing import CoorddProcess
 from coordd.testing.load import ProcessGauge
@@ -178,3 +182,84 @@ def test_a_routing_id_presented_twice_cannot_abort_coordd_or_leak_descriptors(
             time.sleep(0.1)
         assert gauge.fds() <= before + 2, f"descriptors {before} -> {gauge.fds()}"
     assert serves_a_round(c.address)
+
+
+class HalfOpeningProxy:
+    """A tcp proxy between a client and coordd that can drop the client's side of every
+    connection while coordd's side stays open and silent (a network path that died one way:
+    coordd learns of it only from its heartbeat timeout)."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream[len("tcp://") :].rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.pairs: list[tuple[socket.socket, socket.socket, threading.Event]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                return
+            server.settimeout(None)
+            frozen = threading.Event()
+            self.pairs.append((client, server, frozen))
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b, frozen), daemon=True).start()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket, frozen: threading.Event) -> None:
+        while True:
+            try:
+                data = a.recv(65536)
+                if not data:
+                    return
+                if not frozen.is_set():
+                    b.sendall(data)
+            except OSError:
+                return
+
+    def drop_client_sides(self) -> None:
+        for client, _server, frozen in self.pairs:
+            frozen.set()
+            with contextlib.suppress(OSError):
+                client.shutdown(socket.SHUT_RDWR)
+            client.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        for client, server, _ in self.pairs:
+            client.close()
+            server.close()
+
+
+def test_a_rank_whose_connection_went_half_open_registers_again(
+    start_coordd: Callable[..., CoorddProcess],
+) -> None:
+    """The rank's side of its connection drops while coordd's side stays open; libzmq
+    reconnects it at once, under the same routing id, so coordd's libzmq keeps the new
+    connection as an unread duplicate. When coordd's heartbeat timeout closes the old one, the
+    duplicate from the same place is closed too, the client's reconnect is read, and the rank
+    registers again. Before: every connect() went unanswered for good (8 tries, 40 s)."""
+    c = start_coordd(1, "tcp", "--heartbeat-interval", "0.25", "--heartbeat-timeout", "1")
+    proxy = HalfOpeningProxy(c.address)
+    client = CoordClient(proxy.address, dp_rank=0, dp_size=1, config_fingerprint="fp")
+    try:
+        client.connect(timeout=10)
+        client.coordinate(StepReport(num_tokens=1, num_tokens_padded=1), timeout=10)
+        proxy.drop_client_sides()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.connect(timeout=2)
+                break
+            except CoordinatorUnavailable:
+                assert time.monotonic() < deadline, "the rank could not register again in 20 s"
+        decision = client.coordinate(StepReport(num_tokens=2, num_tokens_padded=2), timeout=10)
+        assert decision.num_tokens_across_dp == [2]
+    finally:
+        client.close()
+        proxy.close()
