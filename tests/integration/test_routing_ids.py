@@ -263,3 +263,35 @@ def test_a_rank_whose_connection_went_half_open_registers_again(
     finally:
         client.close()
         proxy.close()
+
+
+def test_a_duplicate_routing_ids_unread_flood_is_bounded(
+    start_coordd: Callable[..., CoorddProcess], context: zmq.Context
+) -> None:
+    """A peer presents its own live routing id on a second connection and floods it: libzmq
+    queues that connection's messages where coordd never reads them (an anonymous pipe), and
+    only closing the connection bounds it; the memory guard does (it closes connections that
+    hold no rank). A registered rank keeps its rounds. Without the guard: 659 MB in 1.2 s
+    (this test stops the flood at 400 MB)."""
+    pytest.importorskip("coordd.memory")
+    c = start_coordd(1, "ipc", "--max-rss-mb", "80")
+    ident = os.urandom(16)
+    first = dealer(context, c.address, ident)
+    assert echoed(first)
+    second = dealer(context, c.address, ident)
+    payload = b"\xc1" * 65536
+    with CoordClient(c.address, dp_rank=0, dp_size=1, config_fingerprint="fp") as rank:
+        rank.connect(timeout=10)
+        with ProcessGauge(c.pid, interval=0.02) as gauge:
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and gauge.peak_rss_mb < 400 and gauge.alive:
+                try:
+                    second.send(payload, zmq.NOBLOCK)
+                except zmq.Again:
+                    time.sleep(0.001)
+            rounds = rank.coordinate(StepReport(num_tokens=1, num_tokens_padded=1), timeout=10)
+        assert gauge.alive, "coordd died"
+        assert gauge.peak_rss_mb < 150, f"coordd grew to {gauge.peak_rss_mb:.0f} MB"
+        assert rounds.num_tokens_across_dp == [1]
+    first.close(linger=0)
+    second.close(linger=0)
