@@ -271,7 +271,8 @@ class CoordServer:
         self._cut_log = Aggregated(log, "flooding peer cut off", clock=clock)
         self._fd_peer: dict[int, bytes] = {}
         self._peer_fd: dict[bytes, int] = {}
-        #: Where each connection that said a Hello comes from (`connection_origin`), by fd.
+        #: Where open connections come from (`connection_origin`), by fd: each that said a
+        #: Hello, and each looked at by `_close_duplicates` (read once per connection).
         self._origin: dict[int, str | None] = {}
         self._duplicates_log = Aggregated(log, "possible duplicate connections closed", clock=clock)
         #: The group each peer registered with (its reports go there).
@@ -513,8 +514,13 @@ class CoordServer:
         ipc, host over tcp) that coordd never read a Hello from is shut down: its client
         reconnects, and libzmq now admits the routing id."""
         closed = 0
+        known = self._origin
         for fd in list(self.connections.open):
-            if fd not in self._fd_peer and connection_origin(fd) == origin:
+            if fd in self._fd_peer:
+                continue
+            if fd not in known:
+                known[fd] = connection_origin(fd)
+            if known[fd] == origin:
                 closed += limits.shutdown_fd(fd)
         if closed:
             self.stats.duplicates_closed += closed
