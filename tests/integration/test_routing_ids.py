@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
+from coordd import identity
 from coordd.client.sync import CoordClient
 from coordd.identity import new_router
 from coordd.proto.errors import CoordinatorUnavailable
@@ -128,6 +129,22 @@ def test_the_router_draws_automatic_ids_from_a_secret_seed(
         assert name not in {automatic_id(v + k) for v in unseeded_counters() for k in range(8)}
     finally:
         sock.close(linger=0)
+
+
+def test_a_libzmq_that_does_not_draw_from_the_seed_is_named_in_a_warning(
+    context: zmq.Context, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If libzmq's first automatic id is not the one the seed gives (another build), or there is
+    no C library rand() to seed, coordd still starts and says why in a warning."""
+    monkeypatch.setattr(identity, "_seed_rand", lambda libc: 12345)
+    with caplog.at_level(logging.WARNING, logger="coordd"):
+        new_router(context).close(linger=0)
+    monkeypatch.setattr(identity, "_c_library", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="coordd"):
+        new_router(context).close(linger=0)
+    said = [r.getMessage() for r in caplog.records if "automatic routing ids" in r.getMessage()]
+    assert len(said) == 2
+    assert "draws them otherwise" in said[0] and "no C library rand()" in said[1]
 
 
 def test_the_seed_is_the_c_librarys_rand_as_libzmq_uses_it() -> None:
