@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import resource
 import socket
+import stat
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 log = logging.getLogger("coordd")
@@ -81,6 +83,12 @@ class ConnectionGuard:
     ACCEPTED and DISCONNECTED events; over `cap`, the oldest that holds no registered rank is
     shut down.
 
+    Each descriptor is remembered with the identity of the socket it named when its ACCEPTED
+    event was read (`socket_ident`), and a connection is shut down only if its descriptor
+    still names that socket: a descriptor number libzmq reused for a newer connection, whose
+    close event coordd has not read yet, is left alone (the check and the shutdown act on one
+    duplicate of the descriptor, so nothing can slip in between).
+
     `registered()` gives the descriptors of registered ranks (never evicted); `shutdown` is
     injectable for tests (default: `shutdown(2)` through a duplicate of the descriptor, so
     coordd never closes libzmq's own)."""
@@ -89,40 +97,52 @@ class ConnectionGuard:
         self,
         cap: int,
         registered: Callable[[], Collection[int]],
-        shutdown: Callable[[int], bool] | None = None,
+        shutdown: Callable[[int, int | None], bool] | None = None,
+        ident: Callable[[int], int | None] | None = None,
     ) -> None:
         self.cap = cap
         self._registered = registered
         self._shutdown = shutdown or shutdown_fd
-        #: open descriptor -> True (insertion order = accept order)
-        self.open: OrderedDict[int, bool] = OrderedDict()
+        self._ident = ident or socket_ident
+        #: open descriptor -> its socket's identity (insertion order = accept order)
+        self.open: OrderedDict[int, int | None] = OrderedDict()
         self.evicted = 0
         self.peak = 0
         #: ipc peers' process ids cut off for flooding -> until when (monotonic seconds)
         self.banned: dict[int, float] = {}
         self.refused = 0
+        #: While set (coordd's memory is over its budget), every new connection is shut down
+        #: as soon as its ACCEPTED event is read; counted in `refused_memory`.
+        self.refusing = False
+        self.refused_memory = 0
 
     def accepted(self, fd: int, now: float = 0.0) -> None:
         """A connection was accepted; one from a process cut off for flooding within
         BAN_SECONDS is shut down at once (its reconnects would flood again)."""
+        ident = self._ident(fd)
+        if self.refusing:
+            self.refused_memory += 1
+            self._shutdown(fd, ident)
+            return
         if self.banned:
-            pid = peer_pid(fd)
+            pid = peer_pid(fd, ident)
             until = self.banned.get(pid) if pid is not None else None
             if until is not None and now < until:
                 self.refused += 1
-                self._shutdown(fd)
+                self._shutdown(fd, ident)
                 return
             if until is not None:
                 del self.banned[pid]  # type: ignore[arg-type]
         self.open.pop(fd, None)
-        self.open[fd] = True
+        self.open[fd] = ident
         self.peak = max(self.peak, len(self.open))
 
     def cut(self, fd: int, now: float) -> bool:
         """Shut down a flooding peer's connection and, over ipc, refuse its process's
         connections for BAN_SECONDS. True if it was shut down."""
-        pid = peer_pid(fd)
-        done = self._shutdown(fd)
+        ident = self.open.get(fd)
+        pid = peer_pid(fd, ident)
+        done = self._shutdown(fd, ident)
         if pid is None:
             return done
         if len(self.banned) >= 1024:
@@ -130,10 +150,12 @@ class ConnectionGuard:
         self.banned[pid] = now + BAN_SECONDS
         # and the same process's other connections that hold no rank (one flood, many sockets)
         keep = set(self._registered())
-        for other in [f for f in self.open if f != fd and f not in keep]:
-            if peer_pid(other) == pid:
+        for other, other_ident in [
+            (f, i) for f, i in self.open.items() if f != fd and f not in keep
+        ]:
+            if peer_pid(other, other_ident) == pid:
                 del self.open[other]
-                self._shutdown(other)
+                self._shutdown(other, other_ident)
         return done
 
     def closed(self, fd: int) -> None:
@@ -142,6 +164,11 @@ class ConnectionGuard:
     def over(self) -> int:
         """How many connections beyond the cap."""
         return max(0, len(self.open) - self.cap)
+
+    def strangers(self) -> int:
+        """How many open connections hold no registered rank."""
+        keep = self._registered()
+        return sum(1 for fd in self.open if fd not in keep)
 
     def enforce(self) -> int:
         """Shut down the oldest unregistered connections beyond the cap; how many were.
@@ -154,42 +181,83 @@ class ConnectionGuard:
         keep = set(self._registered())
         victims = [fd for fd in self.open if fd not in keep][:excess]
         for fd in victims:
-            del self.open[fd]
-            if self._shutdown(fd):
+            if self._shutdown(fd, self.open.pop(fd)):
                 self.evicted += 1
         return len(victims)
+
+    def shed(self) -> int:
+        """Shut down every connection that holds no registered rank, newest first (coordd's
+        memory is over its budget); how many were. Call with the monitor drained."""
+        keep = set(self._registered())
+        victims = [fd for fd in reversed(self.open) if fd not in keep]
+        done = 0
+        for fd in victims:
+            done += self._shutdown(fd, self.open.pop(fd))
+        return done
 
 
 #: How long a process cut off for flooding has its new ipc connections refused.
 BAN_SECONDS = 10.0
 
 
-def peer_pid(fd: int) -> int | None:
-    """The process id at the other end of a unix socket (SO_PEERCRED), or None (tcp)."""
+def socket_ident(fd: int) -> int | None:
+    """The identity of the socket `fd` names now (its inode: unique among open sockets, and
+    a reused descriptor number names a new one), or None if `fd` is no socket."""
     try:
-        dup = socket.socket(fileno=socket.dup(fd))
+        st = os.fstat(fd)
     except OSError:
         return None
-    with contextlib.closing(dup):
-        if dup.family != socket.AF_UNIX:
+    return st.st_ino if stat.S_ISSOCK(st.st_mode) else None
+
+
+@contextlib.contextmanager
+def _same_socket(fd: int, ident: int | None) -> Iterator[socket.socket | None]:
+    """A duplicate of `fd` if it still names the socket `ident` (any socket if None), else
+    None; closed on exit (libzmq's own descriptor is never closed)."""
+    try:
+        dup_fd = os.dup(fd)
+    except OSError:
+        yield None
+        return
+    try:
+        if ident is not None and socket_ident(dup_fd) != ident:
+            yield None
+            return
+        try:
+            sock = socket.socket(fileno=dup_fd)
+        except OSError:
+            yield None
+            return
+        dup_fd = -1  # the socket object owns it now
+        with contextlib.closing(sock):
+            yield sock
+    finally:
+        if dup_fd >= 0:
+            os.close(dup_fd)
+
+
+def peer_pid(fd: int, ident: int | None = None) -> int | None:
+    """The process id at the other end of a unix socket (SO_PEERCRED), or None (tcp, or `fd`
+    no longer names the socket `ident`)."""
+    with _same_socket(fd, ident) as sock:
+        if sock is None or sock.family != socket.AF_UNIX:
             return None
         try:
-            creds = dup.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         except OSError:
             return None
     pid, _uid, _gid = struct.unpack("3i", creds)
     return pid if pid > 0 else None
 
 
-def shutdown_fd(fd: int) -> bool:
-    """End the connection on `fd` (libzmq's) without closing libzmq's descriptor."""
-    try:
-        dup = socket.socket(fileno=socket.dup(fd))
-    except OSError:
-        return False
-    with contextlib.closing(dup):
+def shutdown_fd(fd: int, ident: int | None = None) -> bool:
+    """End the connection on `fd` (libzmq's) without closing libzmq's descriptor; with
+    `ident`, only if `fd` still names that socket. True if it was shut down."""
+    with _same_socket(fd, ident) as sock:
+        if sock is None:
+            return False
         try:
-            dup.shutdown(socket.SHUT_RDWR)
+            sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             return False
     return True

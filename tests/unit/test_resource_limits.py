@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 
 from coordd import limits
+
+
+def recorder(shut: list[int]) -> Callable[[int, int | None], bool]:
+    """A shutdown that records the descriptors it was asked to shut down."""
+
+    def shutdown(fd: int, ident: int | None) -> bool:
+        shut.append(fd)
+        return True
+
+    return shutdown
 
 
 def test_raise_nofile_lifts_the_soft_limit_to_the_hard_one() -> None:
@@ -37,7 +49,7 @@ def test_caps_fit_the_descriptor_limit() -> None:
 def test_the_guard_closes_the_oldest_strangers_never_a_rank() -> None:
     shut: list[int] = []
     ranks = {10, 11}
-    guard = limits.ConnectionGuard(4, lambda: ranks, shutdown=lambda fd: shut.append(fd) or True)
+    guard = limits.ConnectionGuard(4, lambda: ranks, shutdown=recorder(shut), ident=lambda fd: fd)
     for fd in (10, 20, 11, 21, 22, 23):
         guard.accepted(fd)
     assert guard.over() == 2
@@ -72,7 +84,7 @@ def test_a_process_cut_off_for_flooding_is_refused_for_a_while() -> None:
     import os
 
     shut: list[int] = []
-    guard = limits.ConnectionGuard(100, set, shutdown=lambda fd: shut.append(fd) or True)
+    guard = limits.ConnectionGuard(100, set, shutdown=recorder(shut))
     a, b = socket.socketpair()
     c, d = socket.socketpair()
     with a, b, c, d:
@@ -83,3 +95,73 @@ def test_a_process_cut_off_for_flooding_is_refused_for_a_while() -> None:
         assert shut == [a.fileno(), c.fileno()] and guard.refused == 1
         guard.accepted(c.fileno(), now=1.0 + limits.BAN_SECONDS + 0.1)  # the ban is over
         assert c.fileno() in guard.open and guard.refused == 1
+
+
+def test_the_memory_guard_sheds_every_stranger_newest_first_never_a_rank() -> None:
+    shut: list[int] = []
+    ranks = {10}
+    guard = limits.ConnectionGuard(100, lambda: ranks, shutdown=recorder(shut), ident=lambda fd: fd)
+    for fd in (20, 10, 21, 22):
+        guard.accepted(fd)
+    assert guard.strangers() == 3
+    assert guard.shed() == 3
+    assert shut == [22, 21, 20] and list(guard.open) == [10]
+    guard.refusing = True  # under memory pressure a new connection is shut at once
+    guard.accepted(23)
+    assert shut[-1] == 23 and 23 not in guard.open and guard.refused_memory == 1
+
+
+def test_socket_ident_names_the_socket_not_the_number() -> None:
+    a, b = socket.socketpair()
+    r, w = os.pipe()
+    try:
+        with a, b:
+            ident = limits.socket_ident(a.fileno())
+            assert ident is not None and ident != limits.socket_ident(b.fileno())
+        assert limits.socket_ident(r) is None  # not a socket
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def still_open(peer: socket.socket) -> bool:
+    """True if `peer`'s other end was not shut down (no end-of-file to read)."""
+    peer.setblocking(False)
+    try:
+        return peer.recv(1) != b""
+    except BlockingIOError:
+        return True
+
+
+def test_a_descriptor_number_reused_by_a_newer_connection_is_not_shut_down() -> None:
+    """coordd read connection A's ACCEPTED, A closed, and libzmq gave A's descriptor number
+    to connection B before coordd read A's close: closing 'A' by number would end B."""
+    a, a_peer = socket.socketpair()
+    b, b_peer = socket.socketpair()
+    with a, a_peer, b, b_peer:
+        number = a.fileno()
+        guard = limits.ConnectionGuard(1, set)
+        guard.accepted(number)  # A, with its socket's identity
+        os.dup2(b.fileno(), number)  # A is gone; its number now names B's socket
+        assert not limits.shutdown_fd(number, guard.open[number])
+        assert limits.peer_pid(number, guard.open[number]) is None
+        assert guard.shed() == 0  # nothing shut: the number is B's now
+        assert still_open(b_peer)  # no end-of-file: B is untouched
+        # the connection the guard did record is shut down through the same path
+        guard.accepted(number)  # B's ACCEPTED, identity B
+        assert guard.shed() == 1
+        assert b_peer.recv(1) == b""
+
+
+def test_the_cap_and_the_flood_cut_off_check_the_identity_too() -> None:
+    a, a_peer = socket.socketpair()
+    b, b_peer = socket.socketpair()
+    with a, a_peer, b, b_peer:
+        number = a.fileno()
+        guard = limits.ConnectionGuard(0, set)
+        guard.accepted(number)
+        os.dup2(b.fileno(), number)
+        assert guard.enforce() == 1 and guard.evicted == 0  # chosen, but not shut: not A
+        guard.accepted(number)
+        assert not guard.cut(number + 10_000, now=0.0)  # no such descriptor
+        assert still_open(b_peer)
