@@ -144,7 +144,8 @@ class AsyncCoordClient(ClientShell):
             self._fail(
                 CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
             )
-        self._drain()
+        # a send can take the descriptor's edge: look (ZMQ_EVENTS), the answer is rarely here yet
+        self.connection.drain(self._on_frame, expect=False)
 
     async def coordinate(
         self,
@@ -159,11 +160,29 @@ class AsyncCoordClient(ClientShell):
         """Await a `start()` future within `timeout` (default the client's); `StepTimeout`
         if no answer came by then (the round stays pending: waiting again may succeed).
         Awaiting an answered future again gives the same outcome at once."""
+        if future.done():
+            return future.result()
         timeout = self.config.wait_timeout if timeout is None else timeout
+        # wait_for(shield(future)) without its extra future and task hops: one waiter, woken
+        # by the round's future or by the timer; the round's future is never cancelled here
+        # (a timeout, or this task's cancellation, leaves the round pending).
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        future.add_done_callback(wake)
+        timer = loop.call_later(timeout, wake)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
-        except asyncio.TimeoutError:
-            raise StepTimeout((), timeout) from None
+            await waiter
+        finally:
+            timer.cancel()
+            future.remove_done_callback(wake)
+        if future.done():
+            return future.result()
+        raise StepTimeout((), timeout)
 
     async def ping(self, timeout: float = 5.0) -> float:
         """Round-trip time to coordd in seconds."""
