@@ -190,6 +190,16 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         help="most HTTP connections held at once; one more is closed at once "
         f"(default {DEFAULT_MAX_HTTP_CONNECTIONS})",
     )
+    from coordd.memory import DEFAULT_MAX_RSS_MB
+
+    p.add_argument(
+        "--max-rss-mb",
+        type=int,
+        default=_env("max_rss_mb", DEFAULT_MAX_RSS_MB, int),
+        help="memory budget: while coordd's resident memory is over this many MB, connections "
+        "that registered no rank are closed and freed memory is given back to the OS "
+        f"(default {DEFAULT_MAX_RSS_MB}; 0: off)",
+    )
 
 
 def fit_limits(args: argparse.Namespace, log: logging.Logger) -> ConnectionCaps:
@@ -279,6 +289,7 @@ def serve(args: argparse.Namespace) -> int:
                 configure_socket=gate.configure if gate else None,
                 max_connections=caps.zmq,
                 ipc_mode=IPC_MODES[args.ipc_mode],
+                max_rss_mb=args.max_rss_mb,
             )
         except BindError as exc:
             raise SystemExit(f"coordd: {exc}") from None

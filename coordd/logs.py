@@ -118,13 +118,11 @@ class Aggregated:
         if not self.suppressed:
             return
         count, self.suppressed = self.suppressed, 0
+        fields = {**self._last, "suppressed": count}
+        last = fields.pop("detail", None)  # a caller's own detail: kept, after the summary's
+        more = f"{count} more like this within {self.interval:g}s (last one's fields shown)"
         event(
-            self.logger,
-            self.level,
-            self.name,
-            **self._last,
-            suppressed=count,
-            detail=f"{count} more like this within {self.interval:g}s (last one's fields shown)",
+            self.logger, self.level, self.name, **fields, detail=f"{more}: {last}" if last else more
         )
 
 

@@ -560,6 +560,19 @@ class CoorddCollector:
         yield _counter(
             "coordd_disconnects", "Registered ranks whose connection closed", s.disconnects
         )
+        if server.memory is not None:
+            yield _counter(
+                "coordd_memory_strangers_closed",
+                "Connections that held no rank closed because coordd's RSS passed --max-rss-mb",
+                server.memory.stats.shed_connections,
+            )
+        if server.gate is not None:
+            yield _counter(
+                "coordd_memory_handshakes_refused",
+                "New connections refused in their handshake while coordd's RSS was over "
+                "--max-rss-mb",
+                server.gate.refused,
+            )
         if server.curve_refused is not None:
             yield _counter(
                 "coordd_curve_refused",

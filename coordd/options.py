@@ -66,6 +66,18 @@ def heartbeats(interval: float, timeout: float, prefix: str = "--heartbeat") -> 
         )
 
 
+def rss_mb(value: int) -> int:
+    """`--max-rss-mb`: 0 (off) or MIN_RSS_MB..MAX_RSS_MB (below MIN_RSS_MB a quiet coordd is
+    already over it, and every connecting rank would be closed)."""
+    from coordd.memory import MAX_RSS_MB, MIN_RSS_MB
+
+    if type(value) is int and (value == 0 or MIN_RSS_MB <= value <= MAX_RSS_MB):
+        return value
+    raise OptionError(
+        f"--max-rss-mb must be 0 (off) or {MIN_RSS_MB}..{MAX_RSS_MB} MB, got {value!r}"
+    )
+
+
 def check_serve(args: argparse.Namespace) -> None:
     """Every range of `coordd serve`'s options (`OptionError` for the first one out)."""
     dp_size("--dp", args.dp)
@@ -77,6 +89,7 @@ def check_serve(args: argparse.Namespace) -> None:
             f"--expect-groups must be in 0..--max-groups ({args.max_groups}), "
             f"got {args.expect_groups}"
         )
+    rss_mb(args.max_rss_mb)
     if args.metrics_port is not None:
         count("--metrics-port", args.metrics_port, low=0, high=65535)
     if not str(args.metrics_host).strip():

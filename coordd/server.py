@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from coordd import limits
+from coordd import limits, memory
 from coordd.cli import DEFAULT_MAX_GROUPS
 from coordd.identity import (
     Takeovers,
@@ -77,6 +77,9 @@ _RCVMORE = int(zmq.RCVMORE)
 _SRCFD = int(zmq.SRCFD)
 _ACCEPTED = int(zmq.EVENT_ACCEPTED)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+#: The socket's send without pyzmq's Python wrapper (`zmq.Socket.send` checks its DRAFT
+#: routing_id/group arguments in Python before it calls this): a round sends 2 * dp frames.
+_send_frame = zmq.backend.Socket.send
 
 #: Most messages handled in one turn of the event loop: then the loop runs its timers (step
 #: timeouts), the HTTP endpoints and the monitor, and the drain goes on at its next turn. One
@@ -170,6 +173,7 @@ class CoordServer:
         configure_socket: Callable[[zmq.Socket], None] | None = None,
         max_connections: int = limits.DEFAULT_MAX_CONNECTIONS,
         ipc_mode: int = 0o600,
+        max_rss_mb: float = 0,
     ) -> None:
         if not 1 <= dp_size <= MAX_DP_SIZE:
             raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
@@ -233,6 +237,10 @@ class CoordServer:
         # A connection that never finishes its handshake (a key-less tcp+CURVE client, a
         # socket that sends nothing) is closed after this, freeing its descriptor.
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(limits.HANDSHAKE_TIMEOUT * 1000))
+        #: Under memory pressure, new connections are refused in their handshake.
+        self.gate = memory.PressureGate.start(self._context) if max_rss_mb else None
+        if self.gate is not None:
+            sock.setsockopt_string(zmq.ZAP_DOMAIN, memory.ZAP_DOMAIN)
         if configure_socket is not None:
             configure_socket(sock)
         try:
@@ -242,6 +250,8 @@ class CoordServer:
                 sock.bind(address)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
+            if self.gate is not None:
+                self.gate.stop()
             if self._ipc is not None:
                 self._ipc.release()
             raise BindError(
@@ -252,6 +262,16 @@ class CoordServer:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
         #: Open connections, capped: over the cap the oldest that holds no rank is closed.
         self.connections = limits.ConnectionGuard(max_connections, self._registered_fds)
+        #: Over `max_rss_mb` (0: off, the default in-process: the host's memory is not
+        #: coordd's; `coordd serve` sets it), connections that hold no rank are closed.
+        self.memory: memory.MemoryWatch | None = None
+        if max_rss_mb:
+            self.memory = memory.MemoryWatch(
+                max_rss_mb,
+                strangers=self.connections.strangers,
+                pressure=self._memory_pressure,
+                clock=clock,
+            )
         #: Answers to strangers, rate-limited.
         self._stranger_answers = limits.TokenBucket(
             STRANGER_ANSWERS_PER_S, STRANGER_ANSWERS_PER_S, clock
@@ -298,6 +318,8 @@ class CoordServer:
             *self.events.aggregated(),
         ):
             aggregated.schedule = self._loop.call_later
+        if self.memory is not None:
+            self.memory.start(self._loop)
         self._drain()
         log.info(
             "coordd serving dp=%d on %s (at most %d groups)",
@@ -312,6 +334,8 @@ class CoordServer:
             self._loop.remove_reader(self._monitor.fileno())
             if self._timer is not None:
                 self._timer.cancel()
+            if self.memory is not None:
+                self.memory.stop()
             for group in self.groups.values():
                 self._send(group.coordinator.shutdown(), group.observer)
             self.close(linger=0.5)
@@ -322,6 +346,8 @@ class CoordServer:
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=int(linger * 1000))
+        if self.gate is not None:
+            self.gate.stop()
         if self._ipc is not None:
             self._ipc.release()  # the socket only if it is still the one we bound
 
@@ -380,8 +406,9 @@ class CoordServer:
         rank lost between rounds) shows only in the failure counter, so the observer is told
         from there; and the group's deadline may have moved (the timer follows the earliest)."""
         touched = self._touched
-        moved = False
+        earlier = False
         if touched:
+            timer_at = self._timer_at
             for group in touched:
                 coordinator = group.coordinator
                 if coordinator.failures != group.observer.failures_seen:
@@ -389,17 +416,20 @@ class CoordServer:
                 deadline = coordinator.next_deadline()
                 if deadline != group.deadline:
                     group.deadline = deadline
-                    moved = True
                     if deadline is None:
                         self._open.pop(group, None)
                     else:
                         self._open[group] = deadline
+                        if timer_at is None or deadline < timer_at:
+                            earlier = True
             touched.clear()
-        if moved or (self._timer_at is None and self._open):
+        if earlier or (self._timer_at is None and self._open):
             self._schedule_deadline()
 
     def _drain_frames(self) -> bool:
         """Handle up to DRAIN_BUDGET queued messages; True if some may be left."""
+        if self.connections.refusing:
+            self._drain_monitor()  # memory pressure: new connections are shut at once
         if self._dropping and not self._drop_parts():
             return True
         now = self.clock()
@@ -496,6 +526,24 @@ class CoordServer:
                     detail="the oldest connections that registered no rank were closed",
                 )
 
+    def _memory_pressure(self, on: bool) -> int:
+        """Over the memory budget (coordd.memory): refuse new connections and close every
+        one that holds no rank, once the monitor is drained (its ACCEPTED events refused at
+        once; no descriptor left in the guard is a closed connection's). How many were
+        closed (0 with events still queued: the next check tries again)."""
+        self.connections.refusing = on
+        if self.gate is not None:
+            self.gate.refusing = on
+        if not on:
+            return 0
+        for _ in range(8):
+            if not self._drain_monitor():
+                break
+        self._drained()
+        if int(self._monitor.getsockopt(_EVENTS)) & _POLLIN:
+            return 0
+        return self.connections.shed()
+
     def _track_connection(self, peer: bytes, fd: int) -> None:
         old = self._peer_fd.get(peer)
         if old is not None and old != fd:
@@ -577,8 +625,8 @@ class CoordServer:
             payload = encode(message)
             for peer in peers:
                 try:
-                    sock.send(peer, _SNDMORE_NOBLOCK)
-                    sock.send(payload, _NOBLOCK)
+                    _send_frame(sock, peer, _SNDMORE_NOBLOCK)
+                    _send_frame(sock, payload, _NOBLOCK)
                 except zmq.ZMQError as exc:
                     log.debug("dropped a frame to %s: %s", peer_label(peer), exc)
                     continue
@@ -839,16 +887,20 @@ class CoordServer:
     # -- the one timer ----------------------------------------------------------------------
 
     def _schedule_deadline(self) -> None:
-        deadline = min(self._open.values()) if self._open else None
+        """Arm the one timer for the earliest open deadline, lazily: a round that ends leaves
+        it armed (it fires, finds nothing due and is armed again for what is open then) and a
+        later deadline never moves it, so a round costs no timer call (cancelling and arming
+        it again at each round's start and end cost two; about 4 us a round at dp=8)."""
+        if not self._open or self._loop is None:
+            return
+        deadline = min(self._open.values())
         if deadline == self._timer_at:
             return
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
         self._timer_at = deadline
-        if deadline is not None and self._loop is not None:
-            delay = max(0.0, deadline - self.clock())
-            self._timer = self._loop.call_later(delay, self._on_timer)
+        delay = max(0.0, deadline - self.clock())
+        self._timer = self._loop.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None

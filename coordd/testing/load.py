@@ -53,26 +53,41 @@ def _dealer(context: zmq.Context, address: str, *, ping_ms: int = 100) -> zmq.So
 def garbage(address: str, peers: int = 50, messages: int = 20_000, repeat: int = 1) -> int:
     """`peers` DEALERs (pinging every 100 ms) each queue `messages` bad frames as fast as they
     can, then all disconnect at once; `repeat` times. The libzmq 4.3.5 abort
-    (`!_io_error`, stream_engine_base.cpp:310) came from exactly this. Returns frames sent."""
-    context = zmq.Context()
+    (`!_io_error`, stream_engine_base.cpp:310) came from exactly this. A peer coordd refused
+    in its handshake has nowhere to queue and stops. Returns frames queued."""
     rng = random.Random(11)
     frames = [bad_frame(rng, rng.choice(APP_LEVEL), 4) for _ in range(64)]
     sent = 0
-    try:
-        for _ in range(repeat):
-            socks = [_dealer(context, address) for _ in range(peers)]
+    for _ in range(repeat):
+        context = zmq.Context()
+        socks = [_dealer(context, address) for _ in range(peers)]
+        try:
+            live = list(socks)
             for i in range(messages):
                 message = frames[i % len(frames)]
-                for sock in socks:
-                    sock.send_multipart(message, zmq.NOBLOCK)
-                sent += peers
+                for sock in live:
+                    try:
+                        sock.send_multipart(message, zmq.NOBLOCK)
+                    except zmq.Again:  # refused in its handshake: no connection to queue on
+                        live.remove(sock)
+                        continue
+                    sent += 1
+                if not live:
+                    break
             time.sleep(0.05)
+        finally:
             for sock in socks:
                 sock.close(linger=0)
-            time.sleep(0.2)
-    finally:
-        context.term()
+            _term_soon(context)
+        time.sleep(0.2)
     return sent
+
+
+def _term_soon(context: zmq.Context) -> None:
+    """End `context` without waiting on it: libzmq 4.3.5's zmq_ctx_term can hang for good
+    after coordd refused the context's connections in their handshake (its memory gate),
+    even with every socket closed at linger 0; the load's process exits regardless."""
+    threading.Thread(target=context.term, daemon=True).start()
 
 
 def fast(address: str, seconds: float = 5.0) -> int:
@@ -332,10 +347,18 @@ MEASURED: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def measure(dp: int = 4, quiet_rounds: int = 300, limit: float = 60.0) -> int:
-    """For each load of MEASURED, against a fresh coordd (ipc, metrics on): honest-round p50
-    at `dp` quiet and during the load, coordd's peak RSS and descriptors, whether it lived.
-    Prints one line per load; returns 1 if coordd died under any."""
+def measure(
+    dp: int = 4,
+    quiet_rounds: int = 300,
+    limit: float = 60.0,
+    only: Sequence[str] = (),
+    extra: Sequence[str] = (),
+) -> int:
+    """For each load of MEASURED (or those named in `only`), against a fresh coordd (ipc,
+    metrics on): honest-round p50 at `dp` quiet and during the load, coordd's peak RSS and
+    descriptors, whether it lived.
+    `extra` are more coordd options. Prints one line per load; returns 1 if coordd died
+    under any."""
     import tempfile
 
     from coordd.testing.process import CoorddProcess
@@ -346,12 +369,16 @@ def measure(dp: int = 4, quiet_rounds: int = 300, limit: float = 60.0) -> int:
         f"{'peak RSS':>9} {'peak FDs':>8}  coordd"
     )
     for kind, load_args in MEASURED:
+        if only and kind not in only:
+            continue
         with tempfile.TemporaryDirectory(prefix="coordd-load-") as tmp:
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", 0))
                 port = int(probe.getsockname()[1])
             proc = CoorddProcess(
-                dp, f"ipc://{tmp}/c.sock", ["--log-level", "error", "--metrics-port", str(port)]
+                dp,
+                f"ipc://{tmp}/c.sock",
+                ["--log-level", "error", "--metrics-port", str(port), *extra],
             ).start()
             try:
                 with HonestRounds(proc.address, dp) as ranks, ProcessGauge(proc.pid) as gauge:
@@ -397,9 +424,15 @@ def _main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--parts", type=int, default=2_000_000)
     p.add_argument("--count", type=int, default=1000)
     p.add_argument("--dp", type=int, default=4)
+    p.add_argument("--only", default="", help="measure: a comma list of loads (default all)")
+    p.add_argument("--coordd-args", default="", help="measure: more coordd options, one string")
     args = p.parse_args(argv)
     if args.kind == "measure":
-        return measure(args.dp)
+        only = [k for k in args.only.split(",") if k]
+        unknown = sorted(set(only) - set(LOADS))
+        if unknown:
+            p.error(f"--only: unknown loads {unknown}; known: {', '.join(LOADS)}")
+        return measure(args.dp, only=only, extra=args.coordd_args.split())
     if args.kind == "garbage":
         n = garbage(args.address, args.peers, args.messages, args.repeat)
     elif args.kind == "fast":
@@ -413,6 +446,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     else:
         n = http(args.address, args.count, args.seconds)
     print(n, flush=True)
+    if args.kind == "garbage":
+        os._exit(0)  # a context left terming (see _term_soon) would hold the exit
     return 0
 
 

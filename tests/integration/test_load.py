@@ -90,7 +90,7 @@ def test_garbage_from_50_peers_then_their_disconnects_never_aborts_coordd(
             ["--log-level", "error", "--heartbeat-interval", "0.1", "--heartbeat-timeout", "5"],
         ),
     )
-    with HonestRounds(proc.address, 4) as ranks:
+    with HonestRounds(proc.address, 4) as ranks, ProcessGauge(proc.pid, 0.02) as gauge:
         ranks.run(3)
         load = start_load(
             "garbage", proc.address, "--peers", "50", "--messages", "20000", "--repeat", "3"
@@ -98,6 +98,10 @@ def test_garbage_from_50_peers_then_their_disconnects_never_aborts_coordd(
         finish(load, 120)
         assert proc.proc is not None and proc.proc.poll() is None, "coordd died"
         assert len(ranks.run(5)) == 5
+    # the memory budget (--max-rss-mb, default 64) closes the strangers and refuses their
+    # reconnects in the handshake: it was 280-370 MB, what libzmq had queued
+    print(f"peak RSS {gauge.peak_rss_mb:.0f} MB")
+    assert gauge.peak_rss_mb < 120, f"peak RSS {gauge.peak_rss_mb:.0f} MB"
 
 
 def test_one_fast_peer_does_not_hold_the_loop(coordd, tmp_path: Path) -> None:
@@ -166,6 +170,9 @@ def test_a_two_million_part_message_is_dropped_without_stalling(coordd, tmp_path
         assert len(ranks.run(5)) == 5
     print(f"rss {base:.0f} MB -> peak {gauge.peak_rss_mb:.0f} MB; slowest /livez {slowest:.2f} s")
     assert slowest < 3.0
+    # over the memory budget (default 64 MB) the sender's connection is shut down before its
+    # message is whole, and libzmq frees the parts (it was 158 MB)
+    assert gauge.peak_rss_mb < 120, f"peak RSS {gauge.peak_rss_mb:.0f} MB"
 
 
 def test_peers_that_never_read_cost_little(coordd, tmp_path: Path) -> None:

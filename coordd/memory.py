@@ -1,0 +1,325 @@
+"""coordd's memory budget: when its resident memory passes `--max-rss-mb`, the connections that
+hold no rank (strangers) are closed, and freed memory is given back to the OS.
+
+Why (issue 11, part B): libzmq queues what a peer sends before coordd can look at it, and
+nothing in libzmq bounds that queue without risking its abort (RCVHWM, libzmq #4841): a burst
+of garbage from many peers, or one multipart message of millions of parts (held until whole),
+grows coordd by hundreds of MB before any per-message rule sees a frame. The only lever coordd
+has is closing a connection (`coordd.limits`): libzmq then stops reading it and drops the
+parts of a message not yet whole; the whole messages already queued are still handed to coordd,
+which drops them cheaply. glibc keeps freed memory in its arenas, so the guard then trims them
+(`malloc_trim`), which is what brings the RSS back down.
+
+`RssBudget` is the policy (pure, with the time passed in); `MemoryWatch` is the daemon's shell:
+a timer that reads /proc/self/statm (one pread, ~2 us) every FAST_INTERVAL while a stranger is
+connected and every SLOW_INTERVAL otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from coordd.logs import Aggregated
+
+log = logging.getLogger("coordd")
+
+MB = 1 << 20
+#: Default budget. The target is 100 MB; a flood adds 5-20 MB between reaching the budget and
+#: the guard's action (a check, the monitor read, the handshakes refused) on 2 busy cores, and
+#: a quiet coordd holds ~35 MB: room on both sides.
+DEFAULT_MAX_RSS_MB = 64
+#: Most and least budget `--max-rss-mb` takes (0 turns the guard off).
+MIN_RSS_MB = 32
+MAX_RSS_MB = 1 << 20
+#: Check period while some connection holds no rank (a flood builds up fast: ~60 MB/s of
+#: multipart parts, more from many peers), and otherwise (ranks only: cheap).
+FAST_INTERVAL = 0.015
+SLOW_INTERVAL = 0.1
+#: Least time between two trims while over the budget (a trim of a large heap takes ms).
+TRIM_EVERY = 0.25
+#: Strangers are closed only if the RSS is this far above what coordd held with none: a
+#: coordd whose own state (many groups) outgrew the budget does not lock new ranks out.
+STRANGER_SLACK_MB = 16
+#: After closing strangers, the RSS without strangers is not taken as coordd's own level for
+#: this long (their queued messages are still being dropped, then trimmed).
+SETTLE = 1.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one check decided: memory pressure (close the strangers, refuse new
+    connections), trim the heap."""
+
+    pressure: bool = False
+    trim: bool = False
+
+
+class RssBudget:
+    """The policy: given the RSS, the time and how many strangers are connected, decide.
+
+    - Pressure: over the budget and at least STRANGER_SLACK_MB above the level coordd held
+      with no stranger connected. Then the strangers are closed and new connections refused
+      (a closed peer reconnects at once and sends again), every check while it holds.
+    - Over the budget, or after pressure: trim, at most every TRIM_EVERY seconds, until a
+      trim finds the RSS back under the budget.
+    - Over the budget with nothing to close: say so once per episode (`warn`)."""
+
+    def __init__(self, budget_mb: float, *, slack_mb: float = STRANGER_SLACK_MB) -> None:
+        self.budget = int(budget_mb * MB)
+        self.slack = int(slack_mb * MB)
+        #: RSS at the last check with no stranger connected (outside SETTLE after pressure).
+        self.own = 0
+        self.pressure_at = float("-inf")
+        self.trim_at = float("-inf")
+        self.trim_due = False
+        self.over = False
+        self.warned = False
+        self.peak = 0
+
+    def interval(self, strangers: int) -> float:
+        """Seconds to the next check: short while a stranger is connected or memory is to
+        be given back."""
+        return FAST_INTERVAL if strangers or self.over or self.trim_due else SLOW_INTERVAL
+
+    def threshold(self) -> int:
+        """RSS above which strangers are closed."""
+        return max(self.budget, self.own + self.slack)
+
+    def check(self, rss: int, now: float, strangers: int) -> Verdict:
+        self.peak = max(self.peak, rss)
+        if not strangers and now - self.pressure_at >= SETTLE:
+            self.own = rss
+        over = rss > self.budget
+        if over and not self.over:
+            self.warned = False
+        self.over = over
+        pressure = rss > self.threshold()
+        if pressure:
+            self.pressure_at = now
+            self.trim_due = True
+        trim = False
+        if (over or self.trim_due) and now - self.trim_at >= TRIM_EVERY:
+            trim = True
+            self.trim_at = now
+            # what coordd has not dropped yet is not freed by a trim: keep trimming while
+            # over; once under the budget, this was the last one
+            self.trim_due = over
+        return Verdict(pressure=pressure, trim=trim)
+
+    def warn(self) -> bool:
+        """True once per episode of coordd's own memory (no stranger) over the budget."""
+        if self.over and not self.warned and self.own > self.budget:
+            self.warned = True
+            return True
+        return False
+
+
+class RssReader:
+    """coordd's resident set size in bytes, from /proc/self/statm (kept open: one pread)."""
+
+    def __init__(self, path: str = "/proc/self/statm") -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def __call__(self) -> int:
+        return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def malloc_trimmer() -> Callable[[], None] | None:
+    """glibc's `malloc_trim(0)` (returns free memory of every arena to the OS), or None where
+    the C library has none (musl)."""
+    name = ctypes.util.find_library("c") or "libc.so.6"
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+
+    def run() -> None:
+        trim(0)
+
+    return run
+
+
+@dataclass
+class MemoryStats:
+    checks: int = 0
+    #: checks under memory pressure, and how many connections they closed
+    pressured: int = 0
+    shed_connections: int = 0
+    trims: int = 0
+    #: highest RSS a check saw, bytes
+    peak_rss: int = 0
+    rss: int = 0
+
+
+class MemoryWatch:
+    """The timer: reads the RSS, asks `RssBudget`, tells `pressure(on)` (under pressure it
+    closes the strangers and refuses new connections; it returns how many it closed) and
+    trims. `strangers()` is how many connections hold no rank now."""
+
+    def __init__(
+        self,
+        budget_mb: float,
+        *,
+        strangers: Callable[[], int],
+        pressure: Callable[[bool], int],
+        clock: Callable[[], float],
+        rss: Callable[[], int] | None = None,
+        trim: Callable[[], None] | None = None,
+    ) -> None:
+        self.policy = RssBudget(budget_mb)
+        self.stats = MemoryStats()
+        self._strangers = strangers
+        self._pressure = pressure
+        self._pressed = False
+        self._clock = clock
+        self._reader = RssReader() if rss is None else None
+        self._rss: Callable[[], int] = rss if rss is not None else self._reader  # type: ignore[assignment]
+        self._trim = trim if trim is not None else malloc_trimmer()
+        self._handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._log = Aggregated(log, "memory budget: strangers closed", clock=clock)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._log.schedule = loop.call_later
+        self._handle = loop.call_later(self.policy.interval(1), self.check)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._loop = None
+        if self._reader is not None:
+            self._reader.close()
+
+    def check(self) -> None:
+        """One check (the timer's callback; it schedules the next)."""
+        strangers = self._strangers()
+        try:
+            rss = self._rss()
+        except (OSError, ValueError, IndexError):  # pragma: no cover - no /proc
+            rss = 0
+        stats = self.stats
+        stats.checks += 1
+        stats.rss = rss
+        stats.peak_rss = max(stats.peak_rss, rss)
+        verdict = self.policy.check(rss, self._clock(), strangers)
+        if verdict.pressure or self._pressed:
+            self._pressed = verdict.pressure
+            closed = self._pressure(verdict.pressure)
+            stats.pressured += verdict.pressure
+            if closed:
+                stats.shed_connections += closed
+                self._log(
+                    rss_mb=round(rss / MB),
+                    budget_mb=round(self.policy.budget / MB),
+                    closed=stats.shed_connections,
+                    detail="connections that hold no rank closed, new ones refused while over "
+                    "--max-rss-mb",
+                )
+        if verdict.trim and self._trim is not None:
+            self._trim()
+            stats.trims += 1
+        if self.policy.warn():
+            log.warning(
+                "coordd holds %d MB with no stranger connected, over --max-rss-mb %d: nothing "
+                "to close; raise --max-rss-mb",
+                rss // MB,
+                self.policy.budget // MB,
+            )
+        if self._loop is not None:
+            self._handle = self._loop.call_later(self.policy.interval(strangers), self.check)
+
+
+#: libzmq asks the ZAP handler bound here (one per context) before admitting a connection.
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_DOMAIN = "coordd"
+#: The ZAP status text of a refusal (status 300: a temporary failure).
+REFUSAL = b"coordd is over its memory budget (--max-rss-mb): try again"
+
+
+class PressureGate:
+    """A ZAP handler that admits every connection, except under memory pressure (then it
+    refuses them in the handshake, before libzmq reads a single message from them).
+
+    Closing a stranger's connection is not enough: a ZeroMQ peer reconnects within ~100 ms and
+    sends its backlog again, and coordd reads the monitor's ACCEPTED event only after libzmq
+    has started reading the new connection (a burst of 50 peers slipped ~65 MB/s through that
+    gap). Refused by ZAP, a connection costs an accept and a handshake, no queued messages.
+    Runs in its own thread (the loop may be busy dropping what was already queued). Without
+    CURVE only: with CURVE, `coordd.keys.CurveGate` is the context's ZAP handler."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        self.refusing = False
+        self.refused = 0
+        self.admitted = 0
+        self._sock = context.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(ZAP_ENDPOINT)
+        # stop() wakes the thread through this pair (no timed polling: idle costs nothing)
+        wake = f"inproc://coordd-zap-stop-{id(self):x}"
+        self._wake_in = context.socket(zmq.PAIR)
+        self._wake_in.bind(wake)
+        self._wake_out = context.socket(zmq.PAIR)
+        self._wake_out.connect(wake)
+        self._thread = threading.Thread(target=self._run, name="coordd-zap", daemon=True)
+
+    @classmethod
+    def start(cls, context: zmq.Context) -> PressureGate | None:
+        """The gate, serving; None if the context has a ZAP handler already (CURVE)."""
+        try:
+            gate = cls(context)
+        except zmq.ZMQError:
+            return None
+        gate._thread.start()
+        return gate
+
+    def _run(self) -> None:
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        while True:
+            try:
+                ready = dict(poller.poll())
+                if self._wake_in in ready:
+                    return
+                request = sock.recv_multipart()
+            except zmq.ZMQError:  # pragma: no cover - the context is going away
+                return
+            version, request_id = request[0], request[1] if len(request) > 1 else b""
+            if self.refusing:
+                self.refused += 1
+                reply = [version, request_id, b"300", REFUSAL, b"", b""]
+            else:
+                self.admitted += 1
+                reply = [version, request_id, b"200", b"OK", b"", b""]
+            try:
+                sock.send_multipart(reply)
+            except zmq.ZMQError:  # pragma: no cover
+                return
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._wake_out.send(b"")
+            self._thread.join(timeout=2.0)
+        for sock in (self._sock, self._wake_in, self._wake_out):
+            sock.close(linger=0)

@@ -1,0 +1,131 @@
+"""coordd.memory: the RSS budget's policy (fake clock, no sockets), the RSS reader, the trim,
+and the watch's decisions with its I/O injected."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from coordd import memory
+from coordd.memory import MB, MemoryWatch, RssBudget
+
+
+def test_under_the_budget_nothing_happens_and_checks_are_slow_without_strangers() -> None:
+    policy = RssBudget(80)
+    assert policy.check(40 * MB, 0.0, strangers=0) == memory.Verdict()
+    assert policy.interval(0) == memory.SLOW_INTERVAL
+    assert policy.interval(2) == memory.FAST_INTERVAL  # a stranger could be a flood
+
+
+def test_over_the_budget_strangers_are_closed_and_memory_trimmed_at_a_bounded_rate() -> None:
+    policy = RssBudget(80)
+    policy.check(40 * MB, 0.0, strangers=0)  # coordd's own level
+    first = policy.check(90 * MB, 1.0, strangers=50)
+    assert first.pressure and first.trim
+    again = policy.check(95 * MB, 1.01, strangers=3)  # reconnects: closed again
+    assert again.pressure and not again.trim  # the next trim waits TRIM_EVERY
+    assert policy.check(95 * MB, 1.0 + memory.TRIM_EVERY, strangers=0).trim
+    assert policy.interval(0) == memory.FAST_INTERVAL  # still over: keep watching closely
+    # what was queued is dropped: under the budget, one last trim, then quiet
+    assert policy.check(70 * MB, 2.0, strangers=0) == memory.Verdict(trim=True)
+    assert policy.check(60 * MB, 3.0, strangers=0) == memory.Verdict()
+    assert policy.interval(0) == memory.SLOW_INTERVAL
+    assert policy.peak == 95 * MB
+
+
+def test_coordd_s_own_memory_over_the_budget_does_not_lock_new_ranks_out() -> None:
+    """Many groups can make coordd itself outgrow the budget: a rank connecting then (a
+    stranger until its Hello) is not closed unless the RSS also rose STRANGER_SLACK_MB above
+    what coordd held with no stranger; and coordd says so once."""
+    policy = RssBudget(80)
+    assert not policy.check(120 * MB, 0.0, strangers=0).pressure
+    assert policy.warn() and not policy.warn()  # once per episode
+    assert not policy.check(121 * MB, 5.0, strangers=1).pressure
+    assert policy.threshold() == (120 + memory.STRANGER_SLACK_MB) * MB
+    assert policy.check(140 * MB, 5.1, strangers=1).pressure  # a flood on top
+
+
+def test_after_pressure_the_level_without_strangers_is_not_taken_as_coordd_s_own() -> None:
+    """Right after strangers were closed their queued messages still count in the RSS; taken
+    as coordd's own level, they would raise the threshold and let the next burst in."""
+    policy = RssBudget(80)
+    policy.check(40 * MB, 0.0, strangers=0)
+    assert policy.check(100 * MB, 1.0, strangers=10).pressure
+    assert policy.check(100 * MB, 1.1, strangers=0).pressure  # still refusing newcomers
+    assert policy.own == 40 * MB
+    assert not policy.check(50 * MB, 1.2, strangers=0).pressure
+    policy.check(50 * MB, 1.2 + memory.SETTLE, strangers=0)
+    assert policy.own == 50 * MB
+
+
+def test_rss_reader_reads_this_process() -> None:
+    reader = memory.RssReader()
+    try:
+        rss = reader()
+    finally:
+        reader.close()
+    with open("/proc/self/status") as f:
+        status = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    assert rss > 0 and abs(rss - status) < 16 * MB
+
+
+def test_malloc_trim_is_there_on_glibc_and_gives_memory_back() -> None:
+    trim = memory.malloc_trimmer()
+    if trim is None:  # pragma: no cover - musl
+        pytest.skip("no malloc_trim in this C library")
+    trim()
+
+
+class Fake:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.rss = 40 * MB
+        self.strangers = 0
+        self.pressure: list[bool] = []
+        self.trims = 0
+
+    def press(self, on: bool) -> int:
+        self.pressure.append(on)
+        if on:
+            closed, self.strangers = self.strangers, 0
+            return closed
+        return 0
+
+    def trim(self) -> None:
+        self.trims += 1
+
+    def watch(self, budget: float = 80) -> MemoryWatch:
+        return MemoryWatch(
+            budget,
+            strangers=lambda: self.strangers,
+            pressure=self.press,
+            clock=lambda: self.now,
+            rss=lambda: self.rss,
+            trim=self.trim,
+        )
+
+
+def test_the_watch_closes_strangers_under_pressure_logs_once_and_lets_go(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = Fake()
+    watch = fake.watch()
+    watch.check()
+    assert fake.pressure == [] and watch.stats.checks == 1
+    caplog.set_level(logging.WARNING, logger="coordd")
+    fake.rss, fake.strangers = 100 * MB, 50
+    for _ in range(5):  # closed, reconnecting: closed again, one line
+        fake.now += memory.FAST_INTERVAL
+        watch.check()
+        fake.strangers = 3
+    assert fake.pressure == [True] * 5
+    assert watch.stats.shed_connections == 50 + 4 * 3
+    lines = [r for r in caplog.records if "memory budget" in r.getMessage()]
+    assert len(lines) == 1
+    fake.rss, fake.strangers = 50 * MB, 0
+    fake.now += 1.0
+    watch.check()
+    assert fake.pressure[-1] is False  # new connections admitted again
+    assert fake.trims >= 2
+    assert watch.stats.peak_rss == 100 * MB
