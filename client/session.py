@@ -297,6 +297,25 @@ class RankSession:
             return self._answer(msg.seq, msg) if msg.epoch == self.epoch else None
         return self.receive(msg)
 
+    def take_frame(self, frame: bytes, seq: int) -> StepDecision | GatherResult | Event | None:
+        """`receive_frame`, for a shell that waits for round `seq` and has found `outcome`
+        empty for it: that round's own answer comes back, as `outcome` would have given it,
+        without being kept (the common case, made cheap); anything else is received as
+        `receive_frame` does and its event comes back."""
+        if len(frame) > MAX_MESSAGE_BYTES:
+            return None
+        try:
+            msg = _decode_from_coordinator(frame)
+        except msgspec.DecodeError:
+            return None
+        if type(msg) is StepDecision or type(msg) is GatherResult:  # `receive`'s first case
+            if msg.epoch != self.epoch:
+                return None
+            if msg.seq == seq and seq not in self._answers:
+                return msg
+            return self._answer(msg.seq, msg)
+        return self.receive(msg)
+
     def receive(self, msg: FromCoordinator) -> Event | None:
         """What `msg` means for this rank; None for stale messages of an older epoch."""
         if type(msg) is StepDecision or type(msg) is GatherResult:

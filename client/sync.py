@@ -375,9 +375,10 @@ class CoordClient(ClientShell):
                 timeout = self.config.wait_timeout if timeout is None else timeout
                 deadline = time.monotonic() + timeout
                 while outcome is None:
-                    if not self._pump(deadline):
+                    got = self._pump(deadline, seq)
+                    if got is False:
                         raise StepTimeout((), timeout)
-                    outcome = session.outcome(seq, registration)
+                    outcome = session.outcome(seq, registration) if got is True else got
             if self._open is not None and self._open[0] == seq:
                 self._open = None
             if isinstance(outcome, CoordError):
@@ -401,10 +402,11 @@ class CoordClient(ClientShell):
         self.session.fail(error)
         return error
 
-    def _pump(self, deadline: float) -> bool:
-        """Read one frame, waiting for it until `deadline`; True if one came or a slice of
-        the wait passed (the caller looks again), False once the deadline has passed with
-        nothing queued.
+    def _pump(self, deadline: float, seq: int = -1) -> bool | StepDecision | GatherResult:
+        """Read one frame, waiting for it until `deadline`: round `seq`'s own answer if that
+        is what came (`RankSession.take_frame`; the caller found `outcome` empty for it);
+        else True if a frame came or a slice of the wait passed (the caller looks again),
+        False once the deadline has passed with nothing queued.
 
         A blocking recv, as the pyzmq hub's rank does: no poller, no ZMQ_EVENTS. RCVTIMEO
         ends it every slice, so close() from another thread ends the wait ("client closed"),
@@ -436,13 +438,20 @@ class CoordClient(ClientShell):
             raise self._socket_error(exc) from None
         if self._closed:
             raise CoordinatorUnavailable(_CLOSED)
-        self._on_frame(frame)
+        event = self.session.take_frame(frame, seq)
+        kind = type(event)
+        if kind is StepDecision or kind is GatherResult:
+            return event  # type: ignore[return-value]
+        if kind is not Resolved:
+            self._on_event(event)
         return True
 
     def _on_frame(self, frame: bytes) -> None:
         event = self.session.receive_frame(frame)
-        if type(event) is Resolved:  # a round's answer: the session keeps it
-            return
+        if type(event) is not Resolved:  # a round's answer: the session keeps it
+            self._on_event(event)
+
+    def _on_event(self, event: object) -> None:
         if type(event) is Registered:
             self._welcome = event.welcome
         elif type(event) is RegistrationFailed:

@@ -360,3 +360,23 @@ def test_client_config_takes_keywords_a_config_or_both(monkeypatch: pytest.Monke
     monkeypatch.setenv("COORDD_ADDRESS", "ipc:///from/env.sock")
     assert ClientConfig(dp_rank=0, dp_size=1).resolved().address == "ipc:///from/env.sock"
     assert CONFIG.resolved() is CONFIG
+
+
+def test_take_frame_hands_back_the_awaited_answer_and_receives_the_rest() -> None:
+    """The blocking client's wait: the awaited round's decision comes back without being kept
+    (as `outcome` would give it); others' answers are kept; stale and garbage frames dropped."""
+    session = registered()
+    (a, registration), (b, _) = started(session), started(session)
+    assert session.outcome(a, registration) is None
+    assert session.take_frame(encode(decision(3, a)), a) == decision(3, a)
+    assert not session.settled(a, registration)
+    assert isinstance(session.take_frame(encode(decision(3, b)), a), Resolved)
+    assert session.outcome(b, registration) == decision(3, b)
+    assert session.take_frame(encode(decision(2, a)), a) is None  # an older epoch's
+    assert session.take_frame(b"\xc1 garbage", a) is None
+    assert isinstance(session.take_frame(encode(Goodbye(text="bye")), a), GroupFailed)
+    # an answer already kept for the round comes first: the new one is kept behind it
+    session.receive(decision(3, a))
+    assert isinstance(session.take_frame(encode(decision(3, a)), a), Resolved)
+    assert session.outcome(a, registration) == decision(3, a)
+    assert session.outcome(a, registration) == decision(3, a)
