@@ -115,11 +115,15 @@ class ConnectionGuard:
         #: as soon as its ACCEPTED event is read; counted in `refused_memory`.
         self.refusing = False
         self.refused_memory = 0
+        #: Called for each connection accepted (the memory guard looks sooner).
+        self.on_accept: Callable[[], None] | None = None
 
     def accepted(self, fd: int, now: float = 0.0) -> None:
         """A connection was accepted; one from a process cut off for flooding within
         BAN_SECONDS is shut down at once (its reconnects would flood again)."""
         ident = self._ident(fd)
+        if self.on_accept is not None:
+            self.on_accept()
         if self.refusing:
             self.refused_memory += 1
             self._shutdown(fd, ident)

@@ -50,9 +50,14 @@ TRIM_EVERY = 0.25
 #: Strangers are closed only if the RSS is this far above what coordd held with none: a
 #: coordd whose own state (many groups) outgrew the budget does not lock new ranks out.
 STRANGER_SLACK_MB = 16
-#: After closing strangers, the RSS without strangers is not taken as coordd's own level for
-#: this long (their queued messages are still being dropped, then trimmed).
-SETTLE = 1.0
+#: Pressure ends only this far under where it starts: at the edge it flapped every few checks,
+#: and each release let 50 reconnecting peers burst in again.
+HYSTERESIS_MB = 12
+#: Under pressure, the RSS is taken as coordd's own level (which raises the threshold and can
+#: end the pressure) only after this long with no stranger to close: meanwhile the closed
+#: connections' queued messages are still being dropped, then trimmed. Without this, RSS that
+#: does not come back down (no malloc_trim, fragmentation) would refuse new ranks for good.
+SETTLE = 2.0
 
 
 @dataclass(frozen=True)
@@ -67,9 +72,10 @@ class Verdict:
 class RssBudget:
     """The policy: given the RSS, the time and how many strangers are connected, decide.
 
-    - Pressure: over the budget and at least STRANGER_SLACK_MB above the level coordd held
-      with no stranger connected. Then the strangers are closed and new connections refused
-      (a closed peer reconnects at once and sends again), every check while it holds.
+    - Pressure starts over the budget and at least STRANGER_SLACK_MB above the level coordd
+      held with no stranger connected, and ends HYSTERESIS_MB under that. Meanwhile the
+      strangers are closed and new connections refused (a closed peer reconnects at once
+      and sends again), every check.
     - Over the budget, or after pressure: trim, at most every TRIM_EVERY seconds, until a
       trim finds the RSS back under the budget.
     - Over the budget with nothing to close: say so once per episode (`warn`)."""
@@ -77,8 +83,11 @@ class RssBudget:
     def __init__(self, budget_mb: float, *, slack_mb: float = STRANGER_SLACK_MB) -> None:
         self.budget = int(budget_mb * MB)
         self.slack = int(slack_mb * MB)
-        #: RSS at the last check with no stranger connected (outside SETTLE after pressure).
+        self.hysteresis = int(HYSTERESIS_MB * MB)
+        #: RSS at the last check with no stranger connected (outside SETTLE after a check
+        #: under pressure found strangers to close).
         self.own = 0
+        self.pressure = False
         self.pressure_at = float("-inf")
         self.trim_at = float("-inf")
         self.trim_due = False
@@ -103,10 +112,17 @@ class RssBudget:
         if over and not self.over:
             self.warned = False
         self.over = over
-        pressure = rss > self.threshold()
+        if self.pressure:
+            pressure = rss > self.threshold() - self.hysteresis
+        else:
+            pressure = rss > self.threshold()
+            if pressure:
+                self.pressure_at = now
         if pressure:
-            self.pressure_at = now
+            if strangers:
+                self.pressure_at = now
             self.trim_due = True
+        self.pressure = pressure
         trim = False
         if (over or self.trim_due) and now - self.trim_at >= TRIM_EVERY:
             trim = True
@@ -202,6 +218,25 @@ class MemoryWatch:
         self._log.schedule = loop.call_later
         self._handle = loop.call_later(self.policy.interval(1), self.check)
 
+    def over(self) -> bool:
+        """Whether the RSS is over the pressure threshold now (read from any thread: the ZAP
+        gate asks before admitting a connection, so a loop busy dropping a burst does not
+        delay the refusal)."""
+        try:
+            return self._rss() > self.policy.threshold()
+        except (OSError, ValueError, IndexError):  # pragma: no cover - no /proc
+            return False
+
+    def poke(self) -> None:
+        """A connection was accepted: check within FAST_INTERVAL, not SLOW_INTERVAL (a burst
+        grows coordd by 100+ MB/s from its first connections)."""
+        loop, handle = self._loop, self._handle
+        if loop is None or handle is None:
+            return
+        if handle.when() - loop.time() > FAST_INTERVAL:
+            handle.cancel()
+            self._handle = loop.call_later(FAST_INTERVAL, self.check)
+
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
@@ -269,6 +304,8 @@ class PressureGate:
 
     def __init__(self, context: zmq.Context) -> None:
         self.refusing = False
+        #: Asked for each handshake too (`MemoryWatch.over`): refuse if it says so.
+        self.over: Callable[[], bool] = lambda: False
         self.refused = 0
         self.admitted = 0
         self._sock = context.socket(zmq.REP)
@@ -306,7 +343,7 @@ class PressureGate:
             except zmq.ZMQError:  # pragma: no cover - the context is going away
                 return
             version, request_id = request[0], request[1] if len(request) > 1 else b""
-            if self.refusing:
+            if self.refusing or self.over():
                 self.refused += 1
                 reply = [version, request_id, b"300", REFUSAL, b"", b""]
             else:

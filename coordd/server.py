@@ -272,6 +272,9 @@ class CoordServer:
                 pressure=self._memory_pressure,
                 clock=clock,
             )
+            self.connections.on_accept = self.memory.poke
+            if self.gate is not None:
+                self.gate.over = self.memory.over
         #: Answers to strangers, rate-limited.
         self._stranger_answers = limits.TokenBucket(
             STRANGER_ANSWERS_PER_S, STRANGER_ANSWERS_PER_S, clock

@@ -28,8 +28,8 @@ def test_over_the_budget_strangers_are_closed_and_memory_trimmed_at_a_bounded_ra
     assert policy.check(95 * MB, 1.0 + memory.TRIM_EVERY, strangers=0).trim
     assert policy.interval(0) == memory.FAST_INTERVAL  # still over: keep watching closely
     # what was queued is dropped: under the budget, one last trim, then quiet
-    assert policy.check(70 * MB, 2.0, strangers=0) == memory.Verdict(trim=True)
-    assert policy.check(60 * MB, 3.0, strangers=0) == memory.Verdict()
+    assert policy.check(60 * MB, 2.0, strangers=0) == memory.Verdict(trim=True)
+    assert policy.check(55 * MB, 3.0, strangers=0) == memory.Verdict()
     assert policy.interval(0) == memory.SLOW_INTERVAL
     assert policy.peak == 95 * MB
 
@@ -46,17 +46,32 @@ def test_coordd_s_own_memory_over_the_budget_does_not_lock_new_ranks_out() -> No
     assert policy.check(140 * MB, 5.1, strangers=1).pressure  # a flood on top
 
 
+def test_pressure_ends_only_well_under_where_it_started() -> None:
+    """At the edge it flapped every few checks, and each release let the closed peers'
+    reconnects burst in again."""
+    policy = RssBudget(80)
+    policy.check(40 * MB, 0.0, strangers=0)
+    assert policy.check(81 * MB, 1.0, strangers=50).pressure
+    assert policy.check(79 * MB, 1.02, strangers=0).pressure  # under the budget: not yet
+    assert policy.check((80 - memory.HYSTERESIS_MB + 1) * MB, 1.04, strangers=0).pressure
+    assert not policy.check((80 - memory.HYSTERESIS_MB - 1) * MB, 1.06, strangers=0).pressure
+    assert not policy.check(79 * MB, 1.08, strangers=5).pressure  # starts over the budget only
+
+
 def test_after_pressure_the_level_without_strangers_is_not_taken_as_coordd_s_own() -> None:
     """Right after strangers were closed their queued messages still count in the RSS; taken
-    as coordd's own level, they would raise the threshold and let the next burst in."""
+    as coordd's own level, they would raise the threshold and let the next burst in. But an
+    RSS that stays up with no stranger to close (nothing to trim back) becomes coordd's own
+    level after SETTLE, so new ranks are not refused for good."""
     policy = RssBudget(80)
     policy.check(40 * MB, 0.0, strangers=0)
     assert policy.check(100 * MB, 1.0, strangers=10).pressure
     assert policy.check(100 * MB, 1.1, strangers=0).pressure  # still refusing newcomers
     assert policy.own == 40 * MB
-    assert not policy.check(50 * MB, 1.2, strangers=0).pressure
-    policy.check(50 * MB, 1.2 + memory.SETTLE, strangers=0)
-    assert policy.own == 50 * MB
+    assert policy.check(90 * MB, 1.0 + memory.SETTLE / 2, strangers=0).pressure
+    assert not policy.check(90 * MB, 1.0 + memory.SETTLE, strangers=0).pressure
+    assert policy.own == 90 * MB
+    assert policy.threshold() == (90 + memory.STRANGER_SLACK_MB) * MB
 
 
 def test_rss_reader_reads_this_process() -> None:
@@ -129,3 +144,32 @@ def test_the_watch_closes_strangers_under_pressure_logs_once_and_lets_go(
     assert fake.pressure[-1] is False  # new connections admitted again
     assert fake.trims >= 2
     assert watch.stats.peak_rss == 100 * MB
+
+
+def test_the_watch_tells_the_gate_whether_memory_is_over_the_threshold_now() -> None:
+    fake = Fake()
+    watch = fake.watch(64)
+    assert not watch.over()
+    fake.rss = 65 * MB
+    assert watch.over()
+
+
+def test_a_new_connection_brings_the_next_check_forward() -> None:
+    import asyncio
+
+    fake = Fake()
+    watch = fake.watch()
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        watch.start(loop)
+        watch.check()  # no stranger: the next check in SLOW_INTERVAL
+        assert watch._handle is not None
+        slow = watch._handle.when() - loop.time()
+        watch.poke()
+        fast = watch._handle.when() - loop.time()
+        watch.stop()
+        assert slow > memory.FAST_INTERVAL * 2
+        return fast
+
+    assert asyncio.run(run()) <= memory.FAST_INTERVAL + 1e-3
