@@ -12,6 +12,11 @@ Why these exist (issue 11, part B):
   down the oldest connection that registered no rank (`shutdown(2)` on libzmq's descriptor:
   libzmq then reads end-of-file and closes it as if the peer had left). A registered rank's
   connection is never chosen, so registered ranks keep working whatever strangers do.
+- A descriptor is only a number: libzmq can give a closed connection's number to a new one
+  before coordd reads the close. So each is remembered with its socket's identity (inode) from
+  its ACCEPTED event, and shut down only if it still names that socket.
+- The memory budget (`coordd.memory`) uses the same guard to close every stranger at once
+  and to refuse new connections while coordd's RSS is over `--max-rss-mb`.
 """
 
 from __future__ import annotations
@@ -126,14 +131,14 @@ class ConnectionGuard:
             self.on_accept()
         if self.refusing:
             self.refused_memory += 1
-            self._shutdown(fd, ident)
+            self._shut(fd, ident)
             return
         if self.banned:
             pid = peer_pid(fd, ident)
             until = self.banned.get(pid) if pid is not None else None
             if until is not None and now < until:
                 self.refused += 1
-                self._shutdown(fd, ident)
+                self._shut(fd, ident)
                 return
             if until is not None:
                 del self.banned[pid]  # type: ignore[arg-type]
@@ -145,8 +150,10 @@ class ConnectionGuard:
         """Shut down a flooding peer's connection and, over ipc, refuse its process's
         connections for BAN_SECONDS. True if it was shut down."""
         ident = self.open.get(fd)
+        if ident is None:
+            return False
         pid = peer_pid(fd, ident)
-        done = self._shutdown(fd, ident)
+        done = self._shut(fd, ident)
         if pid is None:
             return done
         if len(self.banned) >= 1024:
@@ -159,11 +166,21 @@ class ConnectionGuard:
         ]:
             if peer_pid(other, other_ident) == pid:
                 del self.open[other]
-                self._shutdown(other, other_ident)
+                self._shut(other, other_ident)
         return done
 
     def closed(self, fd: int) -> None:
         self.open.pop(fd, None)
+
+    def shutdown(self, fd: int) -> bool:
+        """Shut down the open connection on `fd` if the descriptor still names the socket
+        its ACCEPTED event named (not one whose identity was unknown then). True if done."""
+        return self._shut(fd, self.open.get(fd))
+
+    def _shut(self, fd: int, ident: int | None) -> bool:
+        """`shutdown(2)` on `fd` if it still names the socket `ident`; never where the
+        identity was unknown (the descriptor named no socket when its ACCEPTED was read)."""
+        return ident is not None and self._shutdown(fd, ident)
 
     def over(self) -> int:
         """How many connections beyond the cap."""
@@ -185,7 +202,7 @@ class ConnectionGuard:
         keep = set(self._registered())
         victims = [fd for fd in self.open if fd not in keep][:excess]
         for fd in victims:
-            if self._shutdown(fd, self.open.pop(fd)):
+            if self._shut(fd, self.open.pop(fd)):
                 self.evicted += 1
         return len(victims)
 
@@ -196,7 +213,7 @@ class ConnectionGuard:
         victims = [fd for fd in reversed(self.open) if fd not in keep]
         done = 0
         for fd in victims:
-            done += self._shutdown(fd, self.open.pop(fd))
+            done += self._shut(fd, self.open.pop(fd))
         return done
 
 

@@ -572,7 +572,7 @@ class CoordServer:
             if fd not in known:
                 known[fd] = connection_origin(fd)
             if known[fd] == origin:
-                closed += limits.shutdown_fd(fd)
+                closed += self.connections.shutdown(fd)
         if closed:
             self.stats.duplicates_closed += closed
             self._duplicates_log(

@@ -153,6 +153,20 @@ def test_a_descriptor_number_reused_by_a_newer_connection_is_not_shut_down() -> 
         assert b_peer.recv(1) == b""
 
 
+def test_shutting_down_one_open_connection_checks_its_identity() -> None:
+    a, a_peer = socket.socketpair()
+    b, b_peer = socket.socketpair()
+    with a, a_peer, b, b_peer:
+        number = a.fileno()
+        guard = limits.ConnectionGuard(10, set)
+        guard.accepted(number)
+        assert not guard.shutdown(number + 10_000)  # not open
+        os.dup2(b.fileno(), number)
+        assert not guard.shutdown(number) and still_open(b_peer)
+        guard.open[number] = None  # identity unknown at ACCEPTED: never shut
+        assert not guard.shutdown(number) and still_open(b_peer)
+
+
 def test_the_cap_and_the_flood_cut_off_check_the_identity_too() -> None:
     a, a_peer = socket.socketpair()
     b, b_peer = socket.socketpair()
