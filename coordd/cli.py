@@ -197,8 +197,9 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=_env("max_rss_mb", DEFAULT_MAX_RSS_MB, int),
         help="memory budget: while coordd's resident memory is over this many MB, connections "
-        "that registered no rank are closed and freed memory is given back to the OS "
-        f"(default {DEFAULT_MAX_RSS_MB}; 0: off)",
+        "that registered no rank are closed, new connections are refused in their handshake "
+        "(they retry), and freed memory is given back to the OS; registered ranks are never "
+        f"touched (default {DEFAULT_MAX_RSS_MB}; 0: off)",
     )
 
 
