@@ -349,6 +349,7 @@ class CoordClient(ClientShell):
         try:
             # pyzmq's Socket.send without its Python layer (routing_id/group/Frame checks
             # that a plain bytes send never needs): RankConnection.send, a third cheaper.
+            # (The socket is always a pyzmq Socket: the base method takes no other object.)
             _send(self.connection.socket, encode(stamped), _NOBLOCK)
         except zmq.Again:
             raise self.session.fail(
