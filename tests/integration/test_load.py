@@ -72,6 +72,17 @@ def coordd(tmp_path: Path) -> Iterator[list[CoorddProcess]]:
         proc.stop()
 
 
+def settled_rss(gauge: ProcessGauge, limit: float = 3.0) -> float:
+    """coordd's RSS once it has dropped what a load queued and given it back (at most `limit`
+    seconds), in MB."""
+    deadline = time.monotonic() + limit
+    rss = gauge.rss_mb()
+    while rss >= 80 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        rss = gauge.rss_mb()
+    return rss
+
+
 def start(started: list[CoorddProcess], proc: CoorddProcess) -> CoorddProcess:
     started.append(proc)
     return proc.start()
@@ -98,10 +109,14 @@ def test_garbage_from_50_peers_then_their_disconnects_never_aborts_coordd(
         finish(load, 120)
         assert proc.proc is not None and proc.proc.poll() is None, "coordd died"
         assert len(ranks.run(5)) == 5
-    # the memory budget (--max-rss-mb, default 64) closes the strangers and refuses their
-    # reconnects in the handshake: it was 280-370 MB, what libzmq had queued
-    print(f"peak RSS {gauge.peak_rss_mb:.0f} MB")
-    assert gauge.peak_rss_mb < 120, f"peak RSS {gauge.peak_rss_mb:.0f} MB"
+        after = settled_rss(gauge)
+    # the memory budget (--max-rss-mb, default 64) closes the strangers, refuses their
+    # reconnects in the handshake and gives the memory back: without it 380-590 MB at the
+    # peak, and all of it kept. The peak is usually 65-80 MB, but a burst can stall coordd's
+    # loop for 0.2-0.9 s on 2 busy cores (the guard runs in it): 145-372 MB seen then.
+    print(f"peak RSS {gauge.peak_rss_mb:.0f} MB, {after:.0f} MB after the load")
+    assert after < 80, f"coordd kept {after:.0f} MB after the burst"
+    assert gauge.peak_rss_mb < 500, f"peak RSS {gauge.peak_rss_mb:.0f} MB"
 
 
 def test_one_fast_peer_does_not_hold_the_loop(coordd, tmp_path: Path) -> None:
@@ -168,11 +183,17 @@ def test_a_two_million_part_message_is_dropped_without_stalling(coordd, tmp_path
                 break
         assert proc.proc is not None and proc.proc.poll() is None
         assert len(ranks.run(5)) == 5
-    print(f"rss {base:.0f} MB -> peak {gauge.peak_rss_mb:.0f} MB; slowest /livez {slowest:.2f} s")
+        after = settled_rss(gauge)
+    print(
+        f"rss {base:.0f} MB -> peak {gauge.peak_rss_mb:.0f} MB, {after:.0f} MB after; slowest "
+        f"/livez {slowest:.2f} s"
+    )
     assert slowest < 3.0
     # over the memory budget (default 64 MB) the sender's connection is shut down before its
-    # message is whole, and libzmq frees the parts (it was 158 MB)
-    assert gauge.peak_rss_mb < 120, f"peak RSS {gauge.peak_rss_mb:.0f} MB"
+    # message is whole, libzmq frees the parts, and the memory is given back (without the
+    # guard: 158 MB at the peak, ~100 MB kept)
+    assert after < 80, f"coordd kept {after:.0f} MB"
+    assert gauge.peak_rss_mb < 300, f"peak RSS {gauge.peak_rss_mb:.0f} MB"
 
 
 def test_peers_that_never_read_cost_little(coordd, tmp_path: Path) -> None:

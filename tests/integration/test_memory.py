@@ -136,9 +136,11 @@ def _value(metrics: str, name: str) -> float:
 
 
 def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> None:
-    """50 peers queue 20,000 bad frames each (before: 280-370 MB peak). With --max-rss-mb 64
-    coordd closes the strangers and refuses their reconnects in the handshake; ranks keep
-    deciding."""
+    """50 peers queue 20,000 bad frames each, twice (without the guard: 380-590 MB at the
+    peak, all kept). With --max-rss-mb 64 coordd closes the strangers, refuses their
+    reconnects in the handshake and gives the memory back; ranks keep deciding. The peak is
+    usually 65-80 MB; a burst can stall coordd's loop (where the guard runs) for 0.2-0.9 s on
+    2 busy cores, so it is bounded loosely here."""
     port = free_port()
     proc = CoorddProcess(
         4,
@@ -149,7 +151,7 @@ def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> N
         with HonestRounds(proc.address, 4) as ranks, ProcessGauge(proc.pid, 0.01) as gauge:
             ranks.run(3)
             load = start_load(
-                "garbage", proc.address, "--peers", "50", "--messages", "20000", "--repeat", "1"
+                "garbage", proc.address, "--peers", "50", "--messages", "20000", "--repeat", "2"
             )
             try:
                 load.wait(timeout=30)
@@ -159,16 +161,21 @@ def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> N
                     load.wait()
             assert len(ranks.run(5)) == 5
             assert gauge.alive
+            deadline = time.monotonic() + 3
+            while gauge.rss_mb() >= 80 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            after = gauge.rss_mb()
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
                 metrics = r.read().decode()
         closed = _value(metrics, "coordd_memory_strangers_closed_total")
         refused = _value(metrics, "coordd_memory_handshakes_refused_total")
         print(
-            f"peak RSS {gauge.peak_rss_mb:.0f} MB with --max-rss-mb 64; {closed:.0f} strangers "
-            f"closed, {refused:.0f} handshakes refused"
+            f"peak RSS {gauge.peak_rss_mb:.0f} MB with --max-rss-mb 64, {after:.0f} MB after; "
+            f"{closed:.0f} strangers closed, {refused:.0f} handshakes refused"
         )
-        assert gauge.peak_rss_mb < 110, f"peak {gauge.peak_rss_mb:.0f} MB"
-        assert closed >= 1
+        assert after < 80, f"coordd kept {after:.0f} MB"
+        assert gauge.peak_rss_mb < 500, f"peak {gauge.peak_rss_mb:.0f} MB"
+        assert closed >= 1 and refused >= 1
     finally:
         proc.stop()
 
