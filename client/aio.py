@@ -68,6 +68,11 @@ class AsyncCoordClient(ClientShell):
         `CoordinatorUnavailable`. Rounds still pending from before get the latter."""
         loop = self._attach()
         self.connection.disconnected()
+        if self.connection.dropped:
+            self._detach()
+            self.reopen_if_dropped()
+            self._loop = None
+            loop = self._attach()
         hello = encode(self.session.hello())
         self._settle_all()
         self._welcome = loop.create_future()

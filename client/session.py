@@ -166,6 +166,11 @@ class RankSession:
             self._identity = secrets.token_urlsafe(16).encode("ascii")
         return self._identity
 
+    def new_identity(self) -> bytes:
+        """A fresh routing id, for a new connection after the old one dropped."""
+        self._identity = None
+        return self.identity
+
     # -- what to send ---------------------------------------------------------------------------
 
     def hello(self) -> Hello:

@@ -30,8 +30,27 @@ class ClientShell(SessionView):
         self.config = given.resolved()
         self.session = RankSession(self.config)
         # from `given`: the connection's errors say where the address came from
+        self._given = given
+        self._context = context
         self.connection = RankConnection.open(given, self.session.identity, context)
         self._closed = False
+
+    def reopen_if_dropped(self) -> bool:
+        """Before a registration: if the connection ever dropped, replace it with a new one
+        under a fresh routing id; True if it did.
+
+        libzmq reconnects a dropped DEALER under its old routing id. When only this side of
+        the connection died (a path that failed one way), coordd still holds the old
+        connection under that id and, with ROUTER_HANDOVER off (see coordd.identity), never
+        reads the new one: every connect() would go unanswered. A fresh id is read at once;
+        until coordd notices the old connection gone, the Hello is refused `rank_taken`."""
+        if not self.connection.dropped:
+            return False
+        self.connection.close()
+        self.connection = RankConnection.open(
+            self._given, self.session.new_identity(), self._context
+        )
+        return True
 
     @property
     def address(self) -> str:

@@ -314,8 +314,10 @@ class CoordClient(ClientShell):
     def _register_now(self, timeout: float, hello: Hello | None) -> Welcome:
         self._welcome = None
         self._open = None
+        self.connection.disconnected()
+        if self.reopen_if_dropped():
+            self._rcvtimeo = -1
         connection = self.connection
-        connection.disconnected()
         own = self.session.hello()
         data = encode(own if hello is None else hello)
         deadline = time.monotonic() + timeout

@@ -101,6 +101,9 @@ class RankConnection:
         self.handshake_failure: str | None = None
         #: Set when a failed handshake will fail again the same way (connect() stops waiting).
         self.handshake_refused = False
+        #: Set once a disconnect was read: libzmq would reconnect under the same routing id,
+        #: which coordd may still hold for the old connection (see ClientShell.reopen_if_dropped).
+        self.dropped = False
         self._no_detail = 0
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, identity)
@@ -203,7 +206,8 @@ class RankConnection:
             except zmq.Again:
                 return seen
             event = int.from_bytes(frames[0][:2], "little")
-            seen = seen or event == _DISCONNECTED
+            if event == _DISCONNECTED:
+                seen = self.dropped = True
             if event == _HANDSHAKE_SUCCEEDED:
                 self._no_detail = 0
                 self.handshake_failure = None

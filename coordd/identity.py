@@ -59,16 +59,16 @@ tests/integration/test_routing_ids.py, the second on a bare ROUTER):
 So coordd keeps handover off and RCVHWM 0, and an anonymous pipe is bounded only by closing its
 connection (coordd cannot read it, and never learns its routing id):
 
-- An honest client makes one too: when its side of a connection dies first (a path that failed
-  one way), libzmq reconnects it at once under the same routing id while coordd's side is still
-  open, and the reconnect stays unread for good, even after coordd's heartbeat timeout closes
-  the old connection (measured: 8 connect() tries over 40 s, none answered). So when a
-  connection that said a Hello closes, coordd shuts down every connection from the same place
-  (`connection_origin`: the process over ipc, the host over tcp) that it never read a Hello
-  from; the client reconnects and libzmq now admits the id (`CoordServer._close_duplicates`).
-  A same-place client whose Hello coordd has not read yet loses that connect() (it answers "no
-  answer"; the next one works). A client that took a fresh routing id for each reconnect would
-  never make such a duplicate.
+- An honest client could make one too: when its side of a connection dies first (a path that
+  failed one way), libzmq reconnects it at once under the same routing id while coordd's side is
+  still open, and the reconnect stays unread for good, even after coordd's heartbeat timeout
+  closes the old connection (measured: 8 connect() tries over 40 s, none answered). So the
+  client never registers over a reconnect: connect() after a dropped connection opens a new one
+  under a fresh routing id (`ClientShell.reopen_if_dropped`), which coordd reads at once; until
+  its heartbeat timeout closes the old connection, the Hello is refused `rank_taken`. (Shutting
+  down coordd's unread connections from the same process or host when a registered one closed
+  was tried: it also cut honest clients whose Hello was still in flight, such as another rank
+  of the same host, and made such connect() calls time out.)
 - A peer's own id twice, or a leaked one, from elsewhere: the connection cap closes the oldest
   connections that hold no rank (`coordd.limits`); a guard on coordd's memory is the other
   lever.
@@ -81,8 +81,6 @@ import hashlib
 import logging
 import os
 import secrets
-import socket
-import struct
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -220,29 +218,3 @@ def new_router(context: zmq.Context) -> zmq.Socket:
             "no C library rand()" if expected is None else "this libzmq draws them otherwise",
         )
     return sock
-
-
-def connection_origin(fd: int) -> str | None:
-    """Where the connection on libzmq's descriptor `fd` comes from: the peer's process over
-    ipc (SO_PEERCRED), its host over tcp; None if unknown. Read through a duplicate descriptor
-    (libzmq's own is never closed)."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        sock = socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
-        return None
-    with sock:
-        try:
-            if sock.family == socket.AF_UNIX:
-                size = struct.calcsize("3i")
-                pid = struct.unpack(
-                    "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, size)
-                )[0]
-                return f"process {pid}" if pid > 0 else None
-            return f"host {sock.getpeername()[0]}"
-        except (OSError, IndexError, TypeError):
-            return None

@@ -37,7 +37,6 @@ from coordd import limits, memory
 from coordd.cli import DEFAULT_MAX_GROUPS
 from coordd.identity import (
     Takeovers,
-    connection_origin,
     frame_address,
     new_router,
     peer_label,
@@ -114,7 +113,6 @@ class ServerStats:
     #: connections of flooding strangers shut down (over STRANGER_MESSAGES_PER_S)
     cut_off: int = 0
     #: unread connections shut down as possible duplicates of a closed one's routing id
-    duplicates_closed: int = 0
 
 
 def prepare_ipc_path(address: str, mode: int = 0o600) -> IpcSocket | None:
@@ -294,10 +292,6 @@ class CoordServer:
         self._cut_log = Aggregated(log, "flooding peer cut off", clock=clock)
         self._fd_peer: dict[int, bytes] = {}
         self._peer_fd: dict[bytes, int] = {}
-        #: Where open connections come from (`connection_origin`), by fd: each that said a
-        #: Hello, and each looked at by `_close_duplicates` (read once per connection).
-        self._origin: dict[int, str | None] = {}
-        self._duplicates_log = Aggregated(log, "possible duplicate connections closed", clock=clock)
         #: The group each peer registered with (its reports go there).
         self._peer_group: dict[bytes, Group] = {}
         #: Groups that got input since the last drain ended (failures and deadlines to check).
@@ -317,7 +311,6 @@ class CoordServer:
             self._bad_frame_log,
             self._evicted_log,
             self._cut_log,
-            self._duplicates_log,
             *self.events.aggregated(),
         ):
             aggregated.schedule = self._loop.call_later
@@ -551,36 +544,8 @@ class CoordServer:
         old = self._peer_fd.get(peer)
         if old is not None and old != fd:
             self._fd_peer.pop(old, None)
-            self._origin.pop(old, None)
         self._peer_fd[peer] = fd
         self._fd_peer[fd] = peer
-        if fd not in self._origin:
-            self._origin[fd] = connection_origin(fd)
-
-    def _close_duplicates(self, origin: str) -> None:
-        """A connection that said a Hello closed. If its client had reconnected before coordd
-        saw the old connection go (a path that died one way), libzmq holds the new connection,
-        which presents the same routing id, as an unread duplicate, for good (ROUTER_HANDOVER
-        is off, see coordd.identity). So every connection from the same place (process over
-        ipc, host over tcp) that coordd never read a Hello from is shut down: its client
-        reconnects, and libzmq now admits the routing id."""
-        closed = 0
-        known = self._origin
-        for fd in list(self.connections.open):
-            if fd in self._fd_peer:
-                continue
-            if fd not in known:
-                known[fd] = connection_origin(fd)
-            if known[fd] == origin:
-                closed += self.connections.shutdown(fd)
-        if closed:
-            self.stats.duplicates_closed += closed
-            self._duplicates_log(
-                origin=origin,
-                closed=closed,
-                detail="a connection closed: unread connections from the same place shut "
-                "down (one may hold its routing id, unread); their clients reconnect",
-            )
 
     def _drain_monitor(self) -> bool:
         """Closed connections: the rank that registered over one is lost (in its own group
@@ -599,14 +564,11 @@ class CoordServer:
             if event != _DISCONNECTED:
                 continue
             self.connections.closed(fd)
-            origin = self._origin.pop(fd, None)
             peer = self._fd_peer.pop(fd, None)
             if peer is None or self._peer_fd.get(peer) != fd:
                 continue
             del self._peer_fd[peer]
             self.stats.disconnects += 1
-            if origin is not None:
-                self._close_duplicates(origin)
             group = self._peer_group.get(peer)
             if group is None:
                 continue

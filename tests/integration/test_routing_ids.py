@@ -28,7 +28,7 @@ import zmq
 from coordd import identity
 from coordd.client.sync import CoordClient
 from coordd.identity import new_router
-from coordd.proto.errors import CoordinatorUnavailable
+from coordd.proto.errors import CoordinatorUnavailable, Rejected
 from coordd.proto.messages import Heartbeat, StepReport, encode
 from coordd.testing import CoorddProcess
 from coordd.testing.load import ProcessGauge
@@ -257,10 +257,10 @@ def test_a_rank_whose_connection_went_half_open_registers_again(
     start_coordd: Callable[..., CoorddProcess],
 ) -> None:
     """The rank's side of its connection drops while coordd's side stays open; libzmq
-    reconnects it at once, under the same routing id, so coordd's libzmq keeps the new
-    connection as an unread duplicate. When coordd's heartbeat timeout closes the old one, the
-    duplicate from the same place is closed too, the client's reconnect is read, and the rank
-    registers again. Before: every connect() went unanswered for good (8 tries, 40 s)."""
+    reconnects it at once, under the same routing id, and coordd's libzmq would keep that
+    connection as an unread duplicate for good. connect() opens a new connection under a fresh
+    id instead: refused rank_taken until coordd's heartbeat timeout closes the old connection,
+    then the rank registers again. Before: every connect() went unanswered (8 tries, 40 s)."""
     c = start_coordd(1, "tcp", "--heartbeat-interval", "0.25", "--heartbeat-timeout", "1")
     proxy = HalfOpeningProxy(c.address)
     client = CoordClient(proxy.address, dp_rank=0, dp_size=1, config_fingerprint="fp")
@@ -273,7 +273,9 @@ def test_a_rank_whose_connection_went_half_open_registers_again(
             try:
                 client.connect(timeout=2)
                 break
-            except CoordinatorUnavailable:
+            except (CoordinatorUnavailable, Rejected) as error:
+                if isinstance(error, Rejected):
+                    assert error.reason == "rank_taken", error
                 assert time.monotonic() < deadline, "the rank could not register again in 20 s"
         decision = client.coordinate(StepReport(num_tokens=2, num_tokens_padded=2), timeout=10)
         assert decision.num_tokens_across_dp == [2]
