@@ -342,8 +342,9 @@ def _explain_handshake(event: int, value: int, curve: bool, tcp: bool = True) ->
         )
     if not curve:
         return (
-            "the security handshake failed: coordd may require CURVE (set "
-            f"{SERVER_KEY_ENV} and {CLIENT_KEY_ENV}, or pass curve=)"
+            "the security handshake failed or timed out: coordd may require CURVE (set "
+            f"{SERVER_KEY_ENV} and {CLIENT_KEY_ENV}, or pass curve=), or it is refusing new "
+            "connections for the moment (over its --max-rss-mb memory budget; see its log)"
         )
     return (
         "the CURVE handshake failed: is COORDD_CURVE_SERVER_KEY (curve.server_public) "
