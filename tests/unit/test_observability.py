@@ -50,6 +50,8 @@ class Daemon:
         self.max_groups = 64
         self.expect_groups = expect_groups
         self.curve_refused = None
+        self.memory = None
+        self.gate = None
         self.started_wall = self.wall()
         self.sent: list[Any] = []
 
