@@ -104,9 +104,14 @@ class RssBudget:
         """RSS above which strangers are closed."""
         return max(self.budget, self.own + self.slack)
 
-    def check(self, rss: int, now: float, strangers: int) -> Verdict:
+    def check(self, rss: int, now: float, strangers: int, backlog: bool = False) -> Verdict:
+        """`backlog`: messages are queued unread. What peers sent before their connections
+        closed (or were shut at once: banned, refused) is in the RSS until coordd drops it,
+        so the RSS is not coordd's own level then: taken as such, it ratcheted the threshold
+        up behind a flood whose reconnects were shut as soon as seen (0 strangers open at
+        every check), and coordd grew to 150-190 MB at a 64 MB budget."""
         self.peak = max(self.peak, rss)
-        if not strangers and now - self.pressure_at >= SETTLE:
+        if not strangers and not backlog and now - self.pressure_at >= SETTLE:
             self.own = rss
         over = rss > self.budget
         if over and not self.over:
@@ -188,7 +193,8 @@ class MemoryStats:
 class MemoryWatch:
     """The timer: reads the RSS, asks `RssBudget`, tells `pressure(on)` (under pressure it
     closes the strangers and refuses new connections; it returns how many it closed) and
-    trims. `strangers()` is how many connections hold no rank now."""
+    trims. `strangers()` is how many connections hold no rank now; `backlog()` whether
+    messages are queued unread (then the RSS is not taken as coordd's own level)."""
 
     def __init__(
         self,
@@ -199,10 +205,12 @@ class MemoryWatch:
         clock: Callable[[], float],
         rss: Callable[[], int] | None = None,
         trim: Callable[[], None] | None = None,
+        backlog: Callable[[], bool] | None = None,
     ) -> None:
         self.policy = RssBudget(budget_mb)
         self.stats = MemoryStats()
         self._strangers = strangers
+        self._backlog = backlog or (lambda: False)
         self._pressure = pressure
         self._pressed = False
         self._clock = clock
@@ -256,7 +264,11 @@ class MemoryWatch:
         stats.checks += 1
         stats.rss = rss
         stats.peak_rss = max(stats.peak_rss, rss)
-        verdict = self.policy.check(rss, self._clock(), strangers)
+        try:
+            backlog = self._backlog()
+        except zmq.ZMQError:  # pragma: no cover - the socket is closing
+            backlog = True
+        verdict = self.policy.check(rss, self._clock(), strangers, backlog)
         if verdict.pressure or self._pressed:
             self._pressed = verdict.pressure
             closed = self._pressure(verdict.pressure)

@@ -269,6 +269,7 @@ class CoordServer:
                 strangers=self.connections.strangers,
                 pressure=self._memory_pressure,
                 clock=clock,
+                backlog=self._backlog,
             )
             self.connections.on_accept = self.memory.poke
             if self.gate is not None:
@@ -521,6 +522,13 @@ class CoordServer:
                     closed=guard.evicted - before,
                     detail="the oldest connections that registered no rank were closed",
                 )
+
+    def _backlog(self) -> bool:
+        """Whether messages are queued unread (the memory guard's check, between drains)."""
+        if int(self._sock.getsockopt(_EVENTS)) & _POLLIN:
+            self._again()  # EVENTS may have taken the FD's edge: drain without it
+            return True
+        return False
 
     def _memory_pressure(self, on: bool) -> int:
         """Over the memory budget (coordd.memory): refuse new connections and close every

@@ -74,6 +74,26 @@ def test_after_pressure_the_level_without_strangers_is_not_taken_as_coordd_s_own
     assert policy.threshold() == (90 + memory.STRANGER_SLACK_MB) * MB
 
 
+def test_the_rss_with_messages_queued_unread_is_not_taken_as_coordd_s_own() -> None:
+    """A flood whose reconnects are shut as soon as seen (banned, refused) leaves no stranger
+    open at any check, while what it sent sits queued in coordd. Taken as coordd's own level,
+    that RSS ratcheted the threshold up with it (measured: 150-190 MB at a 64 MB budget);
+    with the backlog seen, pressure starts at the budget, and the level is taken once the
+    queue is empty."""
+    policy = RssBudget(64)
+    policy.check(36 * MB, 0.0, strangers=0)
+    rss = 36
+    for i in range(1, 20):
+        rss += 2
+        verdict = policy.check(rss * MB, i * 0.015, strangers=0, backlog=True)
+        if rss > 64:
+            assert verdict.pressure
+    assert policy.own == 36 * MB and policy.threshold() == 64 * MB
+    # the queue dropped and trimmed, pressure over: the level is coordd's own again
+    assert not policy.check(40 * MB, 10.0, strangers=0, backlog=False).pressure
+    assert policy.own == 40 * MB
+
+
 def test_rss_reader_reads_this_process() -> None:
     reader = memory.RssReader()
     try:
@@ -99,6 +119,7 @@ class Fake:
         self.strangers = 0
         self.pressure: list[bool] = []
         self.trims = 0
+        self.backlog = False
 
     def press(self, on: bool) -> int:
         self.pressure.append(on)
@@ -118,6 +139,7 @@ class Fake:
             clock=lambda: self.now,
             rss=lambda: self.rss,
             trim=self.trim,
+            backlog=lambda: self.backlog,
         )
 
 
@@ -173,3 +195,14 @@ def test_a_new_connection_brings_the_next_check_forward() -> None:
         return fast
 
     assert asyncio.run(run()) <= memory.FAST_INTERVAL + 1e-3
+
+
+def test_the_watch_asks_for_the_backlog_before_taking_coordd_s_own_level() -> None:
+    fake = Fake()
+    watch = fake.watch(64)
+    fake.rss, fake.backlog = 60 * MB, True
+    watch.check()
+    assert watch.policy.own == 0  # queued messages: not coordd's own
+    fake.backlog = False
+    watch.check()
+    assert watch.policy.own == 60 * MB
