@@ -2,8 +2,9 @@
 
 A tcp bind is refused unless CURVE is configured (coordd's secret key and the public keys of
 the clients it admits) or `--insecure` is given. With CURVE, libzmq encrypts every connection
-and asks a ZAP handler (pyzmq's authenticator, in its own thread, once per connection
-handshake, never per message) whether the client's public key is one coordd was given;
+and asks a ZAP handler (`coordd.memory.PressureGate`, in its own thread, once per connection
+handshake, never per message) whether the client's public key is one coordd was given (the
+same handler refuses handshakes while coordd is over its memory budget);
 `ZAP_ENFORCE_DOMAIN` makes the socket refuse every client if that handler were missing.
 
 Key files use ZeroMQ's certificate format (as `zmq.auth` reads them): `NAME.key` holds the
@@ -266,14 +267,16 @@ class CurveGate:
     @classmethod
     def start(cls, context: zmq.Context, secret_key: str, client_keys: Sequence[str]) -> CurveGate:
         """Load the keys and start the authenticator on `context` (before any bind)."""
-        from zmq.auth.thread import ThreadAuthenticator
+        from coordd.memory import PressureGate
 
         public, secret = load_secret_key(secret_key)
         gate = cls(public, secret, load_client_keys(client_keys))
         gate.ranks = load_rank_bindings(client_keys)
-        auth = ThreadAuthenticator(context, log=logging.getLogger("coordd.zap"))
-        auth.start()
-        auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=gate)
+        # coordd's own ZAP handler (not pyzmq's authenticator): the same one refuses
+        # handshakes while coordd is over its memory budget (status 300; an unknown key 400)
+        auth = PressureGate.start(context, curve=gate.callback)
+        if auth is None:
+            raise SecurityConfigError("another ZAP handler serves this ZeroMQ context")
         gate._auth = auth
         log.info(
             "CURVE on: coordd key %s, %d client key(s) admitted",
@@ -283,8 +286,8 @@ class CurveGate:
         return gate
 
     def callback(self, domain: str, key: bytes) -> bool:
-        """The ZAP handler's question (in the authenticator's thread): admit this client?"""
-        if key in self.allowed:
+        """The ZAP handler's question (in its thread): admit this client (`key`: z85)?"""
+        if domain == ZAP_DOMAIN and key in self.allowed:
             return True
         self.refused += 1
         now = time.monotonic()

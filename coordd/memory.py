@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils import z85
 
 from coordd.logs import Aggregated
 
@@ -303,26 +304,51 @@ ZAP_DOMAIN = "coordd"
 REFUSAL = b"coordd is over its memory budget (--max-rss-mb): try again"
 
 
+#: The gate serving each context's ZAP endpoint (one per context): `coordd serve` with CURVE
+#: starts it with the key check first, and the memory budget then shares it.
+_GATES: dict[int, PressureGate] = {}
+_GATES_LOCK = threading.Lock()
+#: The ZAP protocol version libzmq speaks.
+ZAP_VERSION = b"1.0"
+
+
 class PressureGate:
-    """A ZAP handler that admits every connection, except under memory pressure (then it
-    refuses them in the handshake, before libzmq reads a single message from them).
+    """coordd's ZAP handler: refuses connections in their handshake under memory pressure
+    (before libzmq reads a single message from them), and with CURVE admits only the client
+    keys `curve(domain, z85_key)` accepts.
 
     Closing a stranger's connection is not enough: a ZeroMQ peer reconnects within ~100 ms and
     sends its backlog again, and coordd reads the monitor's ACCEPTED event only after libzmq
     has started reading the new connection (a burst of 50 peers slipped ~65 MB/s through that
     gap). Refused by ZAP, a connection costs an accept and a handshake, no queued messages.
-    Runs in its own thread (the loop may be busy dropping what was already queued). Without
-    CURVE only: with CURVE, `coordd.keys.CurveGate` is the context's ZAP handler."""
+    Runs in its own thread (the loop may be busy dropping what was already queued).
 
-    def __init__(self, context: zmq.Context) -> None:
+    Statuses: 200 admitted (with CURVE, the User-Id is the client's z85 key: the key-to-rank
+    binding reads it at Hello); 400 an unknown key (libzmq's client reports
+    HANDSHAKE_FAILED_AUTH and does not retry: the key will not change); 300 memory pressure
+    (the client's handshake stalls until coordd's HANDSHAKE_IVL, then it reconnects: it is
+    let in once the pressure is over). A known key under pressure gets 300, an unknown one
+    400 whatever the pressure."""
+
+    def __init__(
+        self, context: zmq.Context, curve: Callable[[str, bytes], bool] | None = None
+    ) -> None:
         self.refusing = False
         #: Asked for each handshake too (`MemoryWatch.over`): refuse if it says so.
         self.over: Callable[[], bool] = lambda: False
+        self.curve = curve
+        #: refused for memory pressure (300), admitted (200), refused for their key (400)
         self.refused = 0
         self.admitted = 0
+        self.bad_keys = 0
+        self._context_id = id(context)
         self._sock = context.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(ZAP_ENDPOINT)
+        try:
+            self._sock.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            raise
         # stop() wakes the thread through this pair (no timed polling: idle costs nothing)
         wake = f"inproc://coordd-zap-stop-{id(self):x}"
         self._wake_in = context.socket(zmq.PAIR)
@@ -330,16 +356,54 @@ class PressureGate:
         self._wake_out = context.socket(zmq.PAIR)
         self._wake_out.connect(wake)
         self._thread = threading.Thread(target=self._run, name="coordd-zap", daemon=True)
+        self._stopped = False
 
     @classmethod
-    def start(cls, context: zmq.Context) -> PressureGate | None:
-        """The gate, serving; None if the context has a ZAP handler already (CURVE)."""
-        try:
-            gate = cls(context)
-        except zmq.ZMQError:
-            return None
+    def start(
+        cls, context: zmq.Context, curve: Callable[[str, bytes], bool] | None = None
+    ) -> PressureGate | None:
+        """The context's gate, serving: this process's own if one was started on `context`
+        (CURVE starts it first), else a new one; None if something else serves ZAP there."""
+        with _GATES_LOCK:
+            gate = _GATES.get(id(context))
+            if gate is not None:
+                if curve is not None and gate.curve is None:
+                    gate.curve = curve
+                return gate
+            try:
+                gate = cls(context, curve)
+            except zmq.ZMQError:
+                return None
+            _GATES[id(context)] = gate
         gate._thread.start()
         return gate
+
+    def decide(self, request: list[bytes]) -> list[bytes]:
+        """The reply to one ZAP request (version, request id, domain, address, routing id,
+        mechanism, credentials...)."""
+        version = request[0] if request else b""
+        request_id = request[1] if len(request) > 1 else b""
+
+        def reply(status: bytes, text: bytes, user: bytes = b"") -> list[bytes]:
+            return [ZAP_VERSION, request_id, status, text, user, b""]
+
+        if version != ZAP_VERSION or len(request) < 6:
+            return reply(b"400", b"malformed ZAP request")
+        user = b""
+        if self.curve is not None:
+            mechanism, credentials = request[5], request[6:]
+            if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+                self.bad_keys += 1
+                return reply(b"400", b"CURVE required")
+            user = z85.encode(credentials[0])
+            if not self.curve(request[2].decode("utf-8", "replace"), user):
+                self.bad_keys += 1
+                return reply(b"400", b"unknown CURVE key")
+        if self.refusing or self.over():
+            self.refused += 1
+            return reply(b"300", REFUSAL)
+        self.admitted += 1
+        return reply(b"200", b"OK", user)
 
     def _run(self) -> None:
         sock = self._sock
@@ -354,19 +418,25 @@ class PressureGate:
                 request = sock.recv_multipart()
             except zmq.ZMQError:  # pragma: no cover - the context is going away
                 return
-            version, request_id = request[0], request[1] if len(request) > 1 else b""
-            if self.refusing or self.over():
-                self.refused += 1
-                reply = [version, request_id, b"300", REFUSAL, b"", b""]
-            else:
-                self.admitted += 1
-                reply = [version, request_id, b"200", b"OK", b"", b""]
             try:
-                sock.send_multipart(reply)
+                answer = self.decide(request)
+            except Exception:  # a bug here must not stop every future handshake
+                log.exception("ZAP request failed; refused")
+                request_id = request[1] if len(request) > 1 else b""
+                answer = [ZAP_VERSION, request_id, b"500", b"internal error", b"", b""]
+            try:
+                sock.send_multipart(answer)
             except zmq.ZMQError:  # pragma: no cover
                 return
 
     def stop(self) -> None:
+        """Stop serving (once; CURVE and the server may both ask)."""
+        with _GATES_LOCK:
+            if self._stopped:
+                return
+            self._stopped = True
+            if _GATES.get(self._context_id) is self:
+                del _GATES[self._context_id]
         if self._thread.is_alive():
             self._wake_out.send(b"")
             self._thread.join(timeout=2.0)

@@ -33,6 +33,7 @@ from types import TracebackType
 
 import zmq
 
+from coordd.client.config import curve_keys_from_env
 from coordd.client.sync import CoordClient
 from coordd.proto.messages import StepReport, encode
 from coordd.testing.rogue import APP_LEVEL, bad_frame
@@ -41,8 +42,15 @@ LOADS = ("garbage", "fast", "multipart", "unread", "connections", "http")
 
 
 def _dealer(context: zmq.Context, address: str, *, ping_ms: int = 100) -> zmq.Socket:
+    """A DEALER to coordd; a CURVE client with the keys a rank would use
+    ($COORDD_CURVE_SERVER_KEY, $COORDD_CURVE_CLIENT_KEY: a flood from a leaked rank key)."""
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    curve = curve_keys_from_env()
+    if curve is not None:
+        sock.curve_serverkey = curve.server_public
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
     sock.setsockopt(zmq.SNDHWM, 0)
     if ping_ms:
         sock.setsockopt(zmq.HEARTBEAT_IVL, ping_ms)

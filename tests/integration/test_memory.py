@@ -35,7 +35,7 @@ def test_the_gate_admits_until_pressure_then_refuses_in_the_handshake(tmp_path: 
     context = zmq.Context()
     gate = memory.PressureGate.start(context)
     assert gate is not None
-    assert memory.PressureGate.start(context) is None  # one ZAP handler per context
+    assert memory.PressureGate.start(context) is gate  # one ZAP handler per context
     router = _router(context, f"ipc://{tmp_path}/g.sock")
     try:
         admitted = context.socket(zmq.DEALER)
@@ -193,3 +193,163 @@ def test_the_budget_option_is_validated(tmp_path: Path) -> None:
         f"coordd: --max-rss-mb must be 0 (off) or {memory.MIN_RSS_MB}..{memory.MAX_RSS_MB} MB, "
         "got 8"
     ]
+
+
+def _curve_dealer(
+    context: zmq.Context, address: str, server_public: bytes, pair: tuple[bytes, bytes | None]
+) -> tuple[zmq.Socket, zmq.Socket]:
+    """A CURVE DEALER with key `pair`, and its own monitor of handshake failures."""
+    public, secret = pair
+    assert secret is not None
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey = server_public
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+    events = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    sock.connect(address)
+    return sock, events
+
+
+def _auth_failure(events: zmq.Socket) -> int:
+    assert events.poll(5000), "no handshake failure"
+    event, value = struct.unpack("=HI", events.recv_multipart()[0][:6])
+    assert event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    return value
+
+
+def test_with_curve_one_zap_handler_checks_the_key_then_the_memory(tmp_path: Path) -> None:
+    """With CURVE the key check and the memory budget share coordd's ZAP handler: a known key
+    is admitted (its User-Id is its z85 key, which the key-to-rank binding reads), an
+    unknown one refused with 400 (libzmq's client does not retry: its key will not change),
+    and a known one refused with 300 under memory pressure (it retries later)."""
+    from coordd.keys import CurveGate, write_keypair
+    from coordd.proto.keyfile import read_key_file
+
+    write_keypair(str(tmp_path), "coordd")
+    write_keypair(str(tmp_path), "rank")
+    write_keypair(str(tmp_path), "other")
+    context = zmq.Context()
+    gate = CurveGate.start(
+        context, str(tmp_path / "coordd.key_secret"), [str(tmp_path / "rank.key")]
+    )
+    zap = memory.PressureGate.start(context)  # what the server's memory budget gets
+    assert zap is not None and zap is gate._auth
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    gate.configure(router)
+    served = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{port}"
+    rank = read_key_file(str(tmp_path / "rank.key_secret"))
+    other = read_key_file(str(tmp_path / "other.key_secret"))
+    socks: list[zmq.Socket] = []
+    try:
+        known, _ = _curve_dealer(context, address, gate.public, rank)
+        socks += [known, _]
+        known.send(b"hello")
+        assert router.poll(5000), "a known key was not admitted"
+        frames = router.recv_multipart(copy=False)
+        assert frames[1].bytes == b"hello"
+        assert frames[1].get("User-Id") == rank[0].decode()
+        unknown, events = _curve_dealer(context, address, gate.public, other)
+        socks += [unknown, events]
+        assert _auth_failure(events) == 400  # the client is told (and does not retry)
+        assert _auth_failure(served) == 400
+        assert gate.refused == 1 and zap.refused == 0
+        zap.refusing = True
+        pressed, events = _curve_dealer(context, address, gate.public, rank)
+        socks += [pressed, events]
+        pressed.send(b"flood", zmq.NOBLOCK)
+        assert _auth_failure(served) == 300  # the client's handshake stalls; it retries
+        assert zap.refused >= 1 and gate.refused == 1
+        assert not router.poll(300), "a refused connection's message was queued"
+        pressed.close(linger=0)
+        time.sleep(0.1)
+        while served.poll(0):
+            served.recv_multipart()
+        unknown2, events = _curve_dealer(context, address, gate.public, other)
+        socks += [unknown2, events]
+        assert _auth_failure(events) == 400  # a wrong key is told so under pressure too
+        known.send(b"still")  # an admitted connection is not affected
+        assert router.poll(5000) and router.recv_multipart()[1] == b"still"
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        served.close(linger=0)
+        router.close(linger=0)
+        zap.stop()
+        gate.stop()  # once more: a no-op
+        context.destroy(linger=0)
+
+
+def test_a_foreign_zap_handler_is_left_alone() -> None:
+    context = zmq.Context()
+    other = context.socket(zmq.REP)
+    other.bind(memory.ZAP_ENDPOINT)
+    try:
+        assert memory.PressureGate.start(context) is None
+    finally:
+        other.close(linger=0)
+        context.destroy(linger=0)
+
+
+def test_with_curve_a_burst_from_a_leaked_rank_key_is_refused_in_the_handshake(
+    tmp_path: Path,
+) -> None:
+    """tcp+CURVE, 50 peers holding a rank's key queue bad frames: coordd closes them and
+    refuses their reconnects in the CURVE handshake (status 300 from its one ZAP handler;
+    before, pyzmq's authenticator admitted every known key whatever the memory), and ranks
+    keep deciding."""
+    from coordd.keys import write_keypair
+
+    write_keypair(str(tmp_path), "coordd")
+    write_keypair(str(tmp_path), "rank")
+    port = free_port()
+    proc = CoorddProcess(
+        2,
+        "tcp://127.0.0.1:0",
+        [
+            "--log-level",
+            "error",
+            "--metrics-port",
+            str(port),
+            "--curve-secret-key",
+            str(tmp_path / "coordd.key_secret"),
+            "--curve-client-keys",
+            str(tmp_path / "rank.key"),
+        ],
+    ).start()
+    old = {k: os.environ.get(k) for k in ("COORDD_CURVE_SERVER_KEY", "COORDD_CURVE_CLIENT_KEY")}
+    os.environ["COORDD_CURVE_SERVER_KEY"] = str(tmp_path / "coordd.key")
+    os.environ["COORDD_CURVE_CLIENT_KEY"] = str(tmp_path / "rank.key_secret")
+    try:
+        with HonestRounds(proc.address, 2) as ranks, ProcessGauge(proc.pid, 0.01) as gauge:
+            ranks.run(3)
+            load = start_load(
+                "garbage", proc.address, "--peers", "50", "--messages", "20000", "--repeat", "2"
+            )
+            try:
+                load.wait(timeout=40)
+            finally:
+                if load.poll() is None:
+                    load.kill()
+                    load.wait()
+            assert len(ranks.run(5)) == 5
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                metrics = r.read().decode()
+        closed = _value(metrics, "coordd_memory_strangers_closed_total")
+        refused = _value(metrics, "coordd_memory_handshakes_refused_total")
+        print(
+            f"CURVE: peak RSS {gauge.peak_rss_mb:.0f} MB with --max-rss-mb 64; "
+            f"{closed:.0f} strangers closed, {refused:.0f} handshakes refused"
+        )
+        assert refused >= 1 and closed >= 1
+        assert gauge.peak_rss_mb < 300, f"peak {gauge.peak_rss_mb:.0f} MB"
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        proc.stop()
