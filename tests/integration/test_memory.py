@@ -139,8 +139,9 @@ def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> N
     """50 peers queue 20,000 bad frames each, twice (without the guard: 380-590 MB at the
     peak, all kept). With --max-rss-mb 64 coordd closes the strangers, refuses their
     reconnects in the handshake and gives the memory back; ranks keep deciding. The peak is
-    usually 65-80 MB; a burst can stall coordd's loop (where the guard runs) for 0.2-0.9 s on
-    2 busy cores, so it is bounded loosely here."""
+    65-82 MB (30 runs with 2-3 CPU hogs); it is bounded with room for the loop being
+    preempted (+20 MB per 0.2 s seen), and under the 120-190 MB coordd reached when the RSS
+    of queued messages was taken as its own level."""
     port = free_port()
     proc = CoorddProcess(
         4,
@@ -174,7 +175,7 @@ def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> N
             f"{closed:.0f} strangers closed, {refused:.0f} handshakes refused"
         )
         assert after < 80, f"coordd kept {after:.0f} MB"
-        assert gauge.peak_rss_mb < 500, f"peak {gauge.peak_rss_mb:.0f} MB"
+        assert gauge.peak_rss_mb < 200, f"peak {gauge.peak_rss_mb:.0f} MB"
         assert closed >= 1 and refused >= 1
     finally:
         proc.stop()
