@@ -122,11 +122,19 @@ class ConnectionGuard:
         self.refused_memory = 0
         #: Called for each connection accepted (the memory guard looks sooner).
         self.on_accept: Callable[[], None] | None = None
+        #: Connections this guard shut down (descriptor -> socket identity), until the number
+        #: is accepted again: what is still queued from them (a flood's backlog, up to
+        #: hundreds of thousands of messages) is dropped undecoded (`from_shut`).
+        self.shut: dict[int, int] = {}
+        self.dropped_shut = 0
 
     def accepted(self, fd: int, now: float = 0.0) -> None:
         """A connection was accepted; one from a process cut off for flooding within
         BAN_SECONDS is shut down at once (its reconnects would flood again)."""
         ident = self._ident(fd)
+        # a new connection under this number: its messages are read again (the old one's
+        # still queued are then decoded and dropped one by one, as before it was shut)
+        self.shut.pop(fd, None)
         if self.on_accept is not None:
             self.on_accept()
         if self.refusing:
@@ -180,7 +188,23 @@ class ConnectionGuard:
     def _shut(self, fd: int, ident: int | None) -> bool:
         """`shutdown(2)` on `fd` if it still names the socket `ident`; never where the
         identity was unknown (the descriptor named no socket when its ACCEPTED was read)."""
-        return ident is not None and self._shutdown(fd, ident)
+        if ident is None or not self._shutdown(fd, ident):
+            return False
+        self.shut[fd] = ident
+        return True
+
+    def from_shut(self, fd: int | None) -> bool:
+        """Whether a message that came over descriptor `fd` (its SRCFD) was queued by a
+        connection this guard shut down: the number still names that socket, or none. A new
+        connection under the number (its ACCEPTED not read yet) names another socket: no."""
+        ident = self.shut.get(fd) if fd is not None else None
+        if ident is None:
+            return False
+        now = self._ident(fd)  # type: ignore[arg-type]
+        if now is not None and now != ident:
+            return False
+        self.dropped_shut += 1
+        return True
 
     def over(self) -> int:
         """How many connections beyond the cap."""

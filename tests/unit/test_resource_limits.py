@@ -179,3 +179,28 @@ def test_the_cap_and_the_flood_cut_off_check_the_identity_too() -> None:
         guard.accepted(number)
         assert not guard.cut(number + 10_000, now=0.0)  # no such descriptor
         assert still_open(b_peer)
+
+
+def test_what_a_shut_connection_still_has_queued_is_recognised_by_its_socket() -> None:
+    """After a shed, a flood's queued messages are dropped undecoded (`from_shut`, asked with
+    each message's SRCFD). A new connection that got the shut one's descriptor number before
+    coordd read its ACCEPTED names another socket: its messages (a rank's Hello) are read."""
+    a, a_peer = socket.socketpair()
+    b, b_peer = socket.socketpair()
+    with a, a_peer, b, b_peer:
+        number = a.fileno()
+        guard = limits.ConnectionGuard(10, set)
+        guard.accepted(number)
+        assert not guard.from_shut(number) and not guard.from_shut(None)  # open: read
+        assert guard.shed() == 1
+        assert guard.from_shut(number) and guard.dropped_shut == 1  # the same socket: drop
+        os.dup2(b.fileno(), number)  # libzmq closed it and gave the number to B
+        assert not guard.from_shut(number)  # B's: read, before B's ACCEPTED too
+        guard.accepted(number)  # B's ACCEPTED: the number is B's from now on
+        assert number not in guard.shut and not guard.from_shut(number)
+    # a shut connection whose descriptor libzmq already closed (no socket under it): drop
+    fake = limits.ConnectionGuard(10, set, shutdown=recorder([]), ident=lambda fd: 7)
+    fake.accepted(40)
+    fake.shed()
+    fake._ident = lambda fd: None
+    assert fake.from_shut(40)
