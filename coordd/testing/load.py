@@ -361,12 +361,14 @@ def measure(
     limit: float = 60.0,
     only: Sequence[str] = (),
     extra: Sequence[str] = (),
+    runs: int = 1,
 ) -> int:
-    """For each load of MEASURED (or those named in `only`), against a fresh coordd (ipc,
-    metrics on): honest-round p50 at `dp` quiet and during the load, coordd's peak RSS and
-    descriptors, whether it lived.
-    `extra` are more coordd options. Prints one line per load; returns 1 if coordd died
-    under any."""
+    """For each load of MEASURED (or those named in `only`), `runs` times, against a fresh
+    coordd (ipc, metrics on): honest-round p50 at `dp` quiet and during the load, coordd's
+    peak RSS and descriptors, whether it lived.
+    `extra` are more coordd options. Prints one line per run, and with `runs` > 1 a line per
+    load of the ratio's and the peak's spread (a burst's peak varies from run to run on busy
+    cores); returns 1 if coordd died under any."""
     import tempfile
 
     from coordd.testing.process import CoorddProcess
@@ -376,7 +378,8 @@ def measure(
         f"{'load':<12} {'quiet p50':>10} {'load p50':>9} {'ratio':>6} {'rounds':>7} "
         f"{'peak RSS':>9} {'peak FDs':>8}  coordd"
     )
-    for kind, load_args in MEASURED:
+    spread: dict[str, list[tuple[float, float]]] = {}
+    for kind, load_args in [m for m in MEASURED for _ in range(runs)]:
         if only and kind not in only:
             continue
         with tempfile.TemporaryDirectory(prefix="coordd-load-") as tmp:
@@ -416,8 +419,18 @@ def measure(
                     f"{state}{' ' + error if error else ''}",
                     flush=True,
                 )
+                spread.setdefault(kind, []).append((busy / quiet, gauge.peak_rss_mb))
             finally:
                 proc.stop()
+    for kind, seen in spread.items() if runs > 1 else ():
+        ratios = sorted(r for r, _ in seen)
+        peaks = sorted(p for _, p in seen)
+        print(
+            f"{kind:<12} {len(seen)} runs: ratio {ratios[0]:.1f}-{ratios[-1]:.1f} (median "
+            f"{statistics.median(ratios):.1f}), peak RSS {peaks[0]:.0f}-{peaks[-1]:.0f} MB "
+            f"(median {statistics.median(peaks):.0f})",
+            flush=True,
+        )
     return 1 if died else 0
 
 
@@ -434,13 +447,14 @@ def _main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dp", type=int, default=4)
     p.add_argument("--only", default="", help="measure: a comma list of loads (default all)")
     p.add_argument("--coordd-args", default="", help="measure: more coordd options, one string")
+    p.add_argument("--runs", type=int, default=1, help="measure: runs of each load (spread)")
     args = p.parse_args(argv)
     if args.kind == "measure":
         only = [k for k in args.only.split(",") if k]
         unknown = sorted(set(only) - set(LOADS))
         if unknown:
             p.error(f"--only: unknown loads {unknown}; known: {', '.join(LOADS)}")
-        return measure(args.dp, only=only, extra=args.coordd_args.split())
+        return measure(args.dp, only=only, extra=args.coordd_args.split(), runs=args.runs)
     if args.kind == "garbage":
         n = garbage(args.address, args.peers, args.messages, args.repeat)
     elif args.kind == "fast":
