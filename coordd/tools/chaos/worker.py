@@ -455,15 +455,20 @@ def wait_for_trigger(spec: WorkerSpec) -> None:
         wait_for_round(spec.trigger_log, spec.trigger_seq, spec.deadline)
 
 
-def run_rogue(spec: WorkerSpec, log: HistoryWriter) -> int:
-    """The garbage scenario's culprit: a flood of bad frames once the group runs, then a probe."""
-    with RoguePeer(
+def _rogue_peer(spec: WorkerSpec) -> RoguePeer:
+    """A peer outside the group, with the scenario's heartbeat settings."""
+    return RoguePeer(
         spec.address,
         spec.dp_size,
         seed=spec.seed,
         heartbeat_interval=spec.heartbeat_interval,
         heartbeat_timeout=spec.heartbeat_timeout,
-    ) as rogue:
+    )
+
+
+def run_rogue(spec: WorkerSpec, log: HistoryWriter) -> int:
+    """The garbage scenario's culprit: a flood of bad frames once the group runs, then a probe."""
+    with _rogue_peer(spec) as rogue:
         if not rogue.connected(timeout=5.0):
             log.write(Note(t=now(), what="rogue could not connect"))
             return 0
@@ -501,13 +506,7 @@ def run_stranger(spec: WorkerSpec, log: HistoryWriter) -> int:
     coordd still answers (the rogue's probe), then bursts forged reports as fast as it can on
     a second connection (coordd may cut it off). The group's rounds must not notice."""
     rng = random.Random(f"stranger:{spec.seed}")
-    with RoguePeer(
-        spec.address,
-        spec.dp_size,
-        seed=spec.seed,
-        heartbeat_interval=spec.heartbeat_interval,
-        heartbeat_timeout=spec.heartbeat_timeout,
-    ) as rogue:
+    with _rogue_peer(spec) as rogue:
         if not rogue.connected(timeout=5.0):
             log.write(Note(t=now(), what="stranger could not connect"))
             return 0
