@@ -443,18 +443,21 @@ class CoordServer:
         # backlog; ~1 us a message instead of ~4); not at debug level (a line per bad frame)
         guard = self.connections
         shut = guard if guard.shut and not log.isEnabledFor(logging.DEBUG) else None
-        for _ in range(DRAIN_BUDGET):
+        for handled in range(DRAIN_BUDGET):
             # Until Again, not EVENTS per frame: getsockopt is a syscall plus an enum lookup
-            # in pyzmq each time, Again one exception per drain; `head.more` saves RCVMORE.
+            # in pyzmq each time, Again one exception per drain. But after the first message,
+            # one EVENTS check: most wakeups bring one message, and EVENTS (~1.1 us) is
+            # cheaper than the Again that would end them (~2.6 us): -15 us a round at dp=8.
+            if handled == 1 and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+                return False
             try:
-                head = sock.recv(_NOBLOCK, copy=False)
+                # A ROUTER's first part is the routing id, and a payload part always follows
+                # it (libzmq's router prefetches that part before it hands out the id): read
+                # as bytes, with no Frame object and no RCVMORE check.
+                peer = sock.recv(_NOBLOCK)
             except zmq.Again:
                 return False
-            peer = head.bytes
             stats.frames_in += 1
-            if not head.more:
-                self._bad_frame(peer, "no payload frame", head)
-                continue
             frame = sock.recv(_NOBLOCK, copy=False)
             if frame.more:
                 # Refused as soon as its second payload part shows: the rest is dropped
