@@ -36,6 +36,7 @@ import zmq
 from coordd.client.config import curve_keys_from_env
 from coordd.client.sync import CoordClient
 from coordd.proto.messages import StepReport, encode
+from coordd.testing.process import CoorddProcess, die_with_parent
 from coordd.testing.rogue import APP_LEVEL, bad_frame
 
 LOADS = ("garbage", "fast", "multipart", "unread", "connections", "http")
@@ -209,7 +210,7 @@ def start_load(kind: str, address: str, *args: str) -> subprocess.Popen[bytes]:
     if kind not in LOADS:
         raise ValueError(f"load kind must be one of {LOADS}, got {kind!r}")
     argv = [sys.executable, "-m", "coordd.testing.load", kind, address, *args]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent())
 
 
 class ProcessGauge:
@@ -370,8 +371,6 @@ def measure(
     load of the ratio's and the peak's spread (a burst's peak varies from run to run on busy
     cores); returns 1 if coordd died under any."""
     import tempfile
-
-    from coordd.testing.process import CoorddProcess
 
     died = 0
     print(

@@ -6,7 +6,7 @@ import selectors
 import subprocess
 import sys
 
-from coordd.testing.process import stop_process
+from coordd.testing.process import die_with_parent, stop_process
 
 
 class HubChild:
@@ -28,7 +28,11 @@ class HubChild:
 
     def start(self, timeout: float = 15.0) -> HubChild:
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, text=True, start_new_session=True
+            self.argv,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         self.address = read_ready_line(self.proc, self.ready, timeout, self.what)
         return self
