@@ -32,6 +32,7 @@ from coordd.proto.errors import CoordinatorUnavailable, Rejected
 from coordd.proto.messages import Heartbeat, StepReport, encode
 from coordd.testing import CoorddProcess
 from coordd.testing.load import ProcessGauge
+from tests.integration.clients import CLIENT_KINDS, ClientMaker, client_maker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -253,8 +254,13 @@ class HalfOpeningProxy:
             server.close()
 
 
+@pytest.fixture(params=CLIENT_KINDS)
+def make_client(request: pytest.FixtureRequest) -> Iterator[ClientMaker]:
+    yield from client_maker(request.param)
+
+
 def test_a_rank_whose_connection_went_half_open_registers_again(
-    start_coordd: Callable[..., CoorddProcess],
+    start_coordd: Callable[..., CoorddProcess], make_client: ClientMaker
 ) -> None:
     """The rank's side of its connection drops while coordd's side stays open; libzmq
     reconnects it at once, under the same routing id, and coordd's libzmq would keep that
@@ -263,7 +269,7 @@ def test_a_rank_whose_connection_went_half_open_registers_again(
     then the rank registers again. Before: every connect() went unanswered (8 tries, 40 s)."""
     c = start_coordd(1, "tcp", "--heartbeat-interval", "0.25", "--heartbeat-timeout", "1")
     proxy = HalfOpeningProxy(c.address)
-    client = CoordClient(proxy.address, dp_rank=0, dp_size=1, config_fingerprint="fp")
+    client = make_client(proxy.address, dp_rank=0, dp_size=1, config_fingerprint="fp")
     try:
         client.connect(timeout=10)
         client.coordinate(StepReport(num_tokens=1, num_tokens_padded=1), timeout=10)
@@ -280,7 +286,6 @@ def test_a_rank_whose_connection_went_half_open_registers_again(
         decision = client.coordinate(StepReport(num_tokens=2, num_tokens_padded=2), timeout=10)
         assert decision.num_tokens_across_dp == [2]
     finally:
-        client.close()
         proxy.close()
 
 
