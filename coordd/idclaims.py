@@ -21,10 +21,8 @@ from collections.abc import Callable
 
 #: Ids probed ahead of the counter at least (at most this many connections between two looks).
 MARGIN = 256
-#: A reading of the counter at most this often (seconds), while connections are accepted;
-#: each restarts the sweep just ahead of the counter (a shut claim that reconnects is found
-#: again), its window twice the connections accepted between the last two readings.
-PERIOD = 0.05
+#: A look at most this often (seconds); its window covers twice the connections of the last.
+PERIOD = 0.5
 #: Probes per loop turn (~2.4 us each, measured: about 0.6 ms a turn).
 CHUNK = 256
 
@@ -55,11 +53,6 @@ class ClaimWatch:
         self._next = 0  # next offset to probe ahead of `counter`
         self._window = 0
         self._next_look = 0.0
-        #: ids found held but possibly generated (within the connections accepted since the
-        #: read): probed again after the next reading
-        self._suspects: set[int] = set()
-        self._recheck: list[int] = []
-        self._follow_up = False
         #: claims found (ids held ahead of the counter), probes sent, looks taken
         self.claims = 0
         self.probes = 0
@@ -71,18 +64,13 @@ class ClaimWatch:
 
     def want_read(self) -> bool:
         """Whether to read the counter now: connections were accepted, no reading is under
-        way, and the last started a period ago or the id was found held (suspects)."""
-        if self.reading:
+        way, and either the last window is probed and a period has passed, or the counter may
+        have moved through half the window (a burst: read again at once, even mid-window)."""
+        if self.accepted_since_read == 0 or self.reading:
             return False
-        if self.accepted_since_read == 0:
-            # one more look a period after a look that followed accepted connections: those
-            # still in their handshake when it read attach (and take or claim ids) later
-            return self._follow_up and self.clock() >= self._next_look
-        return bool(self._suspects) or self.clock() >= self._next_look
-
-    def wants_later(self) -> bool:
-        """Whether a look is owed once the period has passed (the daemon sets a timer)."""
-        return not self.reading and (self.accepted_since_read > 0 or self._follow_up)
+        if 2 * self.accepted_since_read >= self._window:
+            return True
+        return self._next >= self._window and self.clock() >= self._next_look
 
     def start_read(self) -> None:
         self.reading = True
@@ -96,11 +84,8 @@ class ClaimWatch:
         self.counter = counter
         self._window = max(self.margin, 2 * max(self.accepted_since_read, self._last_period))
         self._last_period = self.accepted_since_read
-        self._follow_up = self.accepted_since_read > 0
         self.accepted_since_read = 0
         self._next = 0
-        self._recheck = sorted(self._suspects)
-        self._suspects.clear()
 
     def read_failed(self) -> None:
         """The reading was lost: the next turn may read again."""
@@ -108,7 +93,7 @@ class ClaimWatch:
         self._next_look = self.clock()
 
     def probing(self) -> bool:
-        return self.counter is not None and (self._next < self._window or bool(self._recheck))
+        return self._next < self._window and self.counter is not None
 
     def next_chunk(self) -> list[int]:
         """The next ids (counter values) to probe, at most `chunk`; never one libzmq may have
@@ -116,12 +101,6 @@ class ClaimWatch:
         would get the probe's empty frame."""
         if self.counter is None:
             return []
-        if self._recheck:
-            recheck = [v for v in self._recheck if self._ahead(v)]
-            self._recheck = []
-            if recheck:
-                self.probes += len(recheck)
-                return recheck
         self._next = max(self._next, min(self._window, self.accepted_since_read))
         end = min(self._window, self._next + self.chunk)
         values = [(self.counter + 1 + k) % _SPACE for k in range(self._next, end)]
@@ -134,19 +113,11 @@ class ClaimWatch:
         generated since the read (one per connection accepted since then); True if so."""
         if self.counter is None:
             return False
-        if not self._ahead(value):
-            # possibly an id-less connection's own, generated since the read: again after
-            # the next reading
-            self._suspects.add(value)
-            return False
+        ahead = (value - self.counter) % _SPACE
+        if ahead <= self.accepted_since_read:
+            return False  # possibly an id-less connection's own, generated since the read
         self.claims += 1
         return True
-
-    def _ahead(self, value: int) -> bool:
-        """Whether `value` is ahead of every id libzmq can have generated since the read."""
-        assert self.counter is not None
-        ahead = (value - self.counter) % _SPACE
-        return self.accepted_since_read < ahead < _SPACE // 2
 
     def found(self) -> None:
         """Claims were found and connections shut: stop this window, look again soon."""

@@ -642,7 +642,12 @@ class CoordServer:
         elif watch.probing():
             self._claims_probe_chunk()
             self._claims_soon()
-        elif watch.wants_later() and self._loop is not None and not self._claims_timer:
+        elif (
+            watch.accepted_since_read
+            and not watch.reading
+            and self._loop is not None
+            and not self._claims_timer
+        ):
             self._claims_timer = True
             self._loop.call_later(watch.period, self._claims_later)
 

@@ -73,33 +73,21 @@ def test_a_failed_read_can_be_retried() -> None:
     assert watch.want_read()
 
 
-def test_a_held_id_that_may_be_generated_is_probed_again_after_a_fresh_reading() -> None:
+def test_a_burst_reads_again_before_the_period_ends() -> None:
+    """The counter may pass half the window before the window is probed: read again at once."""
     clock = Clock()
-    watch = ClaimWatch(margin=8, period=10.0, chunk=8, clock=clock)
+    watch = ClaimWatch(margin=8, period=10.0, chunk=2, clock=clock)
     watch.accepted()
     watch.start_read()
     watch.read(0)
-    watch.accepted()
-    watch.accepted()
-    assert not watch.held(2)  # 1 and 2 may be id-less connections' own
-    assert watch.want_read()  # at once, not after the period
+    for _ in range(3):
+        watch.accepted()
+    assert not watch.want_read()
+    watch.accepted()  # 4 of a window of 8
+    assert watch.want_read()
     watch.start_read()
-    watch.read(1)  # one of the two attached: 2 is ahead of the counter now
-    assert watch.next_chunk() == [2]
-    assert watch.held(2) and watch.claims == 1
-
-
-def test_a_held_id_the_counter_passed_is_forgotten() -> None:
-    clock = Clock()
-    watch = ClaimWatch(margin=8, period=10.0, chunk=8, clock=clock)
-    watch.accepted()
-    watch.start_read()
-    watch.read(0)
-    watch.accepted()
-    assert not watch.held(1)
-    watch.start_read()
-    watch.read(5)
-    assert watch.next_chunk() == [6, 7, 8, 9, 10, 11, 12, 13]
+    watch.read(4)
+    assert len(watch.next_chunk()) == 2 and watch.probing()  # window 2 * 4 = 8
 
 
 def test_ids_libzmq_may_have_generated_since_the_read_are_not_probed() -> None:
