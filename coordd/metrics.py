@@ -560,12 +560,6 @@ class CoorddCollector:
         yield _counter(
             "coordd_disconnects", "Registered ranks whose connection closed", s.disconnects
         )
-        yield _counter(
-            "coordd_routing_id_claims",
-            "Routing ids found held ahead of libzmq's automatic-id counter (each would abort "
-            "coordd when reached); every connection that held no rank was shut down",
-            s.routing_id_claims,
-        )
         if server.memory is not None:
             yield _counter(
                 "coordd_memory_strangers_closed",

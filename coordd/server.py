@@ -25,9 +25,7 @@ if it came over the descriptor its Hello came in on; routing ids are never logge
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import secrets
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +33,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from coordd import idclaims, limits, memory
+from coordd import limits, memory
 from coordd.cli import DEFAULT_MAX_GROUPS
 from coordd.identity import (
     Takeovers,
@@ -114,10 +112,6 @@ class ServerStats:
     stranger_answers_dropped: int = 0
     #: connections of flooding strangers shut down (over STRANGER_MESSAGES_PER_S)
     cut_off: int = 0
-    #: ids held ahead of libzmq's automatic-id counter (coordd.idclaims), and the
-    #: connections that held no rank shut down for them
-    routing_id_claims: int = 0
-    routing_id_claims_shed: int = 0
     #: unread connections shut down as possible duplicates of a closed one's routing id
 
 
@@ -263,16 +257,6 @@ class CoordServer:
             ) from None
         self.bound_address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
-        #: Claimed automatic routing ids (coordd.idclaims): the counter is read over this
-        #: private inproc endpoint by an id-less peer of coordd's own.
-        self.claims = idclaims.ClaimWatch(clock=clock)
-        self._claims_endpoint = f"inproc://coordd-counter-{secrets.token_hex(8)}"
-        sock.bind(self._claims_endpoint)
-        self._claims_probe: zmq.Socket | None = None
-        self._claims_nonce = b""
-        self._claims_pending = False
-        self._claims_timer = False
-        self._claims_log = Aggregated(log, "claimed routing ids found", clock=clock)
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
         #: Open connections, capped: over the cap the oldest that holds no rank is closed.
         self.connections = limits.ConnectionGuard(max_connections, self._registered_fds)
@@ -328,13 +312,11 @@ class CoordServer:
             self._bad_frame_log,
             self._evicted_log,
             self._cut_log,
-            self._claims_log,
             *self.events.aggregated(),
         ):
             aggregated.schedule = self._loop.call_later
         if self.memory is not None:
             self.memory.start(self._loop)
-        self._claims_read()
         self._drain()
         log.info(
             "coordd serving dp=%d on %s (at most %d groups)",
@@ -358,8 +340,6 @@ class CoordServer:
     def close(self, linger: float = 0.0) -> None:
         if self._sock.closed:
             return
-        if self._claims_probe is not None:
-            self._claims_probe.close(linger=0)
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=int(linger * 1000))
@@ -492,8 +472,6 @@ class CoordServer:
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
-                if self._claims_probe is not None and self._claims_read_back(peer, frame):
-                    continue
                 self._bad_frame(peer, str(exc), frame)
                 continue
             if type(message) is Hello:
@@ -599,8 +577,6 @@ class CoordServer:
             event, fd = struct.unpack("=HI", frames[0][:6])
             if event == _ACCEPTED:
                 self.connections.accepted(fd, self.clock())
-                self.claims.accepted()
-                self._claims_soon()
                 continue
             if event != _DISCONNECTED:
                 continue
@@ -623,121 +599,6 @@ class CoordServer:
         if seen:
             self._enforce_connection_cap()
         return seen
-
-    # -- claimed automatic routing ids (coordd.idclaims) --------------------------------------
-
-    def _claims_soon(self) -> None:
-        if not self._claims_pending and self._loop is not None:
-            self._claims_pending = True
-            self._loop.call_soon(self._claims_turn)
-
-    def _claims_turn(self) -> None:
-        """One turn of the claim watch: start a reading of the counter, or probe a chunk."""
-        self._claims_pending = False
-        if self._sock.closed:
-            return
-        watch = self.claims
-        if watch.want_read():
-            self._claims_read()
-        elif watch.probing():
-            self._claims_probe_chunk()
-            self._claims_soon()
-        elif (
-            watch.accepted_since_read
-            and not watch.reading
-            and self._loop is not None
-            and not self._claims_timer
-        ):
-            self._claims_timer = True
-            self._loop.call_later(watch.period, self._claims_later)
-
-    def _claims_later(self) -> None:
-        self._claims_timer = False
-        self._claims_soon()
-
-    def _claims_read(self) -> None:
-        """Read libzmq's counter: an id-less peer of coordd's own sends a nonce over inproc;
-        the drain sees it under the id libzmq generated (`_claims_read_back`)."""
-        self.claims.start_read()
-        self._claims_nonce = b"\xc1coordd-counter-" + secrets.token_bytes(16)
-        probe = self._context.socket(zmq.DEALER)
-        probe.setsockopt(zmq.LINGER, 0)
-        probe.connect(self._claims_endpoint)
-        probe.send(self._claims_nonce)
-        self._claims_probe = probe
-        self._again()  # inproc raises no edge we are sure to see
-
-    def _claims_read_back(self, peer: bytes, frame: zmq.Frame) -> bool:
-        """A frame that did not decode: coordd's own counter reading if it carries the nonce."""
-        if len(peer) != 5 or peer[:1] != b"\x00" or frame.bytes != self._claims_nonce:
-            return False
-        assert self._claims_probe is not None
-        self._claims_probe.close(linger=0)
-        self._claims_probe = None
-        counter = int.from_bytes(peer[1:], "big")
-        log.debug("routing-id counter read: %d", counter)
-        self.claims.read(counter)
-        self._claims_soon()
-        return True
-
-    def _claims_probe_chunk(self) -> None:
-        """Probe the next ids ahead of the counter: with ROUTER_MANDATORY (on for this chunk
-        only; coordd's other sends drop a frame to a gone peer silently) a send to an id nobody
-        holds fails with EHOSTUNREACH; one that goes out found the id held. A held id is a
-        claim once the monitor is drained again (the send may have attached a connection
-        whose ACCEPTED was not read yet: its generated id is not a claim)."""
-        self._drain_monitor()  # the accepted count must be current (`next_chunk`, `held`)
-        watch = self.claims
-        sock = self._sock
-        held: list[int] = []
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        try:
-            for value in watch.next_chunk():
-                ident = b"\x00" + value.to_bytes(4, "big")
-                try:
-                    sock.send(ident, _SNDMORE_NOBLOCK)
-                except zmq.ZMQError as exc:
-                    if exc.errno == errno.EHOSTUNREACH:
-                        continue
-                    # held, its queue full (EAGAIN)
-                else:
-                    sock.send(b"", _NOBLOCK)
-                held.append(value)
-        finally:
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if held:
-            self._drain_monitor()
-            claims = [value for value in held if watch.held(value)]
-            if claims:
-                self._claims_found(claims)
-
-    def _claims_found(self, held: list[int]) -> None:
-        """Ids held ahead of the counter: shut down every connection that holds no rank (the
-        claims are among them; coordd cannot tell which holds which id), and any connection
-        coordd knows under a claimed id (one that registered a rank with it: honest clients
-        never present such ids)."""
-        for _ in range(8):
-            if not self._drain_monitor():
-                break
-        self._drained()
-        guard = self.connections
-        shed = guard.shed()
-        for value in held:
-            fd = self._peer_fd.get(b"\x00" + value.to_bytes(4, "big"))
-            if fd is not None and guard.shutdown(fd):
-                shed += 1
-        self.stats.routing_id_claims += len(held)
-        self.stats.routing_id_claims_shed += shed
-        self.claims.found()
-        counter = self.claims.counter or 0
-        self._claims_log(
-            claims=len(held),
-            nearest=min((v - counter) % (1 << 32) for v in held),
-            shut=shed,
-            detail="peers held routing ids libzmq would generate next (an abort if reached): "
-            "every connection that holds no rank was shut down",
-        )
-        self._claims_soon()
 
     def _send(self, sends: Sequence[Send], observer: Observer) -> None:
         sock = self._sock
