@@ -175,6 +175,7 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 def add_limit_options(p: argparse.ArgumentParser) -> None:
     """Caps on what peers can hold (coordd.limits): fitted to the NOFILE limit at start."""
     from coordd.limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HTTP_CONNECTIONS
+    from coordd.memory import DEFAULT_MAX_RSS_MB
 
     p.add_argument(
         "--max-connections",
@@ -190,8 +191,6 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         help="most HTTP connections held at once; one more is closed at once "
         f"(default {DEFAULT_MAX_HTTP_CONNECTIONS})",
     )
-    from coordd.memory import DEFAULT_MAX_RSS_MB
-
     p.add_argument(
         "--max-rss-mb",
         type=int,

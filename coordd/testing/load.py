@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import zmq
@@ -155,21 +155,7 @@ def unread(address: str, peers: int = 20, messages: int = 10_000, hold: float = 
 def connections(address: str, count: int = 1000, seconds: float = 5.0) -> int:
     """`count` raw connections to coordd's ZeroMQ port that never handshake (a key-less
     client of tcp+CURVE, a port scanner), held `seconds`. Returns how many connected."""
-    held: list[socket.socket] = []
-    end = time.monotonic() + seconds
-    try:
-        for _ in range(count):
-            if time.monotonic() >= end:
-                break
-            try:
-                held.append(_raw_connect(address))
-            except OSError:
-                time.sleep(0.01)
-        time.sleep(max(0.0, end - time.monotonic()))
-    finally:
-        for sock in held:
-            sock.close()
-    return len(held)
+    return _hold(lambda: _raw_connect(address), count, seconds)
 
 
 def _raw_connect(address: str) -> socket.socket:
@@ -186,6 +172,22 @@ def _raw_connect(address: str) -> socket.socket:
 def http(hostport: str, count: int = 1000, seconds: float = 5.0) -> int:
     """`count` half-open HTTP connections (a request line, never its end), held `seconds`."""
     host, port = hostport.removeprefix("http://").rsplit(":", 1)
+
+    def half_open() -> socket.socket:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=1.0)
+        try:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    return _hold(half_open, count, seconds)
+
+
+def _hold(open_one: Callable[[], socket.socket], count: int, seconds: float) -> int:
+    """Open up to `count` connections with `open_one` (a refused one is retried after 10 ms)
+    and hold them until `seconds` have passed; how many were held."""
     held: list[socket.socket] = []
     end = time.monotonic() + seconds
     try:
@@ -193,9 +195,7 @@ def http(hostport: str, count: int = 1000, seconds: float = 5.0) -> int:
             if time.monotonic() >= end:
                 break
             try:
-                sock = socket.create_connection((host.strip("[]"), int(port)), timeout=1.0)
-                sock.sendall(b"GET /metrics HTTP/1.1\r\n")
-                held.append(sock)
+                held.append(open_one())
             except OSError:
                 time.sleep(0.01)
         time.sleep(max(0.0, end - time.monotonic()))
@@ -211,6 +211,17 @@ def start_load(kind: str, address: str, *args: str) -> subprocess.Popen[bytes]:
         raise ValueError(f"load kind must be one of {LOADS}, got {kind!r}")
     argv = [sys.executable, "-m", "coordd.testing.load", kind, address, *args]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent())
+
+
+def wait_load(load: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait for a load started by `start_load` to end; past `timeout` it is killed and
+    TimeoutError names it (a load that hangs must not hang the test that started it)."""
+    try:
+        load.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        load.kill()
+        load.wait()
+        raise TimeoutError(f"load {load.args!r} did not end within {timeout}s") from None
 
 
 class ProcessGauge:

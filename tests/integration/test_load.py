@@ -23,7 +23,7 @@ from coordd.keys import write_keypair
 from coordd.proto.errors import StepTimeout
 from coordd.proto.messages import StepReport
 from coordd.testing import CoorddProcess
-from coordd.testing.load import HonestRounds, ProcessGauge, start_load
+from coordd.testing.load import HonestRounds, ProcessGauge, start_load, wait_load
 
 pytestmark = pytest.mark.slow
 
@@ -53,15 +53,6 @@ def livez(url: str, timeout: float = 5.0) -> float:
     with urllib.request.urlopen(url + "/livez", timeout=timeout) as response:
         assert response.status == 200
     return time.monotonic() - t0
-
-
-def finish(load: subprocess.Popen[bytes], timeout: float) -> None:
-    try:
-        load.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        load.kill()
-        load.wait()
-        pytest.fail(f"load {load.args} did not end within {timeout}s")
 
 
 @pytest.fixture
@@ -106,7 +97,7 @@ def test_garbage_from_50_peers_then_their_disconnects_never_aborts_coordd(
         load = start_load(
             "garbage", proc.address, "--peers", "50", "--messages", "20000", "--repeat", "3"
         )
-        finish(load, 120)
+        wait_load(load, 120)
         assert proc.proc is not None and proc.proc.poll() is None, "coordd died"
         assert len(ranks.run(5)) == 5
         after = settled_rss(gauge)
@@ -151,7 +142,7 @@ def test_one_fast_peer_does_not_hold_the_loop(coordd, tmp_path: Path) -> None:
             answered = livez(url)
             assert load.poll() is None, "the flood ended before the checks: no evidence"
         finally:
-            finish(load, 30)
+            wait_load(load, 30)
     print(f"step timeout 0.5 s fired after {fired:.2f} s; /livez in {answered:.3f} s")
     assert fired < 3.0, f"the 0.5 s step timeout fired after {fired:.2f} s (flood held the loop)"
     assert answered < 3.0
@@ -179,7 +170,7 @@ def test_a_two_million_part_message_is_dropped_without_stalling(coordd, tmp_path
         while load.poll() is None:
             slowest = max(slowest, livez(url, timeout=10))
             time.sleep(0.05)
-        finish(load, 60)
+        wait_load(load, 60)
         for _ in range(100):  # until coordd has dropped it all and rounds flow
             if livez(url) < 0.5 and ranks.run(1)[0] < 0.5:
                 break
@@ -206,7 +197,7 @@ def test_peers_that_never_read_cost_little(coordd, tmp_path: Path) -> None:
         load = start_load(
             "unread", proc.address, "--peers", "20", "--messages", "10000", "--seconds", "1"
         )
-        finish(load, 60)
+        wait_load(load, 60)
         assert len(ranks.run(3)) == 3
         time.sleep(1.5)  # coordd may still be answering what was queued
     grew = gauge.peak_rss_mb - base
@@ -235,7 +226,7 @@ def test_half_open_http_connections_cannot_exhaust_descriptors(coordd, tmp_path:
                 assert len(ranks.run(3)) == 3
             assert livez(url) < 3.0
         finally:
-            finish(load, 30)
+            wait_load(load, 30)
         assert proc.proc is not None and proc.proc.poll() is None
     assert gauge.peak_fds < 256
 
@@ -278,7 +269,7 @@ def test_connections_that_never_handshake_cannot_lock_ranks_out(coordd, tmp_path
                 with HonestRounds(proc.address, 2) as ranks:
                     assert len(ranks.run(3)) == 3
             finally:
-                finish(load, 30)
+                wait_load(load, 30)
             cpu = _cpu_seconds(proc.pid) - cpu0
             assert proc.proc is not None and proc.proc.poll() is None
     finally:

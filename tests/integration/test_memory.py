@@ -18,7 +18,7 @@ import zmq
 
 from coordd import limits, memory
 from coordd.testing import CoorddProcess
-from coordd.testing.load import HonestRounds, ProcessGauge, start_load
+from coordd.testing.load import HonestRounds, ProcessGauge, start_load, wait_load
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -154,12 +154,7 @@ def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> N
             load = start_load(
                 "garbage", proc.address, "--peers", "50", "--messages", "20000", "--repeat", "2"
             )
-            try:
-                load.wait(timeout=30)
-            finally:
-                if load.poll() is None:
-                    load.kill()
-                    load.wait()
+            wait_load(load, 30)
             assert len(ranks.run(5)) == 5
             assert gauge.alive
             # new connections take the shut ones' descriptor numbers: they are read (only
@@ -334,12 +329,7 @@ def test_with_curve_a_burst_from_a_leaked_rank_key_is_refused_in_the_handshake(
             load = start_load(
                 "garbage", proc.address, "--peers", "50", "--messages", "20000", "--repeat", "2"
             )
-            try:
-                load.wait(timeout=40)
-            finally:
-                if load.poll() is None:
-                    load.kill()
-                    load.wait()
+            wait_load(load, 40)
             assert len(ranks.run(5)) == 5
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
                 metrics = r.read().decode()
