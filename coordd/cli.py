@@ -174,7 +174,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 
 def add_limit_options(p: argparse.ArgumentParser) -> None:
     """Caps on what peers can hold (coordd.limits): fitted to the NOFILE limit at start."""
-    from coordd.limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HTTP_CONNECTIONS
+    from coordd.gate import DEFAULT_HANDSHAKE_RATE, SOURCE_SHARE
+    from coordd.limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HTTP_CONNECTIONS, STRANGER_GRACE
     from coordd.memory import DEFAULT_MAX_RSS_MB
 
     p.add_argument(
@@ -199,6 +200,16 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         "that registered no rank are closed, new connections are refused in their handshake "
         "(they retry), and freed memory is given back to the OS; registered ranks are never "
         f"touched (default {DEFAULT_MAX_RSS_MB}; 0: off)",
+    )
+    p.add_argument(
+        "--max-handshake-rate",
+        type=float,
+        default=_env("max_handshake_rate", DEFAULT_HANDSHAKE_RATE, float),
+        help="most new connections admitted a second, from all peers together (one peer "
+        f"address or process: 1/{round(1 / SOURCE_SHARE)} of it), after a burst of "
+        "--max-connections; more wait and retry. With the close of a connection that says "
+        f"no Hello within {STRANGER_GRACE:g}s, it keeps a peer from making libzmq abort "
+        f"coordd (see coordd/gate.py) (default {DEFAULT_HANDSHAKE_RATE:g}; 0: off)",
     )
 
 
@@ -290,6 +301,7 @@ def serve(args: argparse.Namespace) -> int:
                 max_connections=caps.zmq,
                 ipc_mode=IPC_MODES[args.ipc_mode],
                 max_rss_mb=args.max_rss_mb,
+                max_handshake_rate=args.max_handshake_rate,
             )
         except BindError as exc:
             raise SystemExit(f"coordd: {exc}") from None

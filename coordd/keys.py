@@ -2,7 +2,7 @@
 
 A tcp bind is refused unless CURVE is configured (coordd's secret key and the public keys of
 the clients it admits) or `--insecure` is given. With CURVE, libzmq encrypts every connection
-and asks a ZAP handler (`coordd.memory.PressureGate`, in its own thread, once per connection
+and asks a ZAP handler (`coordd.gate.HandshakeGate`, in its own thread, once per connection
 handshake, never per message) whether the client's public key is one coordd was given (the
 same handler refuses handshakes while coordd is over its memory budget);
 `ZAP_ENFORCE_DOMAIN` makes the socket refuse every client if that handler were missing.
@@ -267,14 +267,14 @@ class CurveGate:
     @classmethod
     def start(cls, context: zmq.Context, secret_key: str, client_keys: Sequence[str]) -> CurveGate:
         """Load the keys and start the authenticator on `context` (before any bind)."""
-        from coordd.memory import PressureGate
+        from coordd.gate import HandshakeGate
 
         public, secret = load_secret_key(secret_key)
         gate = cls(public, secret, load_client_keys(client_keys))
         gate.ranks = load_rank_bindings(client_keys)
         # coordd's own ZAP handler (not pyzmq's authenticator): the same one refuses
         # handshakes while coordd is over its memory budget (status 300; an unknown key 400)
-        auth = PressureGate.start(context, curve=gate.callback)
+        auth = HandshakeGate.start(context, curve=gate.callback)
         if auth is None:
             raise SecurityConfigError("another ZAP handler serves this ZeroMQ context")
         gate._auth = auth

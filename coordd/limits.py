@@ -43,6 +43,9 @@ DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_MAX_HTTP_CONNECTIONS = 64
 #: A connection that has not finished its ZMTP (or CURVE) handshake within this is closed.
 HANDSHAKE_TIMEOUT = 5.0
+#: A connection that has not said Hello this long after it was accepted is shut down: a
+#: routing id held by a silent peer is what can make libzmq abort coordd (see coordd.gate).
+STRANGER_GRACE = 10.0
 #: Per-peer outbound queue (messages). A registered rank reads its decision every round; one
 #: that falls this far behind is broken, and a peer that never reads costs no more than this.
 SEND_QUEUE = 128
@@ -127,6 +130,9 @@ class ConnectionGuard:
         #: hundreds of thousands of messages) is dropped undecoded (`from_shut`).
         self.shut: dict[int, int] = {}
         self.dropped_shut = 0
+        #: when each open connection's ACCEPTED event was read
+        self.accepted_at: dict[int, float] = {}
+        self.expired = 0
 
     def accepted(self, fd: int, now: float = 0.0) -> None:
         """A connection was accepted; one from a process cut off for flooding within
@@ -152,6 +158,7 @@ class ConnectionGuard:
                 del self.banned[pid]  # type: ignore[arg-type]
         self.open.pop(fd, None)
         self.open[fd] = ident
+        self.accepted_at[fd] = now
         self.peak = max(self.peak, len(self.open))
 
     def cut(self, fd: int, now: float) -> bool:
@@ -179,6 +186,23 @@ class ConnectionGuard:
 
     def closed(self, fd: int) -> None:
         self.open.pop(fd, None)
+        self.accepted_at.pop(fd, None)
+
+    def expire(self, before: float, introduced: Collection[int]) -> int:
+        """Shut down the connections accepted before `before` that are not in `introduced`
+        (they said no Hello); how many were. Call with the monitor drained."""
+        victims = []
+        for fd in self.open:
+            if self.accepted_at.get(fd, before) >= before:
+                break  # accept order: the rest are younger
+            if fd not in introduced:
+                victims.append(fd)
+        done = 0
+        for fd in victims:
+            self.accepted_at.pop(fd, None)
+            done += self._shut(fd, self.open.pop(fd))
+        self.expired += done
+        return done
 
     def shutdown(self, fd: int) -> bool:
         """Shut down the open connection on `fd` if the descriptor still names the socket

@@ -573,6 +573,35 @@ class CoorddCollector:
                 "--max-rss-mb",
                 server.gate.refused,
             )
+        if server.gate is not None and server.gate.rate is not None:
+            yield _counter(
+                "coordd_handshakes_rate_refused",
+                "New connections refused in their handshake over --max-handshake-rate (they "
+                "retry): refused with their source over its share, or all sources over it",
+                server.gate.rate.refused,
+            )
+        guard = server.connections
+        yield _gauge("coordd_connections_open", "ZeroMQ connections open now", len(guard.open))
+        closed = CounterMetricFamily(
+            "coordd_connections_closed",
+            "Connections that held no rank, shut down by coordd: over --max-connections "
+            "(cap), flooding (flood), from a process cut off for flooding (banned), or silent: "
+            "no Hello within the stranger grace (silent)",
+            labels=["reason"],
+        )
+        for reason, n in (
+            ("cap", guard.evicted),
+            ("flood", s.cut_off),
+            ("banned", guard.refused),
+            ("silent", guard.expired),
+        ):
+            closed.add_metric([reason], n)
+        yield closed
+        yield _counter(
+            "coordd_closed_connection_messages_dropped",
+            "Messages still queued from connections coordd shut down, dropped undecoded",
+            guard.dropped_shut,
+        )
         if server.curve_refused is not None:
             yield _counter(
                 "coordd_curve_refused",

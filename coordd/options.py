@@ -78,6 +78,20 @@ def rss_mb(value: int) -> int:
     )
 
 
+def handshake_rate(value: float) -> float:
+    """`--max-handshake-rate`: 0 (off) or 1..1,000,000 a second (under 1, one source's
+    share admits no connection for seconds)."""
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (value == 0 or 1 <= value <= 1_000_000)
+    ):
+        return value
+    raise OptionError(
+        f"--max-handshake-rate must be 0 (off) or 1..1000000 connections a second, got {value!r}"
+    )
+
+
 def check_serve(args: argparse.Namespace) -> None:
     """Every range of `coordd serve`'s options (`OptionError` for the first one out)."""
     dp_size("--dp", args.dp)
@@ -90,6 +104,7 @@ def check_serve(args: argparse.Namespace) -> None:
             f"got {args.expect_groups}"
         )
     rss_mb(args.max_rss_mb)
+    handshake_rate(args.max_handshake_rate)
     if args.metrics_port is not None:
         count("--metrics-port", args.metrics_port, low=0, high=65535)
     if not str(args.metrics_host).strip():

@@ -35,6 +35,7 @@ import zmq
 
 from coordd import limits, memory
 from coordd.cli import DEFAULT_MAX_GROUPS
+from coordd.gate import ZAP_DOMAIN, HandshakeGate, HandshakeRate
 from coordd.identity import (
     Takeovers,
     frame_address,
@@ -172,6 +173,8 @@ class CoordServer:
         max_connections: int = limits.DEFAULT_MAX_CONNECTIONS,
         ipc_mode: int = 0o600,
         max_rss_mb: float = 0,
+        max_handshake_rate: float = 0,
+        stranger_grace: float = limits.STRANGER_GRACE,
     ) -> None:
         if not 1 <= dp_size <= MAX_DP_SIZE:
             raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
@@ -235,10 +238,14 @@ class CoordServer:
         # A connection that never finishes its handshake (a key-less tcp+CURVE client, a
         # socket that sends nothing) is closed after this, freeing its descriptor.
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(limits.HANDSHAKE_TIMEOUT * 1000))
-        #: Under memory pressure, new connections are refused in their handshake.
-        self.gate = memory.PressureGate.start(self._context) if max_rss_mb else None
+        #: Under memory pressure or over the handshake rate, new connections are refused in
+        #: their handshake (see coordd.gate).
+        self.gate = HandshakeGate.start(self._context) if max_rss_mb or max_handshake_rate else None
         if self.gate is not None:
-            sock.setsockopt_string(zmq.ZAP_DOMAIN, memory.ZAP_DOMAIN)
+            sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+            if max_handshake_rate:
+                # burst: as many as may connect at once (a whole engine starts together)
+                self.gate.rate = HandshakeRate(max_handshake_rate, max(1, max_connections))
         if configure_socket is not None:
             configure_socket(sock)
         try:
@@ -260,6 +267,10 @@ class CoordServer:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
         #: Open connections, capped: over the cap the oldest that holds no rank is closed.
         self.connections = limits.ConnectionGuard(max_connections, self._registered_fds)
+        #: A connection that said no Hello this long after it was accepted is shut down (0:
+        #: never); see coordd.gate for why.
+        self.stranger_grace = stranger_grace
+        self._grace_timer: asyncio.TimerHandle | None = None
         #: Over `max_rss_mb` (0: off, the default in-process: the host's memory is not
         #: coordd's; `coordd serve` sets it), connections that hold no rank are closed.
         self.memory: memory.MemoryWatch | None = None
@@ -281,6 +292,7 @@ class CoordServer:
         #: Log lines a peer could cause once per message: aggregated.
         self._bad_frame_log = Aggregated(log, "bad frame dropped", clock=clock)
         self._evicted_log = Aggregated(log, "connection closed over the cap", clock=clock)
+        self._expired_log = Aggregated(log, "silent connection closed", clock=clock)
         #: Dropping the rest of a refused multipart message (over several turns).
         self._dropping = False
         self._again_pending = False
@@ -311,12 +323,15 @@ class CoordServer:
         for aggregated in (
             self._bad_frame_log,
             self._evicted_log,
+            self._expired_log,
             self._cut_log,
             *self.events.aggregated(),
         ):
             aggregated.schedule = self._loop.call_later
         if self.memory is not None:
             self.memory.start(self._loop)
+        if self.stranger_grace:
+            self._grace_timer = self._loop.call_later(self._grace_period(), self._expire_silent)
         self._drain()
         log.info(
             "coordd serving dp=%d on %s (at most %d groups)",
@@ -331,6 +346,8 @@ class CoordServer:
             self._loop.remove_reader(self._monitor.fileno())
             if self._timer is not None:
                 self._timer.cancel()
+            if self._grace_timer is not None:
+                self._grace_timer.cancel()
             if self.memory is not None:
                 self.memory.stop()
             for group in self.groups.values():
@@ -557,6 +574,32 @@ class CoordServer:
             return 0
         return self.connections.shed()
 
+    def _grace_period(self) -> float:
+        """How often silent connections are looked for: a quarter of the grace, at most 1 s."""
+        return min(1.0, self.stranger_grace / 4)
+
+    def _expire_silent(self) -> None:
+        """Shut down the connections that said no Hello within the grace (the timer's
+        callback; it schedules the next). With messages queued unread, a Hello may be among
+        them: the grace is then tripled, not dropped (a flood must not make claims last)."""
+        loop = self._loop
+        if loop is None or self._sock.closed:
+            return
+        self._grace_timer = loop.call_later(self._grace_period(), self._expire_silent)
+        for _ in range(8):
+            if not self._drain_monitor():
+                break
+        if int(self._monitor.getsockopt(_EVENTS)) & _POLLIN:
+            return  # `open` is not current yet: next time
+        grace = self.stranger_grace * (3 if self._backlog() else 1)
+        closed = self.connections.expire(self.clock() - grace, self._fd_peer)
+        if closed:
+            self._expired_log(
+                closed=closed,
+                total=self.connections.expired,
+                detail=f"connections that said no Hello within {grace:g}s were closed",
+            )
+
     def _track_connection(self, peer: bytes, fd: int) -> None:
         old = self._peer_fd.get(peer)
         if old is not None and old != fd:
@@ -664,6 +707,17 @@ class CoordServer:
     def _on_hello(self, peer: bytes, hello: Hello, frame: zmq.Frame) -> None:
         """Route a Hello to the group it names (created here on the first one)."""
         self._drain_monitor()
+        if peer[:1] == b"\x00":
+            # libzmq's name for a peer that set none, or a peer imitating one: never a rank,
+            # and never exempt from the stranger grace (coordd.gate says why)
+            error = Rejected(
+                RejectReason.ROUTING_ID.value,
+                "this connection set no routing id of its own (or one that starts with a zero "
+                "byte, as ZeroMQ's own names do): coordd registers only connections that name "
+                "themselves",
+            )
+            self._refuse(peer, hello, error)
+            return
         fd = frame.get(_SRCFD)
         registered = self._peer_fd.get(peer)
         if registered is not None and registered != fd:

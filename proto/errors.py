@@ -86,6 +86,10 @@ REJECT_HINTS = {
         "named rank<N>.key): give this rank its own key (COORDD_CURVE_CLIENT_KEY) or fix its "
         "--data-parallel-rank"
     ),
+    "routing_id": (
+        "set the connection's routing id (ZMQ_ROUTING_ID) to a random value that does not "
+        "start with a zero byte (coordd's client picks 16 random bytes)"
+    ),
     "group_limit": (
         "coordd serves at most --max-groups groups (COORDD_MAX_GROUPS): raise it, or find "
         "what registers so many group names (vLLM: one per TP/PP position, plus the engine cores)"

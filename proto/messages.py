@@ -78,6 +78,9 @@ class RejectReason(str, enum.Enum):
     #: The connection's CURVE key is bound to other ranks (`--curve-client-keys N=PATH` or a
     #: key file named rank<N>.key).
     CURVE_KEY = "curve_key"
+    #: The connection's routing id starts with a zero byte: ZeroMQ's names for peers that set
+    #: none (see coordd.gate for why such a connection cannot be a rank).
+    ROUTING_ID = "routing_id"
 
 
 class FailReason(str, enum.Enum):

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from coordd import limits, memory
+from coordd.gate import ZAP_DOMAIN, ZAP_ENDPOINT, HandshakeGate
 from coordd.proto.errors import CoordinatorUnavailable
 from coordd.testing import CoorddProcess
 from coordd.testing.load import HonestRounds, ProcessGauge, start_load, wait_load
@@ -27,16 +28,16 @@ pytestmark = pytest.mark.timeout(60)
 def _router(context: zmq.Context, address: str) -> zmq.Socket:
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt_string(zmq.ZAP_DOMAIN, memory.ZAP_DOMAIN)
+    sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
     sock.bind(address)
     return sock
 
 
 def test_the_gate_admits_until_pressure_then_refuses_in_the_handshake(tmp_path: Path) -> None:
     context = zmq.Context()
-    gate = memory.PressureGate.start(context)
+    gate = HandshakeGate.start(context)
     assert gate is not None
-    assert memory.PressureGate.start(context) is gate  # one ZAP handler per context
+    assert HandshakeGate.start(context) is gate  # one ZAP handler per context
     router = _router(context, f"ipc://{tmp_path}/g.sock")
     try:
         admitted = context.socket(zmq.DEALER)
@@ -253,7 +254,7 @@ def test_with_curve_one_zap_handler_checks_the_key_then_the_memory(tmp_path: Pat
     gate = CurveGate.start(
         context, str(tmp_path / "coordd.key_secret"), [str(tmp_path / "rank.key")]
     )
-    zap = memory.PressureGate.start(context)  # what the server's memory budget gets
+    zap = HandshakeGate.start(context)  # what the server's memory budget gets
     assert zap is not None and zap is gate._auth
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -306,9 +307,9 @@ def test_with_curve_one_zap_handler_checks_the_key_then_the_memory(tmp_path: Pat
 def test_a_foreign_zap_handler_is_left_alone() -> None:
     context = zmq.Context()
     other = context.socket(zmq.REP)
-    other.bind(memory.ZAP_ENDPOINT)
+    other.bind(ZAP_ENDPOINT)
     try:
-        assert memory.PressureGate.start(context) is None
+        assert HandshakeGate.start(context) is None
     finally:
         other.close(linger=0)
         context.destroy(linger=0)

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordd.endpoints import HttpEndpoints, coordd_routes
 from coordd.identity import Takeovers, peer_label
+from coordd.limits import ConnectionGuard
 from coordd.logs import JsonFormatter, event, fault_fields, setup_logging
 from coordd.metrics import DURATION_BUCKETS, Observer, ServerEvents
 from coordd.proto.coordinator import Coordinator, OnRankLoss
@@ -52,6 +53,7 @@ class Daemon:
         self.curve_refused = None
         self.memory = None
         self.gate = None
+        self.connections = ConnectionGuard(1024, lambda: ())
         self.started_wall = self.wall()
         self.sent: list[Any] = []
 

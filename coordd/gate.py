@@ -1,0 +1,292 @@
+"""coordd's ZAP handler: which connections may finish their handshake.
+
+libzmq asks the ZAP handler of a socket's context about every connection before it reads a
+single message from it, so the handshake is the cheapest place to say no. coordd's handler
+says no for three reasons:
+
+- an unknown CURVE client key (status 400: the client fails at once; the key will not change);
+- memory pressure (`coordd.memory`; status 300: the client's handshake stalls until coordd's
+  HANDSHAKE_IVL, then it reconnects and is let in once the pressure is over);
+- too many handshakes (`HandshakeRate`; status 300 too).
+
+Why a handshake rate (issue 11): a ROUTER names a connection that brings no routing id
+`\\x00` + a 32-bit counter, and libzmq aborts the process if that name is already held by a
+connection that chose it (`Assertion failed: ok`, socket_base.cpp:2113, libzmq 4.3.5). The
+counter starts from a secret (`coordd.identity.new_router`), but a peer holding C chosen names
+spread over the 2^32 values while it makes id-less connections at a rate `a` hits one in
+2^32 / (C * a) seconds on average. coordd cannot refuse a chosen name (it never sees it before
+the peer sends, and a name held silently never sends), so both factors are bounded instead:
+
+- `a` by this rate: every id-less connection is one admitted handshake;
+- C by the stranger grace (`coordd.limits.ConnectionGuard.expire`): a connection that has
+  said no Hello STRANGER_GRACE seconds after it was accepted is shut down, so every held name
+  costs an admitted handshake per grace period, from the same budget.
+
+With R handshakes a second and a grace of T seconds, C * a is at most (R*T/2) * (R/2) =
+R^2*T/4 (`hits_per_second`). Before: about 1,000 names and 6,300 connections a second from one
+process, a hit in ~11 minutes on average. At the defaults (50 a second in all, an eighth of it
+from one source, T = 10 s): ~1.4 years from one source, ~8 days from many sources together
+(`mean_seconds_to_abort`).
+
+A connection that has said Hello is exempt from the grace, so a Hello from a routing id that
+starts with a zero byte (libzmq's own names, or a peer imitating them) is refused and does not
+count: no exempt connection holds a name the counter can reach.
+
+Sources are a tcp peer's IP address and an ipc peer's process (libzmq gives the ZAP handler
+`localhost:uid:gid:pid` there). A source over its share is refused without spending the shared
+budget, so one busy source does not keep the others out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+from zmq.utils import z85
+
+log = logging.getLogger("coordd")
+
+#: libzmq asks the ZAP handler bound here (one per context) before admitting a connection.
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_DOMAIN = "coordd"
+#: The ZAP protocol version libzmq speaks.
+ZAP_VERSION = b"1.0"
+#: The ZAP status texts of the temporary refusals (status 300).
+REFUSAL = b"coordd is over its memory budget (--max-rss-mb): try again"
+RATE_REFUSAL = b"coordd admits at most --max-handshake-rate handshakes a second: try again"
+
+#: Default handshakes admitted a second, from all peers together (`--max-handshake-rate`).
+DEFAULT_HANDSHAKE_RATE = 50.0
+#: One source's share of that rate.
+SOURCE_SHARE = 1 / 8
+#: Sources remembered (least recently seen forgotten first: a forgotten one starts afresh,
+#: which the shared budget still bounds).
+MAX_SOURCES = 4096
+#: The automatic routing ids a ROUTER can give: the `2^32` of the arithmetic above.
+ROUTING_ID_SPACE = 1 << 32
+
+
+def hits_per_second(rate: float, grace: float, cap: int | None = None) -> float:
+    """The most `held names x id-less connections a second` an attacker gets out of `rate`
+    admitted handshakes a second, when each name is held at most `grace` seconds a handshake
+    and at most `cap` connections at once: it spends x a second on id-less connections and
+    the rest on names, holding (rate - x) * grace of them; x = rate / 2 is best."""
+    held = rate * grace / 2
+    if cap is not None and held > cap:
+        held = cap
+    return held * (rate - held / grace)
+
+
+def mean_seconds_to_abort(rate: float, grace: float, cap: int | None = None) -> float:
+    """Mean time for such an attacker to make libzmq give an id-less connection a name it
+    holds (the counter's start is secret, so each new name hits with probability held/2^32)."""
+    return ROUTING_ID_SPACE / max(hits_per_second(rate, grace, cap), 1e-12)
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+
+
+@dataclass
+class HandshakeRate:
+    """At most `rate` handshakes a second from all sources and `rate * SOURCE_SHARE` from one,
+    `burst` at once (a whole engine's ranks connect together at start). Pure: the time is
+    passed in."""
+
+    rate: float
+    burst: float
+    share: float = SOURCE_SHARE
+    max_sources: int = MAX_SOURCES
+    #: refused: the source over its share, or all sources over the rate
+    refused_source: int = 0
+    refused_total: int = 0
+    _all: _Bucket = field(init=False)
+    _sources: OrderedDict[bytes, _Bucket] = field(init=False, default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0 or self.burst < 1:
+            raise ValueError(f"rate must be > 0 and burst >= 1, got {self.rate}, {self.burst}")
+        self._all = _Bucket(self.burst, float("-inf"))
+
+    def admit(self, source: bytes, now: float) -> bool:
+        """One handshake from `source` at `now`: admitted (and counted) or not."""
+        bucket = self._sources.get(source)
+        if bucket is None:
+            bucket = self._sources[source] = _Bucket(self.burst, now)
+            while len(self._sources) > self.max_sources:
+                self._sources.popitem(last=False)
+        else:
+            self._sources.move_to_end(source)
+        if not _take(bucket, now, self.rate * self.share, self.burst, spend=False):
+            self.refused_source += 1
+            return False
+        if not _take(self._all, now, self.rate, self.burst, spend=True):
+            self.refused_total += 1
+            return False
+        bucket.tokens -= 1.0
+        return True
+
+    @property
+    def refused(self) -> int:
+        return self.refused_source + self.refused_total
+
+
+def _take(bucket: _Bucket, now: float, rate: float, burst: float, *, spend: bool) -> bool:
+    """Refill `bucket` to `now`; whether it holds a token (taken if `spend`)."""
+    if now > bucket.at:
+        bucket.tokens = min(burst, bucket.tokens + (now - bucket.at) * rate)
+        bucket.at = now
+    if bucket.tokens < 1.0:
+        return False
+    if spend:
+        bucket.tokens -= 1.0
+    return True
+
+
+#: The gate serving each context's ZAP endpoint (one per context): `coordd serve` with CURVE
+#: starts it with the key check first, and the server's memory budget and rate then share it.
+_GATES: dict[int, HandshakeGate] = {}
+_GATES_LOCK = threading.Lock()
+
+
+class HandshakeGate:
+    """The ZAP handler, in its own thread (the loop may be busy dropping what a flood queued).
+
+    Closing a stranger's connection is not enough under a flood: a ZeroMQ peer reconnects
+    within ~100 ms and sends its backlog again, and coordd reads the monitor's ACCEPTED event
+    only after libzmq has started reading the new connection (a burst of 50 peers slipped
+    ~65 MB/s through that gap). Refused here, a connection costs an accept and a handshake,
+    and no queued message.
+
+    Statuses: 200 admitted (with CURVE, the User-Id is the client's z85 key: the key-to-rank
+    binding reads it at Hello); 400 an unknown key, whatever else holds; 300 memory pressure
+    (`refusing`, or `over()` says so) or over the handshake rate (`rate`)."""
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        curve: Callable[[str, bytes], bool] | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.refusing = False
+        #: Asked for each handshake too (`MemoryWatch.over`): refuse if it says so.
+        self.over: Callable[[], bool] = lambda: False
+        self.curve = curve
+        #: The handshake rate, or None (no limit).
+        self.rate: HandshakeRate | None = None
+        self.clock = clock or time.monotonic
+        #: refused for memory pressure (300), admitted (200), refused for their key (400)
+        self.refused = 0
+        self.admitted = 0
+        self.bad_keys = 0
+        self._context_id = id(context)
+        self._sock = context.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError:
+            self._sock.close(linger=0)
+            raise
+        # stop() wakes the thread through this pair (no timed polling: idle costs nothing)
+        wake = f"inproc://coordd-zap-stop-{id(self):x}"
+        self._wake_in = context.socket(zmq.PAIR)
+        self._wake_in.bind(wake)
+        self._wake_out = context.socket(zmq.PAIR)
+        self._wake_out.connect(wake)
+        self._thread = threading.Thread(target=self._run, name="coordd-zap", daemon=True)
+        self._stopped = False
+
+    @classmethod
+    def start(
+        cls, context: zmq.Context, curve: Callable[[str, bytes], bool] | None = None
+    ) -> HandshakeGate | None:
+        """The context's gate, serving: this process's own if one was started on `context`
+        (CURVE starts it first), else a new one; None if something else serves ZAP there."""
+        with _GATES_LOCK:
+            gate = _GATES.get(id(context))
+            if gate is not None:
+                if curve is not None and gate.curve is None:
+                    gate.curve = curve
+                return gate
+            try:
+                gate = cls(context, curve)
+            except zmq.ZMQError:
+                return None
+            _GATES[id(context)] = gate
+        gate._thread.start()
+        return gate
+
+    def decide(self, request: list[bytes]) -> list[bytes]:
+        """The reply to one ZAP request (version, request id, domain, address, routing id,
+        mechanism, credentials...)."""
+        version = request[0] if request else b""
+        request_id = request[1] if len(request) > 1 else b""
+
+        def reply(status: bytes, text: bytes, user: bytes = b"") -> list[bytes]:
+            return [ZAP_VERSION, request_id, status, text, user, b""]
+
+        if version != ZAP_VERSION or len(request) < 6:
+            return reply(b"400", b"malformed ZAP request")
+        user = b""
+        if self.curve is not None:
+            mechanism, credentials = request[5], request[6:]
+            if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+                self.bad_keys += 1
+                return reply(b"400", b"CURVE required")
+            user = z85.encode(credentials[0])
+            if not self.curve(request[2].decode("utf-8", "replace"), user):
+                self.bad_keys += 1
+                return reply(b"400", b"unknown CURVE key")
+        if self.refusing or self.over():
+            self.refused += 1
+            return reply(b"300", REFUSAL)
+        rate = self.rate
+        if rate is not None and not rate.admit(request[3], self.clock()):
+            return reply(b"300", RATE_REFUSAL)
+        self.admitted += 1
+        return reply(b"200", b"OK", user)
+
+    def _run(self) -> None:
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        while True:
+            try:
+                ready = dict(poller.poll())
+                if self._wake_in in ready:
+                    return
+                request = sock.recv_multipart()
+            except zmq.ZMQError:  # pragma: no cover - the context is going away
+                return
+            try:
+                answer = self.decide(request)
+            except Exception:  # a bug here must not stop every future handshake
+                log.exception("ZAP request failed; refused")
+                request_id = request[1] if len(request) > 1 else b""
+                answer = [ZAP_VERSION, request_id, b"500", b"internal error", b"", b""]
+            try:
+                sock.send_multipart(answer)
+            except zmq.ZMQError:  # pragma: no cover
+                return
+
+    def stop(self) -> None:
+        """Stop serving (once; CURVE and the server may both ask)."""
+        with _GATES_LOCK:
+            if self._stopped:
+                return
+            self._stopped = True
+            if _GATES.get(self._context_id) is self:
+                del _GATES[self._context_id]
+        if self._thread.is_alive():
+            self._wake_out.send(b"")
+            self._thread.join(timeout=2.0)
+        for sock in (self._sock, self._wake_in, self._wake_out):
+            sock.close(linger=0)
