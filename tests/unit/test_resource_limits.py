@@ -204,3 +204,19 @@ def test_what_a_shut_connection_still_has_queued_is_recognised_by_its_socket() -
     fake.shed()
     fake._ident = lambda fd: None
     assert fake.from_shut(40)
+
+
+def test_a_connection_that_says_no_hello_within_the_grace_is_shut_down() -> None:
+    shut: list[int] = []
+    guard = limits.ConnectionGuard(100, set, shutdown=recorder(shut), ident=lambda fd: fd)
+    for fd, at in ((10, 0.0), (11, 1.0), (12, 2.0), (13, 9.5)):
+        guard.accepted(fd, at)
+    introduced = {11}  # it said Hello (a rank, or a peer refused by name)
+    assert guard.expire(before=5.0, introduced=introduced) == 2
+    assert shut == [10, 12]
+    assert set(guard.open) == {11, 13}
+    assert guard.expire(before=5.0, introduced=introduced) == 0  # nothing twice
+    assert guard.expire(before=10.0, introduced=introduced) == 1
+    assert shut == [10, 12, 13] and guard.expired == 3
+    guard.closed(13)
+    assert 13 not in guard.accepted_at

@@ -1,0 +1,167 @@
+"""What bounds the slow routing-id abort (coordd.gate), with real ZeroMQ: id-less handshakes over
+the rate are refused before libzmq names the peer, a connection that says no Hello is closed
+after the grace (a rank's never), and a zero-led routing id cannot register."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import zmq
+
+from coordd.client.sync import CoordClient
+from coordd.proto.messages import Hello, Reject, decode_from_coordinator, encode
+from coordd.server import CoordServer
+from coordd.testing import CoorddProcess
+from tests.integration.test_gather import _free_port
+from tests.integration.test_groups import report, run_server
+
+pytestmark = pytest.mark.timeout(60)
+
+#: A child process (its own ipc source) opening `count` id-less connections; prints how many
+#: finished their handshake within `seconds`.
+_ID_LESS = r"""
+import sys, time, zmq
+address, count, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+ctx = zmq.Context()
+socks, monitors = [], []
+for _ in range(count):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitors.append(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+    sock.connect(address)
+    socks.append(sock)
+done = set()
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline:
+    for i, monitor in enumerate(monitors):
+        if i not in done and monitor.poll(0):
+            done.add(i)
+    time.sleep(0.01)
+print(len(done), flush=True)
+for sock in socks + monitors:
+    sock.close(linger=0)
+ctx.term()
+"""
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_id_less_handshakes_over_the_rate_are_refused_and_a_rank_still_registers(
+    tmp_path: Path,
+) -> None:
+    """--max-handshake-rate 8 with --max-connections 40: a burst of 40, then 1 a second from
+    one source. 100 id-less connections from one process: at most ~42 finish their handshake in
+    2 s (before: all 100, each moving libzmq's counter); a rank from another process registers
+    meanwhile."""
+    port = _free_port()
+    args = ["--log-level", "error", "--metrics-port", str(port)]
+    args += ["--max-handshake-rate", "8", "--max-connections", "40"]
+    with CoorddProcess(1, f"ipc://{tmp_path}/c.sock", args) as coordd:
+        flood = subprocess.Popen(
+            [sys.executable, "-c", _ID_LESS, coordd.address, "100", "2.0"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            time.sleep(0.5)
+            rank = CoordClient(coordd.address, dp_rank=0, dp_size=1)
+            try:
+                rank.connect(timeout=10)
+                assert rank.coordinate(report(0, 0), timeout=10).seq == 0
+            finally:
+                rank.close()
+            out, _ = flood.communicate(timeout=30)
+        finally:
+            flood.kill()
+            flood.wait(timeout=10)
+        admitted = int(out.split()[-1])
+        assert 1 <= admitted <= 40 + 2 + 2, f"{admitted} of 100 id-less handshakes admitted"
+        assert _metric(port, "coordd_handshakes_rate_refused_total") >= 100 - 44
+        assert coordd.proc is not None and coordd.proc.poll() is None
+
+
+def _serve(tmp_path: Path, grace: float) -> tuple[CoordServer, threading.Event, threading.Thread]:
+    server = CoordServer(f"ipc://{tmp_path}/s.sock", dp_size=1, stranger_grace=grace)
+    stop = threading.Event()
+    serving = threading.Thread(target=run_server, args=(server, stop), daemon=True)
+    serving.start()
+    return server, stop, serving
+
+
+def test_a_connection_that_says_no_hello_is_closed_after_the_grace_and_a_rank_is_not(
+    tmp_path: Path,
+) -> None:
+    """A claimed automatic id (`\\x00` + 4 bytes) held silently is what can meet libzmq's
+    counter: it is shut down after the grace. A rank idle for longer keeps its connection, and
+    so does a peer whose Hello was refused (it said Hello from a name of its own)."""
+    server, stop, serving = _serve(tmp_path, grace=0.4)
+    ctx = zmq.Context()
+    rank = CoordClient(server.bound_address, dp_rank=0, dp_size=1)
+    try:
+        rank.connect(timeout=10)
+        claim = ctx.socket(zmq.DEALER)
+        claim.setsockopt(zmq.LINGER, 0)
+        claim.setsockopt(zmq.ROUTING_ID, b"\x00\x12\x34\x56\x78")
+        events = claim.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        claim.connect(server.bound_address)
+        refused = ctx.socket(zmq.DEALER)
+        refused.setsockopt(zmq.LINGER, 0)
+        refused.setsockopt(zmq.ROUTING_ID, b"second-rank-0")
+        refused.connect(server.bound_address)
+        refused.send(encode(Hello(dp_size=1, dp_rank=0, config_fingerprint="", incarnation="x")))
+        assert refused.poll(10_000)
+        answer = decode_from_coordinator(refused.recv())
+        assert isinstance(answer, Reject) and answer.reason.value == "rank_taken"
+        assert events.poll(10_000), "the silent connection was not closed"
+        assert server.connections.expired >= 1
+        time.sleep(1.0)  # more than twice the grace: the claim reconnected, and is closed again
+        assert server.connections.expired >= 2
+        assert rank.coordinate(report(0, 0), timeout=10).seq == 0
+        refused.send(encode(Hello(dp_size=1, dp_rank=0, config_fingerprint="", incarnation="x")))
+        assert refused.poll(10_000), "the refused peer's connection was closed"
+    finally:
+        rank.close()
+        ctx.destroy(linger=0)
+        stop.set()
+        serving.join(timeout=10)
+
+
+def test_a_hello_from_a_zero_led_routing_id_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    """libzmq's own names start with a zero byte: a connection holding one never registers (an
+    exempt connection must hold no name the counter can reach)."""
+    server, stop, serving = _serve(tmp_path, grace=0)
+    ctx = zmq.Context()
+    try:
+        for routing_id in (None, b"\x00\xff\xff\xff\xff", b"\x00claimed"):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if routing_id is not None:
+                sock.setsockopt(zmq.ROUTING_ID, routing_id)
+            sock.connect(server.bound_address)
+            sock.send(encode(Hello(dp_size=1, dp_rank=0, config_fingerprint="", incarnation="")))
+            assert sock.poll(10_000)
+            answer = decode_from_coordinator(sock.recv())
+            assert isinstance(answer, Reject), answer
+            assert answer.reason.value == "routing_id"
+            assert "name themselves" in answer.text
+        rank = CoordClient(server.bound_address, dp_rank=0, dp_size=1)
+        try:
+            rank.connect(timeout=10)  # the rank was not taken by any of them
+        finally:
+            rank.close()
+    finally:
+        ctx.destroy(linger=0)
+        stop.set()
+        serving.join(timeout=10)
