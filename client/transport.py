@@ -12,6 +12,7 @@ import errno
 import os
 import socket
 import stat
+import time
 from collections.abc import Callable
 
 import zmq
@@ -49,9 +50,20 @@ _HANDSHAKE_FAILED = int(
 )
 _HANDSHAKE_DEFINITE = int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-#: Handshakes failed without detail in a row, over tcp, after which connect() gives up: a wrong
-#: server key, or a rank without CURVE at a coordd with it, fails every retry the same way.
+_CONNECTED = int(zmq.EVENT_CONNECTED)
+#: Fast handshakes failed without detail in a row, over tcp, after which connect() gives up: a
+#: wrong server key, or a rank without CURVE at a coordd with it, fails every retry the same way.
 _NO_DETAIL_LIMIT = 2
+#: A handshake that fails without detail this long (s) or more after its connection was made
+#: stalled: coordd's ZAP check refused it for the moment (over its memory budget or its
+#: handshake rate), which sends the client nothing, and coordd closed it at its HANDSHAKE_IVL
+#: (5 s; shorter in tests). It does not count toward _NO_DETAIL_LIMIT: the next try may be
+#: admitted. A real mismatch fails within a millisecond of the connection (0.3-0.6 ms on
+#: loopback; the monitor is read every 50 ms at worst while connect() waits), so 0.5 s tells
+#: the two apart with room. (Refused with a ZAP reply "300", libzmq 4.3.5 stalls on a direct
+#: loopback connection but closes at once, like a mismatch, through any TCP relay: see
+#: tests/integration/test_handshake_refusals.py.)
+_STALL_AFTER = 0.5
 
 __all__ = [
     "CLIENT_KEY_ENV",
@@ -105,6 +117,8 @@ class RankConnection:
         #: which coordd may still hold for the old connection (see ClientShell.reopen_if_dropped).
         self.dropped = False
         self._no_detail = 0
+        #: When the monitor's last CONNECTED event was read (a handshake began), or None.
+        self._connected_at: float | None = None
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, identity)
         sock.setsockopt(zmq.LINGER, 0)
@@ -125,7 +139,10 @@ class RankConnection:
             sock.setsockopt(zmq.IPV6, 1)
         self.socket = sock
         self.monitor = sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            zmq.EVENT_DISCONNECTED
+            | _HANDSHAKE_FAILED
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_CONNECTED
         )
         try:
             sock.connect(address)
@@ -198,7 +215,11 @@ class RankConnection:
 
     def disconnected(self) -> bool:
         """Read every pending monitor event; True if any was a disconnect (a failed handshake
-        is remembered in `handshake_failure`)."""
+        is remembered in `handshake_failure`).
+
+        Events are timed as they are read: connect() reads them within 50 ms, so a failure
+        read in the same batch as its CONNECTED counts as fast (a mismatch), which is the
+        safe side; one read later than _STALL_AFTER after it is a stall (see there)."""
         seen = False
         while True:
             try:
@@ -208,18 +229,31 @@ class RankConnection:
             event = int.from_bytes(frames[0][:2], "little")
             if event == _DISCONNECTED:
                 seen = self.dropped = True
-            if event == _HANDSHAKE_SUCCEEDED:
+            elif event == _CONNECTED:
+                self._connected_at = time.monotonic()
+            elif event == _HANDSHAKE_SUCCEEDED:
                 self._no_detail = 0
                 self.handshake_failure = None
+                self.handshake_refused = False
             elif event & _HANDSHAKE_FAILED:
-                value = int.from_bytes(frames[0][2:6], "little")
-                tcp = self.endpoint.scheme == "tcp"
-                self.handshake_failure = _explain_handshake(event, value, self.uses_curve, tcp)
-                if event & _HANDSHAKE_DEFINITE:
-                    self.handshake_refused = True
-                elif tcp:
-                    self._no_detail += 1
-                    self.handshake_refused = self._no_detail >= _NO_DETAIL_LIMIT
+                self._handshake_failed(event, int.from_bytes(frames[0][2:6], "little"))
+
+    def _handshake_failed(self, event: int, value: int) -> None:
+        tcp = self.endpoint.scheme == "tcp"
+        began, self._connected_at = self._connected_at, None
+        took = None if began is None else time.monotonic() - began
+        if event & _HANDSHAKE_DEFINITE:
+            self.handshake_failure = _explain_handshake(event, value, self.uses_curve, tcp)
+            self.handshake_refused = True
+        elif took is not None and took >= _STALL_AFTER:
+            # coordd admits it later: connect() tries again until its own deadline
+            self.handshake_failure = _explain_stall(took)
+            self._no_detail = 0
+        else:
+            self.handshake_failure = _explain_handshake(event, value, self.uses_curve, tcp)
+            if tcp:
+                self._no_detail += 1
+                self.handshake_refused = self._no_detail >= _NO_DETAIL_LIMIT
 
     def why_unreachable(self) -> str:
         """': <reason>': why coordd did not answer, as far as this side can tell (a failed
@@ -324,6 +358,14 @@ def _diagnose(endpoint: Endpoint) -> str:
     )
 
 
+def _explain_stall(took: float) -> str:
+    return (
+        "coordd refused the handshake for the moment: it stalled until coordd closed it "
+        f"{took:.1f} s after the connection was made, as coordd does while it is over its "
+        "memory budget (--max-rss-mb) or its handshake rate (--max-handshake-rate); see its log"
+    )
+
+
 def _explain_handshake(event: int, value: int, curve: bool, tcp: bool = True) -> str:
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return (
@@ -344,7 +386,8 @@ def _explain_handshake(event: int, value: int, curve: bool, tcp: bool = True) ->
         return (
             "the security handshake failed or timed out: coordd may require CURVE (set "
             f"{SERVER_KEY_ENV} and {CLIENT_KEY_ENV}, or pass curve=), or it is refusing new "
-            "connections for the moment (over its --max-rss-mb memory budget; see its log)"
+            "connections for the moment (over its --max-rss-mb memory budget or its "
+            "--max-handshake-rate; see its log)"
         )
     return (
         "the CURVE handshake failed: is COORDD_CURVE_SERVER_KEY (curve.server_public) "
