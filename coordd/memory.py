@@ -57,6 +57,11 @@ HYSTERESIS_MB = 12
 #: connections' queued messages are still being dropped, then trimmed. Without this, RSS that
 #: does not come back down (no malloc_trim, fragmentation) would refuse new ranks for good.
 SETTLE = 2.0
+#: With messages queued unread, the RSS is taken as coordd's own level only once it has stayed
+#: within this band for SETTLE: dropping a backlog moves it (down, at each trim; a flood
+#: through connections shut as soon as seen moves it up), and a backlog that never empties
+#: (ranks' own traffic, a drain slower than its input) must not hold the pressure on for good.
+FLAT_MB = 2
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,12 @@ class RssBudget:
         self.slack = int(slack_mb * MB)
         self.hysteresis = int(HYSTERESIS_MB * MB)
         #: RSS at the last check with no stranger connected (outside SETTLE after a check
-        #: under pressure found strangers to close).
+        #: under pressure found strangers to close; with a backlog, once the RSS is flat).
         self.own = 0
+        self.flat = int(FLAT_MB * MB)
+        #: The band the RSS has stayed in since `flat_since`.
+        self.band = (0, -1)
+        self.flat_since = float("-inf")
         self.pressure = False
         self.pressure_at = float("-inf")
         self.trim_at = float("-inf")
@@ -108,9 +117,22 @@ class RssBudget:
         closed (or were shut at once: banned, refused) is in the RSS until coordd drops it,
         so the RSS is not coordd's own level then: taken as such, it ratcheted the threshold
         up behind a flood whose reconnects were shut as soon as seen (0 strangers open at
-        every check), and coordd grew to 150-190 MB at a 64 MB budget."""
+        every check), and coordd grew to 150-190 MB at a 64 MB budget. But a backlog can
+        last (ranks' traffic, a slow drain): once the RSS has stayed within FLAT_MB for
+        SETTLE, dropping it frees nothing more, and the RSS is taken all the same (before, the
+        pressure, and with it the refusal of new ranks, lasted as long as the backlog)."""
         self.peak = max(self.peak, rss)
-        if not strangers and not backlog and now - self.pressure_at >= SETTLE:
+        low, high = self.band
+        low, high = min(low, rss), max(high, rss)
+        if high - low > self.flat:
+            low = high = rss
+            self.flat_since = now
+        self.band = (low, high)
+        if (
+            not strangers
+            and now - self.pressure_at >= SETTLE
+            and (not backlog or now - self.flat_since >= SETTLE)
+        ):
             self.own = rss
         over = rss > self.budget
         if over and not self.over:

@@ -94,6 +94,52 @@ def test_the_rss_with_messages_queued_unread_is_not_taken_as_coordd_s_own() -> N
     assert policy.own == 40 * MB
 
 
+def test_a_backlog_that_never_empties_does_not_hold_the_pressure_on() -> None:
+    """Ranks' own traffic (or a drain slower than its input) can leave messages queued at
+    every check. The RSS was then never taken as coordd's own, and an RSS that dropping the
+    burst's backlog did not bring under threshold - HYSTERESIS kept refusing new ranks for as
+    long as that lasted. Now the pressure ends SETTLE after the RSS stops moving."""
+    policy = RssBudget(64)
+    policy.check(36 * MB, 0.0, strangers=0)
+    assert policy.check(70 * MB, 1.0, strangers=50, backlog=True).pressure
+    now = 1.0
+    # the burst's backlog dropped and trimmed, down to 58 MB (over 64 - HYSTERESIS_MB)
+    for rss in (66, 62, 58):
+        now += memory.TRIM_EVERY
+        assert policy.check(rss * MB, now, strangers=0, backlog=True).pressure
+    flat_from = now
+    ended = None
+    while now < 60.0:
+        now += memory.FAST_INTERVAL
+        if not policy.check(58 * MB, now, strangers=0, backlog=True).pressure:
+            ended = now
+            break
+    assert ended is not None, "the pressure outlasted 60 s of a flat RSS"
+    assert flat_from + memory.SETTLE <= ended <= flat_from + memory.SETTLE + 0.05
+    assert policy.own == 58 * MB
+    assert policy.threshold() == (58 + memory.STRANGER_SLACK_MB) * MB
+
+
+def test_with_a_backlog_a_moving_rss_is_not_taken_as_coordd_s_own() -> None:
+    """While the backlog is being dropped (the RSS falls at each trim) or a flood goes on
+    through connections shut as soon as seen (it rises), the level is not coordd's own, however
+    long that lasts."""
+    policy = RssBudget(64)
+    policy.check(36 * MB, 0.0, strangers=0)
+    now, rss = 0.0, 40.0
+    for _ in range(600):  # 30 s rising 1.5 MB/s: never flat for SETTLE
+        now += 0.05
+        rss += 0.075
+        policy.check(int(rss * MB), now, strangers=0, backlog=True)
+    assert policy.own == 36 * MB and policy.threshold() == 64 * MB
+    assert policy.pressure  # 85 MB: over the budget
+    for _ in range(12):  # dropped: 2.5 MB less at each trim, down to 55 MB
+        now += memory.TRIM_EVERY
+        rss -= 2.5
+        assert policy.check(int(rss * MB), now, strangers=0, backlog=True).pressure
+    assert policy.own == 36 * MB
+
+
 def test_rss_reader_reads_this_process() -> None:
     reader = memory.RssReader()
     try:
