@@ -40,9 +40,10 @@ budget, so one busy source does not keep the others out.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -56,6 +57,12 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = "coordd"
 #: The ZAP protocol version libzmq speaks.
 ZAP_VERSION = b"1.0"
+#: A temporary refusal (300) is answered this late. Answered at once, libzmq 4.3.5 often
+#: closes the connection within milliseconds (always through a relay hop), which a client
+#: cannot tell from a wrong key and gives up on; held 1 s, the handshake stalls, which the
+#: client knows for coordd's "not now" (it counts failures 0.5 s or more after connecting as
+#: stalls), and retries until its own deadline. Under coordd's 5 s HANDSHAKE_IVL.
+REFUSAL_DELAY = 1.0
 #: The ZAP status texts of the temporary refusals (status 300).
 REFUSAL = b"coordd is over its memory budget (--max-rss-mb): try again"
 RATE_REFUSAL = b"coordd admits at most --max-handshake-rate handshakes a second: try again"
@@ -167,7 +174,8 @@ class HandshakeGate:
 
     Statuses: 200 admitted (with CURVE, the User-Id is the client's z85 key: the key-to-rank
     binding reads it at Hello); 400 an unknown key, whatever else holds; 300 memory pressure
-    (`refusing`, or `over()` says so) or over the handshake rate (`rate`)."""
+    (`refusing`, or `over()` says so) or over the handshake rate (`rate`), answered
+    REFUSAL_DELAY late."""
 
     def __init__(
         self,
@@ -187,7 +195,7 @@ class HandshakeGate:
         self.admitted = 0
         self.bad_keys = 0
         self._context_id = id(context)
-        self._sock = context.socket(zmq.REP)
+        self._sock = context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         try:
             self._sock.bind(ZAP_ENDPOINT)
@@ -258,22 +266,39 @@ class HandshakeGate:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
+        # refusals answered REFUSAL_DELAY late (a FIFO: one delay, so due times only grow)
+        later: deque[tuple[float, list[bytes]]] = deque()
         while True:
+            now = time.monotonic()
+            while later and later[0][0] <= now:
+                try:
+                    sock.send_multipart(later.popleft()[1])
+                except zmq.ZMQError:  # pragma: no cover
+                    return
+            timeout = None if not later else max(0, math.ceil((later[0][0] - now) * 1000))
             try:
-                ready = dict(poller.poll())
+                ready = dict(poller.poll(timeout))
                 if self._wake_in in ready:
                     return
-                request = sock.recv_multipart()
+                if sock not in ready:
+                    continue
+                envelope = sock.recv_multipart()
             except zmq.ZMQError:  # pragma: no cover - the context is going away
                 return
+            if len(envelope) < 2:  # pragma: no cover - libzmq sends id, delimiter, request
+                continue
+            peer, empty, *request = envelope
             try:
                 answer = self.decide(request)
             except Exception:  # a bug here must not stop every future handshake
                 log.exception("ZAP request failed; refused")
                 request_id = request[1] if len(request) > 1 else b""
                 answer = [ZAP_VERSION, request_id, b"500", b"internal error", b"", b""]
+            if answer[2] == b"300":
+                later.append((time.monotonic() + REFUSAL_DELAY, [peer, empty, *answer]))
+                continue
             try:
-                sock.send_multipart(answer)
+                sock.send_multipart([peer, empty, *answer])
             except zmq.ZMQError:  # pragma: no cover
                 return
 
