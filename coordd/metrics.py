@@ -373,19 +373,18 @@ class ServerEvents:
         )
 
     def refused_report(self, peer: bytes, failure: StepFailed) -> None:
-        """A report from a peer of no group got `failure` (sent to it alone)."""
+        """A report from a peer of no group got `failure` (sent to it alone). The rank the
+        report names is the peer's claim, not a culprit: logged as `claimed`, so a reader
+        never takes the rank's own process for the sender."""
         self.faults[failure.reason.value] += 1
         self._refused_log(
             **logs.fault_fields(
-                group="-",
-                epoch=failure.epoch,
-                seq=failure.seq,
-                kind=failure.kind.value,
-                ranks=failure.culprits,
+                group="-", epoch=failure.epoch, seq=failure.seq, kind=failure.kind.value, ranks=[]
             ),
             reason=failure.reason.value,
             detail=failure.text,
             peer=_peer_text(peer),
+            claimed=list(failure.culprits),
         )
 
     def group_created(self, name: str, epoch: int, groups: int, max_groups: int) -> None:

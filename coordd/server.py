@@ -113,7 +113,6 @@ class ServerStats:
     stranger_answers_dropped: int = 0
     #: connections of flooding strangers shut down (over STRANGER_MESSAGES_PER_S)
     cut_off: int = 0
-    #: unread connections shut down as possible duplicates of a closed one's routing id
 
 
 def prepare_ipc_path(address: str, mode: int = 0o600) -> IpcSocket | None:
@@ -699,8 +698,9 @@ class CoordServer:
         self.stats.bad_frames += 1
         # One line each only at --log-level debug (the chaos checker counts them); the
         # warning is aggregated: a flood costs a few lines.
-        log.debug("dropped a bad frame from %s: %s", peer_label(peer), why)
-        self._bad_frame_log(peer=peer_label(peer), why=why, total=self.stats.bad_frames)
+        label = peer_label(peer)
+        log.debug("dropped a bad frame from %s: %s", label, why)
+        self._bad_frame_log(peer=label, why=why, total=self.stats.bad_frames)
 
     # -- registration: which group a peer belongs to ----------------------------------------
 

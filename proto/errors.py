@@ -88,7 +88,7 @@ REJECT_HINTS = {
     ),
     "routing_id": (
         "set the connection's routing id (ZMQ_ROUTING_ID) to a random value that does not "
-        "start with a zero byte (coordd's client picks 16 random bytes)"
+        "start with a zero byte (coordd's client uses 16 random bytes as URL-safe text)"
     ),
     "group_limit": (
         "coordd serves at most --max-groups groups (COORDD_MAX_GROUPS): raise it, or find "

@@ -460,3 +460,24 @@ def test_log_lines_carry_their_fields_in_both_formats(caplog: pytest.LogCaptureF
     }
     with pytest.raises(ValueError, match="log format"):
         setup_logging("info", "xml")
+
+
+def test_a_strangers_report_logs_the_rank_it_claims_not_as_the_culprit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer of no group that reports as rank 3 is not rank 3: the log line names no culprit
+    rank, and says which rank was claimed, beside the sender's connection label."""
+    from coordd.proto.errors import ProtocolError
+    from coordd.proto.messages import failure_message
+
+    events = ServerEvents()
+    caplog.set_level(logging.WARNING, "coordd")
+    error = ProtocolError("report from a peer that has not registered", rank=3)
+    failure = failure_message(error, epoch=1, seq=5, kind=StepKind.FORWARD)
+    events.refused_report(b"stranger", failure)
+    (record,) = caplog.records
+    assert record.event == "report refused"  # type: ignore[attr-defined]
+    assert record.fields["ranks"] == []  # type: ignore[attr-defined]
+    assert record.fields["claimed"] == [3]  # type: ignore[attr-defined]
+    assert record.fields["peer"] == peer_label(b"stranger")  # type: ignore[attr-defined]
+    assert events.faults == {"protocol": 1}
