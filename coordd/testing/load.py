@@ -10,6 +10,7 @@ process's interpreter lock):
     python -m coordd.testing.load unread ADDRESS --peers 20 --messages 10000
     python -m coordd.testing.load connections ADDRESS --count 1000 --seconds 5   (raw sockets)
     python -m coordd.testing.load http HOST:PORT --count 1000 --seconds 5
+    python -m coordd.testing.load claims ADDRESS --count 900 --peers 20 --seconds 5   (id claims)
 
 or all of them with figures: `python -m coordd.testing.load measure --dp 4`.
 `LOADS` names them; `start_load(kind, address, ...)` starts one as a child process;
@@ -39,7 +40,7 @@ from coordd.proto.messages import StepReport, encode
 from coordd.testing.process import CoorddProcess, die_with_parent
 from coordd.testing.rogue import APP_LEVEL, bad_frame
 
-LOADS = ("garbage", "fast", "multipart", "unread", "connections", "http")
+LOADS = ("garbage", "fast", "multipart", "unread", "connections", "http", "claims")
 
 
 def _dealer(context: zmq.Context, address: str, *, ping_ms: int = 100) -> zmq.Socket:
@@ -364,6 +365,7 @@ MEASURED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("unread", ("--peers", "20", "--messages", "10000", "--seconds", "1")),
     ("connections", ("--count", "1000", "--seconds", "4")),
     ("http", ("--count", "1000", "--seconds", "4")),
+    ("claims", ("--count", "900", "--peers", "20", "--seconds", "4")),
 )
 
 
@@ -475,6 +477,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
         n = unread(args.address, args.peers, args.messages, hold=args.seconds)
     elif args.kind == "connections":
         n = connections(args.address, args.count, args.seconds)
+    elif args.kind == "claims":
+        from coordd.testing.claims import attack
+
+        result = attack(args.address, args.count, args.seconds, in_flight=args.peers)
+        print(result.summary(), file=sys.stderr, flush=True)
+        n = result.idless_admitted
     else:
         n = http(args.address, args.count, args.seconds)
     print(n, flush=True)

@@ -93,6 +93,22 @@ def test_id_less_handshakes_over_the_rate_are_refused_and_a_rank_still_registers
         assert coordd.proc is not None and coordd.proc.poll() is None
 
 
+def test_the_routing_id_attack_gets_the_burst_then_its_share(tmp_path: Path) -> None:
+    """The attack itself (coordd.testing.claims: names held, id-less connections as fast as
+    one process goes) against --max-connections 64, --max-handshake-rate 16: in 4 s, at most
+    the burst of 64 plus 4 s x 2/s handshakes are admitted, names and id-less together (with
+    the rate off: thousands), and coordd lives."""
+    from coordd.testing.claims import attack
+
+    args = ["--log-level", "error", "--max-handshake-rate", "16", "--max-connections", "64"]
+    with CoorddProcess(1, f"ipc://{tmp_path}/c.sock", args) as coordd:
+        result = attack(coordd.address, count=40, seconds=4.0, in_flight=10)
+        admitted = result.idless_admitted + result.claims_admitted
+        assert admitted <= 64 + 4 * 2 + 4, result.summary()
+        assert result.idless_refused > 100, result.summary()
+        assert coordd.proc is not None and coordd.proc.poll() is None
+
+
 def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
