@@ -588,6 +588,7 @@ class CoordServer:
         for _ in range(8):
             if not self._drain_monitor():
                 break
+        self._drained()  # a rank lost in those events: its group hears of it now
         if int(self._monitor.getsockopt(_EVENTS)) & _POLLIN:
             return  # `open` is not current yet: next time
         grace = self.stranger_grace * (3 if self._backlog() else 1)
