@@ -24,9 +24,10 @@ the peer sends, and a name held silently never sends), so both factors are bound
 
 With R handshakes a second and a grace of T seconds, C * a is at most (R*T/2) * (R/2) =
 R^2*T/4 (`hits_per_second`). Before: about 1,000 names and 6,300 connections a second from one
-process, a hit in ~11 minutes on average. At the defaults (50 a second in all, an eighth of it
-from one source, T = 10 s): ~1.4 years from one source, ~8 days from many sources together
-(`mean_seconds_to_abort`).
+process, a hit in ~11 minutes on average. At the defaults (20 a second in all, an eighth of it
+from one source, T = 5 s): ~17 years from one source, ~99 days from many sources together
+(`mean_seconds_to_abort`). Honest ranks need neither more: a whole engine connects within the
+burst, and a rank says Hello as soon as it is connected.
 
 A connection that has said Hello is exempt from the grace, so a Hello from a routing id that
 starts with a zero byte (libzmq's own names, or a peer imitating them) is refused and does not
@@ -68,7 +69,7 @@ REFUSAL = b"coordd is over its memory budget (--max-rss-mb): try again"
 RATE_REFUSAL = b"coordd admits at most --max-handshake-rate handshakes a second: try again"
 
 #: Default handshakes admitted a second, from all peers together (`--max-handshake-rate`).
-DEFAULT_HANDSHAKE_RATE = 50.0
+DEFAULT_HANDSHAKE_RATE = 20.0
 #: One source's share of that rate.
 SOURCE_SHARE = 1 / 8
 #: Sources remembered (least recently seen forgotten first: a forgotten one starts afresh,

@@ -45,7 +45,7 @@ DEFAULT_MAX_HTTP_CONNECTIONS = 64
 HANDSHAKE_TIMEOUT = 5.0
 #: A connection that has not said Hello this long after it was accepted is shut down: a
 #: routing id held by a silent peer is what can make libzmq abort coordd (see coordd.gate).
-STRANGER_GRACE = 10.0
+STRANGER_GRACE = 5.0
 #: Per-peer outbound queue (messages). A registered rank reads its decision every round; one
 #: that falls this far behind is broken, and a peer that never reads costs no more than this.
 SEND_QUEUE = 128
