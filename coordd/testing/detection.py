@@ -122,6 +122,8 @@ def _refusal(
         return _stranger_refused(culprit, refused, coordd_log, found), None
     if want == "takeover":
         return _takeover_refused(culprit, refused, coordd_log, found), None
+    if want == "id_claims":
+        return _claims_refused(culprit, refused, coordd_log, found), None
     kind, _, reason = want.partition(":")
     for r in refused:
         if r.error.type != kind or (reason and r.error.reason != reason):
@@ -209,4 +211,31 @@ def _takeover_refused(
     if "rank takeover refused" not in coordd_log:
         found.violations.append("coordd did not log the refused takeover")
         ok = False
+    return ok
+
+
+def _claims_refused(
+    claimer: ProcessLog, refused: list[Refused], coordd_log: str, found: Findings
+) -> bool:
+    """The routing-id attack (names held amid id-less handshakes; see coordd.gate), then a
+    Hello from a zero-led routing id: refused `routing_id` (admitted, its name would be exempt
+    from the stranger grace) and logged. The attack's own numbers (random names, a machine's
+    speed) are noted, not judged: the group's rounds and coordd's life are the rules there."""
+    notes = {(n.what, n.detail): n.count for n in claimer.records if isinstance(n, Note)}
+    ok = True
+    if not any(what == "attack" for what, _ in notes):
+        found.violations.append("the claimer never finished its attack")
+        ok = False
+    if not any(r.what == "hello" and r.error.reason == "routing_id" for r in refused):
+        got = [f"{r.what}:{r.error.type}:{r.error.reason}" for r in refused]
+        found.violations.append(f"a Hello from a zero-led routing id was not refused ({got})")
+        ok = False
+    elif "reason=routing_id" not in coordd_log:
+        found.violations.append("coordd did not log the routing_id refusal")
+        ok = False
+    found.notes.append(
+        f"claimer: {notes.get(('admitted', 'id-less'), 0)} id-less handshakes admitted, "
+        f"{notes.get(('refused', 'id-less'), 0)} refused; "
+        f"{notes.get(('held', 'names, most at once'), 0)} names held at most"
+    )
     return ok

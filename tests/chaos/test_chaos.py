@@ -48,5 +48,6 @@ def test_fault_is_detected_with_no_wrong_decision_and_no_hang(fault: Fault) -> N
 #: Which kinds have something to detect (a straggler under the timeout must just be absorbed).
 SCENARIO_DETECTS = {f: f is not Fault.STRAGGLER for f in Fault}
 #: Hostile peers outside the group: refused at the door, the group never fails, no time to it.
-NO_DETECTION_TIME = {Fault.GARBAGE_FRAMES, Fault.STRANGER_NOISE, Fault.TAKEOVER_ATTEMPT}
+NO_DETECTION_TIME = {Fault.GARBAGE_FRAMES, Fault.STRANGER_NOISE, Fault.TAKEOVER_ATTEMPT,
+                     Fault.ID_CLAIMS}
 

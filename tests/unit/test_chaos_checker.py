@@ -379,3 +379,59 @@ def test_a_forged_report_counted_for_a_rank_is_a_wrong_decision() -> None:
     scenario = info(Fault.STRANGER_NOISE, culprit=-1, culprit_name="stranger")
     result = check_history(scenario, logs(*ranks), [])
     assert any("differs from the policy" in v for v in result.violations)
+
+
+def claimer(*records: Record) -> ProcessLog:
+    return ProcessLog(
+        "claimer",
+        Header(t=8.0, role="claimer", rank=0, pid=4, name="claimer"),
+        [
+            Inject(t=T_INJECT, fault="id_claims", detail="50 names held"),
+            *records,
+            Done(t=T_INJECT + 1.5, next_seq=0, reason="claimer"),
+        ],
+    )
+
+
+ROUTING_ID = ErrorInfo(
+    type="Rejected",
+    reason="routing_id",
+    culprits=[],
+    text="registration rejected (routing_id): this connection set no routing id of its own",
+)
+
+
+def test_a_hello_from_a_zero_led_routing_id_must_be_refused_routing_id_and_logged() -> None:
+    """id_claims: the attack ran (its numbers are noted, not judged), then the zero-led Hello
+    got Rejected(routing_id), which coordd logged; admitted, or refused for another reason
+    (rank_taken, group), or not answered at all, it is a violation."""
+    scenario = info(Fault.ID_CLAIMS, culprit=-1, culprit_name="claimer")
+    ranks = logs(clean_history(0), clean_history(1))
+    attacked = [
+        Note(t=T_INJECT + 1.0, what="admitted", detail="id-less", count=976),
+        Note(t=T_INJECT + 1.0, what="refused", detail="id-less", count=120),
+        Note(t=T_INJECT + 1.0, what="held", detail="names, most at once", count=50),
+        Note(t=T_INJECT + 1.0, what="attack", detail="id-less handshakes admitted 976/s ..."),
+    ]
+    refused = Refused(t=T_INJECT + 1.4, error=ROUTING_ID, what="hello")
+    logged = "WARNING coordd: registration rejected group=id-claims ... reason=routing_id"
+    good = check_history(scenario, [*ranks, claimer(*attacked, refused)], [], logged)
+    assert good.ok, good.violations
+    assert good.ttd is None
+    assert any("976 id-less handshakes admitted" in n for n in good.notes)
+
+    admitted = Registered(t=T_INJECT + 1.4, epoch=E1 + 7, next_seq=0)
+    bad = check_history(scenario, [*ranks, claimer(*attacked, admitted)], [], logged)
+    assert any("admitted claimer" in v for v in bad.violations)
+    other = Refused(t=T_INJECT + 1.4, error=TAKEN, what="hello")
+    wrong = check_history(scenario, [*ranks, claimer(*attacked, other)], [], logged)
+    assert any("zero-led routing id was not refused" in v for v in wrong.violations)
+    silent = check_history(scenario, [*ranks, claimer(*attacked)], [], logged)
+    assert any("zero-led routing id was not refused" in v for v in silent.violations)
+    unlogged = check_history(scenario, [*ranks, claimer(*attacked, refused)], [], "")
+    assert any("did not log the routing_id refusal" in v for v in unlogged.violations)
+    unfinished = check_history(scenario, [*ranks, claimer(refused)], [], logged)
+    assert any("never finished its attack" in v for v in unfinished.violations)
+    died: list[Record] = [Note(t=T_INJECT + 2.0, what="coordd died", count=-6)]
+    aborted = check_history(scenario, [*ranks, claimer(*attacked, refused)], died, logged)
+    assert any("coordd died" in v for v in aborted.violations)

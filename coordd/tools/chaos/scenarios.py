@@ -419,6 +419,36 @@ class TakeoverAttempt(Scenario):
         run_on_until_done(run, taker, start)
 
 
+class IdClaims(Scenario):
+    """The routing-id attack on libzmq (see coordd.gate), briefly, while the group runs: the
+    claimer holds names libzmq could give (`\\x00` + 4 bytes) and makes id-less handshakes as
+    fast as it can (`coordd.testing.claims.attack`), then says Hello from a zero-led routing
+    id, which coordd must refuse (a registered name would be exempt from the stranger grace)."""
+
+    fault = Fault.ID_CLAIMS
+    summary = "a peer holds libzmq-style names amid id-less handshakes, then says Hello from one"
+    expect = Expect(culprit_view="refused", refusal="id_claims")
+    #: Small enough for CI (~1 s of attack), enough to show the gate's numbers in the notes.
+    names, in_flight, seconds = 50, 10, 1.0
+
+    def run(self, run: ScenarioRun) -> None:
+        run.culprit = -1
+        run.culprit_name = "claimer"
+        claimer = run.start_observer(
+            run.spec(
+                "claimer",
+                "claimer",
+                0,
+                claims=self.names,
+                in_flight=self.in_flight,
+                claim_seconds=self.seconds,
+                trigger_log=run.log_path("rank0"),
+                trigger_seq=run.inject_seq,
+            )
+        )
+        run_on_until_done(run, claimer, lambda: run.start_ranks(until_file=run.until_file))
+
+
 def run_on_until_done(run: ScenarioRun, culprit: Process, start: Callable[[], None]) -> None:
     """Start the group (`start`), which rounds on past its end until `culprit` has exited, then
     10 rounds more (the end seq written into `until_file`): the culprit acts while the group
@@ -484,6 +514,7 @@ SCENARIOS: dict[Fault, Scenario] = {
         ClientMisuse(),
         StrangerNoise(),
         TakeoverAttempt(),
+        IdClaims(),
     ]
 }
 assert set(SCENARIOS) == set(Fault), "one scenario per fault kind"

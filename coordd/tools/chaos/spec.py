@@ -29,6 +29,7 @@ class Fault(str, enum.Enum):
     CLIENT_MISUSE = "client_misuse"
     STRANGER_NOISE = "stranger_noise"
     TAKEOVER_ATTEMPT = "takeover_attempt"
+    ID_CLAIMS = "id_claims"
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,7 +64,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything one chaos process needs; the runner writes it as JSON for the worker to read."""
 
-    role: str  # rank | raw | joiner | impostor | garbage | stranger | taker
+    role: str  # rank | raw | joiner | impostor | garbage | stranger | taker | claimer
     name: str
     address: str
     dp_size: int
@@ -107,6 +108,11 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: worst case: it leaked), and the taker reads it there
     leak_identity: bool = False
     victim_log: str = ""
+    #: id_claims: names held (`\x00` + 4 random bytes), id-less handshakes in flight at once,
+    #: and for how long (`coordd.testing.claims.attack`)
+    claims: int = 0
+    in_flight: int = 0
+    claim_seconds: float = 0.0
     #: Start only once the process logging to `trigger_log` has begun round `trigger_seq`
     #: (the process is already up then, so the fault lands while the group is running).
     trigger_log: str = ""

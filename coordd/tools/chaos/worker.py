@@ -1,5 +1,6 @@
 """One chaos process: a rank (real client, or a raw one that injects a fault), a bad joiner, an
-impostor, or the rogue that sends garbage. `python -m coordd.tools.chaos.worker SPEC.json`.
+impostor, the rogue that sends garbage, or another hostile peer.
+`python -m coordd.tools.chaos.worker SPEC.json`.
 
 A rank runs rounds until the group's seq reaches `end_seq`, logging every sync (see
 `coordd.testing.history`). After a typed error it registers again and goes on where coordd says
@@ -21,12 +22,15 @@ import msgspec
 import zmq
 
 from coordd.client.config import ClientConfig
-from coordd.client.session import RoundStillOpen
+from coordd.client.session import RankSession, RoundStillOpen
 from coordd.client.sync import CoordClient
+from coordd.gate import DEFAULT_HANDSHAKE_RATE, REFUSAL_DELAY, SOURCE_SHARE
+from coordd.limits import HANDSHAKE_TIMEOUT
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
 from coordd.proto.messages import (
     Goodbye,
     Heartbeat,
+    Reject,
     StepDecision,
     StepFailed,
     StepKind,
@@ -35,7 +39,9 @@ from coordd.proto.messages import (
     decode_from_coordinator,
     encode,
     error_from_failure,
+    error_from_reject,
 )
+from coordd.testing.claims import attack
 from coordd.testing.history import (
     Begin,
     Done,
@@ -682,6 +688,70 @@ def run_taker(spec: WorkerSpec, log: HistoryWriter) -> int:
     return 0
 
 
+#: The group the claimer's zero-led Hello asks for: one of its own, so that nothing but the
+#: routing id stands between it and a Welcome (a registered name is exempt from the grace).
+CLAIMER_GROUP = "id-claims"
+
+
+def run_claimer(spec: WorkerSpec, log: HistoryWriter) -> int:
+    """id_claims' culprit: once the group's rounds are live, the routing-id attack for
+    `claim_seconds` (`spec.claims` names held, id-less handshakes `spec.in_flight` at a time),
+    with what it achieved logged; then a Hello from a routing id that starts with a zero byte
+    (`\\x00` + 4 bytes from the seed), whose Reject (expected: routing_id) is logged as
+    `Refused` and a Welcome as `Registered` (the checker's violation)."""
+    rng = random.Random(f"claimer:{spec.seed}")
+    wait_for_trigger(spec)
+    detail = (
+        f"{spec.claims} names held, id-less handshakes {spec.in_flight} at a time "
+        f"for {spec.claim_seconds:g} s"
+    )
+    log.write(Inject(t=now(), fault=spec.fault, detail=detail))
+    result = attack(spec.address, spec.claims, spec.claim_seconds, spec.in_flight)
+    log.write(Note(t=now(), what="admitted", detail="id-less", count=result.idless_admitted))
+    log.write(Note(t=now(), what="refused", detail="id-less", count=result.idless_refused))
+    log.write(Note(t=now(), what="held", detail="names, most at once", count=result.held_max))
+    log.write(Note(t=now(), what="admitted", detail="names", count=result.claims_admitted))
+    log.write(Note(t=now(), what="closed", detail="names", count=result.claims_closed))
+    log.write(Note(t=now(), what="attack", detail=result.summary()))
+    # the attack spent this source's share of the handshake rate: a moment for a handshake's
+    # worth to come back (else the gate stalls the Hello's handshake until coordd's
+    # HANDSHAKE_IVL, ~5 s, and the scenario takes that much longer)
+    time.sleep(1.25 / (DEFAULT_HANDSHAKE_RATE * SOURCE_SHARE))
+    identity = b"\x00" + rng.randbytes(4)
+    hello = RankSession(
+        config=client_config(spec, dp_size=1, dp_rank=0, group=CLAIMER_GROUP)
+    ).hello_message
+    log.write(Note(t=now(), what="zero-led hello", detail=identity.hex()))
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(spec.address)
+    try:
+        sock.send(encode(hello))  # queued until the handshake (the gate may hold it a while)
+        sent = now()
+        # long enough for one stalled handshake as well
+        timeout = spec.wait_timeout + HANDSHAKE_TIMEOUT + REFUSAL_DELAY
+        answers = [a for a in _answers(sock, timeout) if not isinstance(a, Heartbeat)]
+        took = now() - sent
+    finally:
+        sock.close()
+    if not answers:
+        log.write(Note(t=now(), what="no answer", detail="zero-led hello"))
+    else:
+        answer = answers[0]
+        detail = f"{type(answer).__name__} after {took * 1000:.0f} ms"
+        log.write(Note(t=now(), what="answered", detail=detail))
+        if isinstance(answer, Reject):
+            info = error_info(error_from_reject(answer))
+            log.write(Refused(t=now(), error=info, what="hello"))
+        elif isinstance(answer, Welcome):
+            log.write(Registered(t=now(), epoch=answer.epoch, next_seq=answer.next_seq))
+        else:
+            log.write(Note(t=now(), what="violation", detail=f"a Hello got {answer}"))
+    log.write(Done(t=now(), next_seq=0, reason="claimer"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     with open(args[0], "rb") as f:
@@ -697,6 +767,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_stranger(spec, log)
     if spec.role == "taker":
         return run_taker(spec, log)
+    if spec.role == "claimer":
+        return run_claimer(spec, log)
     worker = Worker(spec, log)
     driver: ClientDriver | RawRank
     driver = RawRank(config=client_config(spec)) if spec.role == "raw" else ClientDriver(spec)
