@@ -688,8 +688,10 @@ def run_taker(spec: WorkerSpec, log: HistoryWriter) -> int:
     return 0
 
 
-#: The group the claimer's zero-led Hello asks for: one of its own, so that nothing but the
-#: routing id stands between it and a Welcome (a registered name is exempt from the grace).
+#: The group the claimer's zero-led Hello asks for (as rank 0, coordd's dp_size): one of its
+#: own, so that nothing but the routing id stands between it and a Welcome (a registered name
+#: is exempt from the stranger grace). Checked: with the routing-id refusal taken out of
+#: coordd, this Hello is welcomed and the scenario fails ("coordd admitted claimer").
 CLAIMER_GROUP = "id-claims"
 
 
@@ -718,9 +720,7 @@ def run_claimer(spec: WorkerSpec, log: HistoryWriter) -> int:
     # HANDSHAKE_IVL, ~5 s, and the scenario takes that much longer)
     time.sleep(1.25 / (DEFAULT_HANDSHAKE_RATE * SOURCE_SHARE))
     identity = b"\x00" + rng.randbytes(4)
-    hello = RankSession(
-        config=client_config(spec, dp_size=1, dp_rank=0, group=CLAIMER_GROUP)
-    ).hello_message
+    hello = RankSession(config=client_config(spec, dp_rank=0, group=CLAIMER_GROUP)).hello_message
     log.write(Note(t=now(), what="zero-led hello", detail=identity.hex()))
     sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, identity)
