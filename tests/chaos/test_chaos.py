@@ -17,8 +17,9 @@ from coordd.tools.chaos.runner import run_suite
 from coordd.tools.chaos.spec import Fault, Settings
 
 SEEDS = range(int(os.environ.get("COORDD_CHAOS_SEEDS", "3")))
-SETTINGS = Settings(step_timeout=2.0, heartbeat_interval=0.2, heartbeat_timeout=1.0,
-                    min_dp=2, max_dp=4, rounds=30)
+SETTINGS = Settings(
+    step_timeout=2.0, heartbeat_interval=0.2, heartbeat_timeout=1.0, min_dp=2, max_dp=4, rounds=30
+)
 
 
 @pytest.mark.timeout(150)
@@ -39,8 +40,11 @@ def test_fault_is_detected_with_no_wrong_decision_and_no_hang(fault: Fault) -> N
     assert sum(r.hangs for r in results) == 0
     if SCENARIO_DETECTS[fault]:
         assert all(r.detected for r in results)
-        assert all(r.ttd is not None and r.ttd <= SETTINGS.detection_bound for r in results
-                   if fault not in NO_DETECTION_TIME)
+        assert all(
+            r.ttd is not None and r.ttd <= SETTINGS.detection_bound
+            for r in results
+            if fault not in NO_DETECTION_TIME
+        )
     else:
         assert all(r.detected is None and r.failed_rounds == 0 for r in results)
 
@@ -48,6 +52,9 @@ def test_fault_is_detected_with_no_wrong_decision_and_no_hang(fault: Fault) -> N
 #: Which kinds have something to detect (a straggler under the timeout must just be absorbed).
 SCENARIO_DETECTS = {f: f is not Fault.STRAGGLER for f in Fault}
 #: Hostile peers outside the group: refused at the door, the group never fails, no time to it.
-NO_DETECTION_TIME = {Fault.GARBAGE_FRAMES, Fault.STRANGER_NOISE, Fault.TAKEOVER_ATTEMPT,
-                     Fault.ID_CLAIMS}
-
+NO_DETECTION_TIME = {
+    Fault.GARBAGE_FRAMES,
+    Fault.STRANGER_NOISE,
+    Fault.TAKEOVER_ATTEMPT,
+    Fault.ID_CLAIMS,
+}

@@ -71,8 +71,13 @@ MISMATCH = ErrorInfo(
     reason="mismatch",
     culprits=[0],
     text="rank 0 reported seq=6, the round expects seq=5",
-    fields={"rank": 0, "expected_seq": 5, "expected_kind": "forward", "got_seq": 6,
-            "got_kind": "forward"},
+    fields={
+        "rank": 0,
+        "expected_seq": 5,
+        "expected_kind": "forward",
+        "got_seq": 6,
+        "got_kind": "forward",
+    },
 )
 
 
@@ -84,8 +89,15 @@ def rank_history(rank: int) -> list[Record]:
         t = 10.0 + seq
         if seq == FAIL_SEQ + 1:
             out.append(Registered(t=t - 0.5, epoch=E2, next_seq=seq))
-        out.append(Begin(t=t, epoch=epoch, seq=seq, kind=kind_for(SEED, seq).value,
-                         sent=[stamped(rank, epoch, seq)]))
+        out.append(
+            Begin(
+                t=t,
+                epoch=epoch,
+                seq=seq,
+                kind=kind_for(SEED, seq).value,
+                sent=[stamped(rank, epoch, seq)],
+            )
+        )
         if seq == FAIL_SEQ:
             if rank == 0:
                 out.insert(-1, Inject(t=T_INJECT, fault="skipped_seq", rank=0))
@@ -98,10 +110,16 @@ def rank_history(rank: int) -> list[Record]:
 
 def logs(h0: list[Record] | None = None, h1: list[Record] | None = None) -> list[ProcessLog]:
     return [
-        ProcessLog("rank0", Header(t=8.0, role="raw", rank=0, pid=1, name="rank0"),
-                   h0 if h0 is not None else rank_history(0)),
-        ProcessLog("rank1", Header(t=8.0, role="rank", rank=1, pid=2, name="rank1"),
-                   h1 if h1 is not None else rank_history(1)),
+        ProcessLog(
+            "rank0",
+            Header(t=8.0, role="raw", rank=0, pid=1, name="rank0"),
+            h0 if h0 is not None else rank_history(0),
+        ),
+        ProcessLog(
+            "rank1",
+            Header(t=8.0, role="rank", rank=1, pid=2, name="rank1"),
+            h1 if h1 is not None else rank_history(1),
+        ),
     ]
 
 
@@ -150,18 +168,21 @@ def test_a_decision_built_without_a_rank_report_is_wrong() -> None:
     """rank1's only message for seq 1 claims rank 0: no report of rank 1 was ever sent."""
     spoofed = [
         msgspec.structs.replace(r, sent=[{**r.sent[0], "dp_rank": 0}])
-        if isinstance(r, Begin) and r.seq == 1 else r
+        if isinstance(r, Begin) and r.seq == 1
+        else r
         for r in rank_history(1)
     ]
     result = check_history(info(), logs(h1=spoofed), [])
     assert result.wrong_decisions >= 1
-    assert any("did not report for" in v or "without the reports" in v
-               for v in result.violations)
+    assert any("did not report for" in v or "without the reports" in v for v in result.violations)
 
 
 def test_a_round_begun_and_never_ended_is_a_hang() -> None:
-    h1 = [r for r in rank_history(1)
-          if not (isinstance(r, End) and r.seq == END_SEQ - 1) and not isinstance(r, Done)]
+    h1 = [
+        r
+        for r in rank_history(1)
+        if not (isinstance(r, End) and r.seq == END_SEQ - 1) and not isinstance(r, Done)
+    ]
     result = check_history(info(), logs(h1=h1), [])
     assert result.hangs == 1
     assert not result.ok
@@ -181,8 +202,7 @@ def test_a_process_killed_at_the_deadline_is_a_hang() -> None:
 
 def test_ranks_with_different_errors_for_one_round_are_reported() -> None:
     lost = ErrorInfo(type="RankLost", reason="lost", culprits=[0], text="rank(s) [0] lost")
-    result = check_history(info(), logs(h1=replace_end(rank_history(1), FAIL_SEQ, error=lost)),
-                           [])
+    result = check_history(info(), logs(h1=replace_end(rank_history(1), FAIL_SEQ, error=lost)), [])
     assert any("different errors" in v for v in result.violations)
 
 
@@ -243,13 +263,29 @@ def test_a_refusal_must_name_the_sender() -> None:
     clean1 = [r for r in rank_history(1) if not (isinstance(r, (Begin, End)) and r.seq >= FAIL_SEQ)]
 
     def with_refusal(culprits: list[int]) -> list[Record]:
-        refusal = ErrorInfo(type="ProtocolError", reason="protocol", culprits=culprits,
-                            text="peer registered as rank 0 reported as rank 1")
-        return [*clean0[:-1], Inject(t=T_INJECT, fault="spoofed_rank", rank=0),
-                Refused(t=T_INJECT + 0.001, error=refusal, what="spoofed report"), clean0[-1]]
+        refusal = ErrorInfo(
+            type="ProtocolError",
+            reason="protocol",
+            culprits=culprits,
+            text="peer registered as rank 0 reported as rank 1",
+        )
+        return [
+            *clean0[:-1],
+            Inject(t=T_INJECT, fault="spoofed_rank", rank=0),
+            Refused(t=T_INJECT + 0.001, error=refusal, what="spoofed report"),
+            clean0[-1],
+        ]
 
-    later = [Begin(t=T_INJECT + 1, epoch=E1, seq=FAIL_SEQ, kind=kind_for(SEED, FAIL_SEQ).value,
-                   sent=[stamped(r, E1, FAIL_SEQ)]) for r in range(DP)]
+    later = [
+        Begin(
+            t=T_INJECT + 1,
+            epoch=E1,
+            seq=FAIL_SEQ,
+            kind=kind_for(SEED, FAIL_SEQ).value,
+            sent=[stamped(r, E1, FAIL_SEQ)],
+        )
+        for r in range(DP)
+    ]
     ends = [End(t=T_INJECT + 1.01, epoch=E1, seq=FAIL_SEQ, decision=decision(E1, FAIL_SEQ))] * DP
 
     def history(h: list[Record], rank: int) -> list[Record]:
@@ -265,14 +301,25 @@ def test_a_refusal_must_name_the_sender() -> None:
 def test_a_split_is_excused_only_when_coordd_crashed() -> None:
     """coordd killed mid-broadcast (SIGKILL) may leave one round decided for some ranks only;
     a coordd that shuts down cleanly (SIGTERM) must not."""
-    down = ErrorInfo(type="CoordinatorUnavailable", reason="unavailable", culprits=[],
-                     text="connection to coordd dropped")
+    down = ErrorInfo(
+        type="CoordinatorUnavailable",
+        reason="unavailable",
+        culprits=[],
+        text="connection to coordd dropped",
+    )
 
     def history(rank: int, got_seq1: bool) -> list[Record]:
         def sync(epoch: int, seq: int, t: float, outcome: dict[str, object]) -> list[Record]:
-            return [Begin(t=t, epoch=epoch, seq=seq, kind=kind_for(SEED, seq).value,
-                          sent=[stamped(rank, epoch, seq)]),
-                    End(t=t + 0.01, epoch=epoch, seq=seq, **outcome)]  # type: ignore[arg-type]
+            return [
+                Begin(
+                    t=t,
+                    epoch=epoch,
+                    seq=seq,
+                    kind=kind_for(SEED, seq).value,
+                    sent=[stamped(rank, epoch, seq)],
+                ),
+                End(t=t + 0.01, epoch=epoch, seq=seq, **outcome),
+            ]  # type: ignore[arg-type]
 
         out: list[Record] = [Registered(t=9.0, epoch=E1, next_seq=0)]
         out += sync(E1, 0, 10.0, {"decision": decision(E1, 0)})
@@ -284,8 +331,9 @@ def test_a_split_is_excused_only_when_coordd_crashed() -> None:
         return [*out, Done(t=12.0, next_seq=1)]
 
     def check(signal_name: str):  # type: ignore[no-untyped-def]
-        runner: list[Record] = [Inject(t=10.5, fault="coordd_restart",
-                                       detail=f"coordd {signal_name}")]
+        runner: list[Record] = [
+            Inject(t=10.5, fault="coordd_restart", detail=f"coordd {signal_name}")
+        ]
         restart = info(Fault.COORDD_RESTART, culprit=-1, culprit_name="coordd", end_seq=1)
         return check_history(restart, logs(history(0, True), history(1, False)), runner)
 
@@ -303,50 +351,83 @@ def clean_history(rank: int) -> list[Record]:
     """Every round decided, one epoch: what a group a peer outside it cannot disturb shows."""
     out: list[Record] = [Registered(t=9.0, epoch=E1, next_seq=0)]
     for seq in range(END_SEQ):
-        out += [Begin(t=10.0 + seq, epoch=E1, seq=seq, kind=kind_for(SEED, seq).value,
-                      sent=[stamped(rank, E1, seq)]),
-                End(t=10.01 + seq, epoch=E1, seq=seq, decision=decision(E1, seq))]
+        out += [
+            Begin(
+                t=10.0 + seq,
+                epoch=E1,
+                seq=seq,
+                kind=kind_for(SEED, seq).value,
+                sent=[stamped(rank, E1, seq)],
+            ),
+            End(t=10.01 + seq, epoch=E1, seq=seq, decision=decision(E1, seq)),
+        ]
     return [*out, Done(t=20.0, next_seq=END_SEQ)]
 
 
 def test_a_rule_a_process_checked_itself_and_saw_broken_fails_the_scenario() -> None:
     """client_misuse: the rank checks the client's rules (a second wait() answered at once, a
     start() while open refused) and logs a "violation" note where one breaks."""
-    h1 = [*rank_history(1)[:-1], Note(t=19.0, what="violation", detail="second wait() blocked"),
-          rank_history(1)[-1]]
+    h1 = [
+        *rank_history(1)[:-1],
+        Note(t=19.0, what="violation", detail="second wait() blocked"),
+        rank_history(1)[-1],
+    ]
     result = check_history(info(), logs(h1=h1), [])
     assert "rank1: second wait() blocked" in result.violations
 
 
 def test_an_invalid_report_must_name_the_injected_field() -> None:
     def invalid(field: str) -> ErrorInfo:
-        return ErrorInfo(type="InvalidReport", reason="invalid", culprits=[0],
-                         text=f"rank 0: invalid {field}=2147483648",
-                         fields={"rank": 0, "field": field, "value": 2**31})
+        return ErrorInfo(
+            type="InvalidReport",
+            reason="invalid",
+            culprits=[0],
+            text=f"rank 0: invalid {field}=2147483648",
+            fields={"rank": 0, "field": field, "value": 2**31},
+        )
 
     def history(rank: int, field: str) -> list[Record]:
         out = replace_end(rank_history(rank), FAIL_SEQ, error=invalid(field))
-        return [Inject(t=r.t, fault="invalid_value", rank=0, detail=f"num_tokens={2**31}")
-                if isinstance(r, Inject) else r for r in out]
+        return [
+            Inject(t=r.t, fault="invalid_value", rank=0, detail=f"num_tokens={2**31}")
+            if isinstance(r, Inject)
+            else r
+            for r in out
+        ]
 
     scenario = info(Fault.INVALID_VALUE, culprit_field="num_tokens")
     good = check_history(scenario, logs(history(0, "num_tokens"), history(1, "num_tokens")), [])
     assert good.ok, good.violations
-    bad = check_history(scenario, logs(history(0, "cudagraph_mode"),
-                                       history(1, "cudagraph_mode")), [])
+    bad = check_history(
+        scenario, logs(history(0, "cudagraph_mode"), history(1, "cudagraph_mode")), []
+    )
     assert any("names field cudagraph_mode, not num_tokens" in v for v in bad.violations)
 
 
 def taker(*records: Record) -> ProcessLog:
-    return ProcessLog("taker", Header(t=8.0, role="taker", rank=0, pid=3, name="taker"),
-                      [Inject(t=T_INJECT, fault="takeover_attempt", rank=0), *records,
-                       Done(t=T_INJECT + 0.5, next_seq=0, reason="taker")])
+    return ProcessLog(
+        "taker",
+        Header(t=8.0, role="taker", rank=0, pid=3, name="taker"),
+        [
+            Inject(t=T_INJECT, fault="takeover_attempt", rank=0),
+            *records,
+            Done(t=T_INJECT + 0.5, next_seq=0, reason="taker"),
+        ],
+    )
 
 
-TAKEN = ErrorInfo(type="Rejected", reason="rank_taken", culprits=[],
-                  text="dp_rank 0 is held by another live connection")
-STRANGER = ErrorInfo(type="ProtocolError", reason="protocol", culprits=[0],
-                     text="rank 0: report from a peer that has not registered")
+TAKEN = ErrorInfo(
+    type="Rejected",
+    reason="rank_taken",
+    culprits=[],
+    text="dp_rank 0 is held by another live connection",
+)
+STRANGER = ErrorInfo(
+    type="ProtocolError",
+    reason="protocol",
+    culprits=[0],
+    text="rank 0: report from a peer that has not registered",
+)
 
 
 def test_a_takeover_must_be_refused_at_every_door_and_logged() -> None:
@@ -371,10 +452,12 @@ def test_a_takeover_must_be_refused_at_every_door_and_logged() -> None:
 def test_a_forged_report_counted_for_a_rank_is_a_wrong_decision() -> None:
     """stranger_noise/takeover: a decision built from a forged report differs from the policy
     applied to the ranks' own reports."""
-    forged = msgspec.structs.replace(report_for(SEED, 0, 3), num_tokens=9999,
-                                     num_tokens_padded=9999)
-    wrong = decision_dict(decide([forged, report_for(SEED, 1, 3)], epoch=E1, seq=3,
-                                 kind=kind_for(SEED, 3)))
+    forged = msgspec.structs.replace(
+        report_for(SEED, 0, 3), num_tokens=9999, num_tokens_padded=9999
+    )
+    wrong = decision_dict(
+        decide([forged, report_for(SEED, 1, 3)], epoch=E1, seq=3, kind=kind_for(SEED, 3))
+    )
     ranks = [replace_end(clean_history(r), 3, decision=wrong) for r in range(DP)]
     scenario = info(Fault.STRANGER_NOISE, culprit=-1, culprit_name="stranger")
     result = check_history(scenario, logs(*ranks), [])
