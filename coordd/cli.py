@@ -207,7 +207,8 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         default=_env("max_handshake_rate", DEFAULT_HANDSHAKE_RATE, float),
         help="most new connections admitted a second, from all peers together (one peer "
         f"address or process: 1/{round(1 / SOURCE_SHARE)} of it), after a burst of "
-        "--max-connections; more wait and retry. With the close of a connection that says "
+        "--max-connections (one source: the same share of it, at least 64); more wait and "
+        "retry. With the close of a connection that says "
         f"no Hello within {STRANGER_GRACE:g}s, it keeps a peer from making libzmq abort "
         f"coordd (see coordd/gate.py) (default {DEFAULT_HANDSHAKE_RATE:g}; 0: off)",
     )

@@ -70,8 +70,10 @@ RATE_REFUSAL = b"coordd admits at most --max-handshake-rate handshakes a second:
 
 #: Default handshakes admitted a second, from all peers together (`--max-handshake-rate`).
 DEFAULT_HANDSHAKE_RATE = 20.0
-#: One source's share of that rate.
+#: One source's share of that rate, and of the burst (at least MIN_SOURCE_BURST): one fresh
+#: source took the whole shared burst in its first second, leaving the others the refill.
 SOURCE_SHARE = 1 / 8
+MIN_SOURCE_BURST = 64
 #: Sources remembered (least recently seen forgotten first: a forgotten one starts afresh,
 #: which the shared budget still bounds).
 MAX_SOURCES = 4096
@@ -104,9 +106,9 @@ class _Bucket:
 
 @dataclass
 class HandshakeRate:
-    """At most `rate` handshakes a second from all sources and `rate * SOURCE_SHARE` from one,
-    `burst` at once (a whole engine's ranks connect together at start). Pure: the time is
-    passed in."""
+    """At most `rate` handshakes a second from all sources and `rate * share` from one;
+    `burst` at once from all (a whole engine's ranks connect together at start), `burst *
+    share` from one (at least MIN_SOURCE_BURST: a host's ranks). Pure: the time is passed in."""
 
     rate: float
     burst: float
@@ -116,23 +118,25 @@ class HandshakeRate:
     refused_source: int = 0
     refused_total: int = 0
     _all: _Bucket = field(init=False)
+    _source_burst: float = field(init=False)
     _sources: OrderedDict[bytes, _Bucket] = field(init=False, default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.burst < 1:
             raise ValueError(f"rate must be > 0 and burst >= 1, got {self.rate}, {self.burst}")
         self._all = _Bucket(self.burst, float("-inf"))
+        self._source_burst = min(self.burst, max(MIN_SOURCE_BURST, self.burst * self.share))
 
     def admit(self, source: bytes, now: float) -> bool:
         """One handshake from `source` at `now`: admitted (and counted) or not."""
         bucket = self._sources.get(source)
         if bucket is None:
-            bucket = self._sources[source] = _Bucket(self.burst, now)
+            bucket = self._sources[source] = _Bucket(self._source_burst, now)
             while len(self._sources) > self.max_sources:
                 self._sources.popitem(last=False)
         else:
             self._sources.move_to_end(source)
-        if not _take(bucket, now, self.rate * self.share, self.burst, spend=False):
+        if not _take(bucket, now, self.rate * self.share, self._source_burst, spend=False):
             self.refused_source += 1
             return False
         if not _take(self._all, now, self.rate, self.burst, spend=True):

@@ -47,6 +47,14 @@ def test_all_sources_together_get_the_rate() -> None:
     assert 10 * 10 - 1 <= admitted <= 4 + 10 * 10  # the rate x 10 s, plus the burst
 
 
+def test_one_source_gets_its_share_of_the_burst() -> None:
+    rate = HandshakeRate(rate=20, burst=1024)  # the defaults: 128 from one source at once
+    assert sum(rate.admit(IPC, 0.0) for _ in range(1024)) == 128
+    assert sum(rate.admit(OTHER, 0.0) for _ in range(1024)) == 128
+    small = HandshakeRate(rate=20, burst=40)  # never more than the shared burst
+    assert sum(small.admit(IPC, 0.0) for _ in range(100)) == 40
+
+
 def test_sources_are_bounded() -> None:
     rate = HandshakeRate(rate=10, burst=4, max_sources=8)
     for n in range(100):
