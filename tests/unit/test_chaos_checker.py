@@ -404,16 +404,17 @@ def test_an_invalid_report_must_name_the_injected_field() -> None:
     assert any("names field cudagraph_mode, not num_tokens" in v for v in bad.violations)
 
 
-def taker(*records: Record) -> ProcessLog:
+def culprit_log(role: str, inject: Inject, *records: Record, pid: int = 3) -> ProcessLog:
+    """The history of a culprit process that holds no rank (taker, claimer)."""
     return ProcessLog(
-        "taker",
-        Header(t=8.0, role="taker", rank=0, pid=3, name="taker"),
-        [
-            Inject(t=T_INJECT, fault="takeover_attempt", rank=0),
-            *records,
-            Done(t=T_INJECT + 0.5, next_seq=0, reason="taker"),
-        ],
+        role,
+        Header(t=8.0, role=role, rank=0, pid=pid, name=role),
+        [inject, *records, Done(t=T_INJECT + 1.5, next_seq=0, reason=role)],
     )
+
+
+def taker(*records: Record) -> ProcessLog:
+    return culprit_log("taker", Inject(t=T_INJECT, fault="takeover_attempt", rank=0), *records)
 
 
 TAKEN = ErrorInfo(
@@ -465,15 +466,8 @@ def test_a_forged_report_counted_for_a_rank_is_a_wrong_decision() -> None:
 
 
 def claimer(*records: Record) -> ProcessLog:
-    return ProcessLog(
-        "claimer",
-        Header(t=8.0, role="claimer", rank=0, pid=4, name="claimer"),
-        [
-            Inject(t=T_INJECT, fault="id_claims", detail="50 names held"),
-            *records,
-            Done(t=T_INJECT + 1.5, next_seq=0, reason="claimer"),
-        ],
-    )
+    inject = Inject(t=T_INJECT, fault="id_claims", detail="50 names held")
+    return culprit_log("claimer", inject, *records, pid=4)
 
 
 ROUTING_ID = ErrorInfo(
