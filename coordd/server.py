@@ -97,6 +97,9 @@ STRANGER_ANSWERS_PER_S = 200.0
 #: reports it never registered for) has its connection shut down: libzmq's inbound queue is
 #: unbounded (see RCVHWM), so a flood must be cut off at its source.
 STRANGER_MESSAGES_PER_S = 2000
+#: Which socket a stranger's first message came over is taken again after this long (a peer
+#: that names itself keeps its routing id across connections: its new one is cut in time).
+STRANGER_SOCKET_TTL = 5.0
 
 
 @dataclass
@@ -301,6 +304,9 @@ class CoordServer:
         self._stranger_counts: dict[bytes, int] = {}
         self._stranger_window_end = 0.0
         self._cut: dict[tuple[bytes, int], None] = {}
+        #: The socket each stranger's first message came over (its descriptor's identity
+        #: then), and when (taken again after STRANGER_SOCKET_TTL)
+        self._stranger_socket: dict[bytes, tuple[int | None, float]] = {}
         self._cut_log = Aggregated(log, "flooding peer cut off", clock=clock)
         self._fd_peer: dict[int, bytes] = {}
         self._peer_fd: dict[bytes, int] = {}
@@ -669,9 +675,20 @@ class CoordServer:
 
     def _stranger_sent(self, peer: bytes, frame: zmq.Frame) -> None:
         """Count a message from a peer that holds no rank; over STRANGER_MESSAGES_PER_S in a
-        second, shut its connection down (once per connection; never a registered rank's)."""
+        second, shut its connection down (once per connection; never a registered rank's;
+        only if the peer's first message came over the socket now under the descriptor: after
+        a burst, a shut connection's backlog was counted against the connection that took its
+        number, and the cut banned an honest process for BAN_SECONDS)."""
         count = self._stranger_counts.get(peer, 0) + 1
         self._stranger_counts[peer] = count
+        if count == 1:
+            now = self.clock()
+            seen = self._stranger_socket.get(peer)
+            if seen is None or now - seen[1] > STRANGER_SOCKET_TTL:
+                self._stranger_socket.pop(peer, None)
+                self._stranger_socket[peer] = (limits.socket_ident(frame.get(_SRCFD)), now)
+                if len(self._stranger_socket) > 4096:
+                    del self._stranger_socket[next(iter(self._stranger_socket))]
         if count != STRANGER_MESSAGES_PER_S:
             return
         fd = frame.get(_SRCFD)
@@ -679,6 +696,11 @@ class CoordServer:
             return  # its connection was cut: what is left are its queued messages
         self._drain_monitor()  # `open` must be current: fd still this connection's
         if fd not in self.connections.open or fd in self._registered_fds():
+            return
+        seen = self._stranger_socket.get(peer)
+        if seen is None or seen[0] != self.connections.open[fd]:
+            # its first message came over another socket under this number: what is counted
+            # is that one's backlog (numbers are reused at once), and a cut bans the process
             return
         self._cut[(peer, fd)] = None
         while len(self._cut) > 4096:
