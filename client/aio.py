@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import zmq
@@ -23,7 +23,7 @@ from coordd.client.session import (
     Resolved,
     RoundStillOpen,
 )
-from coordd.client.shell import ClientShell
+from coordd.client.shell import HELLO_RESENDS, ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
     GatherReport,
@@ -59,7 +59,8 @@ class AsyncCoordClient(ClientShell):
         #: The futures of unanswered rounds, by seq, with the registration each began in and
         #: whether it is a gather round (its future resolves to the rows).
         self._pending: dict[int, tuple[int, asyncio.Future[Any], bool]] = {}
-        self._welcome: asyncio.Future[Welcome] | None = None
+        #: The registration's answer: a Welcome, or None when the Hello must go again.
+        self._welcome: asyncio.Future[Welcome | None] | None = None
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -69,21 +70,23 @@ class AsyncCoordClient(ClientShell):
         loop = self._attach()
         self.connection.disconnected()
         if self.connection.dropped:
-            self._detach()
-            self.reopen_if_dropped()
-            self._loop = None
-            loop = self._attach()
+            loop = self._reopen(self.reopen_if_dropped)
         hello = encode(self.session.hello())
+        self.resends_left = HELLO_RESENDS
         self._settle_all()
-        self._welcome = loop.create_future()
         deadline = time.monotonic() + timeout
         try:
-            await self._send_before(hello, deadline)
-            return await asyncio.wait_for(self._welcome, max(0.0, deadline - time.monotonic()))
+            while True:
+                self._welcome = loop.create_future()
+                await self._send_before(hello, deadline)
+                welcome = await asyncio.wait_for(
+                    self._welcome, max(0.0, deadline - time.monotonic())
+                )
+                if welcome is not None:
+                    return welcome
+                loop = self._reopen(self.reopen_for_hello)  # None: `hello_lost()` said so
         except asyncio.TimeoutError:
-            error = CoordinatorUnavailable(
-                f"no answer from coordd within {timeout:g}s" + self.connection.why_unreachable()
-            )
+            error = self.no_answer(timeout)
             self._dispatch(self.session.registration_failed(error))
             raise error from None
         except CoordinatorUnavailable as error:
@@ -234,6 +237,17 @@ class AsyncCoordClient(ClientShell):
             self._loop.remove_reader(self.connection.socket.fileno())
             self._loop.remove_reader(self.connection.monitor.fileno())
 
+    def _reopen(self, reopen: Callable[[], object]) -> asyncio.AbstractEventLoop:
+        """Watch the connection `reopen` opens in place of this one."""
+        self._detach()
+        reopen()
+        self._loop = None
+        loop = self._attach()
+        # A new monitor's descriptor is not signalled for its first events until it is read:
+        # unread, this connection's drop would go unnoticed (a round would wait out its timeout).
+        self.connection.disconnected()
+        return loop
+
     async def _send_before(self, data: bytes, deadline: float) -> None:
         while not self.connection.writable():
             if time.monotonic() >= deadline:
@@ -257,6 +271,8 @@ class AsyncCoordClient(ClientShell):
                 )
             )
         if dropped:
+            if welcome is not None and not welcome.done() and self.hello_lost():
+                welcome.set_result(None)  # connect() sends the Hello again, over a new connection
             self._dispatch(self.session.connection_lost())
 
     def _drain(self) -> None:

@@ -13,8 +13,9 @@ The rules, the same for every shell:
   frame before it reports a disconnect, and `outcome` gives a round's own answer first.
 - `connect()` opens a new registration: rounds of the old one that are still unanswered get
   `CoordinatorUnavailable("superseded by connect()")`, and their uncollected answers are
-  dropped. Until the `Welcome`, a disconnect means nothing (libzmq reconnects and the `Hello`
-  is retried by the caller); a refused or unanswered `Hello` fails the session with its error.
+  dropped. Until the `Welcome`, a disconnect means nothing here (the shell sends the same
+  `Hello` again over a new connection, in the same registration: `ClientShell.hello_lost`);
+  a refused or unanswered `Hello` fails the session with its error.
 """
 
 from __future__ import annotations

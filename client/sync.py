@@ -18,7 +18,7 @@ import zmq
 
 from coordd.client.config import ClientConfig
 from coordd.client.session import Pong, Registered, RegistrationFailed, Resolved, RoundStillOpen
-from coordd.client.shell import ClientShell
+from coordd.client.shell import HELLO_RESENDS, ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
     GatherReport,
@@ -304,7 +304,8 @@ class CoordClient(ClientShell):
         self._open = None
 
     def _register(self, timeout: float, hello: Hello | None = None) -> Welcome:
-        """Begin a registration and send `hello` (default: this rank's own) for it."""
+        """Begin a registration and send `hello` (default: this rank's own) for it; again over
+        a new connection if the connection drops before the answer (`hello_lost`)."""
         self._enter()
         try:
             return self._register_now(timeout, hello)
@@ -317,22 +318,25 @@ class CoordClient(ClientShell):
         self.connection.disconnected()
         if self.reopen_if_dropped():
             self._rcvtimeo = -1
-        connection = self.connection
         own = self.session.hello()
         data = encode(own if hello is None else hello)
+        self.resends_left = HELLO_RESENDS
         deadline = time.monotonic() + timeout
         try:
             self._send_before(data, deadline)
             while self._welcome is None:
                 if not self._pump(deadline):
-                    raise CoordinatorUnavailable(
-                        f"no answer from coordd within {timeout:g}s" + connection.why_unreachable()
-                    )
+                    raise self.no_answer(timeout)
+                connection = self.connection
                 if connection.handshake_refused:  # it fails the same way every retry
                     raise CoordinatorUnavailable(
                         f"coordd refused the connection ({connection.where()}): "
                         f"{connection.handshake_failure}"
                     )
+                if self._welcome is None and self.hello_lost():
+                    self.reopen_for_hello()
+                    self._rcvtimeo = -1
+                    self._send_before(data, deadline)
         except CoordinatorUnavailable as error:
             self.session.registration_failed(error)
             raise

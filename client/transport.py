@@ -116,6 +116,11 @@ class RankConnection:
         #: Set once a disconnect was read: libzmq would reconnect under the same routing id,
         #: which coordd may still hold for the old connection (see ClientShell.reopen_if_dropped).
         self.dropped = False
+        #: Set once a connection whose handshake had succeeded dropped: what the DEALER had
+        #: handed it (a Hello) is lost, and so is what coordd sent back over it. (What was
+        #: queued before a handshake stays queued across a failed one: IMMEDIATE is off.)
+        self.lost_after_handshake = False
+        self._handshaken = False
         self._no_detail = 0
         #: When the monitor's last CONNECTED event was read (a handshake began), or None.
         self._connected_at: float | None = None
@@ -229,9 +234,12 @@ class RankConnection:
             event = int.from_bytes(frames[0][:2], "little")
             if event == _DISCONNECTED:
                 seen = self.dropped = True
+                self.lost_after_handshake |= self._handshaken
+                self._handshaken = False
             elif event == _CONNECTED:
                 self._connected_at = time.monotonic()
             elif event == _HANDSHAKE_SUCCEEDED:
+                self._handshaken = True
                 self._no_detail = 0
                 self.handshake_failure = None
                 self.handshake_refused = False
