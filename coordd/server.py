@@ -294,7 +294,11 @@ class CoordServer:
         #: Log lines a peer could cause once per message: aggregated.
         self._bad_frame_log = Aggregated(log, "bad frame dropped", clock=clock)
         self._evicted_log = Aggregated(log, "connection closed over the cap", clock=clock)
-        self._expired_log = Aggregated(log, "silent connection closed", clock=clock)
+        # info: a client built before its connect() (it reconnects and says Hello then) is
+        # closed so too; the metric counts them (connections_closed_total{reason="silent"})
+        self._expired_log = Aggregated(
+            log, "silent connection closed", level=logging.INFO, clock=clock
+        )
         #: Dropping the rest of a refused multipart message (over several turns).
         self._dropping = False
         self._again_pending = False
