@@ -573,15 +573,19 @@ class CoordServer:
         self.connections.refusing = on
         if self.gate is not None:
             self.gate.refusing = on
-        if not on:
+        if not on or not self._monitor_read():
             return 0
+        return self.connections.shed()
+
+    def _monitor_read(self) -> bool:
+        """Read the monitor's events (a bounded number of turns) and tell the groups of
+        ranks lost in them; True if none is left, so every descriptor in the connection guard
+        is one libzmq holds (what shutting connections down by descriptor needs)."""
         for _ in range(8):
             if not self._drain_monitor():
                 break
         self._drained()
-        if int(self._monitor.getsockopt(_EVENTS)) & _POLLIN:
-            return 0
-        return self.connections.shed()
+        return not int(self._monitor.getsockopt(_EVENTS)) & _POLLIN
 
     def _grace_period(self) -> float:
         """How often silent connections are looked for: a quarter of the grace, at most 1 s."""
@@ -595,11 +599,7 @@ class CoordServer:
         if loop is None or self._sock.closed:
             return
         self._grace_timer = loop.call_later(self._grace_period(), self._expire_silent)
-        for _ in range(8):
-            if not self._drain_monitor():
-                break
-        self._drained()  # a rank lost in those events: its group hears of it now
-        if int(self._monitor.getsockopt(_EVENTS)) & _POLLIN:
+        if not self._monitor_read():
             return  # `open` is not current yet: next time
         grace = self.stranger_grace * (3 if self._backlog() else 1)
         closed = self.connections.expire(self.clock() - grace, self._fd_peer)

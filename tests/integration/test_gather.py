@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import random
-import socket
 import time
 from typing import Any
 
@@ -35,6 +34,7 @@ from coordd.proto.messages import (
 from coordd.status import fetch
 from coordd.testing import RawRank
 from tests.integration.clients import CLIENT_KINDS
+from tests.integration.scrape import free_port
 
 SITES = ("vllm.gpu.dp_utils", "vllm.v1.dp_utils", "vllm.parallel.sync_dp_state")
 ROUNDS = 60
@@ -264,12 +264,6 @@ def test_a_rank_that_skips_a_gather_is_named_to_every_rank(start_coordd, dp: int
     assert elapsed < 45, f"the mismatch took {elapsed:.1f}s to reach every rank"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def rounds_counted(url: str, kind: str, outcome: str) -> float:
     """coordd_rounds_total for `kind` and `outcome`, over every group."""
     code, body = fetch(url + "/metrics", 5)
@@ -283,7 +277,7 @@ def rounds_counted(url: str, kind: str, outcome: str) -> float:
 
 @pytest.mark.timeout(120)
 def test_metrics_count_gather_rounds(start_coordd) -> None:
-    port = _free_port()
+    port = free_port()
     coordd = start_coordd(2, "ipc", "--metrics-port", str(port))
     runs = run_ranks(coordd.address, 2, "sync", "script", seed=2)
     assert all(run.error is None and len(run.syncs) == ROUNDS for run in runs)

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from coordd.client.sync import CoordClient
 from coordd.proto.messages import Hello, Reject, decode_from_coordinator, encode
 from coordd.server import CoordServer
 from coordd.testing import CoorddProcess
-from tests.integration.test_gather import _free_port
+from tests.integration.scrape import free_port, metric_value
 from tests.integration.test_groups import report, run_server
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,14 +50,6 @@ ctx.term()
 """
 
 
-def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-        for line in answer.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
 def test_id_less_handshakes_over_the_rate_are_refused_and_a_rank_still_registers(
     tmp_path: Path,
 ) -> None:
@@ -66,7 +57,7 @@ def test_id_less_handshakes_over_the_rate_are_refused_and_a_rank_still_registers
     one source. 100 id-less connections from one process: at most ~42 finish their handshake in
     2 s (before: all 100, each moving libzmq's counter); a rank from another process registers
     meanwhile."""
-    port = _free_port()
+    port = free_port()
     args = ["--log-level", "error", "--metrics-port", str(port)]
     args += ["--max-handshake-rate", "8", "--max-connections", "40"]
     with CoorddProcess(1, f"ipc://{tmp_path}/c.sock", args) as coordd:
@@ -89,7 +80,7 @@ def test_id_less_handshakes_over_the_rate_are_refused_and_a_rank_still_registers
             flood.wait(timeout=10)
         admitted = int(out.split()[-1])
         assert 1 <= admitted <= 40 + 2 + 2, f"{admitted} of 100 id-less handshakes admitted"
-        assert _metric(port, "coordd_handshakes_rate_refused_total") >= 100 - 44
+        assert metric_value(port, "coordd_handshakes_rate_refused_total") >= 100 - 44
         assert coordd.proc is not None and coordd.proc.poll() is None
 
 

@@ -10,7 +10,6 @@ asserted here (the machine is shared).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 import urllib.request
@@ -24,6 +23,7 @@ from coordd.proto.errors import StepTimeout
 from coordd.proto.messages import StepReport
 from coordd.testing import CoorddProcess
 from coordd.testing.load import HonestRounds, ProcessGauge, start_load, wait_load
+from tests.integration.scrape import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -39,12 +39,6 @@ def limited(proc: CoorddProcess, nofile: int) -> CoorddProcess:
         *proc.argv,
     ]
     return proc
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def livez(url: str, timeout: float = 5.0) -> float:
@@ -231,7 +225,9 @@ def test_half_open_http_connections_cannot_exhaust_descriptors(coordd, tmp_path:
     assert gauge.peak_fds < 256
 
 
-def test_connections_that_never_handshake_cannot_lock_ranks_out(coordd, tmp_path: Path) -> None:
+def test_connections_that_never_handshake_cannot_lock_ranks_out(
+    coordd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """tcp+CURVE with NOFILE 512: 1000 key-less connections that never handshake. coordd
     keeps its descriptors under the limit (the oldest strangers are closed over the cap,
     handshakes time out), so it neither spins on EMFILE nor locks a new rank out."""
@@ -254,30 +250,19 @@ def test_connections_that_never_handshake_cannot_lock_ranks_out(coordd, tmp_path
         512,
     )
     start(coordd, proc)
-    env = {
-        "COORDD_CURVE_SERVER_KEY": str(keys / "coordd.key"),
-        "COORDD_CURVE_CLIENT_KEY": str(keys / "rank.key_secret"),
-    }
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with ProcessGauge(proc.pid) as gauge:
-            cpu0 = _cpu_seconds(proc.pid)
-            load = start_load("connections", proc.address, "--count", "1000", "--seconds", "4")
-            time.sleep(2.0)
-            try:
-                with HonestRounds(proc.address, 2) as ranks:
-                    assert len(ranks.run(3)) == 3
-            finally:
-                wait_load(load, 30)
-            cpu = _cpu_seconds(proc.pid) - cpu0
-            assert proc.proc is not None and proc.proc.poll() is None
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    monkeypatch.setenv("COORDD_CURVE_SERVER_KEY", str(keys / "coordd.key"))
+    monkeypatch.setenv("COORDD_CURVE_CLIENT_KEY", str(keys / "rank.key_secret"))
+    with ProcessGauge(proc.pid) as gauge:
+        cpu0 = _cpu_seconds(proc.pid)
+        load = start_load("connections", proc.address, "--count", "1000", "--seconds", "4")
+        time.sleep(2.0)
+        try:
+            with HonestRounds(proc.address, 2) as ranks:
+                assert len(ranks.run(3)) == 3
+        finally:
+            wait_load(load, 30)
+        cpu = _cpu_seconds(proc.pid) - cpu0
+        assert proc.proc is not None and proc.proc.poll() is None
     # A burst of accepts can touch the 512 limit for a moment before coordd's guard closes the
     # strangers (libzmq's tcp listener survives EMFILE); what a rank depends on is asserted
     # above (it registered and decided during the flood) and below (coordd did not spin).

@@ -5,12 +5,10 @@ unfinished message, and a coordd process under a burst stays near its budget."""
 from __future__ import annotations
 
 import os
-import socket
 import struct
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from coordd.gate import ZAP_DOMAIN, ZAP_ENDPOINT, HandshakeGate
 from coordd.proto.errors import CoordinatorUnavailable
 from coordd.testing import CoorddProcess
 from coordd.testing.load import HonestRounds, ProcessGauge, start_load, wait_load
+from tests.integration.scrape import free_port, metric_value
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,19 +123,6 @@ def test_a_closed_connection_s_unfinished_multipart_message_is_freed(tmp_path: P
 MB = memory.MB
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _value(metrics: str, name: str) -> float:
-    for line in metrics.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
 def register_within(ranks: HonestRounds, seconds: float) -> None:
     """Register every rank of `ranks`, retrying while coordd refuses handshakes: it does so
     until its memory is back under the budget (measured: at most ~0.5 s after a burst's end,
@@ -187,10 +173,8 @@ def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> N
             while gauge.rss_mb() >= 80 and time.monotonic() < deadline:
                 time.sleep(0.1)
             after = gauge.rss_mb()
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                metrics = r.read().decode()
-        closed = _value(metrics, "coordd_memory_strangers_closed_total")
-        refused = _value(metrics, "coordd_memory_handshakes_refused_total")
+            closed = metric_value(port, "coordd_memory_strangers_closed_total")
+            refused = metric_value(port, "coordd_memory_handshakes_refused_total")
         print(
             f"peak RSS {gauge.peak_rss_mb:.0f} MB with --max-rss-mb 64, {after:.0f} MB after; "
             f"{closed:.0f} strangers closed, {refused:.0f} handshakes refused"
@@ -317,7 +301,7 @@ def test_a_foreign_zap_handler_is_left_alone() -> None:
 
 
 def test_with_curve_a_burst_from_a_leaked_rank_key_is_refused_in_the_handshake(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """tcp+CURVE, 50 peers holding a rank's key queue bad frames: coordd closes them and
     refuses their reconnects in the CURVE handshake (status 300 from its one ZAP handler;
@@ -342,9 +326,9 @@ def test_with_curve_a_burst_from_a_leaked_rank_key_is_refused_in_the_handshake(
             str(tmp_path / "rank.key"),
         ],
     ).start()
-    old = {k: os.environ.get(k) for k in ("COORDD_CURVE_SERVER_KEY", "COORDD_CURVE_CLIENT_KEY")}
-    os.environ["COORDD_CURVE_SERVER_KEY"] = str(tmp_path / "coordd.key")
-    os.environ["COORDD_CURVE_CLIENT_KEY"] = str(tmp_path / "rank.key_secret")
+    # the load's peers and the honest ranks use the rank's key (a leaked one)
+    monkeypatch.setenv("COORDD_CURVE_SERVER_KEY", str(tmp_path / "coordd.key"))
+    monkeypatch.setenv("COORDD_CURVE_CLIENT_KEY", str(tmp_path / "rank.key_secret"))
     try:
         with HonestRounds(proc.address, 2) as ranks, ProcessGauge(proc.pid, 0.01) as gauge:
             ranks.run(3)
@@ -353,10 +337,8 @@ def test_with_curve_a_burst_from_a_leaked_rank_key_is_refused_in_the_handshake(
             )
             wait_load(load, 40)
             assert len(ranks.run(5)) == 5
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                metrics = r.read().decode()
-        closed = _value(metrics, "coordd_memory_strangers_closed_total")
-        refused = _value(metrics, "coordd_memory_handshakes_refused_total")
+            closed = metric_value(port, "coordd_memory_strangers_closed_total")
+            refused = metric_value(port, "coordd_memory_handshakes_refused_total")
         print(
             f"CURVE: peak RSS {gauge.peak_rss_mb:.0f} MB with --max-rss-mb 64; "
             f"{closed:.0f} strangers closed, {refused:.0f} handshakes refused"
@@ -364,18 +346,11 @@ def test_with_curve_a_burst_from_a_leaked_rank_key_is_refused_in_the_handshake(
         assert refused >= 1 and closed >= 1
         assert gauge.peak_rss_mb < 300, f"peak {gauge.peak_rss_mb:.0f} MB"
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         proc.stop()
 
 
 def _banned(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        metrics = r.read().decode()
-    return _value(metrics, 'coordd_connections_closed_total{reason="banned"}')
+    return metric_value(port, 'coordd_connections_closed_total{reason="banned"}')
 
 
 def test_connections_open_during_a_garbage_burst_are_not_cut_off_for_its_backlog(
