@@ -1,4 +1,4 @@
-"""What bounds the slow routing-id abort (coordd.gate), with real ZeroMQ: id-less handshakes over
+"""What bounds the slow routing-id abort (coordd.io.gate), with real ZeroMQ: id-less handshakes over
 the rate are refused before libzmq names the peer, a connection that says no Hello is closed
 after the grace (a rank's never), and a zero-led routing id cannot register."""
 
@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from coordd.client.sync import CoordClient
+from coordd.io.server import CoordServer
 from coordd.proto.messages import Hello, Reject, decode_from_coordinator, encode
-from coordd.server import CoordServer
 from coordd.testing import CoorddProcess
 from tests.integration.scrape import free_port, metric_value
 from tests.integration.test_groups import report, run_server

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from coordd import keys, logs
+from coordd.core import logs
+from coordd.io import curve as keys
 
 
 class FakeClock:

@@ -24,8 +24,8 @@ import zmq
 from coordd.client.config import ClientConfig
 from coordd.client.session import RankSession, RoundStillOpen
 from coordd.client.sync import CoordClient
-from coordd.gate import DEFAULT_HANDSHAKE_RATE, REFUSAL_DELAY, SOURCE_SHARE
-from coordd.limits import HANDSHAKE_TIMEOUT
+from coordd.core.defaults import DEFAULT_HANDSHAKE_RATE, HANDSHAKE_TIMEOUT
+from coordd.io.gate import REFUSAL_DELAY, SOURCE_SHARE
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
 from coordd.proto.messages import (
     Goodbye,
