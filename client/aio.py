@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import zmq
 
 from coordd.client.config import ClientConfig
+from coordd.client.registration import Step
 from coordd.client.session import (
     GroupFailed,
     Pong,
@@ -23,7 +24,7 @@ from coordd.client.session import (
     Resolved,
     RoundStillOpen,
 )
-from coordd.client.shell import HELLO_RESENDS, ClientShell
+from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
     GatherReport,
@@ -59,8 +60,8 @@ class AsyncCoordClient(ClientShell):
         #: The futures of unanswered rounds, by seq, with the registration each began in and
         #: whether it is a gather round (its future resolves to the rows).
         self._pending: dict[int, tuple[int, asyncio.Future[Any], bool]] = {}
-        #: The registration's answer: a Welcome, or None when the Hello must go again.
-        self._welcome: asyncio.Future[Welcome | None] | None = None
+        #: While connect() waits: woken by coordd's answer and by the monitor.
+        self._wake: asyncio.Future[None] | None = None
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -68,32 +69,38 @@ class AsyncCoordClient(ClientShell):
         """Register (Hello -> Welcome) in a new epoch; raises `Rejected` or
         `CoordinatorUnavailable`. Rounds still pending from before get the latter."""
         loop = self._attach()
-        self.connection.disconnected()
-        if self.connection.dropped:
-            loop = self._reopen(self.reopen_if_dropped)
-        hello = encode(self.session.hello())
-        self.resends_left = HELLO_RESENDS
-        self._settle_all()
-        deadline = time.monotonic() + timeout
+        registration = self.begin_registration(timeout, time.monotonic())
+        self._settle_all()  # the old registration's rounds: superseded
         try:
             while True:
-                self._welcome = loop.create_future()
-                await self._send_before(hello, deadline)
-                welcome = await asyncio.wait_for(
-                    self._welcome, max(0.0, deadline - time.monotonic())
-                )
-                if welcome is not None:
-                    return welcome
-                loop = self._reopen(self.reopen_for_hello)  # None: `hello_lost()` said so
-        except asyncio.TimeoutError:
-            error = self.no_answer(timeout)
-            self._dispatch(self.session.registration_failed(error))
-            raise error from None
+                step = registration.next_step(self.connection, time.monotonic())
+                if step is Step.WAIT:
+                    await self._wait_event(loop, registration.deadline)
+                elif step is Step.SEND:
+                    await self._send_before(registration.data, registration.deadline)
+                elif step is Step.REOPEN:
+                    loop = self._reopen(self.reopen_if_dropped)
+                else:
+                    assert registration.welcome is not None
+                    return registration.welcome
         except CoordinatorUnavailable as error:
-            self._dispatch(self.session.registration_failed(error))
+            self._dispatch(registration.abort(error))
             raise
+
+    async def _wait_event(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """Until coordd answers the Hello, the monitor reports something, or `deadline`."""
+        wake = self._wake = loop.create_future()
+        try:
+            await asyncio.wait_for(wake, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            pass
         finally:
-            self._welcome = None
+            self._wake = None
+
+    def _wake_registration(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     def start(
         self, report: StepReport, kind: StepKind | str = StepKind.FORWARD
@@ -262,17 +269,8 @@ class AsyncCoordClient(ClientShell):
         connection = self.connection
         dropped = connection.disconnected()
         self._drain()  # what coordd sent before the close is still this rank's
-        welcome = self._welcome
-        if connection.handshake_refused and welcome is not None and not welcome.done():
-            welcome.set_exception(  # it fails the same way every retry: say so now
-                CoordinatorUnavailable(
-                    f"coordd refused the connection ({connection.where()}): "
-                    f"{connection.handshake_failure}"
-                )
-            )
+        self._wake_registration()  # connect() looks at what the monitor said
         if dropped:
-            if welcome is not None and not welcome.done() and self.hello_lost():
-                welcome.set_result(None)  # connect() sends the Hello again, over a new connection
             self._dispatch(self.session.connection_lost())
 
     def _drain(self) -> None:
@@ -286,12 +284,8 @@ class AsyncCoordClient(ClientShell):
             self._settle(event.seq)
         elif type(event) is GroupFailed:
             self._settle_all()
-        elif type(event) is Registered:
-            if self._welcome is not None and not self._welcome.done():
-                self._welcome.set_result(event.welcome)
-        elif type(event) is RegistrationFailed:
-            if self._welcome is not None and not self._welcome.done():
-                self._welcome.set_exception(event.error)
+        elif type(event) is Registered or type(event) is RegistrationFailed:
+            self._wake_registration()
         elif type(event) is Pong:
             pong = self._pongs.get(event.nonce)
             if pong is not None and not pong.done():

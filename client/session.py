@@ -14,7 +14,7 @@ The rules, the same for every shell:
 - `connect()` opens a new registration: rounds of the old one that are still unanswered get
   `CoordinatorUnavailable("superseded by connect()")`, and their uncollected answers are
   dropped. Until the `Welcome`, a disconnect means nothing here (the shell sends the same
-  `Hello` again over a new connection, in the same registration: `ClientShell.hello_lost`);
+  `Hello` again over a new connection, in the same registration: `coordd.client.registration`);
   a refused or unanswered `Hello` fails the session with its error.
 """
 
@@ -149,6 +149,8 @@ class RankSession:
         self.next_seq = 0
         self.failed: CoordError | None = None
         self.registering = False
+        #: The latest registration's `Welcome` (None before the first).
+        self.welcome: Welcome | None = None
         #: How many times `connect()` began; a round belongs to the registration it started in.
         self.registration = 0
         #: Each answered round's first uncollected answer, and (rarely: a duplicate report's
@@ -329,6 +331,7 @@ class RankSession:
         if type(msg) is StepFailed:
             return self._on_failed(msg)
         if type(msg) is Welcome:
+            self.welcome = msg
             self.epoch = msg.epoch
             self.next_seq = msg.next_seq
             self.failed = None
