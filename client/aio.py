@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import zmq
 
 from coordd.client.config import ClientConfig
+from coordd.client.edge import drain, send_and_look
 from coordd.client.registration import Step
 from coordd.client.session import (
     GroupFailed,
@@ -155,12 +156,10 @@ class AsyncCoordClient(ClientShell):
         self, stamped: StepReport | GatherReport, future: asyncio.Future[Any], *, gather: bool
     ) -> None:
         self._pending[stamped.seq] = (self.session.registration, future, gather)
-        if not self.connection.send(encode(stamped)):
+        if not send_and_look(self.connection.socket, encode(stamped), self._on_frame):
             self._fail(
                 CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
             )
-        # a send can take the descriptor's edge: look (ZMQ_EVENTS), the answer is rarely here yet
-        self.connection.drain(self._on_frame, expect=False)
 
     async def coordinate(
         self,
@@ -262,8 +261,7 @@ class AsyncCoordClient(ClientShell):
                     f"cannot reach coordd at {self.address}" + self.connection.why_unreachable()
                 )
             await asyncio.sleep(0.01)
-        self.connection.send(data)
-        self._drain()
+        send_and_look(self.connection.socket, data, self._on_frame)
 
     def _check_monitor(self) -> None:
         connection = self.connection
@@ -274,7 +272,7 @@ class AsyncCoordClient(ClientShell):
             self._dispatch(self.session.connection_lost())
 
     def _drain(self) -> None:
-        self.connection.drain(self._on_frame)
+        drain(self.connection.socket, self._on_frame)
 
     def _on_frame(self, frame: bytes) -> None:
         self._dispatch(self.session.receive_frame(frame))

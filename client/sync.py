@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from coordd.client.config import ClientConfig
+from coordd.client.edge import drain
 from coordd.client.registration import Step
 from coordd.client.session import Pong, RegistrationFailed, Resolved, RoundStillOpen
 from coordd.client.shell import ClientShell
@@ -390,7 +391,7 @@ class CoordClient(ClientShell):
 
     def _read_available(self) -> None:
         try:
-            self.connection.drain(self._on_frame)
+            drain(self.connection.socket, self._on_frame)
         except zmq.ZMQError as exc:
             raise self._socket_error(exc) from None
 
