@@ -380,3 +380,23 @@ def test_take_frame_hands_back_the_awaited_answer_and_receives_the_rest() -> Non
     assert isinstance(session.take_frame(encode(decision(3, a)), a), Resolved)
     assert session.outcome(a, registration) == decision(3, a)
     assert session.outcome(a, registration) == decision(3, a)
+
+
+# -- a superseded round settles -----------------------------------------------------------------
+
+
+def test_a_superseded_round_settles_the_moment_connect_begins() -> None:
+    """An engine that polls `done()` (`settled`) on a round of the old registration must see it
+    settle when connect() begins a new one: the new registration holds no answer for it and has
+    not failed, so only the registration number tells (else it polls for ever)."""
+    session = registered()
+    old = started(session)
+    assert not session.settled(*old)
+    session.hello()
+    assert session.settled(*old), "superseded: settled before the Welcome"
+    session.receive(Welcome(epoch=4, next_seq=old[0], dp_size=2))
+    assert session.settled(*old), "and after it, though the new epoch reuses its seq"
+    fresh = started(session)
+    assert fresh[0] == old[0] and not session.settled(*fresh)
+    assert session.outcome(*old) == CoordinatorUnavailable(SUPERSEDED)
+    assert session.outcome(*fresh) is None
