@@ -143,8 +143,12 @@ class AsyncCoordClient(ClientShell):
 
     def _refuse_if_open(self) -> None:
         """Rounds are not pipelined (see `CoordClient.start`): `RoundStillOpen` while the
-        previous round of this registration is unanswered."""
-        if not self._pending or self._closed:
+        previous round of this registration is unanswered. Reads what came first (an answer
+        for the round about to be reported is then a misfit, not its answer)."""
+        if self._closed:
+            return
+        if not self._pending:
+            drain(self.connection.socket, self._on_frame, expect=False)
             return
         self._drain()
         registration = self.session.registration

@@ -185,6 +185,8 @@ class CoordClient(ClientShell):
                 raise CoordinatorUnavailable(_CLOSED)
             if self._open is not None:
                 self._check_open(self._open)
+            else:  # what came since: an answer for the round about to be reported is a misfit
+                self._read_available(expect=False)
             stamped = session.report(report, kind)
             self._send_report(stamped)
         finally:
@@ -205,6 +207,8 @@ class CoordClient(ClientShell):
         try:
             if self._open is not None:
                 self._check_open(self._open)
+            else:
+                self._read_available(expect=False)
             stamped = self.session.gather(site, values)
             self._send_report(stamped)
         finally:
@@ -389,9 +393,10 @@ class CoordClient(ClientShell):
             if self._closed:
                 self._close_sockets()
 
-    def _read_available(self) -> None:
+    def _read_available(self, expect: bool = True) -> None:
+        """Receive what is queued (`expect`: as `edge.drain` takes it)."""
         try:
-            drain(self.connection.socket, self._on_frame)
+            drain(self.connection.socket, self._on_frame, expect=expect)
         except zmq.ZMQError as exc:
             raise self._socket_error(exc) from None
 
