@@ -18,7 +18,7 @@ The rules (`coordd.io.limits` says why each exists):
   message of the window came over the socket now under that descriptor (acfddde: descriptor
   numbers are reused at once, so what was counted may be a closed connection's backlog, and
   the cut would ban an honest process).
-- Answers to strangers are rate-limited (`answer`).
+- What a stranger's message is answered, rate-limited (`answer`).
 
 Every decision that names descriptors assumes the monitor was read up to now (every
 descriptor in `open` is then one libzmq holds): the shell makes sure of it where it acts.
@@ -32,6 +32,15 @@ from dataclasses import dataclass
 
 from coordd.core.bounds import BoundedMap, TokenBucket
 from coordd.core.defaults import BAN_SECONDS
+from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError
+from coordd.proto.messages import (
+    Goodbye,
+    Heartbeat,
+    Hello,
+    StepFailed,
+    ToCoordinator,
+    failure_message,
+)
 
 #: Answers to peers that registered with no group (an echo, a refusal): at most this many a
 #: second over all of them, so a stranger's flood gets little back and queues little here.
@@ -268,13 +277,32 @@ class Admission:
                 shuts += _shut(other, other_ident, FLOOD_PROCESS)
         return shuts
 
-    def answer(self, now: float) -> bool:
-        """Whether a stranger's message may be answered now (STRANGER_ANSWERS_PER_S over all
-        strangers); counted in `answers_dropped` if not."""
-        if self._answers.take(now):
-            return True
-        self.answers_dropped += 1
-        return False
+    def answer(
+        self, message: ToCoordinator, now: float, known_epoch: Callable[[int], bool]
+    ) -> Heartbeat | StepFailed | None:
+        """What a message from a peer that registered with no group (never, before coordd
+        restarted, or so long ago that it was forgotten) is answered: nothing for a Hello or
+        a Goodbye, an echo for a Heartbeat, a failure for a report (`known_epoch(epoch)`: it
+        names some group's current epoch). At most STRANGER_ANSWERS_PER_S a second over all
+        strangers (the rest counted in `answers_dropped`): a flood gets little back, and so
+        queues little."""
+        if isinstance(message, (Goodbye, Hello)):
+            return None
+        if not self._answers.take(now):
+            self.answers_dropped += 1
+            return None
+        if isinstance(message, Heartbeat):
+            return message
+        report = message  # a StepReport or a GatherReport
+        error: CoordError
+        if known_epoch(report.epoch):
+            error = ProtocolError("report from a peer that has not registered", rank=report.dp_rank)
+        else:
+            error = CoordinatorUnavailable(
+                f"epoch {report.epoch} is the current epoch of no group coordd serves "
+                "(coordd restarted or the group re-formed): register again"
+            )
+        return failure_message(error, epoch=report.epoch, seq=report.seq, kind=report.kind)
 
     # -- counts -------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import zmq
 
 from coordd.core import defaults
-from coordd.core.admission import FLOOD, Admission, Shut
+from coordd.core.admission import Admission
 from coordd.core.logs import Aggregated
 from coordd.core.peers import peer_label
 from coordd.core.registry import (
@@ -51,16 +51,17 @@ from coordd.core.registry import (
     Registry,
     group_name_problem,
 )
-from coordd.io import limits, memory
+from coordd.io import limits
+from coordd.io.guard import Guard
 from coordd.io.identity import frame_address
 from coordd.io.router import open_router, prepare_ipc_path
+from coordd.io.timer import Deadlines, Group
 from coordd.ops.observer import Observer, ServerEvents
 from coordd.ops.view import ShellCounters
-from coordd.proto.coordinator import Coordinator, Send
-from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError
+from coordd.proto.coordinator import Send
+from coordd.proto.errors import ProtocolError
 from coordd.proto.messages import (
     MAX_DP_SIZE,
-    Goodbye,
     Heartbeat,
     Hello,
     Reject,
@@ -68,7 +69,6 @@ from coordd.proto.messages import (
     ToCoordinator,
     decode_to_coordinator,
     encode,
-    failure_message,
     reject_message,
 )
 from coordd.proto.snapshot import OnRankLoss
@@ -121,17 +121,6 @@ class ServerStats:
     disconnects: int = 0
     #: parts of refused multipart messages, dropped without decoding
     parts_dropped: int = 0
-
-
-@dataclass(eq=False, slots=True)
-class Group:
-    """One named DP group: its state machine, what is counted about it, and its open round's
-    deadline as the server last scheduled it."""
-
-    name: str
-    coordinator: Coordinator
-    observer: Observer
-    deadline: float | None = None
 
 
 class CoordServer:
@@ -221,44 +210,29 @@ class CoordServer:
             pid=limits.peer_pid,
             now=clock(),
         )
-        if self.gate is not None:
-            self.gate.pressure = self.connections.pressure  # one flag, read by both
-        #: A connection that said no Hello this long after it was accepted is shut down (0:
-        #: never); see coordd.io.gate for why.
-        self.stranger_grace = stranger_grace
-        self._grace_timer: asyncio.TimerHandle | None = None
-        #: Over `max_rss_mb` (0: off, the default in-process: the host's memory is not
-        #: coordd's; `coordd serve` sets it), connections that hold no rank are closed.
-        self.memory: memory.MemoryWatch | None = None
-        if max_rss_mb:
-            self.memory = memory.MemoryWatch(
-                max_rss_mb,
-                strangers=self.connections.strangers,
-                pressure=self._memory_pressure,
-                clock=clock,
-                backlog=self._backlog,
-            )
-            if self.gate is not None:
-                self.gate.over = self.memory.over
+        #: Carries out admission's decisions: shutdowns, the grace timer, the memory watch.
+        self.guard = Guard(
+            self.connections,
+            clock=clock,
+            current=self._current,
+            introduced=lambda: self.registry.fd_peer,
+            backlog=self._backlog,
+            stranger_grace=stranger_grace,
+            max_rss_mb=max_rss_mb,
+            gate=self.gate,
+        )
+        self.memory = self.guard.memory
         #: Log lines a peer could cause once per message: aggregated.
         self._bad_frame_log = Aggregated(log, "bad frame dropped", clock=clock)
-        self._evicted_log = Aggregated(log, "connection closed over the cap", clock=clock)
-        # info: a client built before its connect() (it reconnects and says Hello then) is
-        # closed so too; the metric counts them (connections_closed_total{reason="silent"})
-        self._expired_log = Aggregated(
-            log, "silent connection closed", level=logging.INFO, clock=clock
-        )
-        self._cut_log = Aggregated(log, "flooding peer cut off", clock=clock)
         #: Dropping the rest of a refused multipart message (over several turns).
         self._dropping = False
         self._again_pending = False
         self._monitor_waited = 0
+        #: Groups with an open round, and the one timer for their deadlines.
+        self._deadlines = Deadlines(clock, self._send, self._drain)
         #: Groups that got input since the last drain ended (failures and deadlines to check).
-        self._touched: set[Group] = set()
-        #: Groups with an open round, and its deadline.
-        self._open: dict[Group, float] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._touched = self._deadlines.touched
+        self._drained = self._deadlines.drained
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -276,18 +250,10 @@ class CoordServer:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.fileno(), self._on_frames)
         self._loop.add_reader(self._monitor.fileno(), self._drain)
-        for aggregated in (
-            self._bad_frame_log,
-            self._evicted_log,
-            self._expired_log,
-            self._cut_log,
-            *self.events.aggregated(),
-        ):
+        self._deadlines.loop = self._loop
+        for aggregated in (self._bad_frame_log, *self.events.aggregated()):
             aggregated.schedule = self._loop.call_later
-        if self.memory is not None:
-            self.memory.start(self._loop)
-        if self.stranger_grace:
-            self._grace_timer = self._loop.call_later(self._grace_period(), self._expire_silent)
+        self.guard.start(self._loop)
         self._drain()
         log.info(
             "coordd serving dp=%d on %s (at most %d groups)",
@@ -300,12 +266,8 @@ class CoordServer:
         finally:
             self._loop.remove_reader(self._sock.fileno())
             self._loop.remove_reader(self._monitor.fileno())
-            if self._timer is not None:
-                self._timer.cancel()
-            if self._grace_timer is not None:
-                self._grace_timer.cancel()
-            if self.memory is not None:
-                self.memory.stop()
+            self._deadlines.cancel()
+            self.guard.stop()
             for group in self.groups.values():
                 self._send(group.coordinator.shutdown(), group.observer)
             self.close(linger=0.5)
@@ -389,31 +351,6 @@ class CoordServer:
         if not self._sock.closed:
             self._drain()
 
-    def _drained(self) -> None:
-        """Once per drain, for each group that got input: a group failure nobody was sent (a
-        rank lost between rounds) shows only in the failure counter, so the observer is told
-        from there; and the group's deadline may have moved (the timer follows the earliest)."""
-        touched = self._touched
-        earlier = False
-        if touched:
-            timer_at = self._timer_at
-            for group in touched:
-                coordinator = group.coordinator
-                if coordinator.failures != group.observer.failures_seen:
-                    group.observer.group_failed(coordinator.snapshot())
-                deadline = coordinator.next_deadline()
-                if deadline != group.deadline:
-                    group.deadline = deadline
-                    if deadline is None:
-                        self._open.pop(group, None)
-                    else:
-                        self._open[group] = deadline
-                        if timer_at is None or deadline < timer_at:
-                            earlier = True
-            touched.clear()
-        if earlier or (self._timer_at is None and self._open):
-            self._schedule_deadline()
-
     def _drain_frames(self) -> bool:
         """Handle up to DRAIN_BUDGET queued messages; True if some may be left."""
         admission = self.connections
@@ -470,7 +407,7 @@ class CoordServer:
                 continue
             group = peer_group.get(peer)
             if group is None:
-                self._stranger_sent(peer, frame)
+                self.guard.stranger_sent(peer, frame.get(_SRCFD))
                 self._from_stranger(peer, message)
                 continue
             # registry.speaks_for, inlined: only over the connection that said its Hello
@@ -505,7 +442,6 @@ class CoordServer:
         """Accepted and closed connections (a rank that registered over a closed one is lost,
         in its own group only). True if any event."""
         monitor = self._monitor
-        admission = self.connections
         seen = False
         budget = 4 * DRAIN_BUDGET
         while budget and int(monitor.getsockopt(_EVENTS)) & _POLLIN:
@@ -514,12 +450,9 @@ class CoordServer:
             frames = monitor.recv_multipart(_NOBLOCK)
             event, fd = struct.unpack("=HI", frames[0][:6])
             if event == _ACCEPTED:
-                if self.memory is not None:
-                    self.memory.poke()  # a burst grows coordd fast: look sooner
-                # refused at once (memory pressure, a banned process): the event names it
-                self._shut(admission.accepted(fd, self.clock()))
+                self.guard.accepted(fd)
             elif event == _DISCONNECTED:
-                admission.closed_fd(fd)
+                self.connections.closed_fd(fd)
                 self._carry_out(self.registry.closed(fd, self.clock()))
         return seen
 
@@ -535,36 +468,8 @@ class CoordServer:
         if int(self._monitor.getsockopt(_EVENTS)) & _POLLIN:
             return False
         if self.connections.over():
-            self._enforce_connection_cap()
+            self.guard.enforce_cap()
         return True
-
-    def _act(self, decide: Callable[[], list[Shut]]) -> int | None:
-        """The one place where admission decides on descriptors: with the monitor current
-        (else None: the decision waits for its next chance), carry out what it decides; how
-        many connections were shut down."""
-        if not self._current():
-            return None
-        return self._shut(decide())
-
-    def _shut(self, shuts: Iterable[Shut]) -> int:
-        """Carry out `shuts` (`shutdown(2)` on each descriptor that still names its socket);
-        how many were done."""
-        done = 0
-        admission = self.connections
-        for shut in shuts:
-            if not limits.shutdown_fd(shut.fd, shut.ident):
-                continue
-            admission.done(shut)
-            done += 1
-            if shut.reason == FLOOD:
-                self._cut_log(
-                    peer=peer_label(shut.peer),
-                    messages=admission.flood,
-                    detail=f"more than {admission.flood} messages in a second from a peer "
-                    "that holds no rank: connection shut down (over ipc, its process's new "
-                    f"connections too for {defaults.BAN_SECONDS:g}s)",
-                )
-        return done
 
     def _carry_out(self, actions: Iterable[Action[Group] | AsStranger]) -> None:
         """Carry out what the registry decided, in order."""
@@ -589,8 +494,7 @@ class CoordServer:
                     action.group.name, action.epoch, action.groups, self.max_groups
                 )
             elif type(action) is GroupDropped:
-                self._open.pop(action.group, None)
-                self._touched.discard(action.group)
+                self._deadlines.forget(action.group)
                 self.events.group_dropped(action.group.name, action.epoch)
 
     def _send(self, sends: Sequence[Send], observer: Observer) -> None:
@@ -619,18 +523,9 @@ class CoordServer:
 
     # -- peers that hold no rank ------------------------------------------------------------
 
-    def _stranger_sent(self, peer: bytes, frame: zmq.Frame) -> None:
-        """Count a message from a peer that holds no rank; at the flood cut-off, cut it off
-        (`coordd.core.admission.Admission.cut`)."""
-        fd = frame.get(_SRCFD)
-        admission = self.connections
-        now = self.clock()
-        if admission.stranger_message(peer, fd, now):
-            self._act(lambda: admission.cut(peer, fd, now))
-
     def _bad_frame(self, peer: bytes, why: str, frame: zmq.Frame | None = None) -> None:
         if frame is not None and peer not in self.registry.peer_group:
-            self._stranger_sent(peer, frame)
+            self.guard.stranger_sent(peer, frame.get(_SRCFD))
         self.stats.bad_frames += 1
         # One line each only at --log-level debug (the chaos checker counts them); the
         # warning is aggregated: a flood costs a few lines.
@@ -639,29 +534,12 @@ class CoordServer:
         self._bad_frame_log(peer=label, why=why, total=self.stats.bad_frames)
 
     def _from_stranger(self, peer: bytes, message: ToCoordinator) -> None:
-        """A message from a peer that registered with no group (never, before coordd
-        restarted, or so long ago that it was forgotten). Answered at most
-        STRANGER_ANSWERS_PER_S times a second over all strangers: a flood gets little back
-        (and so queues little here)."""
-        if isinstance(message, (Goodbye, Hello)):
-            return
-        if not self.connections.answer(self.clock()):
-            return
-        if isinstance(message, Heartbeat):
-            self._send_one(peer, message)
-            return
-        report = message  # a StepReport or a GatherReport
-        error: CoordError
-        if self.registry.known_epoch(report.epoch):
-            error = ProtocolError("report from a peer that has not registered", rank=report.dp_rank)
-        else:
-            error = CoordinatorUnavailable(
-                f"epoch {report.epoch} is the current epoch of no group coordd serves "
-                "(coordd restarted or the group re-formed): register again"
-            )
-        failure = failure_message(error, epoch=report.epoch, seq=report.seq, kind=report.kind)
-        self.events.refused_report(peer, failure)
-        self._send_one(peer, failure)
+        """Answer a peer that registered with no group (`Admission.answer`)."""
+        answer = self.connections.answer(message, self.clock(), self.registry.known_epoch)
+        if type(answer) is StepFailed:
+            self.events.refused_report(peer, answer)
+        if answer is not None:
+            self._send_one(peer, answer)
 
     def _on_hello(self, peer: bytes, hello: Hello, frame: zmq.Frame) -> None:
         """Route a Hello to the group it names (`coordd.core.registry.Registry.hello`), with
@@ -679,82 +557,9 @@ class CoordServer:
         )
         self._carry_out(actions)
 
-    # -- admission: cap, grace, memory ------------------------------------------------------
-
-    def _enforce_connection_cap(self) -> None:
-        """Over the cap: close the oldest connections that hold no rank (with the monitor
-        current: `_current` calls this)."""
-        closed = self._shut(self.connections.enforce())
-        if closed:
-            self._evicted_log(
-                connections=len(self.connections.open),
-                cap=self.connections.cap,
-                closed=closed,
-                detail="the oldest connections that registered no rank were closed",
-            )
-
     def _backlog(self) -> bool:
         """Whether messages are queued unread (the memory guard's check, between drains)."""
         if int(self._sock.getsockopt(_EVENTS)) & _POLLIN:
             self._again()  # EVENTS may have taken the FD's edge: drain without it
             return True
         return False
-
-    def _memory_pressure(self, on: bool) -> int:
-        """Over the memory budget (coordd.io.memory): refuse new connections (the one flag,
-        which the ZAP gate reads too) and close every one that holds no rank. How many were
-        closed (0 with events still queued: the next check tries again)."""
-        self.connections.pressure.on = on
-        if not on:
-            return 0
-        return self._act(self.connections.shed) or 0
-
-    def _grace_period(self) -> float:
-        """How often silent connections are looked for: a quarter of the grace, at most 1 s."""
-        return min(1.0, self.stranger_grace / 4)
-
-    def _expire_silent(self) -> None:
-        """Shut down the connections that said no Hello within the grace (the timer's
-        callback; it schedules the next). With messages queued unread, a Hello may be among
-        them: the grace is then tripled, not dropped (a flood must not make claims last)."""
-        loop = self._loop
-        if loop is None or self._sock.closed:
-            return
-        self._grace_timer = loop.call_later(self._grace_period(), self._expire_silent)
-        grace = self.stranger_grace * (3 if self._backlog() else 1)
-        before = self.clock() - grace
-        closed = self._act(lambda: self.connections.expire(before, self.registry.fd_peer))
-        if closed:
-            self._expired_log(
-                closed=closed,
-                total=self.connections.expired,
-                detail=f"connections that said no Hello within {grace:g}s were closed",
-            )
-
-    # -- the one timer ----------------------------------------------------------------------
-
-    def _schedule_deadline(self) -> None:
-        """Arm the one timer for the earliest open deadline, lazily: a round that ends leaves
-        it armed (it fires, finds nothing due and is armed again for what is open then) and a
-        later deadline never moves it, so a round costs no timer call (cancelling and arming
-        it again at each round's start and end cost two; about 4 us a round at dp=8)."""
-        if not self._open or self._loop is None:
-            return
-        deadline = min(self._open.values())
-        if deadline == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = deadline
-        delay = max(0.0, deadline - self.clock())
-        self._timer = self._loop.call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        now = self.clock()
-        for group, deadline in list(self._open.items()):
-            if deadline <= now:
-                self._touched.add(group)
-                self._send(group.coordinator.on_deadline(now), group.observer)
-        self._drain()
