@@ -18,7 +18,7 @@ spread over the 2^32 values while it makes id-less connections at a rate `a` hit
 the peer sends, and a name held silently never sends), so both factors are bounded instead:
 
 - `a` by this rate: every id-less connection is one admitted handshake;
-- C by the stranger grace (`coordd.io.limits.ConnectionGuard.expire`): a connection that has
+- C by the stranger grace (`coordd.core.admission.Admission.expire`): a connection that has
   said no Hello STRANGER_GRACE seconds after it was accepted is shut down, so every held name
   costs an admitted handshake per grace period, from the same budget.
 
