@@ -12,7 +12,8 @@ The rules:
 - a routing id that starts with a zero byte (libzmq's own names, or a peer imitating one)
   never registers (`coordd.io.gate` says why);
 - a message from a routing id counts only if it came over the descriptor its Hello came in
-  on, while that connection is open (`route`; a rank is the connection that registered it);
+  on, while that connection is open (`speaks_for`; a rank is the connection that registered
+  it);
 - with CURVE keys bound to ranks, a connection may register only as a rank its key is bound
   to (`rank_keys`);
 - a client belongs to one group: a member of one cannot register with another;
@@ -169,18 +170,12 @@ class Registry(Generic[G]):
 
     def speaks_for(self, peer: bytes, fd: int) -> bool:
         """Whether a message from `peer` over descriptor `fd` may speak for it: it came over
-        the connection that said the peer's Hello, or that connection is closed (the shell's
-        drain inlines this for registered ranks: one lookup and a compare)."""
+        the connection that said the peer's Hello, or that connection is closed. A message
+        that may not goes to `other_connection`. (The shell's drain inlines this for the
+        peers of a group, one lookup and a compare, to keep the hot path free of calls;
+        tests/unit/test_shell.py checks that copy.)"""
         registered = self.peer_fd.get(peer)
         return registered is None or registered == fd
-
-    def route(self, peer: bytes, fd: int) -> G | None:
-        """The group a (non-Hello) message from `peer` over descriptor `fd` counts for, or None
-        (no group; or another connection than the one that registered, `other_connection`)."""
-        group = self.peer_group.get(peer)
-        if group is None or not self.speaks_for(peer, fd):
-            return None
-        return group
 
     def other_connection(
         self, peer: bytes, message: ToCoordinator, address: str, now: float

@@ -20,6 +20,12 @@ from (the SRCFD of its Hello) names the rank, which becomes `Coordinator.peer_lo
 A rank is the connection that registered it (`coordd.io.identity`): ROUTER_HANDOVER is off, so a
 live connection's routing id cannot be taken over, and a message from a routing id counts only
 if it came over the descriptor its Hello came in on; routing ids are never logged or shown.
+
+What to do is decided in the sans-IO core and carried out here (in the manner of h11): the
+group registry (`coordd.core.registry`: Hello -> group, refusals, peer <-> group and
+connection) returns actions (`_carry_out`), and the admission of peers that hold no rank
+(`coordd.core.admission`) returns `Shut`s, which `coordd.io.guard` carries out once the
+monitor is current (`_current`): every descriptor then names a connection libzmq holds.
 """
 
 from __future__ import annotations
@@ -471,7 +477,7 @@ class CoordServer:
             self.guard.enforce_cap()
         return True
 
-    def _carry_out(self, actions: Iterable[Action[Group] | AsStranger]) -> None:
+    def _carry_out(self, actions: Iterable[Action[Group]]) -> None:
         """Carry out what the registry decided, in order."""
         for action in actions:
             if type(action) is Deliver:
