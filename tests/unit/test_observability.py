@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import socket
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -24,11 +23,10 @@ from coordd.core.defaults import STATUS_RANK_ROWS
 from coordd.core.logs import JsonFormatter, event, fault_fields, setup_logging
 from coordd.core.peers import Takeovers, peer_label
 from coordd.io.limits import ConnectionGuard
-from coordd.io.server import Group, ServerStats, group_name_problem
+from coordd.io.server import CoordServer, Group, ServerStats, group_name_problem
 from coordd.ops.endpoints import HttpEndpoints, coordd_routes
 from coordd.ops.observer import DURATION_BUCKETS, Observer, ServerEvents
 from coordd.ops.status import group_readiness, readiness, status_document
-from coordd.ops.view import ShellCounters
 from coordd.proto.coordinator import Coordinator, OnRankLoss
 from coordd.proto.messages import Hello, StepKind, StepReport
 from coordd.proto.snapshot import GroupSnapshot
@@ -65,28 +63,9 @@ class Daemon:
     def clock(self) -> float:
         return self.now
 
-    def counters(self) -> ShellCounters:
-        """What `CoordServer.counters` gives, from this fake's stats and guard."""
-        s, guard = self.stats, self.connections
-        return ShellCounters(
-            frames_in=s.frames_in,
-            frames_out=s.frames_out,
-            bad_frames=s.bad_frames,
-            disconnects=s.disconnects,
-            connections_open=len(guard.open),
-            closed_cap=guard.evicted,
-            closed_flood=s.cut_off,
-            closed_banned=guard.refused,
-            closed_silent=guard.expired,
-            closed_messages_dropped=guard.dropped_shut,
-            memory_shed=None,
-            memory_refused=None,
-            rate_refused=None,
-            curve_refused=None,
-        )
-
-    def takeovers_refused(self) -> Counter[tuple[str, str]]:
-        return self.takeovers.refused
+    #: what the server gives metrics and /status, from this fake's stats and guard
+    counters = CoordServer.counters
+    takeovers_refused = CoordServer.takeovers_refused
 
     def wall(self) -> float:
         return 1_700_000_000.0 + self.now
