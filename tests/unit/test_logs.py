@@ -13,14 +13,7 @@ import zmq
 
 from coordd.core import logs
 from coordd.io import curve as keys
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from coordd.testing import FakeClock
 
 
 @pytest.fixture
