@@ -19,10 +19,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordd.cli.status import render
+from coordd.core.admission import Admission
 from coordd.core.defaults import STATUS_RANK_ROWS
 from coordd.core.logs import JsonFormatter, event, fault_fields, setup_logging
 from coordd.core.peers import Takeovers, peer_label
-from coordd.io.limits import ConnectionGuard
 from coordd.io.server import CoordServer, Group, ServerStats, group_name_problem
 from coordd.ops.endpoints import HttpEndpoints, coordd_routes
 from coordd.ops.observer import DURATION_BUCKETS, Observer, ServerEvents
@@ -56,7 +56,7 @@ class Daemon:
         self.curve_refused = None
         self.memory = None
         self.gate = None
-        self.connections = ConnectionGuard(1024, lambda: ())
+        self.connections = Admission(1024, lambda: (), ident=lambda fd: fd, pid=lambda fd, i: None)
         self.started_wall = self.wall()
         self.sent: list[Any] = []
 
@@ -74,8 +74,9 @@ class Daemon:
         found = self.groups.get(name)
         if found is None:
             c = Coordinator(self.dp_size, epoch=EPOCH, step_timeout=10.0, **self.kw)
-            found = self.groups[name] = Group(name, c, Observer(c.snapshot, name=name,
-                                                                wall=self.wall))
+            found = self.groups[name] = Group(
+                name, c, Observer(c.snapshot, name=name, wall=self.wall)
+            )
         return found
 
     @property
@@ -100,17 +101,26 @@ class Daemon:
         self.now = at
         g = self.group(group)
         kw.setdefault("config_fingerprint", "fp")
-        message = Hello(dp_size=self.dp_size, dp_rank=rank, incarnation=f"inc{rank}",
-                        group=group, **kw)
+        message = Hello(
+            dp_size=self.dp_size, dp_rank=rank, incarnation=f"inc{rank}", group=group, **kw
+        )
         g.observer.registering(peer(rank, group), message, f"10.0.0.{rank}")
         self._after(g.coordinator.receive(peer(rank, group), message, at), g)
 
-    def report(self, rank: int, seq: int, at: float, kind: StepKind = StepKind.FORWARD,
-               epoch: int = EPOCH, group: str = "default") -> None:
+    def report(
+        self,
+        rank: int,
+        seq: int,
+        at: float,
+        kind: StepKind = StepKind.FORWARD,
+        epoch: int = EPOCH,
+        group: str = "default",
+    ) -> None:
         self.now = at
         g = self.group(group)
-        message = StepReport(num_tokens=rank, num_tokens_padded=rank, dp_rank=rank, epoch=epoch,
-                             seq=seq, kind=kind)
+        message = StepReport(
+            num_tokens=rank, num_tokens_padded=rank, dp_rank=rank, epoch=epoch, seq=seq, kind=kind
+        )
         self._after(g.coordinator.receive(peer(rank, group), message, at), g)
 
     def lose(self, rank: int, at: float, group: str = "default") -> None:
@@ -131,9 +141,7 @@ class Daemon:
         out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
         for family in text_string_to_metric_families(body.decode()):
             for sample in family.samples:
-                out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = (
-                    sample.value
-                )
+                out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
         return out
 
 
@@ -213,8 +221,13 @@ def test_a_group_failure_is_counted_and_logged_once(caplog: pytest.LogCaptureFix
     assert dict(o.failed) == {"forward": 1}
     (line,) = [r for r in caplog.records if getattr(r, "event", "") == "group failed"]
     assert line.fields == {  # type: ignore[attr-defined]
-        "group": "default", "epoch": EPOCH, "seq": 0, "kind": "forward", "ranks": [1],
-        "reason": "mismatch", "detail": line.fields["detail"],  # type: ignore[attr-defined]
+        "group": "default",
+        "epoch": EPOCH,
+        "seq": 0,
+        "kind": "forward",
+        "ranks": [1],
+        "reason": "mismatch",
+        "detail": line.fields["detail"],  # type: ignore[attr-defined]
     }
     m = d.metrics()
     assert default(m, "coordd_faults_total", reason="mismatch") == 1
@@ -312,7 +325,8 @@ def test_readiness_over_groups() -> None:
     d.hello(0, 100.0, "dp-tp1-pp0")  # a second group still forming holds nothing back
     assert ready() == (True, "1/2 groups formed")
     assert ready(expect=2) == (
-        False, "1/2 groups formed: group dp-tp1-pp0 has 1/2 ranks registered"
+        False,
+        "1/2 groups formed: group dp-tp1-pp0 has 1/2 ranks registered",
     )
     d.hello(1, 100.0, "dp-tp1-pp0")
     assert ready(expect=2) == (True, "2/2 groups formed")
@@ -351,10 +365,16 @@ def test_every_series_of_a_group_carries_its_label() -> None:
         assert value(m, "coordd_epoch", group=name) == EPOCH
     assert value(m, "coordd_faults_total", group="enginecore", reason="mismatch") == 1
     assert value(m, "coordd_registrations_rejected_total", group="", reason="group_limit") == 1
-    labelled = {name for name, series in m.items() if any(
-        ("group", "dp-tp0-pp0") in key for key in series)}
-    assert {"coordd_round_duration_seconds_bucket", "coordd_straggler_rounds_total",
-            "coordd_group_state", "coordd_registered_ranks", "coordd_dead_ranks"} <= labelled
+    labelled = {
+        name for name, series in m.items() if any(("group", "dp-tp0-pp0") in key for key in series)
+    }
+    assert {
+        "coordd_round_duration_seconds_bucket",
+        "coordd_straggler_rounds_total",
+        "coordd_group_state",
+        "coordd_registered_ranks",
+        "coordd_dead_ranks",
+    } <= labelled
 
 
 def test_status_document_and_table() -> None:
@@ -392,8 +412,10 @@ def test_status_document_and_table() -> None:
     blocks = table.split("\ngroup ")[1:]
     assert [block.split()[0] for block in blocks] == ["default", "enginecore"]
     rows = [line.split() for line in blocks[0].splitlines() if line.strip()[:1].isdigit()]
-    assert [row[:3] for row in rows] == [["0", "registered", "10.0.0.0"],
-                                         ["1", "registered", "10.0.0.1"]]
+    assert [row[:3] for row in rows] == [
+        ["0", "registered", "10.0.0.0"],
+        ["1", "registered", "10.0.0.1"],
+    ]
 
 
 def test_endpoints_answer_get_head_and_refuse_the_rest() -> None:
@@ -456,13 +478,17 @@ def test_log_lines_carry_their_fields_in_both_formats(caplog: pytest.LogCaptureF
     event(log, logging.WARNING, "group failed", **fields, reason="timeout", detail="late rank")
     (record,) = caplog.records
     assert record.getMessage() == (
-        'group failed group=g epoch=3 seq=41 kind=draft ranks=[2,5] reason=timeout '
+        "group failed group=g epoch=3 seq=41 kind=draft ranks=[2,5] reason=timeout "
         'detail="late rank"'
     )
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "group failed" and line["level"] == "warning"
     assert {k: line[k] for k in ("group", "epoch", "seq", "kind", "ranks", "reason")} == {
-        "group": "g", "epoch": 3, "seq": 41, "kind": "draft", "ranks": [2, 5],
+        "group": "g",
+        "epoch": 3,
+        "seq": 41,
+        "kind": "draft",
+        "ranks": [2, 5],
         "reason": "timeout",
     }
     with pytest.raises(ValueError, match="log format"):
