@@ -1,8 +1,8 @@
-"""CURVE for coordd over tcp: `coordd keygen`, the checks on the bind options, and the ZAP gate.
+"""CURVE for coordd over tcp: key files, the checks on the bind options, and the ZAP gate.
 
 A tcp bind is refused unless CURVE is configured (coordd's secret key and the public keys of
 the clients it admits) or `--insecure` is given. With CURVE, libzmq encrypts every connection
-and asks a ZAP handler (`coordd.gate.HandshakeGate`, in its own thread, once per connection
+and asks a ZAP handler (`coordd.io.gate.HandshakeGate`, in its own thread, once per connection
 handshake, never per message) whether the client's public key is one coordd was given (the
 same handler refuses handshakes while coordd is over its memory budget);
 `ZAP_ENFORCE_DOMAIN` makes the socket refuse every client if that handler were missing.
@@ -13,23 +13,21 @@ public key, `NAME.key_secret` the pair; `coordd keygen` writes both with mode 06
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import re
 import stat
-import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from coordd import logs
+from coordd.core import logs
+from coordd.core.bounds import Throttle
 from coordd.proto.keyfile import KeyFileError, read_key_file
 
 log = logging.getLogger("coordd")
@@ -259,15 +257,18 @@ class CurveGate:
     where: Callable[[], dict[str, Any]] = field(
         default=lambda: logs.fault_fields(group="-", epoch=0, seq=0, kind="connect", ranks=[])
     )
-    _last_logged: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
-    _window: tuple[float, int] = (float("-inf"), 0)
-    _suppressed: int = 0
+    #: a key's refusal logged at most once per interval, REFUSAL_LINES lines per interval
+    _throttle: Throttle = field(
+        default_factory=lambda: Throttle(
+            REFUSAL_LOG_INTERVAL, keys=REFUSAL_KEYS_KEPT, lines=REFUSAL_LINES
+        )
+    )
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def start(cls, context: zmq.Context, secret_key: str, client_keys: Sequence[str]) -> CurveGate:
         """Load the keys and start the authenticator on `context` (before any bind)."""
-        from coordd.gate import HandshakeGate
+        from coordd.io.gate import HandshakeGate
 
         public, secret = load_secret_key(secret_key)
         gate = cls(public, secret, load_client_keys(client_keys))
@@ -292,10 +293,9 @@ class CurveGate:
         self.refused += 1
         now = time.monotonic()
         with self._lock:
-            if not self._may_log(key, now):
-                self._suppressed += 1
+            if not self._throttle.admit(key, now):
                 return False
-            suppressed, self._suppressed = self._suppressed, 0
+            suppressed = self._throttle.held_all()
         extra = {"suppressed": suppressed} if suppressed else {}
         logs.event(
             log,
@@ -308,27 +308,6 @@ class CurveGate:
             **extra,
         )
         return False
-
-    def _may_log(self, key: bytes, now: float) -> bool:
-        """Whether this refusal gets a line (holding the lock): a key at most once per
-        interval, and at most REFUSAL_LINES lines per interval in all; the table of keys is
-        bounded (least recently refused dropped first)."""
-        table = self._last_logged
-        last = table.get(key)
-        if last is not None and now - last < REFUSAL_LOG_INTERVAL:
-            table.move_to_end(key)
-            return False
-        start, lines = self._window
-        if now - start >= REFUSAL_LOG_INTERVAL:
-            start, lines = now, 0
-        if lines >= REFUSAL_LINES:
-            return False
-        self._window = (start, lines + 1)
-        table[key] = now
-        table.move_to_end(key)
-        while len(table) > REFUSAL_KEYS_KEPT:
-            table.popitem(last=False)
-        return True
 
     def rank_refusal(self, user_id: str, rank: int) -> str | None:
         """Why a connection authenticated with key `user_id` (z85, the ZAP User-Id) may not
@@ -353,36 +332,3 @@ class CurveGate:
         self._auth = None
         if auth is not None:
             auth.stop()
-
-
-# -- `coordd keygen` ---------------------------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "names",
-        nargs="*",
-        default=["coordd", "rank"],
-        help="one key pair per name (default: coordd rank)",
-    )
-    p.add_argument("--dir", default=".", help="where to write NAME.key and NAME.key_secret")
-    p.add_argument("--force", action="store_true", help="replace existing key files")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        for name in args.names:
-            public_path, secret_path = write_keypair(args.dir, name, force=args.force)
-            public, _ = read_key_file(public_path)
-            print(f"{name}: public key {public.decode()}")
-            print(f"    {public_path}  (public: give it to the other side)")
-            print(f"    {secret_path}  (SECRET: keep it on this host, mode 0600)")
-    except (KeyFileError, ValueError, OSError) as exc:
-        print(f"coordd keygen: {exc}", file=sys.stderr)
-        return 1
-    print(
-        "coordd takes --curve-secret-key coordd.key_secret --curve-client-keys <rank .key "
-        "files or their directory>; a rank takes COORDD_CURVE_SERVER_KEY=coordd.key and "
-        "COORDD_CURVE_CLIENT_KEY=<its>.key_secret"
-    )
-    return 0

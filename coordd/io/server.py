@@ -1,0 +1,571 @@
+"""The daemon's I/O shell: moves bytes between one ZeroMQ ROUTER socket and the groups'
+`Coordinator`s.
+
+One coordd serves several named groups (vLLM builds one DP group per TP/PP position of its
+workers, plus one for its engine cores): each its own `Coordinator` (state, epoch, seq) and
+`Observer` (metrics label), all with the same dp size and options. A group is created by the
+first `Hello` naming it, up to `max_groups`; a peer (ZeroMQ routing id) belongs to the group it
+registered with, and its reports go there by one dict lookup, so a fault in one group never
+touches another's rounds.
+
+The loop watches the socket's file descriptor and drains every queued frame in one callback,
+with no asyncio future per message; a round's decision is encoded once and the same bytes go
+to every rank. The only timer is the earliest deadline over the groups.
+
+Liveness comes from libzmq: ZMTP heartbeats (PING/PONG, answered by each rank's ZeroMQ I/O
+thread) on every connection, so a rank that stops answering has its connection closed; a socket
+monitor reports the closed connection's file descriptor, and the descriptor a rank registered
+from (the SRCFD of its Hello) names the rank, which becomes `Coordinator.peer_lost`.
+
+A rank is the connection that registered it (`coordd.io.identity`): ROUTER_HANDOVER is off, so a
+live connection's routing id cannot be taken over, and a message from a routing id counts only
+if it came over the descriptor its Hello came in on; routing ids are never logged or shown.
+
+What to do is decided in the sans-IO core and carried out here (in the manner of h11): the
+group registry (`coordd.core.registry`: Hello -> group, refusals, peer <-> group and
+connection) returns actions (`_carry_out`), and the admission of peers that hold no rank
+(`coordd.core.admission`) returns `Shut`s, which `coordd.io.guard` carries out once the
+monitor is current (`_current`): every descriptor then names a connection libzmq holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from coordd.core import defaults
+from coordd.core.admission import Admission
+from coordd.core.logs import Aggregated
+from coordd.core.peers import peer_label
+from coordd.core.registry import (
+    MAX_GROUP_NAME,
+    Action,
+    AsStranger,
+    Deliver,
+    GroupCreated,
+    GroupDropped,
+    Lost,
+    Refuse,
+    Registering,
+    Registry,
+    group_name_problem,
+)
+from coordd.io import limits
+from coordd.io.guard import Guard
+from coordd.io.identity import frame_address
+from coordd.io.router import open_router, prepare_ipc_path
+from coordd.io.timer import Deadlines, Group
+from coordd.ops.observer import Observer, ServerEvents
+from coordd.ops.view import ShellCounters
+from coordd.proto.coordinator import Send
+from coordd.proto.errors import ProtocolError
+from coordd.proto.messages import (
+    MAX_DP_SIZE,
+    Heartbeat,
+    Hello,
+    Reject,
+    StepFailed,
+    ToCoordinator,
+    decode_to_coordinator,
+    encode,
+    reject_message,
+)
+from coordd.proto.snapshot import OnRankLoss
+
+__all__ = [
+    "MAX_GROUP_NAME",
+    "CoordServer",
+    "Group",
+    "ServerStats",
+    "group_name_problem",
+    "prepare_ipc_path",
+]
+
+log = logging.getLogger("coordd")
+
+# Plain ints for the hot path: pyzmq's constants are enum.Flag members, and `int & Flag`
+# builds a new Flag through enum's Python code (it was a third of coordd's Python time).
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+_SRCFD = int(zmq.SRCFD)
+_ACCEPTED = int(zmq.EVENT_ACCEPTED)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+#: The socket's send without pyzmq's Python wrapper (`zmq.Socket.send` checks its DRAFT
+#: routing_id/group arguments in Python before it calls this): a round sends 2 * dp frames.
+_send_frame = zmq.backend.Socket.send
+
+#: Most messages handled in one turn of the event loop: then the loop runs its timers (step
+#: timeouts), the HTTP endpoints and the monitor, and the drain goes on at its next turn. One
+#: peer sending as fast as it can no longer holds the loop for the length of its flood.
+DRAIN_BUDGET = 512
+#: Most parts of a refused multipart message dropped in one turn (~25 ms of work).
+DROP_BUDGET = 50_000
+#: Turns in a row that closed connections may wait for the frames before them to be read
+#: (so a rank's last report counts before its loss), before the monitor goes first anyway.
+MONITOR_PATIENCE = 8
+#: Passes over the monitor's queued events before an action on descriptors gives up (and
+#: waits for its next chance): each pass reads up to 4 * DRAIN_BUDGET events.
+MONITOR_PASSES = 8
+
+
+@dataclass
+class ServerStats:
+    """Counters the metrics endpoint and the benchmark read."""
+
+    frames_in: int = 0
+    bad_frames: int = 0
+    frames_out: int = 0
+    disconnects: int = 0
+    #: parts of refused multipart messages, dropped without decoding
+    parts_dropped: int = 0
+
+
+class CoordServer:
+    """Serve every DP group on one ROUTER socket bound to `address`: the I/O shell around the
+    group registry (`coordd.core.registry`) and the admission of strangers
+    (`coordd.core.admission`). It drains the socket and the monitor, runs the one timer, and
+    carries out what those decide.
+
+    Groups share `dp_size`, `step_timeout` and `on_rank_loss`; `max_groups` bounds how many
+    exist (a Hello for another one is refused with `group_limit`, unless a group without
+    members can make room), and `expect_groups` is how many must be formed for /readyz."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        dp_size: int,
+        step_timeout: float = defaults.STEP_TIMEOUT,
+        on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
+        max_groups: int = defaults.DEFAULT_MAX_GROUPS,
+        expect_groups: int = 0,
+        heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT,
+        context: zmq.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        configure_socket: Callable[[zmq.Socket], None] | None = None,
+        max_connections: int = defaults.DEFAULT_MAX_CONNECTIONS,
+        ipc_mode: int = 0o600,
+        max_rss_mb: float = 0,
+        max_handshake_rate: float = 0,
+        stranger_grace: float = defaults.STRANGER_GRACE,
+    ) -> None:
+        if not 1 <= dp_size <= MAX_DP_SIZE:
+            raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
+        if max_groups < 1:
+            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
+        if not 0 <= expect_groups <= max_groups:
+            raise ValueError(f"expect_groups must be in 0..max_groups ({max_groups})")
+        self.address = address
+        self.dp_size = dp_size
+        self.step_timeout = step_timeout
+        self.on_rank_loss = on_rank_loss
+        self.max_groups = max_groups
+        self.expect_groups = expect_groups
+        self.clock = clock
+        self.wall = wall
+        self.started_wall = wall()
+        self.registry: Registry[Group] = Registry(
+            dp_size,
+            lambda name, c: Group(name, c, Observer(c.snapshot, name=name, wall=wall)),
+            max_groups=max_groups,
+            step_timeout=step_timeout,
+            on_rank_loss=on_rank_loss,
+        )
+        #: The groups by name, in the order they were created.
+        self.groups = self.registry.groups
+        #: Attempts to speak for a rank over a connection that did not register it.
+        self.takeovers = self.registry.takeovers
+        self.stats = ServerStats()
+        #: Refusals outside any group (bad names, the limit, reports from unknown peers).
+        self.events = ServerEvents()
+        #: Clients refused by the CURVE gate, when coordd runs with CURVE.
+        self.curve_refused: Callable[[], int] | None = None
+        self._router = open_router(
+            context or zmq.Context(),
+            address,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            max_connections=max_connections,
+            ipc_mode=ipc_mode,
+            gated=bool(max_rss_mb or max_handshake_rate),
+            max_handshake_rate=max_handshake_rate,
+            configure_socket=configure_socket,
+        )
+        self.bound_address = self._router.bound_address
+        self._sock = self._router.sock
+        self._monitor = self._router.monitor
+        #: Under memory pressure or over the handshake rate, new connections are refused in
+        #: their handshake (see coordd.io.gate).
+        self.gate = self._router.gate
+        #: The connections that hold no rank: cap, flood cut-off, grace, memory pressure.
+        self.connections = Admission(
+            max_connections,
+            self.registry.registered_fds,
+            ident=limits.socket_ident,
+            pid=limits.peer_pid,
+            now=clock(),
+        )
+        #: Carries out admission's decisions: shutdowns, the grace timer, the memory watch.
+        self.guard = Guard(
+            self.connections,
+            clock=clock,
+            current=self._current,
+            introduced=lambda: self.registry.fd_peer,
+            backlog=self._backlog,
+            stranger_grace=stranger_grace,
+            max_rss_mb=max_rss_mb,
+            gate=self.gate,
+        )
+        self.memory = self.guard.memory
+        #: Log lines a peer could cause once per message: aggregated.
+        self._bad_frame_log = Aggregated(log, "bad frame dropped", clock=clock)
+        #: Dropping the rest of a refused multipart message (over several turns).
+        self._dropping = False
+        self._again_pending = False
+        self._monitor_waited = 0
+        #: Groups with an open round, and the one timer for their deadlines.
+        self._deadlines = Deadlines(clock, self._send, self._drain)
+        #: Groups that got input since the last drain ended (failures and deadlines to check).
+        self._touched = self._deadlines.touched
+        self._drained = self._deadlines.drained
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def rank_keys(self) -> Callable[[str, int], str | None] | None:
+        """With CURVE keys bound to ranks: why a connection's key (its ZAP User-Id) may not
+        register as a rank, or None (`coordd.io.curve.CurveGate.rank_refusal`)."""
+        return self.registry.rank_keys
+
+    @rank_keys.setter
+    def rank_keys(self, check: Callable[[str, int], str | None] | None) -> None:
+        self.registry.rank_keys = check
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set, then say goodbye to every rank and close."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.fileno(), self._on_frames)
+        self._loop.add_reader(self._monitor.fileno(), self._drain)
+        self._deadlines.loop = self._loop
+        for aggregated in (self._bad_frame_log, *self.events.aggregated()):
+            aggregated.schedule = self._loop.call_later
+        self.guard.start(self._loop)
+        self._drain()
+        log.info(
+            "coordd serving dp=%d on %s (at most %d groups)",
+            self.dp_size,
+            self.bound_address,
+            self.max_groups,
+        )
+        try:
+            await stop.wait()
+        finally:
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop.remove_reader(self._monitor.fileno())
+            self._deadlines.cancel()
+            self.guard.stop()
+            for group in self.groups.values():
+                self._send(group.coordinator.shutdown(), group.observer)
+            self.close(linger=0.5)
+
+    def close(self, linger: float = 0.0) -> None:
+        self._router.close(linger)
+
+    def counters(self) -> ShellCounters:
+        """The shell's counts now, for metrics and /status (`coordd.ops.view.ServerView`)."""
+        stats, guard = self.stats, self.connections
+        gate = self.gate
+        return ShellCounters(
+            frames_in=stats.frames_in,
+            frames_out=stats.frames_out,
+            bad_frames=stats.bad_frames,
+            disconnects=stats.disconnects,
+            connections_open=len(guard.open),
+            closed_cap=guard.evicted,
+            closed_flood=guard.cut_off,
+            closed_banned=guard.refused,
+            closed_silent=guard.expired,
+            closed_messages_dropped=guard.dropped_shut,
+            memory_shed=None if self.memory is None else self.memory.stats.shed_connections,
+            memory_refused=None if gate is None else gate.refused,
+            rate_refused=None if gate is None or gate.rate is None else gate.rate.refused,
+            curve_refused=None if self.curve_refused is None else self.curve_refused(),
+        )
+
+    def takeovers_refused(self) -> Counter[tuple[str, str]]:
+        return self.takeovers.refused
+
+    def group_of(self, peer: bytes) -> Group | None:
+        """The group `peer` registered with, or None."""
+        return self.registry.peer_group.get(peer)
+
+    # -- the hot path -----------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Handle queued frames, then closed connections, until both are empty or this turn's
+        budget is spent (then the loop gets a turn and the drain goes on at the next).
+
+        The FDs are edge-triggered, and a send can swallow the edge: so both are re-checked
+        after any work, and a drain cut short is resumed by `call_soon` (no edge would come).
+        Frames go first, so that what a rank sent before its connection closed (a last
+        report, a Goodbye) counts before the loss does; under a flood that never empties the
+        queue, closed connections wait at most MONITOR_PATIENCE turns.
+        """
+        more = False
+        for _ in range(4):
+            more = self._drain_frames()
+            if more and self._monitor_waited < MONITOR_PATIENCE:
+                self._monitor_waited += 1
+                break
+            self._monitor_waited = 0
+            if not self._drain_monitor():
+                break
+            more = True
+        if self.connections.over():
+            self._current()  # which closes the excess
+        self._drained()
+        if more:
+            self._again()
+
+    def _on_frames(self) -> None:
+        """The ROUTER's FD fired: frames only. The monitor's own FD brings closed connections
+        (to `_drain`), and only work on the monitor socket can swallow its edge; checking it
+        here too cost a syscall and an enum lookup on every wakeup (~4.6 per round at dp=8)."""
+        more = self._drain_frames()
+        self._drained()
+        if more:
+            self._again()
+
+    def _again(self) -> None:
+        """Resume the drain at the loop's next turn (once, however often asked)."""
+        if not self._again_pending and self._loop is not None:
+            self._again_pending = True
+            self._loop.call_soon(self._resume)
+
+    def _resume(self) -> None:
+        self._again_pending = False
+        if not self._sock.closed:
+            self._drain()
+
+    def _drain_frames(self) -> bool:
+        """Handle up to DRAIN_BUDGET queued messages; True if some may be left."""
+        admission = self.connections
+        if admission.pressure.on:
+            self._current()  # memory pressure: new connections are shut at once
+        if self._dropping and not self._drop_parts():
+            return True
+        now = self.clock()
+        if now >= admission.window_end:
+            admission.new_window(now)
+        sock = self._sock
+        stats = self.stats
+        clock = self.clock
+        registry = self.registry
+        peer_group = registry.peer_group
+        peer_fd = registry.peer_fd
+        touched = self._touched
+        # what connections coordd shut down still have queued: dropped undecoded (a flood's
+        # backlog; ~1 us a message instead of ~4); not at debug level (a line per bad frame)
+        shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
+        for handled in range(DRAIN_BUDGET):
+            # Until Again, not EVENTS per frame: getsockopt is a syscall plus an enum lookup
+            # in pyzmq each time, Again one exception per drain. But after the first message,
+            # one EVENTS check: most wakeups bring one message, and EVENTS (~1.1 us) is
+            # cheaper than the Again that would end them (~2.6 us): -15 us a round at dp=8.
+            if handled == 1 and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+                return False
+            try:
+                # A ROUTER's first part is the routing id, and a payload part always follows
+                # it (libzmq's router prefetches that part before it hands out the id): read
+                # as bytes, with no Frame object and no RCVMORE check.
+                peer = sock.recv(_NOBLOCK)
+            except zmq.Again:
+                return False
+            stats.frames_in += 1
+            frame = sock.recv(_NOBLOCK, copy=False)
+            if frame.more:
+                # Refused as soon as its second payload part shows: the rest is dropped
+                # part by part (no bytes object, no decoding), DROP_BUDGET parts a turn.
+                self._bad_frame(peer, "more than one payload frame", frame)
+                self._dropping = True
+                if not self._drop_parts():
+                    return True
+                continue
+            if shut is not None and peer not in peer_group and shut.from_shut(frame.get(_SRCFD)):
+                continue
+            try:
+                message = decode_to_coordinator(frame.buffer)
+            except ProtocolError as exc:
+                self._bad_frame(peer, str(exc), frame)
+                continue
+            if type(message) is Hello:
+                self._on_hello(peer, message, frame)
+                continue
+            group = peer_group.get(peer)
+            if group is None:
+                self.guard.stranger_sent(peer, frame.get(_SRCFD))
+                self._from_stranger(peer, message)
+                continue
+            # registry.speaks_for, inlined: only over the connection that said its Hello
+            fd = peer_fd.get(peer)
+            if fd is not None and frame.get(_SRCFD) != fd:
+                address = frame_address(frame)
+                self._carry_out(registry.other_connection(peer, message, address, clock()))
+                continue
+            touched.add(group)
+            self._send(group.coordinator.receive(peer, message, clock()), group.observer)
+        return True
+
+    def _drop_parts(self) -> bool:
+        """Drop parts of the refused multipart message being read, up to DROP_BUDGET; True
+        once its last part is gone. libzmq hands a message over only whole, so every part is
+        there: no wait."""
+        recv = self._sock.recv
+        dropped = 0
+        try:
+            while dropped < DROP_BUDGET:
+                dropped += 1
+                if not recv(_NOBLOCK, copy=False).more:
+                    self._dropping = False
+                    break
+        except zmq.Again:  # pragma: no cover - a message is delivered whole
+            dropped -= 1
+            self._dropping = False
+        self.stats.parts_dropped += dropped
+        return not self._dropping
+
+    def _drain_monitor(self) -> bool:
+        """Accepted and closed connections (a rank that registered over a closed one is lost,
+        in its own group only). True if any event."""
+        monitor = self._monitor
+        seen = False
+        budget = 4 * DRAIN_BUDGET
+        while budget and int(monitor.getsockopt(_EVENTS)) & _POLLIN:
+            budget -= 1
+            seen = True
+            frames = monitor.recv_multipart(_NOBLOCK)
+            event, fd = struct.unpack("=HI", frames[0][:6])
+            if event == _ACCEPTED:
+                self.guard.accepted(fd)
+            elif event == _DISCONNECTED:
+                self.connections.closed_fd(fd)
+                self._carry_out(self.registry.closed(fd, self.clock()))
+        return seen
+
+    def _current(self) -> bool:
+        """Read the monitor's events (a bounded number of passes) and tell the groups of ranks
+        lost in them; True if none is left, so that every descriptor admission and the
+        registry hold is one libzmq holds (a close is announced before its descriptor is
+        released): what acting on a descriptor needs."""
+        for _ in range(MONITOR_PASSES):
+            if not self._drain_monitor():
+                break
+        self._drained()
+        if int(self._monitor.getsockopt(_EVENTS)) & _POLLIN:
+            return False
+        if self.connections.over():
+            self.guard.enforce_cap()
+        return True
+
+    def _carry_out(self, actions: Iterable[Action[Group]]) -> None:
+        """Carry out what the registry decided, in order."""
+        for action in actions:
+            if type(action) is Deliver:
+                self._touched.add(action.group)
+                self._send(action.sends, action.group.observer)
+            elif type(action) is Refuse:
+                reject = reject_message(action.error)
+                self.events.rejected_hello(action.peer, action.hello, reject, action.group)
+                self._send_one(action.peer, reject)
+            elif type(action) is Registering:
+                action.group.observer.registering(action.peer, action.hello, action.address)
+            elif type(action) is AsStranger:
+                self._from_stranger(action.peer, action.message)
+            elif type(action) is Lost:
+                self.stats.disconnects += 1
+                if action.group is not None:
+                    action.group.observer.lost(action.rank, action.peer, "connection closed")
+            elif type(action) is GroupCreated:
+                self.events.group_created(
+                    action.group.name, action.epoch, action.groups, self.max_groups
+                )
+            elif type(action) is GroupDropped:
+                self._deadlines.forget(action.group)
+                self.events.group_dropped(action.group.name, action.epoch)
+
+    def _send(self, sends: Sequence[Send], observer: Observer) -> None:
+        sock = self._sock
+        for peers, message in sends:
+            observer.sent(peers, message)
+            payload = encode(message)
+            for peer in peers:
+                try:
+                    _send_frame(sock, peer, _SNDMORE_NOBLOCK)
+                    _send_frame(sock, payload, _NOBLOCK)
+                except zmq.ZMQError as exc:
+                    log.debug("dropped a frame to %s: %s", peer_label(peer), exc)
+                    continue
+                self.stats.frames_out += 1
+
+    def _send_one(self, peer: bytes, message: Reject | StepFailed | Heartbeat) -> None:
+        """An answer from coordd itself, outside any group."""
+        try:
+            self._sock.send(peer, _SNDMORE_NOBLOCK)
+            self._sock.send(encode(message), _NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("dropped a frame to %s: %s", peer_label(peer), exc)
+            return
+        self.stats.frames_out += 1
+
+    # -- peers that hold no rank ------------------------------------------------------------
+
+    def _bad_frame(self, peer: bytes, why: str, frame: zmq.Frame | None = None) -> None:
+        if frame is not None and peer not in self.registry.peer_group:
+            self.guard.stranger_sent(peer, frame.get(_SRCFD))
+        self.stats.bad_frames += 1
+        # One line each only at --log-level debug (the chaos checker counts them); the
+        # warning is aggregated: a flood costs a few lines.
+        label = peer_label(peer)
+        log.debug("dropped a bad frame from %s: %s", label, why)
+        self._bad_frame_log(peer=label, why=why, total=self.stats.bad_frames)
+
+    def _from_stranger(self, peer: bytes, message: ToCoordinator) -> None:
+        """Answer a peer that registered with no group (`Admission.answer`)."""
+        answer = self.connections.answer(message, self.clock(), self.registry.known_epoch)
+        if type(answer) is StepFailed:
+            self.events.refused_report(peer, answer)
+        if answer is not None:
+            self._send_one(peer, answer)
+
+    def _on_hello(self, peer: bytes, hello: Hello, frame: zmq.Frame) -> None:
+        """Route a Hello to the group it names (`coordd.core.registry.Registry.hello`), with
+        the monitor read first: a closed connection's descriptor may be this one's now."""
+        self._current()
+        key = ""
+        if self.registry.rank_keys is not None:
+            try:
+                key = str(frame.get("User-Id"))
+            except zmq.ZMQError:
+                key = ""
+        address = frame_address(frame)
+        actions = self.registry.hello(
+            peer, hello, frame.get(_SRCFD), self.clock(), self.wall(), address=address, key=key
+        )
+        self._carry_out(actions)
+
+    def _backlog(self) -> bool:
+        """Whether messages are queued unread (the memory guard's check, between drains)."""
+        if int(self._sock.getsockopt(_EVENTS)) & _POLLIN:
+            self._again()  # EVENTS may have taken the FD's edge: drain without it
+            return True
+        return False
