@@ -13,9 +13,9 @@ The per-sync path (`Exchange.sync_`) reads the tensor once into a host list, tak
 from it by slicing, writes every rank's row into that same list and packs it into a buffer
 made once per shape and dtype (`_Plan`), which the tensor copies from: no torch tensor is made
 and nothing is reshaped per sync (the torch-built rows and reshapes were ~60 us of CPU a sync,
-most of the plugin's own cost). Every answer is checked against the round first (dp rows, this
-rank's own row as sent, every row's length): a misfit is a `ProtocolError` naming coordd,
-never a tensor reduced from the wrong values.
+most of the plugin's own cost). The client checks every answer against the round first (dp
+rows, this rank's own row as sent, every row's length, the dead ranks): a misfit is its
+`InvalidAnswer`, a `ProtocolError` naming coordd, never a tensor reduced from wrong values.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ import torch
 import zmq
 
 from coordd.client import CoordClient
-from coordd.proto.errors import ProtocolError
-from coordd.proto.messages import GatherResult, max_gather_values
+from coordd.proto.messages import max_gather_values
 from coordd.vllm import sites
 from coordd.vllm.enable import PluginSettings
 from coordd.vllm.groups import GroupIdentity
@@ -250,33 +249,10 @@ class _Plan:
         self.view = torch.frombuffer(self.buf, dtype=dtype)[:numel].view(shape)
 
 
-def _misfit(site: str, detail: str) -> ProtocolError:
-    return ProtocolError(f"coordd answered the gather round at {site!r} with {detail}")
-
-
-def check_rows(rows: Sequence[Sequence[int]], own: list[int], dp_rank: int, site: str) -> None:
-    """Refuse an answer that is not this round's: this rank's own row exactly as it sent it,
-    every other row as long as its own or empty (a rank left out, which the caller checks
-    against the answer's dead ranks; and the count of rows, dp); raises `ProtocolError` naming
-    coordd."""
-    if rows[dp_rank] != own:
-        raise _misfit(site, f"rank {dp_rank}'s own row altered: sent {own}, got {rows[dp_rank]}")
-    count = len(own)
-    for rank, row in enumerate(rows):
-        if len(row) != count and len(row) != 0:
-            raise _misfit(site, f"rank {rank}'s row of {len(row)} values ({count} expected)")
-
-
 #: Forks of this process's line so far (a child's count is one more than its parent's at the
 #: fork): `Exchange.link` compares it instead of asking the pid every sync.
 _forks = [0]
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
-
-
-def _left_out(result: GatherResult, rank: int, site: str) -> None:
-    """An empty row is a rank coordd left out of the round, which `dead_ranks` names."""
-    if rank not in result.dead_ranks:
-        raise _misfit(site, f"rank {rank}'s row empty, though not among the dead ranks")
 
 
 @dataclass
@@ -369,32 +345,20 @@ class Exchange:
         site = sites.label_of(op, dtype, shape, layout, plan, 2 + skip)
         link = self.link(identity)
         with link.lock:
-            result = link.client.start_gather(site, own).result(self.settings.sync_timeout)
+            # The client checks the answer against the round it asked (seq, site, dp rows, this
+            # rank's own row as sent, every row's length, an empty row only for a dead rank): a
+            # misfit raises its InvalidAnswer (a ProtocolError naming coordd) here, before the
+            # tensor is touched.
+            rows = link.client.gather(site, own, timeout=self.settings.sync_timeout)
             link.rounds += 1
-            rows = result.rows
-            if len(rows) != dp_size:
-                raise _misfit(site, f"{len(rows)} rows for dp={dp_size}")
             if layout is Layout.COLUMN and op is ReduceOp.SUM:
                 # vLLM's worker syncs: the sum is the columns side by side, value i of rank r
                 # at flat[i * dp + r]; `flat` is this call's own list, written over in place
-                # (and each row checked on the way: `check_rows` in one loop)
-                if rows[dp_rank] != own:
-                    check_rows(rows, own, dp_rank, site)  # raises: the own row was altered
                 count = plan.count
                 for rank, row in enumerate(rows):
-                    if len(row) == count:
-                        flat[rank::dp_size] = row
-                    elif row:
-                        check_rows(rows, own, dp_rank, site)  # raises: a row misfits
-                    else:  # a rank left out: zeros
-                        _left_out(result, rank, site)
-                        flat[rank::dp_size] = [0] * count
+                    flat[rank::dp_size] = row if row else [0] * count  # left out: zeros
             else:
-                check_rows(rows, own, dp_rank, site)
-                for rank, row in enumerate(rows):
-                    if not row:
-                        _left_out(result, rank, site)
-                if not (layout is Layout.WHOLE and len(own) and all(len(r) for r in rows)):
+                if not (layout is Layout.WHOLE and own and all(rows)):
                     # a rank left out of a whole-tensor round, a column MAX/MIN: the general
                     # path (torch's, as before; no vLLM sync takes it)
                     tensor.copy_(reduce_rows(rows, tensor, layout, op))
