@@ -315,6 +315,8 @@ class Exchange:
             # A view of the tensor's memory, by address and size: used only now, while this
             # live tensor occupies exactly those bytes (a view kept from an earlier tensor at
             # the same address is the same memory, and is never read or written otherwise).
+            # Writes through it do not bump the tensor's version counter, which only autograd
+            # reads, and an integer tensor is never part of autograd.
             where = (tensor.data_ptr(), plan.nbytes)
             view = self._views.get(where)
             if view is None:
