@@ -259,7 +259,13 @@ class Admission:
     def member_shut(self, fd: int, peer: bytes) -> list[Shut]:
         """End member `peer`'s connection on `fd` (its registering one) for a violation."""
         ident = self.open.get(fd)
-        return [] if ident is None else [Shut(fd, ident, VIOLATION, peer)]
+        if ident is None:
+            return []
+        # a stranger from here on, counted afresh: what was kept of it before it registered
+        # (its Hello's socket) would keep its next connection from being cut
+        self.counts.pop(peer, None)
+        self._first_socket.pop(peer, None)
+        return [Shut(fd, ident, VIOLATION, peer)]
 
     def stranger_message(self, peer: bytes, fd: int, now: float) -> bool:
         """Count one message from `peer`, which holds no rank, over descriptor `fd`; True when

@@ -147,6 +147,7 @@ class Lost(Generic[G]):
     group: G | None
     peer: bytes
     rank: int | None
+    detail: str = "connection closed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +266,7 @@ class Registry(Generic[G]):
             return []
         rank = group.coordinator.snapshot().rank_of(peer)
         sends = group.coordinator.peer_lost(peer, now, detail)
-        return [Deliver(group, sends), Lost(group, peer, rank)]
+        return [Deliver(group, sends), Lost(group, peer, rank, detail)]
 
     # -- Hello -> group -----------------------------------------------------------------------
 

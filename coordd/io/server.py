@@ -415,7 +415,8 @@ class CoordServer:
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
-                self._bad_frame(peer, str(exc), frame)
+                if self._bad_frame(peer, str(exc), frame):
+                    return True  # a member cut off: the next drain drops what it queued
                 continue
             group = peer_group.get(peer)
             if group is None:
@@ -441,7 +442,7 @@ class CoordServer:
                 count = member_counts.get(peer, 0) + 1
                 member_counts[peer] = count
                 if not count & _MEMBER_MASK and self._member_over(peer, group, fd, count):
-                    continue
+                    return True  # cut off: the next drain drops what it queued undecoded
             if type(message) is Hello:
                 self._on_hello(peer, message, frame)
                 continue
@@ -544,7 +545,7 @@ class CoordServer:
             elif type(action) is Lost:
                 self.stats.disconnects += 1
                 if action.group is not None:
-                    action.group.observer.lost(action.rank, action.peer, "connection closed")
+                    action.group.observer.lost(action.rank, action.peer, action.detail)
             elif type(action) is GroupCreated:
                 self.events.group_created(
                     action.group.name, action.epoch, action.groups, self.max_groups
@@ -579,10 +580,12 @@ class CoordServer:
 
     # -- peers that hold no rank ------------------------------------------------------------
 
-    def _bad_frame(self, peer: bytes, why: str, frame: zmq.Frame | None = None) -> None:
+    def _bad_frame(self, peer: bytes, why: str, frame: zmq.Frame | None = None) -> bool:
         """A frame that did not decode: from a member over its connection, a protocol
         violation that fails its group's round at once naming it (and counts toward its
-        share, so junk floods are cut off); from anyone else, a stranger's message."""
+        share, so junk floods are cut off); from anyone else, a stranger's message. True if
+        a member was cut off."""
+        cut = False
         if frame is not None:
             srcfd = frame.get(_SRCFD)
             group = self.registry.member(peer, srcfd)
@@ -593,13 +596,14 @@ class CoordServer:
                 counts = self.connections.member_counts
                 count = counts[peer] = counts.get(peer, 0) + 1
                 if not count & _MEMBER_MASK:
-                    self._member_over(peer, group, srcfd, count)
+                    cut = self._member_over(peer, group, srcfd, count)
         self.stats.bad_frames += 1
         # One line each only at --log-level debug (the chaos checker counts them); the
         # warning is aggregated: a flood costs a few lines.
         label = peer_label(peer)
         log.debug("dropped a bad frame from %s: %s", label, why)
         self._bad_frame_log(peer=label, why=why, total=self.stats.bad_frames)
+        return cut
 
     def _from_stranger(self, peer: bytes, message: ToCoordinator) -> None:
         """Answer a peer that registered with no group (`Admission.answer`)."""

@@ -385,7 +385,7 @@ def test_json_fault_lines_carry_group_epoch_seq_kind_and_ranks(
 ) -> None:
     log = tmp_path / "coordd.log"
     c = coordd("serve", "--dp", "2", "--bind", f"ipc://{tmp_path}/c.sock",
-               "--log-format", "json", stderr=log)
+               "--log-format", "json", "--groups", "g7", stderr=log)
     ranks = [CoordClient(c.address, dp_rank=r, dp_size=2, group="g7") for r in range(2)]
     try:
         for r in ranks:
