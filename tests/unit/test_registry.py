@@ -343,3 +343,18 @@ def test_a_members_violation_loses_its_rank_and_makes_it_a_stranger() -> None:
     assert [type(a) for a in actions] == [Deliver, Lost]
     assert not group.coordinator.snapshot().members
     assert b"r0" not in reg.peer_group and reg.closed(7, 2.5) == []
+
+
+def test_key_bound_refusals_under_many_admitted_names_keep_one_record() -> None:
+    """Issue 21, 4: over CURVE, Hellos for another rank under new names a pattern admits:
+    each refused (the key is bound to rank 0), none creates a group, and what is kept is one
+    record outside any group, not one per name (before: a record, a WARNING line and a
+    /metrics series per name; 60,000 Hellos, +16 MB)."""
+    reg = registry(groups=("dp-tp*-pp*",))
+    reg.rank_keys = lambda key, rank: None if rank == 0 else "bound to dp_rank 0"
+    for n in range(2000):
+        refused = refusal(reg.hello(b"p%d" % n, hello(1, group=f"dp-tp{n}-pp0"), fd=7, now=1.0,
+                                    wall=WALL, key="K0"))
+        assert refused.error.reason == RejectReason.CURVE_KEY.value
+    assert reg.takeovers.refused == {("-", Takeovers.KEY_BOUND): 2000}
+    assert not reg.groups and not reg.peer_group and not reg.peer_fd
