@@ -276,8 +276,10 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
     assert metric(m, "coordd_faults_total", group="default", reason="lost") == 1
     assert metric(m, "coordd_ready") == 0
     code, body = fetch(c.url + "/readyz", 5)
-    # the ranks closed cleanly (Goodbye): still fail-stop, but said as an orderly departure
-    assert code == 503 and body.startswith(b"group default stopped at seq"), body
+    # the ranks closed cleanly (Goodbye): still fail-stop, but said as an orderly departure;
+    # every rank left, so it is a group not formed (one that holds ranks would hold /readyz)
+    assert code == 503 and body.startswith(b"0/1 groups formed: group default has stopped at "
+                                            b"seq"), body
     assert b"left the group (closed cleanly)" in body and b"connect() again" in body
     (failure,) = status(c.url)["groups"][0]["recent_failures"]
     assert failure["reason"] == "lost" and failure["seq"] == rounds
