@@ -21,6 +21,7 @@ or all of them with figures: `python -m coordd.tools.load measure --dp 4`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import socket
@@ -40,7 +41,17 @@ from coordd.proto.messages import StepReport, encode
 from coordd.testing.process import CoorddProcess, die_with_parent
 from coordd.testing.rogue import APP_LEVEL, bad_frame
 
-LOADS = ("garbage", "fast", "multipart", "unread", "connections", "http", "claims", "member")
+LOADS = (
+    "garbage",
+    "fast",
+    "multipart",
+    "unread",
+    "connections",
+    "http",
+    "claims",
+    "member",
+    "storm",
+)
 
 
 def _dealer(
@@ -157,6 +168,41 @@ def member(address: str, seconds: float = 5.0, group: str = "enginecore", dp: in
         sock.close(linger=0)
         _term_soon(context)
     return sent
+
+
+def storm(address: str, processes: int = 10, sockets: int = 192, seconds: float = 5.0) -> int:
+    """A reconnect storm: `processes` processes of `sockets` DEALERs each that send nothing
+    (libzmq reconnects each 100 ms after coordd closes it), for `seconds` (issue 21: at a
+    hard NOFILE of 1024 libzmq aborted coordd on EMFILE in its ipc accept). Returns sockets."""
+    import signal
+
+    kids = []
+    for _ in range(processes):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            context = zmq.Context()
+            context.setsockopt(zmq.MAX_SOCKETS, sockets + 64)
+            socks = []
+            for i in range(sockets):
+                sock = context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.ROUTING_ID, f"storm-{os.getpid()}-{i}".encode())
+                sock.connect(address)
+                socks.append(sock)
+            time.sleep(seconds)
+            os._exit(0)
+        kids.append(pid)
+
+    def end(*_: object) -> None:
+        for kid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kid, signal.SIGKILL)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, end)
+    for kid in kids:
+        os.waitpid(kid, 0)
+    return processes * sockets
 
 
 def multipart(address: str, parts: int = 2_000_000) -> int:
@@ -514,6 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         n = fast(args.address, args.seconds)
     elif args.kind == "multipart":
         n = multipart(args.address, args.parts)
+    elif args.kind == "storm":
+        n = storm(args.address, args.peers, args.count, args.seconds)
     elif args.kind == "member":
         n = member(args.address, args.seconds, dp=args.dp)
     elif args.kind == "unread":
