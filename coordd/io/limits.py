@@ -32,6 +32,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -155,7 +156,8 @@ class DescriptorWatch:
     100 ms after each close) accepts faster than coordd closes connections over its cap.
 
     This process's descriptors are counted at every POKE_EVERY-th handshake (`poke`, from
-    the ZAP gate's thread) and by a thread every SLOW_S (every FAST_S while paused); past
+    the ZAP gate's thread) and by a thread every SLOW_S (every FAST_S while paused, past
+    `low`, and for ALERT_S after a resume); past
     `high` the watch calls `pause()` (the ipc socket's file renamed aside: a connect() finds
     no file and retries; the open connections are untouched), and below `low` `resume()`.
     No ZeroMQ call: safe beside the event loop."""
@@ -164,6 +166,8 @@ class DescriptorWatch:
     FAST_S = 0.002
     #: the handshake gate pokes the watch per handshake: a look every this many
     POKE_EVERY = 4
+    #: looks stay FAST_S this long after a resume
+    ALERT_S = 1.0
 
     def __init__(
         self,
@@ -171,12 +175,15 @@ class DescriptorWatch:
         pause: Callable[[], bool],
         resume: Callable[[], bool],
         count: Callable[[], int | None] = open_descriptors,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.nofile = nofile
+        self._clock = clock
+        self._alert_until = float("-inf")
         # a margin for what is accepted between two looks (a herd of reconnects after a
         # resume: hundreds in a few ms), and a gap so that a resume is not undone at once
-        self.high = max(8, nofile * 5 // 8)
-        self.low = max(4, nofile * 3 // 8)
+        self.high = max(8, nofile // 2)
+        self.low = max(4, nofile // 4)
         self._pause = pause
         self._resume = resume
         self._count = count
@@ -231,8 +238,12 @@ class DescriptorWatch:
                 )
         elif self.paused and n <= self.low and self._resume():
             self.paused = False
+            # the clients refused meanwhile all reconnect within their reconnect interval
+            # (100 ms): hundreds of accepts between two slow looks
+            self._alert_until = self._clock() + self.ALERT_S
             log.info("descriptors %d of %d: new connections accepted again", n, self.nofile)
-        return self.FAST_S if self.paused else self.SLOW_S
+        busy = self.paused or n >= self.low or self._clock() < self._alert_until
+        return self.FAST_S if busy else self.SLOW_S
 
     def _run(self) -> None:
         interval = self.SLOW_S

@@ -466,8 +466,8 @@ class CoordServer:
         rounds = coordinator.decisions + coordinator.failures - group.window_rounds
         if not self.connections.member_over(count, rounds):
             return False
-        if self.registry.member(peer, fd) is None:
-            return False
+        # (over the connection that registered it: a member, or one that left its group
+        # and kept the connection; either is cut off alone)
         detail = (
             f"protocol violation: {count} messages in under a second, over a rank's share "
             f"(its group had {rounds} rounds in that time; a rank sends one report a round)"

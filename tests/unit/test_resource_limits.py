@@ -186,7 +186,7 @@ def test_what_a_shut_connection_still_has_queued_is_recognised_by_its_socket() -
 def test_the_descriptor_watch_pauses_past_high_and_resumes_below_low() -> None:
     from coordd.io.limits import DescriptorWatch
 
-    counts = iter([100, 500, 640, 700, 500, 384, 300, 650])
+    counts = iter([100, 500, 512, 700, 500, 256, 200, 650])
     calls: list[str] = []
     watch = DescriptorWatch(
         1024,
@@ -194,11 +194,12 @@ def test_the_descriptor_watch_pauses_past_high_and_resumes_below_low() -> None:
         resume=lambda: calls.append("resume") or True,
         count=lambda: next(counts),
     )
-    assert (watch.high, watch.low) == (640, 384)
+    assert (watch.high, watch.low) == (512, 256)
     seen = [(watch.check(), watch.paused) for _ in range(8)]
     assert [paused for _, paused in seen] == [False, False, True, True, True, False, False, True]
     assert calls == ["pause", "resume", "pause"] and watch.pauses == 2 and watch.peak == 700
     assert seen[2][0] == DescriptorWatch.FAST_S and seen[0][0] == DescriptorWatch.SLOW_S
+    assert seen[6][0] == DescriptorWatch.FAST_S, "just resumed: a herd of reconnects comes"
     for _ in range(DescriptorWatch.POKE_EVERY - 1):  # the gate's pokes: a look every 4th
         watch.poke()
     with pytest.raises(StopIteration):
