@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordd.proto.address import default_address
+from coordd.proto.defaults import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from coordd.proto.keyfile import KeyFileError, read_key_file
 
 #: Environment variables that name the key files a rank uses when `curve` is not given.
@@ -66,8 +67,8 @@ class ClientConfig:
     incarnation: str | None = None
     #: Default seconds a wait for a decision may take before `StepTimeout`.
     wait_timeout: float = 60.0
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 5.0
+    heartbeat_interval: float = HEARTBEAT_INTERVAL
+    heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     #: None: the key files named by the environment, if set (see `curve_keys_from_env`).
     curve: CurveKeys | None = None
 

@@ -161,7 +161,7 @@ class RankSession:
     def identity(self) -> bytes:
         """The ZeroMQ routing id of this client's connection: 128 random bits, not derived from
         the rank or the incarnation, never shown by coordd (with ROUTER_HANDOVER off, coordd
-        drops a second connection that presents it while this one lives; see coordd.identity).
+        drops a second connection that presents it while this one lives; see coordd.io.identity).
         Made once per session: a client keeps its one DEALER across connect()."""
         if self._identity is None:
             self._identity = secrets.token_urlsafe(16).encode("ascii")

@@ -48,7 +48,7 @@ class ClientShell(SessionView):
 
         libzmq reconnects a dropped DEALER under its old routing id. When only this side of
         the connection died (a path that failed one way), coordd still holds the old
-        connection under that id and, with ROUTER_HANDOVER off (see coordd.identity), never
+        connection under that id and, with ROUTER_HANDOVER off (see coordd.io.identity), never
         reads the new one: every connect() would go unanswered. A fresh id is read at once;
         until coordd notices the old connection gone, the Hello is refused `rank_taken`."""
         if not self.connection.dropped:

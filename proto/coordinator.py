@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from types import MappingProxyType
 from typing import NamedTuple
 
+from coordd.proto.defaults import STEP_TIMEOUT
 from coordd.proto.errors import (
     ConflictingReport,
     CoordError,
@@ -109,7 +110,7 @@ class Coordinator:
         dp_size: int,
         *,
         epoch: int,
-        step_timeout: float = 30.0,
+        step_timeout: float = STEP_TIMEOUT,
         on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
     ) -> None:
         if dp_size < 1:

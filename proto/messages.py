@@ -79,7 +79,7 @@ class RejectReason(str, enum.Enum):
     #: key file named rank<N>.key).
     CURVE_KEY = "curve_key"
     #: The connection's routing id starts with a zero byte: ZeroMQ's names for peers that set
-    #: none (see coordd.gate for why such a connection cannot be a rank).
+    #: none (see coordd.io.gate for why such a connection cannot be a rank).
     ROUTING_ID = "routing_id"
 
 

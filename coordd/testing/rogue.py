@@ -17,6 +17,7 @@ from types import TracebackType
 import msgspec
 import zmq
 
+from coordd.proto.defaults import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
 from coordd.proto.errors import ProtocolError
 from coordd.proto.messages import (
     MAX_MESSAGE_BYTES,
@@ -139,8 +140,8 @@ class RoguePeer:
         dp_size: int,
         *,
         seed: object = 0,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 5.0,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
         context: zmq.Context | None = None,
     ) -> None:
         self.address = address

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordd.cli.status import fetch
 from coordd.client import AsyncCoordClient, CoordClient
 from coordd.proto.errors import CoordError, StepMismatch
 from coordd.proto.messages import (
@@ -31,7 +32,6 @@ from coordd.proto.messages import (
     error_from_failure,
     failure_message,
 )
-from coordd.status import fetch
 from coordd.testing import RawRank
 from tests.integration.clients import CLIENT_KINDS
 from tests.integration.scrape import free_port

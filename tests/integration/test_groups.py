@@ -26,7 +26,9 @@ from pathlib import Path
 import pytest
 import zmq
 
+from coordd.cli.status import fetch
 from coordd.client import CoordClient
+from coordd.io.server import CoordServer
 from coordd.proto import (
     RankLost,
     Rejected,
@@ -44,8 +46,6 @@ from coordd.proto.messages import (
     decode_from_coordinator,
     encode,
 )
-from coordd.server import CoordServer
-from coordd.status import fetch
 from tests.integration.test_operability import (
     Coordd,
     coordd_cli,

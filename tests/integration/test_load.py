@@ -1,9 +1,9 @@
 """coordd under hostile load (issue 11, part B): a real coordd process, real sockets, the load
-generators of `coordd.testing.load` (each a child process, bounded in count and time).
+generators of `coordd.tools.load` (each a child process, bounded in count and time).
 
 These are soak tests (marked slow, still run by CI), each a few seconds. They assert that
 coordd survives, stays responsive and bounded, and that honest ranks keep their rounds; the
-latency figures under each load are measured by `python -m coordd.testing.load measure`, not
+latency figures under each load are measured by `python -m coordd.tools.load measure`, not
 asserted here (the machine is shared).
 """
 
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from coordd.keys import write_keypair
+from coordd.io.curve import write_keypair
 from coordd.proto.errors import StepTimeout
 from coordd.proto.messages import StepReport
 from coordd.testing import CoorddProcess
-from coordd.testing.load import HonestRounds, ProcessGauge, start_load, wait_load
+from coordd.tools.load import HonestRounds, ProcessGauge, start_load, wait_load
 from tests.integration.scrape import free_port
 
 pytestmark = pytest.mark.slow
@@ -99,7 +99,7 @@ def test_garbage_from_50_peers_then_their_disconnects_never_aborts_coordd(
     # reconnects in the handshake and gives the memory back: without it 380-590 MB at the
     # peak, and all of it kept. The peak is 65-82 MB (30 runs, 2-3 CPU hogs on 2 cores);
     # 120-190 MB when the RSS of queued messages was taken as coordd's own level (see
-    # coordd.memory.RssBudget.check). Room left for the loop being preempted: a drain of
+    # coordd.io.memory.RssBudget.check). Room left for the loop being preempted: a drain of
     # 512 messages costs ~3 ms of CPU, but was seen 0.1-0.24 s long, +20 MB meanwhile.
     print(f"peak RSS {gauge.peak_rss_mb:.0f} MB, {after:.0f} MB after the load")
     assert after < 80, f"coordd kept {after:.0f} MB after the burst"
@@ -285,7 +285,7 @@ def test_measure_reports_the_spread_over_runs() -> None:
 
     argv = ["measure", "--dp", "2", "--only", "http", "--runs", "2"]
     out = subprocess.run(
-        [sys.executable, "-m", "coordd.testing.load", *argv],
+        [sys.executable, "-m", "coordd.tools.load", *argv],
         capture_output=True,
         text=True,
         timeout=80,

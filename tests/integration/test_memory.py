@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from coordd import limits, memory
-from coordd.gate import ZAP_DOMAIN, ZAP_ENDPOINT, HandshakeGate
+from coordd.core import defaults
+from coordd.io import limits, memory
+from coordd.io.gate import ZAP_DOMAIN, ZAP_ENDPOINT, HandshakeGate
 from coordd.proto.errors import CoordinatorUnavailable
 from coordd.testing import CoorddProcess
-from coordd.testing.load import HonestRounds, ProcessGauge, start_load, wait_load
+from coordd.tools.load import HonestRounds, ProcessGauge, start_load, wait_load
 from tests.integration.scrape import free_port, metric_value
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,7 +92,7 @@ def test_a_closed_connection_s_unfinished_multipart_message_is_freed(tmp_path: P
     router.bind(address)
     monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED)
     child = subprocess.Popen(
-        [sys.executable, "-m", "coordd.testing.load", "multipart", address, "--parts", "2000000"],
+        [sys.executable, "-m", "coordd.tools.load", "multipart", address, "--parts", "2000000"],
         stdout=subprocess.DEVNULL,
     )
     try:
@@ -196,7 +197,7 @@ def test_the_budget_option_is_validated(tmp_path: Path) -> None:
     )
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
-        f"coordd: --max-rss-mb must be 0 (off) or {memory.MIN_RSS_MB}..{memory.MAX_RSS_MB} MB, "
+        f"coordd: --max-rss-mb must be 0 (off) or {defaults.MIN_RSS_MB}..{defaults.MAX_RSS_MB} MB, "
         "got 8"
     ]
 
@@ -229,7 +230,7 @@ def test_with_curve_one_zap_handler_checks_the_key_then_the_memory(tmp_path: Pat
     is admitted (its User-Id is its z85 key, which the key-to-rank binding reads), an
     unknown one refused with 400 (libzmq's client does not retry: its key will not change),
     and a known one refused with 300 under memory pressure (it retries later)."""
-    from coordd.keys import CurveGate, write_keypair
+    from coordd.io.curve import CurveGate, write_keypair
     from coordd.proto.keyfile import read_key_file
 
     write_keypair(str(tmp_path), "coordd")
@@ -307,7 +308,7 @@ def test_with_curve_a_burst_from_a_leaked_rank_key_is_refused_in_the_handshake(
     refuses their reconnects in the CURVE handshake (status 300 from its one ZAP handler;
     before, pyzmq's authenticator admitted every known key whatever the memory), and ranks
     keep deciding."""
-    from coordd.keys import write_keypair
+    from coordd.io.curve import write_keypair
 
     write_keypair(str(tmp_path), "coordd")
     write_keypair(str(tmp_path), "rank")

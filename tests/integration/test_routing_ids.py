@@ -1,5 +1,5 @@
 """libzmq's routing ids against a real coordd (issue 11, part A/B): what a peer can do with the
-name it presents, and the libzmq settings coordd must keep (see `coordd.identity`).
+name it presents, and the libzmq settings coordd must keep (see `coordd.io.identity`).
 
 - An id-less peer is named `\\x00` + libzmq's counter, and libzmq aborts if a peer already holds
   that name. The bundled libzmq started the counter at the same value in every process, so one
@@ -25,13 +25,13 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from coordd import identity
 from coordd.client.sync import CoordClient
-from coordd.identity import new_router
+from coordd.io import identity
+from coordd.io.identity import new_router
 from coordd.proto.errors import CoordinatorUnavailable, Rejected
 from coordd.proto.messages import Heartbeat, StepReport, encode
 from coordd.testing import CoorddProcess
-from coordd.testing.load import ProcessGauge
+from coordd.tools.load import ProcessGauge
 from tests.integration.clients import CLIENT_KINDS, ClientMaker, client_maker
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""coordd.logs.Aggregated: a summary line of warnings that carry their own `detail` (the
+"""coordd.core.logs.Aggregated: a summary line of warnings that carry their own `detail` (the
 flood cut-off, the connection cap, the memory budget) is logged, not a TypeError in a timer
 callback (it was: `event() got multiple values for keyword argument 'detail'`)."""
 
@@ -8,13 +8,13 @@ import logging
 
 import pytest
 
-from coordd.logs import Aggregated
+from coordd.core.logs import Aggregated
+from coordd.testing import FakeClock
 
 
 def test_a_summary_keeps_the_caller_s_detail(caplog: pytest.LogCaptureFixture) -> None:
-    now = [0.0]
     log = logging.getLogger("coordd.test_aggregated")
-    aggregated = Aggregated(log, "peer cut off", clock=lambda: now[0])
+    aggregated = Aggregated(log, "peer cut off", clock=FakeClock())
     caplog.set_level(logging.WARNING, logger="coordd.test_aggregated")
     for _ in range(3):
         aggregated(peer="p", detail="connection shut down")

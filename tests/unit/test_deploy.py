@@ -29,7 +29,7 @@ import tomllib
 import yaml
 
 from coordd import cli
-from coordd.status import DEFAULT_METRICS_PORT
+from coordd.core.defaults import DEFAULT_METRICS_PORT
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_FILES = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
@@ -349,7 +349,7 @@ def test_containerfile_runs_coordd_as_non_root_with_a_health_check(
     health = containerfile_instruction("HEALTHCHECK")
     health_argv = json.loads(health.split(" CMD ", 1)[1])
     args, chosen = parse_coordd(health_argv, env, monkeypatch)
-    assert chosen is not None and chosen.__name__ == "coordd.status"
+    assert chosen is not None and chosen.__name__ == "coordd.cli.status"
     assert args.probe == "livez" and args.url == f"http://127.0.0.1:{DEFAULT_METRICS_PORT}"
 
 

@@ -1,12 +1,12 @@
-"""coordd.gate's handshake rate and the arithmetic behind it (pure: the time is passed in)."""
+"""coordd.io.gate's handshake rate and the arithmetic behind it (pure: the time is passed in)."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordd import limits
-from coordd.gate import (
-    DEFAULT_HANDSHAKE_RATE,
+from coordd.core import defaults
+from coordd.core.defaults import DEFAULT_HANDSHAKE_RATE
+from coordd.io.gate import (
     SOURCE_SHARE,
     HandshakeRate,
     hits_per_second,
@@ -73,7 +73,7 @@ def test_the_arithmetic_before_and_at_the_defaults() -> None:
     # from one process, with nothing closing silent names
     before = mean_seconds_to_abort(6300, grace=1e12, cap=1024)
     assert 9 * 60 < before < 13 * 60
-    grace = limits.STRANGER_GRACE
+    grace = defaults.STRANGER_GRACE
     every_source = mean_seconds_to_abort(DEFAULT_HANDSHAKE_RATE, grace, cap=1024)
     one_source = mean_seconds_to_abort(DEFAULT_HANDSHAKE_RATE * SOURCE_SHARE, grace, cap=1024)
     assert every_source > 90 * 86400

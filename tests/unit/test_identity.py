@@ -136,7 +136,7 @@ def test_once_no_connection_holds_a_rank_new_settings_are_accepted() -> None:
 
 
 def test_curve_keys_bound_to_ranks_by_file_name_or_entry(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from coordd.keys import CurveGate, load_client_keys, load_rank_bindings, write_keypair
+    from coordd.io.curve import CurveGate, load_client_keys, load_rank_bindings, write_keypair
     from coordd.proto.keyfile import read_key_file
 
     for name in ("rank3", "rank", "node", "both"):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from coordd.keys import run, write_keypair
+from coordd.cli.keygen import run
+from coordd.io.curve import write_keypair
 from coordd.proto.keyfile import KeyFileError, read_key_file
 
 

@@ -1,14 +1,18 @@
-"""The direction of imports between coordd's layers, checked on the source (issue 10, part 4).
+"""The direction of imports between coordd's layers, checked on the source (issues 10 and 20).
 
 Layers, by module name: `coordd.proto` (the wire format and the coordinator's state machine),
-`coordd.client` (what an engine rank runs), the daemon (every other `coordd.X` module at the top:
-cli, server, metrics, status, endpoints, logs, keys), `coordd.testing` (fault-injection pieces
-for engines' tests), `coordd.vllm` (the vLLM plugin, loaded by vLLM itself) and `coordd.tools`
-(bench, chaos, demo, device_check). The rules:
+`coordd.client` (what an engine rank runs), the daemon in four sub-packages: `coordd.core`
+(sans-IO decisions and defaults), `coordd.ops` (observer, collector, /status, HTTP),
+`coordd.io` (the ROUTER shell, gates, limits) and `coordd.cli` (the command), then
+`coordd.testing` (the public kit for engines' tests), `coordd.vllm` (the vLLM plugin, loaded by
+vLLM itself) and `coordd.tools` (bench, chaos, demo, load, device_check). The rules:
 
 - proto imports nothing of ours but proto;
 - client imports only proto;
-- the daemon imports only proto (it runs the state machine, never the client);
+- core imports only proto, and no zmq: its decisions are tested without sockets;
+- ops imports core and proto (it reads the server through `coordd.ops.view`, never io);
+- io imports ops, core and proto (it runs the state machine, never the client);
+- cli imports the daemon's layers; nothing imports it but the tools and `python -m coordd`;
 - testing imports proto and client (the daemon only as a subprocess, which is not an import);
 - vllm imports proto and client (plus vllm and torch); nothing of ours imports it but tools;
 - tools may import everything.
@@ -17,7 +21,8 @@ Every `import` counts: at the top, inside functions, under TYPE_CHECKING; relati
 resolved. `coordd.cli` dispatching to a tool through `importlib.import_module("...")` is not an
 import statement, so a subcommand's module loads only when it is chosen. Third-party imports are
 held too: an engine rank installs pyzmq and msgspec (torch only for the device path), so proto,
-client and testing may import nothing else beyond the standard library.
+client and testing may import nothing else beyond the standard library. No module of ours sits
+directly in `coordd/` but the package itself and `__main__`, and no import goes in a circle.
 
 Beside the static walk, one test imports the client in a fresh interpreter and checks that none of
 the daemon's or the tools' dependencies were loaded.
@@ -41,11 +46,17 @@ PACKAGE_DIR = Path(coordd.__file__).resolve().parent
 ALLOWED: dict[str, frozenset[str]] = {
     "proto": frozenset({"proto"}),
     "client": frozenset({"proto", "client"}),
-    "daemon": frozenset({"proto", "daemon"}),
+    "core": frozenset({"proto", "core"}),
+    "ops": frozenset({"proto", "core", "ops"}),
+    "io": frozenset({"proto", "core", "ops", "io"}),
+    "cli": frozenset({"proto", "core", "ops", "io", "cli"}),
     "testing": frozenset({"proto", "client", "testing"}),
     "vllm": frozenset({"proto", "client", "vllm"}),
-    "tools": frozenset({"proto", "client", "daemon", "testing", "vllm", "tools"}),
+    "tools": frozenset({"proto", "client", "core", "ops", "io", "cli", "testing", "vllm", "tools"}),
 }
+
+#: The layers of the daemon (the sidecar process), bottom up.
+DAEMON = ("core", "ops", "io", "cli")
 
 #: layer -> the third-party top-level packages it may import (None: any)
 THIRD_PARTY: dict[str, frozenset[str] | None] = {
@@ -53,13 +64,16 @@ THIRD_PARTY: dict[str, frozenset[str] | None] = {
     "client": frozenset({"zmq", "msgspec", "torch"}),
     "testing": frozenset({"zmq", "msgspec"}),
     "vllm": frozenset({"zmq", "msgspec", "torch", "vllm"}),
-    "daemon": None,
+    "core": frozenset({"msgspec"}),
+    "ops": frozenset({"prometheus_client", "zmq"}),
+    "io": None,
+    "cli": None,
     "tools": None,
 }
 
 #: Loaded by an engine rank that imports the client, these would be a dependency it should not
 #: need: rich (the demo), prometheus_client and uvloop (the daemon), torch (the device path only).
-NOT_FOR_RANKS = ("rich", "prometheus_client", "uvloop", "torch", "coordd.tools", "coordd.server")
+NOT_FOR_RANKS = ("rich", "prometheus_client", "uvloop", "torch", "coordd.tools", "coordd.io.server")
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,8 @@ class Import:
     target: str
     path: str
     line: int
+    #: under `if TYPE_CHECKING:`: read by the type checker only, never run
+    typing_only: bool = False
 
 
 def layer_of(module: str, package: str = PACKAGE) -> str | None:
@@ -77,9 +93,11 @@ def layer_of(module: str, package: str = PACKAGE) -> str | None:
     parts = module.split(".")
     if parts[0] != package:
         return None
-    if len(parts) > 1 and parts[1] in ("proto", "client", "testing", "vllm", "tools"):
+    if len(parts) > 1 and parts[1] in ALLOWED:
         return parts[1]
-    return "daemon"
+    if module in (package, f"{package}.__main__"):
+        return "cli"  # the package's own files: `python -m coordd` runs the command
+    return "top"  # a module loose in coordd/: belongs in a layer (see test_no_loose_modules)
 
 
 def modules_of(package_dir: Path, package: str = PACKAGE) -> dict[str, Path]:
@@ -101,10 +119,20 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
     module, else `a`; relative imports are resolved against the module's package."""
     is_package = path.name == "__init__.py"
     tree = ast.parse(path.read_text(), filename=str(path))
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
     out: list[Import] = []
     for node in ast.walk(tree):
+        hint = id(node) in typing_only
         if isinstance(node, ast.Import):
-            out += [Import(module, alias.name, str(path), node.lineno) for alias in node.names]
+            out += [
+                Import(module, alias.name, str(path), node.lineno, hint) for alias in node.names
+            ]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -115,7 +143,7 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
             for alias in node.names:
                 candidate = f"{base}.{alias.name}"
                 target = candidate if candidate in known else base
-                out.append(Import(module, target, str(path), node.lineno))
+                out.append(Import(module, target, str(path), node.lineno, hint))
     return out
 
 
@@ -127,6 +155,9 @@ def violations(package_dir: Path, package: str = PACKAGE) -> list[str]:
     for module, path in modules.items():
         source = layer_of(module, package)
         assert source is not None
+        if source == "top":
+            found.append(f"{path}: {module} sits loose in {package}/: it belongs in a layer")
+            continue
         for imp in dict.fromkeys(imports_of(module, path, set(modules))):
             target = layer_of(imp.target, package)
             where = f"{imp.path}:{imp.line}: {module} ({source}) -> {imp.target}"
@@ -151,10 +182,100 @@ def test_every_import_points_the_allowed_way() -> None:
     assert not wrong, "wrong import arrows:\n" + "\n".join(wrong)
 
 
+def cycles(package_dir: Path, package: str = PACKAGE) -> list[list[str]]:
+    """Every import circle among our modules (each found once, as the modules in its order);
+    imports inside functions count: a lazy import that closes a circle hides it, not breaks it.
+    Imports under TYPE_CHECKING do not (types may name each other; the layers still hold them),
+    nor does a package importing its own submodules (`from . import x` in `__init__`)."""
+    modules = modules_of(package_dir, package)
+    known = set(modules)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for imp in imports_of(module, path, known):
+            own_submodule = path.name == "__init__.py" and imp.target.startswith(module + ".")
+            ours = imp.target in known and imp.target != module
+            if ours and not imp.typing_only and not own_submodule:
+                graph[module].add(imp.target)
+    found: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circle = stack[stack.index(nxt) :]
+                if frozenset(circle) not in seen:
+                    seen.add(frozenset(circle))
+                    found.append(circle)
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return found
+
+
+def test_no_import_circle() -> None:
+    found = cycles(PACKAGE_DIR)
+    assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_cycle_finder_finds_a_lazy_circle(tmp_path: Path) -> None:
+    package_dir = _write(
+        tmp_path,
+        {
+            "coordd/__init__.py": "",
+            "coordd/io/__init__.py": "from . import server\n",
+            "coordd/io/server.py": "from coordd.ops import status\n",
+            "coordd/ops/__init__.py": "",
+            "coordd/ops/status.py": "def f():\n    from coordd.io.server import X\n",
+            "coordd/ops/view.py": "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from coordd.ops.observer import O\n",
+            "coordd/ops/observer.py": "from coordd.ops.view import V\n",
+        },
+    )
+    assert cycles(package_dir) == [["coordd.io.server", "coordd.ops.status"]]
+
+
+def test_the_daemon_layers_point_one_way(tmp_path: Path) -> None:
+    """The core knows no zmq and no other layer; ops reads no io; nothing imports the CLI but
+    the tools; a module loose in coordd/ is refused."""
+    package_dir = _write(
+        tmp_path,
+        {
+            "coordd/__init__.py": "",
+            "coordd/server.py": "",
+            "coordd/core/__init__.py": "",
+            "coordd/core/registry.py": "import zmq\nfrom coordd.ops import status\n",
+            "coordd/ops/__init__.py": "",
+            "coordd/ops/status.py": "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from coordd.io.server import S\n",
+            "coordd/io/__init__.py": "",
+            "coordd/io/server.py": "from coordd.cli import X\nfrom coordd.core import registry\n",
+            "coordd/cli/__init__.py": "from coordd.io import server\n",
+            "coordd/tools/__init__.py": "from coordd.cli import main\n",
+        },
+    )
+    wrong = violations(package_dir)
+    assert len(wrong) == 5, wrong
+    assert any("coordd.server sits loose" in w for w in wrong)
+    assert any("coordd.core.registry (core) -> zmq: core may use only msgspec" in w for w in wrong)
+    assert any("coordd.core.registry (core) -> coordd.ops.status (ops)" in w for w in wrong)
+    assert any("coordd.ops.status (ops) -> coordd.io.server (io)" in w for w in wrong)
+    assert any("coordd.io.server (io) -> coordd.cli (cli)" in w for w in wrong)
+
+
 def test_the_walk_sees_every_layer() -> None:
     """A walk that found no modules (a broken link, a moved folder) would pass vacuously."""
     layers = {layer_of(m) for m in modules_of(PACKAGE_DIR)}
     assert layers == set(ALLOWED)
+    assert set(DAEMON) <= layers
     assert "coordd.client.sync" in modules_of(PACKAGE_DIR)
 
 
@@ -205,13 +326,13 @@ def test_the_walker_reports_a_wrong_arrow_with_module_line_and_layers(tmp_path: 
         tmp_path,
         {
             "coordd/__init__.py": "",
-            "coordd/server.py": "from coordd.proto import wire\n",
+            "coordd/io/server.py": "from coordd.proto import wire\n",
             "coordd/proto/__init__.py": "",
             "coordd/proto/wire.py": "import msgspec\n\n\ndef f():\n    from ..client import rank\n",
             "coordd/client/__init__.py": "from . import rank\n",
             "coordd/client/rank.py": "import zmq\nfrom coordd.proto.wire import f\n",
-            "coordd/testing/__init__.py": "import coordd.server\n",
-            "coordd/tools/__init__.py": "from coordd import server, testing\nimport rich\n",
+            "coordd/testing/__init__.py": "import coordd.io.server\n",
+            "coordd/tools/__init__.py": "from coordd.io import server\nimport rich\n",
         },
     )
     wrong = violations(package_dir)
@@ -221,7 +342,7 @@ def test_the_walker_reports_a_wrong_arrow_with_module_line_and_layers(tmp_path: 
         "wire.py:5: coordd.proto.wire (proto) -> coordd.client.rank (client): "
         "proto may import only proto"
     )
-    assert "__init__.py:1: coordd.testing (testing) -> coordd.server (daemon)" in testing
+    assert "__init__.py:1: coordd.testing (testing) -> coordd.io.server (io)" in testing
 
 
 def test_the_walker_holds_the_rank_side_to_pyzmq_and_msgspec(tmp_path: Path) -> None:
@@ -245,13 +366,13 @@ def test_only_the_tools_may_import_the_vllm_plugin(tmp_path: Path) -> None:
         tmp_path,
         {
             "coordd/__init__.py": "",
-            "coordd/server.py": "",
+            "coordd/io/server.py": "",
             "coordd/client/__init__.py": "from coordd.vllm import register\n",
-            "coordd/vllm/__init__.py": "import vllm\nimport torch\nfrom coordd import server\n",
+            "coordd/vllm/__init__.py": "import vllm\nimport torch\nfrom coordd.io import server\n",
             "coordd/tools/__init__.py": "from coordd.vllm import register\n",
         },
     )
     wrong = violations(package_dir)
     assert len(wrong) == 2, wrong
     assert any("coordd.client (client) -> coordd.vllm (vllm)" in w for w in wrong)
-    assert any("coordd.vllm (vllm) -> coordd.server (daemon)" in w for w in wrong)
+    assert any("coordd.vllm (vllm) -> coordd.io.server (io)" in w for w in wrong)

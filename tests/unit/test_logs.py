@@ -11,15 +11,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from coordd import keys, logs
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from coordd.core import logs
+from coordd.io import curve as keys
+from coordd.testing import FakeClock
 
 
 @pytest.fixture

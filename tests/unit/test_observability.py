@@ -1,6 +1,6 @@
 """coordd's observer, metrics, status, endpoints and log lines, driven without sockets or clocks.
 
-`Daemon` holds named groups (a real `Coordinator` and `Observer` each, as coordd/server.py
+`Daemon` holds named groups (a real `Coordinator` and `Observer` each, as coordd/io/server.py
 builds them) and passes what each sends to its `Observer` the way the server does (every Send,
 the Hello before it is handled, the failure check after), so the numbers here are the ones a
 scrape of a real coordd shows; the integration tests (tests/integration/test_operability.py,
@@ -12,21 +12,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import Counter
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordd.endpoints import HttpEndpoints, coordd_routes
-from coordd.identity import Takeovers, peer_label
-from coordd.limits import ConnectionGuard
-from coordd.logs import JsonFormatter, event, fault_fields, setup_logging
-from coordd.metrics import DURATION_BUCKETS, Observer, ServerEvents
+from coordd.cli.status import render
+from coordd.core.logs import JsonFormatter, event, fault_fields, setup_logging
+from coordd.core.peers import Takeovers, peer_label
+from coordd.io.limits import ConnectionGuard
+from coordd.io.server import Group, ServerStats, group_name_problem
+from coordd.ops.endpoints import HttpEndpoints, coordd_routes
+from coordd.ops.observer import DURATION_BUCKETS, Observer, ServerEvents
+from coordd.ops.status import group_readiness, readiness, status_document
+from coordd.ops.view import ShellCounters
 from coordd.proto.coordinator import Coordinator, OnRankLoss
 from coordd.proto.messages import Hello, StepKind, StepReport
 from coordd.proto.snapshot import GroupSnapshot
-from coordd.server import Group, ServerStats, group_name_problem
-from coordd.status import group_readiness, readiness, render, status_document
 
 EPOCH = 9
 
@@ -59,6 +62,29 @@ class Daemon:
 
     def clock(self) -> float:
         return self.now
+
+    def counters(self) -> ShellCounters:
+        """What `CoordServer.counters` gives, from this fake's stats and guard."""
+        s, guard = self.stats, self.connections
+        return ShellCounters(
+            frames_in=s.frames_in,
+            frames_out=s.frames_out,
+            bad_frames=s.bad_frames,
+            disconnects=s.disconnects,
+            connections_open=len(guard.open),
+            closed_cap=guard.evicted,
+            closed_flood=s.cut_off,
+            closed_banned=guard.refused,
+            closed_silent=guard.expired,
+            closed_messages_dropped=guard.dropped_shut,
+            memory_shed=None,
+            memory_refused=None,
+            rate_refused=None,
+            curve_refused=None,
+        )
+
+    def takeovers_refused(self) -> Counter[tuple[str, str]]:
+        return self.takeovers.refused
 
     def wall(self) -> float:
         return 1_700_000_000.0 + self.now

@@ -12,8 +12,8 @@ import pytest
 
 from coordd import cli
 from coordd.client.config import ClientConfig
+from coordd.io.server import CoordServer
 from coordd.proto.messages import MAX_DP_SIZE
-from coordd.server import CoordServer
 
 
 def refusal(argv: list[str]) -> str:

@@ -1,4 +1,4 @@
-"""coordd.limits: NOFILE, fitted caps, the connection guard, the stranger token bucket."""
+"""coordd.io.limits: NOFILE, fitted caps, the connection guard, the stranger token bucket."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from coordd import limits
+from coordd.core import defaults
+from coordd.io import limits
 
 
 def recorder(shut: list[int]) -> Callable[[int, int | None], bool]:
@@ -25,7 +26,7 @@ def recorder(shut: list[int]) -> Callable[[int, int | None], bool]:
 def test_raise_nofile_lifts_the_soft_limit_to_the_hard_one() -> None:
     # In a child, so this process's limit is left alone.
     code = (
-        "import resource; from coordd.limits import raise_nofile\n"
+        "import resource; from coordd.io.limits import raise_nofile\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
         "now = raise_nofile()\n"
@@ -93,7 +94,7 @@ def test_a_process_cut_off_for_flooding_is_refused_for_a_while() -> None:
         assert guard.cut(a.fileno(), now=1.0)
         guard.accepted(c.fileno(), now=2.0)  # the same process again: refused at once
         assert shut == [a.fileno(), c.fileno()] and guard.refused == 1
-        guard.accepted(c.fileno(), now=1.0 + limits.BAN_SECONDS + 0.1)  # the ban is over
+        guard.accepted(c.fileno(), now=1.0 + defaults.BAN_SECONDS + 0.1)  # the ban is over
         assert c.fileno() in guard.open and guard.refused == 1
 
 

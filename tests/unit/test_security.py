@@ -12,17 +12,17 @@ import zmq.auth
 
 from coordd import cli
 from coordd.client.config import CLIENT_KEY_ENV, SERVER_KEY_ENV, CurveKeys, curve_keys_from_env
-from coordd.keys import (
+from coordd.io.curve import (
     SecurityConfigError,
     check_security_options,
     load_client_keys,
     load_secret_key,
     write_keypair,
 )
-from coordd.listen import BindError
+from coordd.io.listen import BindError
+from coordd.io.server import prepare_ipc_path
 from coordd.proto.address import default_address, runtime_dir
 from coordd.proto.keyfile import KeyFileError, is_z85, parse_key_text, read_key_file
-from coordd.server import prepare_ipc_path
 
 
 def mode(path: str | Path) -> int:

@@ -24,8 +24,8 @@ import zmq
 from coordd.client.config import ClientConfig
 from coordd.client.session import RankSession, RoundStillOpen
 from coordd.client.sync import CoordClient
-from coordd.gate import DEFAULT_HANDSHAKE_RATE, REFUSAL_DELAY, SOURCE_SHARE
-from coordd.limits import HANDSHAKE_TIMEOUT
+from coordd.core.defaults import DEFAULT_HANDSHAKE_RATE, HANDSHAKE_TIMEOUT
+from coordd.io.gate import REFUSAL_DELAY, SOURCE_SHARE
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
 from coordd.proto.messages import (
     Goodbye,
@@ -41,7 +41,6 @@ from coordd.proto.messages import (
     error_from_failure,
     error_from_reject,
 )
-from coordd.testing.claims import attack
 from coordd.testing.history import (
     Begin,
     Done,
@@ -61,6 +60,7 @@ from coordd.testing.rawrank import RawRank
 from coordd.testing.rogue import APP_LEVEL, RoguePeer
 from coordd.tools.chaos.spec import Fault, WorkerSpec
 from coordd.tools.chaos.workload import kind_for, other_report, report_for
+from coordd.tools.load.claims import attack
 
 now = time.monotonic
 

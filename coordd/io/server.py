@@ -17,7 +17,7 @@ thread) on every connection, so a rank that stops answering has its connection c
 monitor reports the closed connection's file descriptor, and the descriptor a rank registered
 from (the SRCFD of its Hello) names the rank, which becomes `Coordinator.peer_lost`.
 
-A rank is the connection that registered it (`coordd.identity`): ROUTER_HANDOVER is off, so a
+A rank is the connection that registered it (`coordd.io.identity`): ROUTER_HANDOVER is off, so a
 live connection's routing id cannot be taken over, and a message from a routing id counts only
 if it came over the descriptor its Hello came in on; routing ids are never logged or shown.
 """
@@ -28,23 +28,21 @@ import asyncio
 import logging
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
 
-from coordd import limits, memory
-from coordd.cli import DEFAULT_MAX_GROUPS
-from coordd.gate import ZAP_DOMAIN, HandshakeGate, HandshakeRate
-from coordd.identity import (
-    Takeovers,
-    frame_address,
-    new_router,
-    peer_label,
-)
-from coordd.listen import BindError, IpcSocket, check_bind, explain_bind_failure
-from coordd.logs import Aggregated
-from coordd.metrics import Observer, ServerEvents
+from coordd.core import defaults
+from coordd.core.logs import Aggregated
+from coordd.core.peers import Takeovers, peer_label
+from coordd.io import limits, memory
+from coordd.io.gate import ZAP_DOMAIN, HandshakeGate, HandshakeRate
+from coordd.io.identity import frame_address, new_router
+from coordd.io.listen import BindError, IpcSocket, check_bind, explain_bind_failure
+from coordd.ops.observer import Observer, ServerEvents
+from coordd.ops.view import ShellCounters
 from coordd.proto.coordinator import Coordinator, Send
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, Rejected
 from coordd.proto.messages import (
@@ -119,7 +117,7 @@ class ServerStats:
 
 
 def prepare_ipc_path(address: str, mode: int = 0o600) -> IpcSocket | None:
-    """For ipc://, claim the path (`coordd.listen.IpcSocket`: the directory, the lock beside
+    """For ipc://, claim the path (`coordd.io.listen.IpcSocket`: the directory, the lock beside
     the socket, a stale socket removed); None for tcp. `BindError` if coordd may not."""
     return IpcSocket.claim(address, mode)
 
@@ -162,21 +160,21 @@ class CoordServer:
         address: str,
         *,
         dp_size: int,
-        step_timeout: float = 30.0,
+        step_timeout: float = defaults.STEP_TIMEOUT,
         on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
-        max_groups: int = DEFAULT_MAX_GROUPS,
+        max_groups: int = defaults.DEFAULT_MAX_GROUPS,
         expect_groups: int = 0,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 5.0,
+        heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT,
         context: zmq.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         configure_socket: Callable[[zmq.Socket], None] | None = None,
-        max_connections: int = limits.DEFAULT_MAX_CONNECTIONS,
+        max_connections: int = defaults.DEFAULT_MAX_CONNECTIONS,
         ipc_mode: int = 0o600,
         max_rss_mb: float = 0,
         max_handshake_rate: float = 0,
-        stranger_grace: float = limits.STRANGER_GRACE,
+        stranger_grace: float = defaults.STRANGER_GRACE,
     ) -> None:
         if not 1 <= dp_size <= MAX_DP_SIZE:
             raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
@@ -200,7 +198,7 @@ class CoordServer:
         #: Clients refused by the CURVE gate, when coordd runs with CURVE.
         self.curve_refused: Callable[[], int] | None = None
         #: With CURVE keys bound to ranks: why a connection's key (its ZAP User-Id) may not
-        #: register as a rank, or None (`coordd.keys.CurveGate.rank_refusal`).
+        #: register as a rank, or None (`coordd.io.curve.CurveGate.rank_refusal`).
         self.rank_keys: Callable[[str, int], str | None] | None = None
         self.clock = clock
         self.wall = wall
@@ -210,13 +208,13 @@ class CoordServer:
         endpoint = check_bind(address)
         self._ipc = prepare_ipc_path(address, ipc_mode)
         # Its automatic routing ids start from a secret (a peer that held the next one could
-        # make libzmq abort coordd; see coordd.identity.new_router).
+        # make libzmq abort coordd; see coordd.io.identity.new_router).
         sock = new_router(self._context)
         if endpoint.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         # Off: while a connection holds a routing id, libzmq drops a second connection that
         # presents it (on, the newcomer took the id over, and with it a rank's decisions); a
-        # rank is the connection that registered it (see coordd.identity). On, it also lets any
+        # rank is the connection that registered it (see coordd.io.identity). On, it also lets any
         # peer abort coordd with its own id twice (libzmq #4841's path, measured in
         # tests/integration/test_routing_ids.py).
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
@@ -226,7 +224,7 @@ class CoordServer:
         sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout * 1000))
         # A peer that never reads its answers holds at most SEND_QUEUE of them here (then
         # the ROUTER drops what is sent to it); a rank reads its decision every round.
-        sock.setsockopt(zmq.SNDHWM, limits.SEND_QUEUE)
+        sock.setsockopt(zmq.SNDHWM, defaults.SEND_QUEUE)
         # No inbound queue limit, on purpose: with one, a peer that sends faster than coordd
         # reads fills its pipe, libzmq stops reading its connection ("input stopped"), and if
         # the peer then disconnects, libzmq 4.3.5 marks the engine `_io_error` and a later
@@ -239,9 +237,9 @@ class CoordServer:
         sock.setsockopt(zmq.RCVHWM, 0)
         # A connection that never finishes its handshake (a key-less tcp+CURVE client, a
         # socket that sends nothing) is closed after this, freeing its descriptor.
-        sock.setsockopt(zmq.HANDSHAKE_IVL, int(limits.HANDSHAKE_TIMEOUT * 1000))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(defaults.HANDSHAKE_TIMEOUT * 1000))
         #: Under memory pressure or over the handshake rate, new connections are refused in
-        #: their handshake (see coordd.gate).
+        #: their handshake (see coordd.io.gate).
         self.gate = HandshakeGate.start(self._context) if max_rss_mb or max_handshake_rate else None
         if self.gate is not None:
             sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
@@ -270,7 +268,7 @@ class CoordServer:
         #: Open connections, capped: over the cap the oldest that holds no rank is closed.
         self.connections = limits.ConnectionGuard(max_connections, self._registered_fds)
         #: A connection that said no Hello this long after it was accepted is shut down (0:
-        #: never); see coordd.gate for why.
+        #: never); see coordd.io.gate for why.
         self.stranger_grace = stranger_grace
         self._grace_timer: asyncio.TimerHandle | None = None
         #: Over `max_rss_mb` (0: off, the default in-process: the host's memory is not
@@ -373,6 +371,30 @@ class CoordServer:
             self.gate.stop()
         if self._ipc is not None:
             self._ipc.release()  # the socket only if it is still the one we bound
+
+    def counters(self) -> ShellCounters:
+        """The shell's counts now, for metrics and /status (`coordd.ops.view.ServerView`)."""
+        stats, guard = self.stats, self.connections
+        gate = self.gate
+        return ShellCounters(
+            frames_in=stats.frames_in,
+            frames_out=stats.frames_out,
+            bad_frames=stats.bad_frames,
+            disconnects=stats.disconnects,
+            connections_open=len(guard.open),
+            closed_cap=guard.evicted,
+            closed_flood=stats.cut_off,
+            closed_banned=guard.refused,
+            closed_silent=guard.expired,
+            closed_messages_dropped=guard.dropped_shut,
+            memory_shed=None if self.memory is None else self.memory.stats.shed_connections,
+            memory_refused=None if gate is None else gate.refused,
+            rate_refused=None if gate is None or gate.rate is None else gate.rate.refused,
+            curve_refused=None if self.curve_refused is None else self.curve_refused(),
+        )
+
+    def takeovers_refused(self) -> Counter[tuple[str, str]]:
+        return self.takeovers.refused
 
     def group_of(self, peer: bytes) -> Group | None:
         """The group `peer` registered with, or None."""
@@ -545,7 +567,7 @@ class CoordServer:
         return {fd for peer, fd in self._peer_fd.items() if peer in members}
 
     def _enforce_connection_cap(self) -> None:
-        """Over the cap: close the oldest connections that hold no rank (see coordd.limits)."""
+        """Over the cap: close the oldest connections that hold no rank (see coordd.io.limits)."""
         guard = self.connections
         if guard.over():
             before = guard.evicted
@@ -566,7 +588,7 @@ class CoordServer:
         return False
 
     def _memory_pressure(self, on: bool) -> int:
-        """Over the memory budget (coordd.memory): refuse new connections and close every
+        """Over the memory budget (coordd.io.memory): refuse new connections and close every
         one that holds no rank, once the monitor is drained (its ACCEPTED events refused at
         once; no descriptor left in the guard is a closed connection's). How many were
         closed (0 with events still queued: the next check tries again)."""
@@ -716,7 +738,7 @@ class CoordServer:
                 messages=count,
                 detail=f"more than {STRANGER_MESSAGES_PER_S} messages in a second from a peer "
                 "that holds no rank: connection shut down (over ipc, its process's new "
-                f"connections too for {limits.BAN_SECONDS:g}s)",
+                f"connections too for {defaults.BAN_SECONDS:g}s)",
             )
 
     def _bad_frame(self, peer: bytes, why: str, frame: zmq.Frame | None = None) -> None:
@@ -736,7 +758,7 @@ class CoordServer:
         self._drain_monitor()
         if peer[:1] == b"\x00":
             # libzmq's name for a peer that set none, or a peer imitating one: never a rank,
-            # and never exempt from the stranger grace (coordd.gate says why)
+            # and never exempt from the stranger grace (coordd.io.gate says why)
             error = Rejected(
                 RejectReason.ROUTING_ID.value,
                 "this connection set no routing id of its own (or one that starts with a zero "

@@ -69,7 +69,7 @@ def heartbeats(interval: float, timeout: float, prefix: str = "--heartbeat") -> 
 def rss_mb(value: int) -> int:
     """`--max-rss-mb`: 0 (off) or MIN_RSS_MB..MAX_RSS_MB (below MIN_RSS_MB a quiet coordd is
     already over it, and every connecting rank would be closed)."""
-    from coordd.memory import MAX_RSS_MB, MIN_RSS_MB
+    from coordd.core.defaults import MAX_RSS_MB, MIN_RSS_MB
 
     if type(value) is int and (value == 0 or MIN_RSS_MB <= value <= MAX_RSS_MB):
         return value

@@ -1,4 +1,5 @@
-"""What coordd counts about its rounds, and the Prometheus view of it.
+"""What coordd counts about its rounds and outside them (the Prometheus view of it is
+`coordd.ops.collector`).
 
 One `Observer` per group is told about each completed round once, each fault once, and each
 registration, and reads its group only through the coordinator's `GroupSnapshot` (a decision or
@@ -7,28 +8,23 @@ lock, because everything (the socket, the timer and the HTTP endpoints) runs on 
 event loop. Per round it does a handful of additions (a histogram bucket, the straggler's
 counter, a deque append), so metrics add no per-message cost. `ServerEvents` counts what happens
 outside any group. `CoorddCollector` turns those numbers into Prometheus metric families only
-when /metrics is scraped: every per-group series carries a `group` label.
+when /metrics is scraped.
 """
 
 from __future__ import annotations
 
 import logging
-import platform
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import zmq
-
-from coordd import logs
-from coordd.identity import peer_label
+from coordd.core import logs
+from coordd.core.peers import peer_label
 from coordd.proto.coordinator import LEFT_THE_GROUP
-from coordd.proto.group_state import GroupState
 from coordd.proto.messages import (
-    PROTOCOL_VERSION,
     FailReason,
     GatherResult,
     Hello,
@@ -39,12 +35,6 @@ from coordd.proto.messages import (
 )
 from coordd.proto.rounds import CompletedRound
 from coordd.proto.snapshot import GroupSnapshot
-from coordd.status import group_readiness
-
-if TYPE_CHECKING:
-    from prometheus_client.registry import CollectorRegistry
-
-    from coordd.server import CoordServer
 
 log = logging.getLogger("coordd")
 
@@ -350,7 +340,7 @@ class ServerEvents:
         self.faults: Counter[str] = Counter()
         self.dropped_groups = 0
         # A peer can cause these once per message: the first of each 10 s is logged, the rest
-        # counted into one summary line (coordd.logs.Aggregated).
+        # counted into one summary line (coordd.core.logs.Aggregated).
         self._rejected_log = logs.Aggregated(log, "registration rejected")
         self._refused_log = logs.Aggregated(log, "report refused")
 
@@ -410,238 +400,5 @@ class ServerEvents:
 
 
 def _peer_text(peer: bytes) -> str:
-    """A routing id as logs show it: a keyed hash, never the id (see coordd.identity)."""
+    """A routing id as logs show it: a keyed hash, never the id (see coordd.io.identity)."""
     return peer_label(peer)
-
-
-class CoorddCollector:
-    """Renders every group's `Observer` and snapshot, and the server's own counters, at scrape
-    time (prometheus_client is imported only here, so the daemon's round path never loads it).
-    Per-group series carry a `group` label; what is not one group's (frames, refusals outside
-    any group: label group="") is the server's."""
-
-    def __init__(self, server: CoordServer, ready: Callable[[], tuple[bool, str]]) -> None:
-        self.server = server
-        self.ready = ready
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            HistogramMetricFamily,
-            InfoMetricFamily,
-        )
-
-        server = self.server
-        s = server.stats
-        groups = [(name, g.observer, g.coordinator.snapshot()) for name, g in server.groups.items()]
-        info = InfoMetricFamily("coordd_build", "coordd's version and what it was built with")
-        info.add_metric(
-            [],
-            {
-                "version": version(),
-                "protocol_version": str(PROTOCOL_VERSION),
-                "python_version": platform.python_version(),
-                "pyzmq_version": zmq.__version__,
-                "libzmq_version": zmq.zmq_version(),
-            },
-        )
-        yield info
-        yield _gauge("coordd_dp_size", "Data-parallel size of every group", server.dp_size)
-        yield _gauge("coordd_groups", "Groups this coordd serves", len(groups))
-        yield _gauge(
-            "coordd_max_groups", "Most groups this coordd serves (--max-groups)", server.max_groups
-        )
-        yield _gauge("coordd_ready", "1 when /readyz answers 200", int(self.ready()[0]))
-
-        def per_group(name: str, doc: str, value: Callable[[GroupSnapshot], float]) -> Any:
-            family = GaugeMetricFamily(name, doc, labels=["group"])
-            for group, _, snap in groups:
-                family.add_metric([group], value(snap))
-            return family
-
-        yield per_group(
-            "coordd_epoch",
-            "Current epoch (a new one after a failed group re-forms)",
-            lambda c: c.epoch,
-        )
-        yield per_group(
-            "coordd_round_seq", "Sequence number of the open (or next) round", lambda c: c.seq
-        )
-        yield per_group(
-            "coordd_registered_ranks",
-            "Ranks registered in the current epoch",
-            lambda c: len(c.members),
-        )
-        yield per_group(
-            "coordd_dead_ranks",
-            "Lost ranks left out of rounds (neutralize mode)",
-            lambda c: len(c.dead),
-        )
-        yield per_group(
-            "coordd_group_failed",
-            "1 while the group is failed (until ranks re-register)",
-            lambda c: int(c.state is GroupState.FAILED),
-        )
-        yield per_group(
-            "coordd_group_ready",
-            "1 when the group is formed (every rank registered) and not failed",
-            lambda c: int(group_readiness(c)[0]),
-        )
-        state = GaugeMetricFamily(
-            "coordd_group_state", "1 for the group's current state", labels=["group", "state"]
-        )
-        for group, _, snap in groups:
-            for each in GroupState:
-                state.add_metric([group, each.value], int(each is snap.state))
-        yield state
-
-        rounds = CounterMetricFamily(
-            "coordd_rounds",
-            "Rounds ended, by group, kind and outcome",
-            labels=["group", "kind", "outcome"],
-        )
-        duration = HistogramMetricFamily(
-            "coordd_round_duration_seconds",
-            "Seconds from a round's first report to its decision, by group and kind",
-            labels=["group", "kind"],
-        )
-        straggler = CounterMetricFamily(
-            "coordd_straggler_rounds",
-            "Rounds whose decision this rank's report completed (it arrived last)",
-            labels=["group", "rank"],
-        )
-        faults = CounterMetricFamily(
-            "coordd_faults", "Faults, by group and reason", labels=["group", "reason"]
-        )
-        rejected = CounterMetricFamily(
-            "coordd_registrations_rejected",
-            "Registrations refused, by group and reason",
-            labels=["group", "reason"],
-        )
-        registrations = CounterMetricFamily(
-            "coordd_registrations", "Registrations accepted", labels=["group"]
-        )
-        for group, o, _ in groups:
-            for kind, n in sorted(o.decided.items()):
-                rounds.add_metric([group, kind, "decided"], n)
-            for kind, n in sorted(o.failed.items()):
-                rounds.add_metric([group, kind, "failed"], n)
-            for kind, h in sorted(o.durations.items()):
-                cumulative, buckets = 0, []
-                for bound, n in zip((*DURATION_BUCKETS, float("inf")), h.counts, strict=True):
-                    cumulative += n
-                    buckets.append((_bound(bound), cumulative))
-                duration.add_metric([group, kind], buckets, h.sum)
-            for rank, n in enumerate(o.stragglers):
-                if n:
-                    straggler.add_metric([group, str(rank)], n)
-            for reason, n in sorted(o.faults.items()):
-                faults.add_metric([group, reason], n)
-            for reason, n in sorted(o.rejected.items()):
-                rejected.add_metric([group, reason], n)
-            registrations.add_metric([group], o.registrations)
-        for reason, n in sorted(server.events.faults.items()):
-            faults.add_metric(["", reason], n)
-        for reason, n in sorted(server.events.rejected.items()):
-            rejected.add_metric(["", reason], n)
-        yield from (rounds, duration, straggler, faults, rejected, registrations)
-        yield _counter(
-            "coordd_groups_dropped",
-            "Groups without members dropped to make room for a new one at --max-groups",
-            server.events.dropped_groups,
-        )
-        yield _counter(
-            "coordd_bad_frames", "Frames dropped as undecodable or malformed", s.bad_frames
-        )
-        yield _counter("coordd_frames_received", "Frames received from ranks", s.frames_in)
-        yield _counter("coordd_frames_sent", "Frames sent to ranks", s.frames_out)
-        yield _counter(
-            "coordd_disconnects", "Registered ranks whose connection closed", s.disconnects
-        )
-        if server.memory is not None:
-            yield _counter(
-                "coordd_memory_strangers_closed",
-                "Connections that held no rank closed because coordd's RSS passed --max-rss-mb",
-                server.memory.stats.shed_connections,
-            )
-        if server.gate is not None:
-            yield _counter(
-                "coordd_memory_handshakes_refused",
-                "New connections refused in their handshake while coordd's RSS was over "
-                "--max-rss-mb",
-                server.gate.refused,
-            )
-        if server.gate is not None and server.gate.rate is not None:
-            yield _counter(
-                "coordd_handshakes_rate_refused",
-                "New connections refused in their handshake over --max-handshake-rate (they "
-                "retry): refused with their source over its share, or all sources over it",
-                server.gate.rate.refused,
-            )
-        guard = server.connections
-        yield _gauge("coordd_connections_open", "ZeroMQ connections open now", len(guard.open))
-        closed = CounterMetricFamily(
-            "coordd_connections_closed",
-            "Connections that held no rank, shut down by coordd: over --max-connections "
-            "(cap), flooding (flood), from a process cut off for flooding (banned), or silent: "
-            "no Hello within the stranger grace (silent)",
-            labels=["reason"],
-        )
-        for reason, n in (
-            ("cap", guard.evicted),
-            ("flood", s.cut_off),
-            ("banned", guard.refused),
-            ("silent", guard.expired),
-        ):
-            closed.add_metric([reason], n)
-        yield closed
-        yield _counter(
-            "coordd_closed_connection_messages_dropped",
-            "Messages still queued from connections coordd shut down, dropped undecoded",
-            guard.dropped_shut,
-        )
-        if server.curve_refused is not None:
-            yield _counter(
-                "coordd_curve_refused",
-                "Connections refused: a CURVE client key coordd was not given",
-                server.curve_refused(),
-            )
-        takeovers = CounterMetricFamily(
-            "coordd_rank_takeovers_refused",
-            "Attempts to speak for a rank over a connection that did not register it: a Hello "
-            "for a rank a live connection holds (rank_held), a message over another connection "
-            "(other_connection), a Hello for a rank its CURVE key is not bound to (key_bound)",
-            labels=["group", "kind"],
-        )
-        for (group_name, kind), count in sorted(server.takeovers.refused.items()):
-            takeovers.add_metric([group_name, kind], count)
-        yield takeovers
-
-
-def _bound(bound: float) -> str:
-    return "+Inf" if bound == float("inf") else repr(bound)
-
-
-def _gauge(name: str, doc: str, value: float) -> Any:
-    from prometheus_client.core import GaugeMetricFamily
-
-    return GaugeMetricFamily(name, doc, value=value)
-
-
-def _counter(name: str, doc: str, value: float) -> Any:
-    from prometheus_client.core import CounterMetricFamily
-
-    return CounterMetricFamily(name, doc, value=value)
-
-
-def make_registry(collector: CoorddCollector) -> CollectorRegistry:
-    """A registry of coordd's own metrics plus the standard process and platform ones."""
-    from prometheus_client import PlatformCollector, ProcessCollector
-    from prometheus_client.registry import CollectorRegistry
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
-    ProcessCollector(registry=registry)
-    PlatformCollector(registry=registry)
-    return registry

@@ -16,14 +16,22 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from coordd.core.defaults import (
+    DEFAULT_HANDSHAKE_RATE,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_GROUPS,
+    DEFAULT_MAX_HTTP_CONNECTIONS,
+    DEFAULT_MAX_RSS_MB,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    STEP_TIMEOUT,
+    STRANGER_GRACE,
+)
 from coordd.proto.address import default_address
 from coordd.proto.snapshot import OnRankLoss
 
 if TYPE_CHECKING:
-    from coordd.limits import ConnectionCaps
-
-#: `--max-groups`' default, and `CoordServer`'s.
-DEFAULT_MAX_GROUPS = 64
+    from coordd.io.limits import ConnectionCaps
 
 
 class Subcommand(Protocol):
@@ -39,8 +47,11 @@ class Subcommand(Protocol):
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("coordd.tools.demo", "coordd plus simulated engine ranks, with round latency"),
     "bench": ("coordd.tools.bench", "latency, overlap and scale against torch.distributed gloo"),
-    "status": ("coordd.status", "a running coordd's status as a table (or --probe livez|readyz)"),
-    "keygen": ("coordd.keys", "write CURVE key pairs (NAME.key, NAME.key_secret) for tcp"),
+    "status": (
+        "coordd.cli.status",
+        "a running coordd's status table (or --probe livez|readyz)",
+    ),
+    "keygen": ("coordd.cli.keygen", "write CURVE key pairs (NAME.key, NAME.key_secret) for tcp"),
     "chaos": (
         "coordd.tools.chaos.cli",
         "inject faults into real coordd and ranks, check every history",
@@ -91,19 +102,19 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--step-timeout",
         type=float,
-        default=_env("step_timeout", 30.0, float),
+        default=_env("step_timeout", STEP_TIMEOUT, float),
         help="seconds a round may stay open after its first report",
     )
     p.add_argument(
         "--heartbeat-interval",
         type=float,
-        default=_env("heartbeat_interval", 1.0, float),
+        default=_env("heartbeat_interval", HEARTBEAT_INTERVAL, float),
         help="ZMTP heartbeat, seconds",
     )
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=_env("heartbeat_timeout", 5.0, float),
+        default=_env("heartbeat_timeout", HEARTBEAT_TIMEOUT, float),
         help="a rank silent this long is lost, seconds",
     )
     p.add_argument(
@@ -173,10 +184,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_limit_options(p: argparse.ArgumentParser) -> None:
-    """Caps on what peers can hold (coordd.limits): fitted to the NOFILE limit at start."""
-    from coordd.gate import DEFAULT_HANDSHAKE_RATE, SOURCE_SHARE
-    from coordd.limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HTTP_CONNECTIONS, STRANGER_GRACE
-    from coordd.memory import DEFAULT_MAX_RSS_MB
+    """Caps on what peers can hold (coordd.io.limits): fitted to the NOFILE limit at start."""
+    from coordd.io.gate import SOURCE_SHARE
 
     p.add_argument(
         "--max-connections",
@@ -210,13 +219,13 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         "--max-connections (one source: the same share of it, at least 64); more wait and "
         "retry. With the close of a connection that says "
         f"no Hello within {STRANGER_GRACE:g}s, it keeps a peer from making libzmq abort "
-        f"coordd (see coordd/gate.py) (default {DEFAULT_HANDSHAKE_RATE:g}; 0: off)",
+        f"coordd (see coordd/io/gate.py) (default {DEFAULT_HANDSHAKE_RATE:g}; 0: off)",
     )
 
 
 def fit_limits(args: argparse.Namespace, log: logging.Logger) -> ConnectionCaps:
     """Raise the soft NOFILE limit to the hard one and fit the connection caps under it."""
-    from coordd.limits import ConnectionCaps, raise_nofile
+    from coordd.io.limits import ConnectionCaps, raise_nofile
 
     for option in ("max_connections", "max_http_connections"):
         if getattr(args, option) < 1:
@@ -239,9 +248,9 @@ def fit_limits(args: argparse.Namespace, log: logging.Logger) -> ConnectionCaps:
 def check_server_args(args: argparse.Namespace) -> bool:
     """Reject unsafe, incomplete or out-of-range option sets before anything starts, with one
     line naming the option (exit code 1); True if CURVE is on."""
-    from coordd.keys import SecurityConfigError, check_security_options
-    from coordd.listen import BindError, check_bind
-    from coordd.options import OptionError, check_serve
+    from coordd.core.options import OptionError, check_serve
+    from coordd.io.curve import SecurityConfigError, check_security_options
+    from coordd.io.listen import BindError, check_bind
 
     try:
         check_serve(args)
@@ -266,11 +275,11 @@ def check_server_args(args: argparse.Namespace) -> bool:
 def serve(args: argparse.Namespace) -> int:
     import zmq
 
-    from coordd.keys import CurveGate, SecurityConfigError
-    from coordd.listen import IPC_MODES, BindError
-    from coordd.logs import setup_logging
+    from coordd.core.logs import setup_logging
+    from coordd.io.curve import CurveGate, SecurityConfigError
+    from coordd.io.listen import IPC_MODES, BindError
+    from coordd.io.server import CoordServer
     from coordd.proto.keyfile import KeyFileError
-    from coordd.server import CoordServer
 
     setup_logging(args.log_level, args.log_format)
     log = logging.getLogger("coordd")
@@ -318,7 +327,7 @@ def serve(args: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, stop.set)
             endpoints = None
             if args.metrics_port is not None:
-                from coordd.endpoints import HttpEndpoints, coordd_routes
+                from coordd.ops.endpoints import HttpEndpoints, coordd_routes
 
                 endpoints = HttpEndpoints(coordd_routes(server), max_connections=caps.http)
                 try:

@@ -5,7 +5,7 @@ Why (issue 11, part B): libzmq queues what a peer sends before coordd can look a
 nothing in libzmq bounds that queue without risking its abort (RCVHWM, libzmq #4841): a burst
 of garbage from many peers, or one multipart message of millions of parts (held until whole),
 grows coordd by hundreds of MB before any per-message rule sees a frame. The only lever coordd
-has is closing a connection (`coordd.limits`): libzmq then stops reading it and drops the
+has is closing a connection (`coordd.io.limits`): libzmq then stops reading it and drops the
 parts of a message not yet whole; the whole messages already queued are still handed to coordd,
 which drops them cheaply. glibc keeps freed memory in its arenas, so the guard then trims them
 (`malloc_trim`), which is what brings the RSS back down.
@@ -28,18 +28,11 @@ from dataclasses import dataclass
 
 import zmq
 
-from coordd.logs import Aggregated
+from coordd.core.logs import Aggregated
 
 log = logging.getLogger("coordd")
 
 MB = 1 << 20
-#: Default budget. The target is 100 MB; a flood adds 5-20 MB between reaching the budget and
-#: the guard's action (a check, the monitor read, the handshakes refused) on 2 busy cores, and
-#: a quiet coordd holds ~35 MB: room on both sides.
-DEFAULT_MAX_RSS_MB = 64
-#: Most and least budget `--max-rss-mb` takes (0 turns the guard off).
-MIN_RSS_MB = 32
-MAX_RSS_MB = 1 << 20
 #: Check period while some connection holds no rank (a flood builds up fast: ~60 MB/s of
 #: multipart parts, more from many peers), and otherwise (ranks only: cheap).
 FAST_INTERVAL = 0.015

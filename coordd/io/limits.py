@@ -15,7 +15,7 @@ Why these exist (issue 11, part B):
 - A descriptor is only a number: libzmq can give a closed connection's number to a new one
   before coordd reads the close. So each is remembered with its socket's identity (inode) from
   its ACCEPTED event, and shut down only if it still names that socket.
-- The memory budget (`coordd.memory`) uses the same guard to close every stranger at once
+- The memory budget (`coordd.io.memory`) uses the same guard to close every stranger at once
   and to refuse new connections while coordd's RSS is over `--max-rss-mb`.
 """
 
@@ -32,23 +32,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
+from coordd.core.defaults import BAN_SECONDS
+
 log = logging.getLogger("coordd")
 
 #: Descriptors kept free for coordd itself: its sockets' internal pipes (libzmq's mailboxes,
 #: the monitor), the event loop, log files, a dup while evicting, and the HTTP listener.
 FD_RESERVE = 64
-#: Default most ZeroMQ connections (ranks and anything else that connects) held at once.
-DEFAULT_MAX_CONNECTIONS = 1024
-#: Default most HTTP connections (/metrics, /livez, ...) held at once.
-DEFAULT_MAX_HTTP_CONNECTIONS = 64
-#: A connection that has not finished its ZMTP (or CURVE) handshake within this is closed.
-HANDSHAKE_TIMEOUT = 5.0
-#: A connection that has not said Hello this long after it was accepted is shut down: a
-#: routing id held by a silent peer is what can make libzmq abort coordd (see coordd.gate).
-STRANGER_GRACE = 5.0
-#: Per-peer outbound queue (messages). A registered rank reads its decision every round; one
-#: that falls this far behind is broken, and a peer that never reads costs no more than this.
-SEND_QUEUE = 128
 
 
 def raise_nofile() -> tuple[int, int]:
@@ -263,10 +253,6 @@ class ConnectionGuard:
         for fd in victims:
             done += self._shut(fd, self.open.pop(fd))
         return done
-
-
-#: How long a process cut off for flooding has its new ipc connections refused.
-BAN_SECONDS = 10.0
 
 
 def socket_ident(fd: int) -> int | None:

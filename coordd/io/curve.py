@@ -1,8 +1,8 @@
-"""CURVE for coordd over tcp: `coordd keygen`, the checks on the bind options, and the ZAP gate.
+"""CURVE for coordd over tcp: key files, the checks on the bind options, and the ZAP gate.
 
 A tcp bind is refused unless CURVE is configured (coordd's secret key and the public keys of
 the clients it admits) or `--insecure` is given. With CURVE, libzmq encrypts every connection
-and asks a ZAP handler (`coordd.gate.HandshakeGate`, in its own thread, once per connection
+and asks a ZAP handler (`coordd.io.gate.HandshakeGate`, in its own thread, once per connection
 handshake, never per message) whether the client's public key is one coordd was given (the
 same handler refuses handshakes while coordd is over its memory budget);
 `ZAP_ENFORCE_DOMAIN` makes the socket refuse every client if that handler were missing.
@@ -13,13 +13,11 @@ public key, `NAME.key_secret` the pair; `coordd keygen` writes both with mode 06
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import re
 import stat
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -29,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from coordd import logs
+from coordd.core import logs
 from coordd.proto.keyfile import KeyFileError, read_key_file
 
 log = logging.getLogger("coordd")
@@ -267,7 +265,7 @@ class CurveGate:
     @classmethod
     def start(cls, context: zmq.Context, secret_key: str, client_keys: Sequence[str]) -> CurveGate:
         """Load the keys and start the authenticator on `context` (before any bind)."""
-        from coordd.gate import HandshakeGate
+        from coordd.io.gate import HandshakeGate
 
         public, secret = load_secret_key(secret_key)
         gate = cls(public, secret, load_client_keys(client_keys))
@@ -353,36 +351,3 @@ class CurveGate:
         self._auth = None
         if auth is not None:
             auth.stop()
-
-
-# -- `coordd keygen` ---------------------------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "names",
-        nargs="*",
-        default=["coordd", "rank"],
-        help="one key pair per name (default: coordd rank)",
-    )
-    p.add_argument("--dir", default=".", help="where to write NAME.key and NAME.key_secret")
-    p.add_argument("--force", action="store_true", help="replace existing key files")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        for name in args.names:
-            public_path, secret_path = write_keypair(args.dir, name, force=args.force)
-            public, _ = read_key_file(public_path)
-            print(f"{name}: public key {public.decode()}")
-            print(f"    {public_path}  (public: give it to the other side)")
-            print(f"    {secret_path}  (SECRET: keep it on this host, mode 0600)")
-    except (KeyFileError, ValueError, OSError) as exc:
-        print(f"coordd keygen: {exc}", file=sys.stderr)
-        return 1
-    print(
-        "coordd takes --curve-secret-key coordd.key_secret --curve-client-keys <rank .key "
-        "files or their directory>; a rank takes COORDD_CURVE_SERVER_KEY=coordd.key and "
-        "COORDD_CURVE_CLIENT_KEY=<its>.key_secret"
-    )
-    return 0

@@ -5,20 +5,20 @@ single message from it, so the handshake is the cheapest place to say no. coordd
 says no for three reasons:
 
 - an unknown CURVE client key (status 400: the client fails at once; the key will not change);
-- memory pressure (`coordd.memory`; status 300: the client's handshake stalls until coordd's
+- memory pressure (`coordd.io.memory`; status 300: the client's handshake stalls until coordd's
   HANDSHAKE_IVL, then it reconnects and is let in once the pressure is over);
 - too many handshakes (`HandshakeRate`; status 300 too).
 
 Why a handshake rate (issue 11): a ROUTER names a connection that brings no routing id
 `\\x00` + a 32-bit counter, and libzmq aborts the process if that name is already held by a
 connection that chose it (`Assertion failed: ok`, socket_base.cpp:2113, libzmq 4.3.5). The
-counter starts from a secret (`coordd.identity.new_router`), but a peer holding C chosen names
+counter starts from a secret (`coordd.io.identity.new_router`), but a peer holding C chosen names
 spread over the 2^32 values while it makes id-less connections at a rate `a` hits one in
 2^32 / (C * a) seconds on average. coordd cannot refuse a chosen name (it never sees it before
 the peer sends, and a name held silently never sends), so both factors are bounded instead:
 
 - `a` by this rate: every id-less connection is one admitted handshake;
-- C by the stranger grace (`coordd.limits.ConnectionGuard.expire`): a connection that has
+- C by the stranger grace (`coordd.io.limits.ConnectionGuard.expire`): a connection that has
   said no Hello STRANGER_GRACE seconds after it was accepted is shut down, so every held name
   costs an admitted handshake per grace period, from the same budget.
 
@@ -68,8 +68,6 @@ REFUSAL_DELAY = 1.0
 REFUSAL = b"coordd is over its memory budget (--max-rss-mb): try again"
 RATE_REFUSAL = b"coordd admits at most --max-handshake-rate handshakes a second: try again"
 
-#: Default handshakes admitted a second, from all peers together (`--max-handshake-rate`).
-DEFAULT_HANDSHAKE_RATE = 20.0
 #: One source's share of that rate, and of the burst (at least MIN_SOURCE_BURST): one fresh
 #: source took the whole shared burst in its first second, leaving the others the refill.
 SOURCE_SHARE = 1 / 8

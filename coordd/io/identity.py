@@ -40,7 +40,7 @@ by one per id-less connection, with probability (C + n) / 2**32 after n id-less 
 
 **Duplicate routing ids.** With ROUTER_HANDOVER off, a second connection that presents a live
 routing id (a peer's own id twice, or a leaked one) is kept by libzmq as an "anonymous pipe" that
-coordd never reads; what it sends is queued there, unbounded (RCVHWM 0, see `coordd.server`),
+coordd never reads; what it sends is queued there, unbounded (RCVHWM 0, see `coordd.io.server`),
 until the connection closes. The two libzmq settings that would avoid it abort coordd instead
 (libzmq 4.3.5; the first measured against coordd with handover turned on, by
 tests/integration/test_routing_ids.py, the second on a bare ROUTER):
@@ -70,79 +70,20 @@ connection (coordd cannot read it, and never learns its routing id):
   was tried: it also cut honest clients whose Hello was still in flight, such as another rank
   of the same host, and made such connect() calls time out.)
 - A peer's own id twice, or a leaked one, from elsewhere: the connection cap closes the oldest
-  connections that hold no rank (`coordd.limits`); a guard on coordd's memory is the other
+  connections that hold no rank (`coordd.io.limits`); a guard on coordd's memory is the other
   lever.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import secrets
-import time
-from collections import Counter
-from collections.abc import Callable
 
 import zmq
 
-from coordd import logs
-
 log = logging.getLogger("coordd")
-
-_LABEL_KEY = secrets.token_bytes(16)
-#: A refused takeover is logged at most once per this many seconds per group and kind (the
-#: rest are counted, and the count is in the next line).
-LOG_INTERVAL = 10.0
-
-
-def peer_label(peer: bytes) -> str:
-    """What logs, metrics and /status show of a routing id: a keyed hash, never the id."""
-    digest = hashlib.blake2b(peer, digest_size=5, key=_LABEL_KEY).hexdigest()
-    return f"conn-{digest}"
-
-
-class Takeovers:
-    """Attempts to speak for a rank over a connection that did not register it: refused,
-    counted by group and kind (`coordd_rank_takeovers_refused_total`), logged with the peer's
-    address (rate-limited)."""
-
-    #: kind values
-    RANK_HELD = "rank_held"  # a Hello for a rank another live connection holds
-    OTHER_CONNECTION = "other_connection"  # a message over another connection than the Hello's
-    KEY_BOUND = "key_bound"  # a Hello for a rank its CURVE key is not bound to
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.refused: Counter[tuple[str, str]] = Counter()
-        self.clock = clock
-        self._logged_at: dict[tuple[str, str], float] = {}
-        self._unlogged: Counter[tuple[str, str]] = Counter()
-
-    def refuse(
-        self, group: str, kind: str, *, rank: int | None, address: str, peer: bytes, detail: str
-    ) -> None:
-        key = (group, kind)
-        self.refused[key] += 1
-        now = self.clock()
-        last = self._logged_at.get(key)
-        if last is not None and now - last < LOG_INTERVAL:
-            self._unlogged[key] += 1
-            return
-        self._logged_at[key] = now
-        more = self._unlogged.pop(key, 0)
-        logs.event(
-            log,
-            logging.WARNING,
-            "rank takeover refused",
-            group=group,
-            kind=kind,
-            rank=-1 if rank is None else rank,
-            peer=peer_label(peer),
-            address=address or "-",
-            detail=detail,
-            **({"suppressed": more} if more else {}),
-        )
 
 
 def frame_address(frame: object) -> str:
@@ -214,7 +155,7 @@ def new_router(context: zmq.Context) -> zmq.Socket:
     if expected is None or got != b"\x00" + expected.to_bytes(4, "big"):
         log.warning(
             "libzmq's automatic routing ids do not start from coordd's seed (%s): a peer that "
-            "predicts the next one can make libzmq abort coordd (see coordd.identity)",
+            "predicts the next one can make libzmq abort coordd (see coordd.io.identity)",
             "no C library rand()" if expected is None else "this libzmq draws them otherwise",
         )
     return sock

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordd.limits import DEFAULT_MAX_HTTP_CONNECTIONS
-from coordd.metrics import CoorddCollector, make_registry
-from coordd.status import server_readiness, status_document
+from coordd.core.defaults import DEFAULT_MAX_HTTP_CONNECTIONS
+from coordd.ops.collector import CoorddCollector, make_registry
+from coordd.ops.status import server_readiness, status_document
 
 if TYPE_CHECKING:
-    from coordd.server import CoordServer
+    from coordd.ops.view import ServerView
 
 log = logging.getLogger("coordd.http")
 
@@ -142,7 +142,7 @@ class HttpEndpoints:
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
 
-def coordd_routes(server: CoordServer) -> dict[str, Route]:
+def coordd_routes(server: ServerView) -> dict[str, Route]:
     """The four endpoints of one coordd (every group it serves)."""
     registry = make_registry(CoorddCollector(server, lambda: server_readiness(server)))
 

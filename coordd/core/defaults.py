@@ -1,0 +1,51 @@
+"""Every default of the daemon, written once: the flags' defaults, `CoordServer`'s and the
+limits'. The protocol's own (step timeout, heartbeats) live in `coordd.proto.defaults`, which
+the client reads too."""
+
+from coordd.proto.defaults import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, STEP_TIMEOUT
+
+__all__ = [
+    "BAN_SECONDS",
+    "DEFAULT_HANDSHAKE_RATE",
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_GROUPS",
+    "DEFAULT_MAX_HTTP_CONNECTIONS",
+    "DEFAULT_MAX_RSS_MB",
+    "DEFAULT_METRICS_PORT",
+    "HANDSHAKE_TIMEOUT",
+    "HEARTBEAT_INTERVAL",
+    "HEARTBEAT_TIMEOUT",
+    "MAX_RSS_MB",
+    "MIN_RSS_MB",
+    "SEND_QUEUE",
+    "STEP_TIMEOUT",
+    "STRANGER_GRACE",
+]
+
+#: Most groups one coordd serves (`--max-groups`).
+DEFAULT_MAX_GROUPS = 64
+#: Most ZeroMQ connections (ranks and anything else that connects) held at once.
+DEFAULT_MAX_CONNECTIONS = 1024
+#: Most HTTP connections (/metrics, /livez, ...) held at once.
+DEFAULT_MAX_HTTP_CONNECTIONS = 64
+#: A connection that has not finished its ZMTP (or CURVE) handshake within this is closed.
+HANDSHAKE_TIMEOUT = 5.0
+#: A connection that has not said Hello this long after it was accepted is shut down: a
+#: routing id held by a silent peer is what can make libzmq abort coordd (see coordd.io.gate).
+STRANGER_GRACE = 5.0
+#: Per-peer outbound queue (messages). A registered rank reads its decision every round; one
+#: that falls this far behind is broken, and a peer that never reads costs no more than this.
+SEND_QUEUE = 128
+#: How long a process cut off for flooding has its new ipc connections refused.
+BAN_SECONDS = 10.0
+#: Handshakes admitted a second, from all peers together (`--max-handshake-rate`).
+DEFAULT_HANDSHAKE_RATE = 20.0
+#: The memory budget, MB (`--max-rss-mb`). The target is 100 MB; a flood adds 5-20 MB between
+#: reaching the budget and the guard's action (a check, the monitor read, the handshakes
+#: refused) on 2 busy cores, and a quiet coordd holds ~35 MB: room on both sides.
+DEFAULT_MAX_RSS_MB = 64
+#: Least and most budget `--max-rss-mb` takes (0 turns the guard off).
+MIN_RSS_MB = 32
+MAX_RSS_MB = 1 << 20
+#: The port the deploy files serve metrics and health on, and `coordd status` asks by default.
+DEFAULT_METRICS_PORT = 9180

@@ -1,0 +1,68 @@
+"""What coordd shows of a peer (a keyed hash of its routing id, never the id), and the
+record of attempts to speak for a rank over a connection that did not register it."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from coordd.core import logs
+
+log = logging.getLogger("coordd")
+
+_LABEL_KEY = secrets.token_bytes(16)
+#: A refused takeover is logged at most once per this many seconds per group and kind (the
+#: rest are counted, and the count is in the next line).
+LOG_INTERVAL = 10.0
+
+
+def peer_label(peer: bytes) -> str:
+    """What logs, metrics and /status show of a routing id: a keyed hash, never the id."""
+    digest = hashlib.blake2b(peer, digest_size=5, key=_LABEL_KEY).hexdigest()
+    return f"conn-{digest}"
+
+
+class Takeovers:
+    """Attempts to speak for a rank over a connection that did not register it: refused,
+    counted by group and kind (`coordd_rank_takeovers_refused_total`), logged with the peer's
+    address (rate-limited)."""
+
+    #: kind values
+    RANK_HELD = "rank_held"  # a Hello for a rank another live connection holds
+    OTHER_CONNECTION = "other_connection"  # a message over another connection than the Hello's
+    KEY_BOUND = "key_bound"  # a Hello for a rank its CURVE key is not bound to
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.refused: Counter[tuple[str, str]] = Counter()
+        self.clock = clock
+        self._logged_at: dict[tuple[str, str], float] = {}
+        self._unlogged: Counter[tuple[str, str]] = Counter()
+
+    def refuse(
+        self, group: str, kind: str, *, rank: int | None, address: str, peer: bytes, detail: str
+    ) -> None:
+        key = (group, kind)
+        self.refused[key] += 1
+        now = self.clock()
+        last = self._logged_at.get(key)
+        if last is not None and now - last < LOG_INTERVAL:
+            self._unlogged[key] += 1
+            return
+        self._logged_at[key] = now
+        more = self._unlogged.pop(key, 0)
+        logs.event(
+            log,
+            logging.WARNING,
+            "rank takeover refused",
+            group=group,
+            kind=kind,
+            rank=-1 if rank is None else rank,
+            peer=peer_label(peer),
+            address=address or "-",
+            detail=detail,
+            **({"suppressed": more} if more else {}),
+        )

@@ -1,0 +1,189 @@
+"""coordd's status: the /status document and readiness, built in the daemon.
+
+The document says whether coordd is ready and, for every group it serves, where the group
+stands (its state, epoch, the open round, readiness, the failure if any) and, per rank, who
+holds it (a label of its connection, never the routing id; its address and incarnation), when
+it last reported, how many rounds it took part in, how late its reports come on average, and
+how often it was the last to report (the straggler). `coordd status` (coordd.cli.status)
+fetches it over HTTP and prints it as a table.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from coordd.core.peers import peer_label
+from coordd.proto.coordinator import LEFT_THE_GROUP
+from coordd.proto.messages import PROTOCOL_VERSION, FailReason, StepFailed
+from coordd.proto.snapshot import GroupSnapshot, OnRankLoss
+
+if TYPE_CHECKING:
+    from coordd.ops.view import GroupView, ServerView
+
+
+def departed(failure: StepFailed) -> bool:
+    """The group ended because a rank left in order (its client said Goodbye), not a fault."""
+    return failure.reason is FailReason.LOST and failure.detail == LEFT_THE_GROUP
+
+
+def group_readiness(snap: GroupSnapshot) -> tuple[bool, str]:
+    """A group is formed: every dp rank registered (neutralize mode: or left out), not failed."""
+    failure = snap.failure
+    if failure is not None:
+        if departed(failure):
+            return False, (
+                f"stopped at seq {failure.seq}: rank(s) {list(failure.culprits)} left the group "
+                "(closed cleanly); fail-stop: the other ranks get RankLost and connect() again "
+                "to start a new epoch once every rank is back"
+            )
+        return False, f"failed at seq {failure.seq}: {failure.text}"
+    present = len(snap.members)
+    counted = present + (len(snap.dead) if snap.on_rank_loss is OnRankLoss.NEUTRALIZE else 0)
+    if present == 0 or counted < snap.dp_size:
+        return False, f"{present}/{snap.dp_size} ranks registered"
+    if snap.dead:
+        return True, f"{present}/{snap.dp_size} ranks registered, left out: {sorted(snap.dead)}"
+    return True, f"{present}/{snap.dp_size} ranks registered"
+
+
+def readiness(groups: Mapping[str, GroupSnapshot], expect_groups: int = 0) -> tuple[bool, str]:
+    """coordd is ready (/readyz 200) when no group is failed and at least `expect_groups`
+    groups (at least one when 0) are formed; a group still forming, or empty because its ranks
+    left, holds nothing back once enough others are formed. The reason names the group."""
+    want = max(1, expect_groups)
+    formed = 0
+    waiting: tuple[str, str] | None = None
+    for name, snap in groups.items():
+        ready, why = group_readiness(snap)
+        if snap.failure is not None:
+            return False, f"group {name} {why}"
+        if ready:
+            formed += 1
+        elif waiting is None:
+            waiting = (name, why)
+    if not groups:
+        return False, "no group has registered yet"
+    if formed >= want:
+        if len(groups) == 1:
+            ((name, snap),) = groups.items()
+            return True, f"1/1 groups formed ({name}: {group_readiness(snap)[1]})"
+        return True, f"{formed}/{len(groups)} groups formed"
+    if waiting is None:  # every group is formed, but fewer groups than expected exist
+        return False, f"{formed}/{want} groups formed: {want - formed} more to register"
+    return False, f"{formed}/{want} groups formed: group {waiting[0]} has {waiting[1]}"
+
+
+def server_readiness(server: ServerView) -> tuple[bool, str]:
+    """`readiness` of a running coordd's groups."""
+    snaps = {name: group.coordinator.snapshot() for name, group in server.groups.items()}
+    return readiness(snaps, server.expect_groups)
+
+
+def group_document(group: GroupView, now: float) -> dict[str, Any]:
+    """One group's part of /status: O(dp x recent rounds) work, only when asked."""
+    observer = group.observer
+    snap = group.coordinator.snapshot()
+    ready, why = group_readiness(snap)
+    lateness = observer.mean_lateness()
+    last = snap.last_round
+    open_round = snap.round
+    ranks = []
+    for rank in range(snap.dp_size):
+        member = snap.members.get(rank)
+        state = "registered" if member else ("left out" if rank in snap.dead else "missing")
+        arrived = open_round.arrivals[rank] if open_round is not None else None
+        seen = arrived
+        if seen is None and last is not None:
+            seen = last.arrivals[rank]
+        if seen is None and member is not None:
+            seen = member.joined_at
+        entry: dict[str, Any] = {
+            "rank": rank,
+            "state": state,
+            "peer": peer_label(member.peer) if member else None,
+            "address": observer.addresses.get(member.peer) if member else None,
+            "incarnation": member.hello.incarnation if member else None,
+            "last_seen_s": None if seen is None else round(max(0.0, now - seen), 6),
+            "reported_open_round": arrived is not None,
+            "rounds": observer.rounds_of(rank) if member else 0,
+            "mean_lateness_s": lateness[rank],
+            "straggler_rounds": observer.stragglers[rank],
+        }
+        ranks.append(entry)
+    failure = snap.failure
+    return {
+        "name": group.name,
+        "dp_size": snap.dp_size,
+        "state": snap.state.value,
+        "epoch": snap.epoch,
+        "seq": snap.seq,
+        "on_rank_loss": snap.on_rank_loss.value,
+        "step_timeout_s": snap.step_timeout,
+        "members": len(snap.members),
+        "ready": ready,
+        "ready_detail": why,
+        "round": {
+            "open": open_round is not None,
+            "kind": open_round.kind.value if open_round is not None else None,
+            "reported": open_round.reported if open_round is not None else 0,
+            "age_s": None if open_round is None else round(now - open_round.started, 6),
+        },
+        "failure": None
+        if failure is None
+        else {
+            "epoch": failure.epoch,
+            "seq": failure.seq,
+            "kind": failure.kind.value,
+            "reason": failure.reason.value,
+            "ranks": list(failure.culprits),
+            "text": failure.text,
+        },
+        "rounds": {
+            "completed": observer.rounds_completed,
+            "decided": dict(observer.decided),
+            "failed": dict(observer.failed),
+        },
+        "lateness_window_rounds": len(observer.recent),
+        "faults": dict(observer.faults),
+        "registrations": observer.registrations,
+        "rejected": dict(observer.rejected),
+        "ranks": ranks,
+        "recent_failures": list(observer.recent_failures),
+    }
+
+
+def status_document(server: ServerView) -> dict[str, Any]:
+    """The /status JSON: coordd, its readiness, and every group (in the order they came)."""
+    from coordd.ops.observer import version
+
+    now = server.clock()
+    counters = server.counters()
+    ready, why = server_readiness(server)
+    return {
+        "coordd": {
+            "version": version(),
+            "protocol_version": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "address": server.bound_address,
+            "uptime_s": round(server.wall() - server.started_wall, 3),
+            "dp_size": server.dp_size,
+            "max_groups": server.max_groups,
+            "expect_groups": server.expect_groups,
+        },
+        "ready": ready,
+        "ready_detail": why,
+        "groups": [group_document(group, now) for group in server.groups.values()],
+        "outside_groups": {
+            "rejected": dict(server.events.rejected),
+            "faults": dict(server.events.faults),
+            "groups_dropped": server.events.dropped_groups,
+        },
+        "frames": {
+            "received": counters.frames_in,
+            "sent": counters.frames_out,
+            "bad": counters.bad_frames,
+        },
+        "disconnects": counters.disconnects,
+    }
