@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import sys
 import threading
 import types
@@ -55,6 +56,9 @@ log = logging.getLogger("coordd.vllm")
 
 #: The vLLM release lines whose patch points were read from their sources.
 SUPPORTED = ("0.32", "0.33")
+#: COORDD_VLLM_TRACE=1: print each sync's site label the first time this process makes it.
+_TRACE = os.environ.get("COORDD_VLLM_TRACE", "") == "1"
+_traced: set[str] = set()
 #: Hello.group and GatherReport.site are ShortStr.
 _MAX_SITE = 256
 
@@ -179,6 +183,13 @@ def _gather_(
     if _state.exchange is None or not fits(tensor, layout, identity.dp_size):
         return False
     site = site_label(op, tensor, layout, sync)
+    if _TRACE and site not in _traced:
+        _traced.add(site)
+        print(
+            f"coordd vLLM plugin: {identity.name} rank {identity.dp_rank}: sync {site}",
+            file=sys.stderr,
+            flush=True,
+        )
     _state.exchange.all_reduce_(tensor, op, identity, site, layout)
     return True
 
