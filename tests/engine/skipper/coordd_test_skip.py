@@ -2,61 +2,52 @@
 
 On the test's PYTHONPATH for one rank only (its dist-info beside it is what vLLM's plugin loader
 finds), so vLLM is patched in that rank's processes and nowhere else. Once the file named by
-COORDD_TEST_SKIP_FILE exists, the next V1 runner sync (`vllm.v1.worker.dp_utils._run_ar`) of
-this process is made without its collective (this rank's own column stands for every rank's,
-as under vLLM's skip_dp_coordination), once; `<file>.skipped` records when.
+COORDD_TEST_SKIP_FILE exists, the next all-reduce of the V1 runner's sync module
+(`vllm.v1.worker.dp_utils.dist`, stock torch.distributed or coordd's stand-in) is not made,
+once: this rank goes on with its own column only, as if it had skipped that sync;
+`<file>.skipped` records when. Until then nothing of this module is on the sync's call path (a
+thread watches for the file), so every other sync is exactly vLLM's own.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 import types
 from typing import Any
 
 
-class _NoCollective(types.ModuleType):
-    """torch.distributed (or coordd's stand-in for it) with all_reduce doing nothing."""
+class _SkipOnce(types.ModuleType):
+    """Stands in for the module's `dist` for one all_reduce, which it drops, then puts the
+    real one back."""
 
-    def __init__(self, real: Any) -> None:
+    def __init__(self, module: Any, real: Any, flag: str) -> None:
         super().__init__("torch.distributed")
-        self._real = real
+        self._module, self._real, self._flag = module, real, flag
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
     def all_reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> None:
-        return None
+        self._module.dist = self._real
+        with open(self._flag + ".skipped", "w") as f:
+            f.write(f"{time.time()}\n")
 
 
 def register() -> None:
     flag = os.environ.get("COORDD_TEST_SKIP_FILE", "")
-    if not flag:
+    if not flag or getattr(register, "started", False):
         return
+    register.started = True  # type: ignore[attr-defined]
     import vllm.v1.worker.dp_utils as dp_utils
 
-    original = dp_utils._run_ar
-    if getattr(original, "coordd_test_skip", False):
-        return
-    done = False
+    def watch() -> None:
+        deadline = time.monotonic() + 1800
+        while time.monotonic() < deadline:
+            if os.path.exists(flag):
+                dp_utils.dist = _SkipOnce(dp_utils, dp_utils.dist, flag)
+                return
+            time.sleep(0.01)
 
-    def _run_ar(*args: Any, **kwargs: Any) -> Any:
-        nonlocal done
-        if done or not os.path.exists(flag):
-            return original(*args, **kwargs)
-        done = True
-        parallel_config = kwargs.get("parallel_config", args[4] if len(args) > 4 else None)
-        rank = parallel_config.data_parallel_rank
-        real = dp_utils.dist
-        dp_utils.dist = _NoCollective(real)
-        try:
-            tensor = original(*args, **kwargs)
-        finally:
-            dp_utils.dist = real
-        tensor[:] = tensor[:, rank, None].clone()
-        with open(flag + ".skipped", "w") as f:
-            f.write(f"{time.time()}\n")
-        return tensor
-
-    _run_ar.coordd_test_skip = True  # type: ignore[attr-defined]
-    dp_utils._run_ar = _run_ar
+    threading.Thread(target=watch, name="coordd-test-skip", daemon=True).start()
