@@ -117,7 +117,7 @@ def test_the_curve_refusal_limiter_is_bounded(captured, monkeypatch) -> None:
     for key in fresh:
         assert gate.callback("coordd", key) is False
     assert gate.refused == 200_000
-    assert len(gate._last_logged) <= keys.REFUSAL_KEYS_KEPT
+    assert len(gate._throttle) <= keys.REFUSAL_KEYS_KEPT
     assert len(out.getvalue().splitlines()) == keys.REFUSAL_LINES
     assert gate.callback("coordd", b"A" * 40) is True
 
