@@ -189,6 +189,10 @@ class GroupLink:
     rounds: int = 0
 
 
+#: Seconds `Exchange.close` waits for its ZeroMQ context to end (the Goodbyes to go out).
+TERM_WAIT = 2.0
+
+
 class Exchange:
     """The process's clients, one per coordd group, each made on the group's first sync.
 
@@ -279,11 +283,15 @@ class Exchange:
         return {name: link.rounds for name, link in self._links.items()}
 
     def close(self) -> None:
-        """Close every client (a Goodbye to coordd); idempotent."""
+        """Close every client (a Goodbye to coordd); idempotent. The context's term (which
+        lets the Goodbyes out: each socket lingers up to 100 ms) is bounded by TERM_WAIT, so
+        an exit path never hangs on a socket some other thread still holds."""
         with self._lock:
             for link in self._links.values():
                 link.client.close()
             self._links = {}
-            if self._context is not None and self._pid == os.getpid():
-                self._context.term()
-            self._context = None
+            context, self._context = self._context, None
+            if context is not None and self._pid == os.getpid():
+                ending = threading.Thread(target=context.term, name="coordd-term", daemon=True)
+                ending.start()
+                ending.join(TERM_WAIT)
