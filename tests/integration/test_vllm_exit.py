@@ -31,7 +31,7 @@ from coordd.vllm.groups import GroupIdentity
 EXCHANGES = []  # the plugin holds its Exchange for the process's life (patches._state)
 
 def run(rank, address, how):
-    ex = Exchange(PluginSettings(address, connect_timeout=20, sync_timeout=20))
+    ex = Exchange(PluginSettings(address, connect_timeout=60, sync_timeout=60))
     EXCHANGES.append(ex)
     ident = GroupIdentity("g", rank, 2, "fp")
     for _ in range(3):
@@ -85,7 +85,7 @@ def test_a_normal_exit_says_goodbye_and_a_kill_is_lost(tmp_path: Path, how: str)
             for r in range(2)
         ]
         try:
-            outs = [p.communicate(timeout=90) for p in ranks]
+            outs = [p.communicate(timeout=150) for p in ranks]
         finally:
             for p in ranks:
                 if p.poll() is None:
