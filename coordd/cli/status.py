@@ -204,6 +204,10 @@ def _group_block(doc: dict[str, Any]) -> list[str]:
     decided = ", ".join(f"{k} {n}" for k, n in sorted(rounds["decided"].items())) or "none"
     failed = sum(rounds["failed"].values())
     lines.append(f"  rounds decided: {decided}; failed: {failed}")
+    if doc.get("left_cleanly"):
+        lines.append(
+            f"  STOPPED: every rank left cleanly (Goodbye) at seq {doc['seq']}; not a failure"
+        )
     if doc["failure"]:
         f = doc["failure"]
         lines.append(

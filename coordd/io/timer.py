@@ -55,6 +55,8 @@ class Deadlines:
                 coordinator = group.coordinator
                 if coordinator.failures != group.observer.failures_seen:
                     group.observer.group_failed(coordinator.snapshot())
+                if coordinator.stops != group.observer.stops_seen:
+                    group.observer.group_stopped(coordinator.snapshot())
                 deadline = coordinator.next_deadline()
                 if deadline != group.deadline:
                     group.deadline = deadline

@@ -12,9 +12,12 @@ different layouts fail the round with a StepMismatch instead of being added up w
 
 from __future__ import annotations
 
+import atexit
 import enum
+import multiprocessing.util
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -186,6 +189,10 @@ class GroupLink:
     rounds: int = 0
 
 
+#: Seconds `Exchange.close` waits for its ZeroMQ context to end (the Goodbyes to go out).
+TERM_WAIT = 2.0
+
+
 class Exchange:
     """The process's clients, one per coordd group, each made on the group's first sync.
 
@@ -198,6 +205,25 @@ class Exchange:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._context: zmq.Context | None = None
+        self._exit_hook_pid: int | None = None
+
+    def _hook_exit(self) -> None:
+        """Say Goodbye when this process exits normally (the caller holds `_lock`): atexit for
+        a plain interpreter exit, and multiprocessing's exit finalizers, which a
+        multiprocessing child (vLLM's engine cores and workers) runs instead of atexit."""
+        pid = os.getpid()
+        if self._exit_hook_pid == pid:
+            return
+        self._exit_hook_pid = pid
+        ref = weakref.ref(self)
+
+        def close() -> None:
+            exchange = ref()
+            if exchange is not None and exchange._pid == os.getpid():
+                exchange.close()
+
+        atexit.register(close)
+        multiprocessing.util.Finalize(None, close, exitpriority=100)
 
     def link(self, identity: GroupIdentity) -> GroupLink:
         """The client for `identity`'s group, connected (within the connect timeout) on first
@@ -215,6 +241,7 @@ class Exchange:
                 link.client.close()
             if self._context is None:
                 self._context = zmq.Context()
+            self._hook_exit()
             client = CoordClient(
                 self.settings.address,
                 dp_rank=identity.dp_rank,
@@ -256,11 +283,15 @@ class Exchange:
         return {name: link.rounds for name, link in self._links.items()}
 
     def close(self) -> None:
-        """Close every client (a Goodbye to coordd); idempotent."""
+        """Close every client (a Goodbye to coordd); idempotent. The context's term (which
+        lets the Goodbyes out: each socket lingers up to 100 ms) is bounded by TERM_WAIT, so
+        an exit path never hangs on a socket some other thread still holds."""
         with self._lock:
             for link in self._links.values():
                 link.client.close()
             self._links = {}
-            if self._context is not None and self._pid == os.getpid():
-                self._context.term()
-            self._context = None
+            context, self._context = self._context, None
+            if context is not None and self._pid == os.getpid():
+                ending = threading.Thread(target=context.term, name="coordd-term", daemon=True)
+                ending.start()
+                ending.join(TERM_WAIT)

@@ -269,20 +269,19 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
         assert all(r["incarnation"] and r["last_seen_s"] < 60 for r in doc["ranks"])
     finally:
         ranks.close()
-    # the ranks left: in fail-stop mode the group is failed, and coordd says so
+    # the ranks left cleanly (Goodbye): the group is stopped, not failed, and coordd says so
     m = wait_for(lambda: (s := samples(c.url)) and
-                 metric(s, "coordd_group_failed", group="default") == 1 and s,
-                 30, "the group to fail once the ranks left")
-    assert metric(m, "coordd_faults_total", group="default", reason="lost") == 1
-    assert metric(m, "coordd_ready") == 0
+                 metric(s, "coordd_group_stopped", group="default") == 1 and s,
+                 30, "the group to stop once the ranks left")
+    assert metric(m, "coordd_group_failed", group="default") == 0
+    assert metric(m, "coordd_faults_total", group="default", reason="lost") == 0
+    assert metric(m, "coordd_departures_total", group="default") == dp
+    assert metric(m, "coordd_ready") == 1
     code, body = fetch(c.url + "/readyz", 5)
-    # the ranks closed cleanly (Goodbye): still fail-stop, but said as an orderly departure;
-    # every rank left, so it is a group not formed (one that holds ranks would hold /readyz)
-    assert code == 503 and body.startswith(b"0/1 groups formed: group default has stopped at "
-                                            b"seq"), body
-    assert b"left the group (closed cleanly)" in body and b"connect() again" in body
-    (failure,) = status(c.url)["groups"][0]["recent_failures"]
-    assert failure["reason"] == "lost" and failure["seq"] == rounds
+    assert code == 200 and body.startswith(b"1/1 groups stopped (default: stopped at seq"), body
+    assert b"every rank left cleanly (Goodbye)" in body
+    doc = status(c.url)["groups"][0]
+    assert doc["state"] == "stopped" and doc["left_cleanly"] and doc["recent_failures"] == []
     assert c.alive()
 
 
