@@ -264,12 +264,8 @@ class AsyncCoordClient(ClientShell):
         self._drain()  # what coordd sent before the close is still this rank's
         welcome = self._welcome
         if connection.handshake_refused and welcome is not None and not welcome.done():
-            welcome.set_exception(  # it fails the same way every retry: say so now
-                CoordinatorUnavailable(
-                    f"coordd refused the connection ({connection.where()}): "
-                    f"{connection.handshake_failure}"
-                )
-            )
+            # it fails the same way every retry: say so now
+            welcome.set_exception(connection.refused())
         if dropped:
             if welcome is not None and not welcome.done() and self.hello_lost():
                 welcome.set_result(None)  # connect() sends the Hello again, over a new connection

@@ -329,10 +329,7 @@ class CoordClient(ClientShell):
                     raise self.no_answer(timeout)
                 connection = self.connection
                 if connection.handshake_refused:  # it fails the same way every retry
-                    raise CoordinatorUnavailable(
-                        f"coordd refused the connection ({connection.where()}): "
-                        f"{connection.handshake_failure}"
-                    )
+                    raise connection.refused()
                 if self._welcome is None and self.hello_lost():
                     self.reopen_for_hello()
                     self._rcvtimeo = -1

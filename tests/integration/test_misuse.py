@@ -166,6 +166,8 @@ def test_a_client_given_a_bad_address_gets_a_coord_error() -> None:
         with pytest.raises(CoordinatorUnavailable) as caught:
             CoordClient(address, dp_rank=0, dp_size=2)
         assert isinstance(caught.value, CoordError) and says in str(caught.value)
+        # the hint is about the address, not "check that coordd is running"
+        assert "--bind" in caught.value.hint and "running" not in caught.value.hint
 
 
 def test_no_coordd_says_what_was_tried_and_why(tmp_path: Path,
@@ -222,19 +224,21 @@ def test_a_refused_curve_key_fails_at_the_handshake(tmp_path: Path) -> None:
     args = ["--curve-secret-key", str(keys / "coordd.key_secret"),
             "--curve-client-keys", str(keys / "rank.key"), "--log-level", "error"]
     with CoorddProcess(1, "tcp://127.0.0.1:*", args) as coordd:
-        for server, client, says in [
-            ("coordd", "stranger", "refused this rank's CURVE key"),
-            ("stranger", "rank", "CURVE handshake failed"),
+        for server, client, says, hint in [
+            ("coordd", "stranger", "refused this rank's CURVE key", "--curve-client-keys"),
+            ("stranger", "rank", "CURVE handshake failed", "COORDD_CURVE_SERVER_KEY"),
         ]:
             curve = CurveKeys.from_files(str(keys / f"{server}.key"),
                                          str(keys / f"{client}.key_secret"))
             c = CoordClient(coordd.address, dp_rank=0, dp_size=1, curve=curve)
             began = time.monotonic()
             try:
-                with pytest.raises(CoordinatorUnavailable, match=says):
+                with pytest.raises(CoordinatorUnavailable, match=says) as caught:
                     c.connect(timeout=30)
             finally:
                 c.close()
+            assert hint in caught.value.hint and "running" not in caught.value.hint
+            assert caught.value.__notes__ == [f"hint: {caught.value.hint}"]
             assert time.monotonic() - began < 15, "it waited for the timeout"
 
 
