@@ -112,6 +112,17 @@ def _busy_port() -> tuple[socket.socket, int]:
     return held, held.getsockname()[1]
 
 
+def test_an_ipc_bind_into_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    """Before: `--bind ipc:///nonexistent/dir/x.sock` made the directories, said "coordd
+    ready" and left them behind."""
+    done = run_coordd("--dp", "1", "--bind", f"ipc://{tmp_path}/nonexistent/dir/x.sock")
+    line = one_line_refusal(done)
+    assert line.startswith(f"coordd: --bind ipc://{tmp_path}/nonexistent/dir/x.sock: "), line
+    assert f"directory {tmp_path}/nonexistent/dir does not exist" in line
+    assert "coordd ready" not in done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_every_bad_bind_is_one_line_naming_the_option_and_the_fix(tmp_path: Path) -> None:
     """Before: raw ZMQError tracebacks (and exit code 1 only by accident of the traceback)."""
     held, port = _busy_port()
