@@ -452,7 +452,7 @@ def test_the_readme_client_snippet_runs_as_pasted(tmp_path: Path) -> None:
     """Before: the snippet used ipc:///run/coordd/coordd.sock (not coordd's default) and
     placeholders; now it must run as it stands against `coordd --dp 1` at the default address."""
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme[readme.index("### The client"):]
+    section = readme[readme.index("## The client inside an engine"):]
     snippet = section[section.index("```python\n") + 10:section.index("```\n", 10)]
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
     env.pop("COORDD_ADDRESS", None)
