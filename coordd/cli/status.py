@@ -10,6 +10,7 @@ import socket
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -39,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"http://127.0.0.1:$COORDD_METRICS_PORT, port {DEFAULT_METRICS_PORT} if unset)",
     )
     p.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    p.add_argument(
+        "--group",
+        help="only this group, with a row for every rank (without it, at most "
+        "256 rank rows over all groups)",
+    )
     p.add_argument(
         "--probe",
         choices=["livez", "readyz"],
@@ -70,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"coordd status: --url must be http://HOST:PORT, got {args.url!r}", file=sys.stderr)
         return 2
     path = f"/{args.probe}" if args.probe else "/status"
+    if not args.probe and args.group:
+        path += "?" + urllib.parse.urlencode({"group": args.group})
     try:
         code, body = fetch(base + path, args.timeout)
     except OSError as exc:
@@ -247,6 +255,13 @@ def _group_block(doc: dict[str, Any]) -> list[str]:
         for r in doc["ranks"]
     ]
     lines += ["  " + line for line in _table(list(RANK_COLUMNS), rows)]
+    summary = doc.get("ranks_summary")
+    if summary is not None and summary["shown"] < doc["dp_size"]:
+        lines.append(
+            f"  ({doc['dp_size'] - summary['shown']} more ranks not shown: "
+            f"{summary['registered']} registered, {summary['missing']} missing, "
+            f"{summary['left out']} left out in all; coordd status --group {doc['name']})"
+        )
     lines.append("  " + rank_footnote(doc["lateness_window_rounds"]))
     if doc["recent_failures"]:
         lines.append("  recent failures:")

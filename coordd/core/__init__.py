@@ -1,4 +1,7 @@
 """The daemon's sans-IO core: decisions with time passed in, no sockets, no zmq, no CLI.
 
-Every default once (`defaults`), option checks (`options`), what a peer is shown as and the
-takeover record (`peers`), log throttling and key=value events (`logs`)."""
+The group registry (`registry`: Hello -> group, the group limit, refusals, peer <-> group and
+connection), the admission of peers that hold no rank (`admission`: counts, grace, cap,
+pressure -> `Shut` actions), the handshake rate (`handshake`), the one token bucket, bounded
+map and log throttle (`bounds`), every default once (`defaults`), option checks (`options`),
+what a peer is shown as and the takeover record (`peers`), key=value events (`logs`)."""

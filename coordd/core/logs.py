@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from coordd.core.bounds import Throttle
+
 LOG_FORMATS = ("text", "json")
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -89,25 +91,25 @@ class Aggregated:
         self.clock = clock
         self.schedule = schedule
         self.total = 0
-        self.suppressed = 0
-        self._window_end: float | None = None
+        #: one key: a line per interval, the rest held back into the summary
+        self._throttle = Throttle(interval, keys=1)
         self._last: dict[str, Any] = {}
+        self._started = 0.0  # when the current interval's line was logged
         self._flush_pending = False
 
     def __call__(self, **fields: Any) -> None:
         """One occurrence, with its fields (logged, or counted into the next summary)."""
         self.total += 1
         now = self.clock()
-        if self._window_end is not None and now < self._window_end:
-            self.suppressed += 1
+        if not self._throttle.admit(None, now):
             self._last = fields
             if self.schedule is not None and not self._flush_pending:
                 self._flush_pending = True
-                self.schedule(max(0.0, self._window_end - now), self._scheduled_flush)
+                self.schedule(max(0.0, self._started + self.interval - now), self._scheduled_flush)
             return
-        self.flush()
-        self._window_end = now + self.interval
+        self._flush(self._throttle.held(None))
         event(self.logger, self.level, self.name, **fields)
+        self._started = now
 
     def _scheduled_flush(self) -> None:
         self._flush_pending = False
@@ -115,9 +117,11 @@ class Aggregated:
 
     def flush(self) -> None:
         """Log the summary of what was counted since the last line, if anything was."""
-        if not self.suppressed:
+        self._flush(self._throttle.held(None))
+
+    def _flush(self, count: int) -> None:
+        if not count:
             return
-        count, self.suppressed = self.suppressed, 0
         fields = {**self._last, "suppressed": count}
         last = fields.pop("detail", None)  # a caller's own detail: kept, after the summary's
         more = f"{count} more like this within {self.interval:g}s (last one's fields shown)"

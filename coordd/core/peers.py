@@ -6,11 +6,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
-import time
 from collections import Counter
-from collections.abc import Callable
 
 from coordd.core import logs
+from coordd.core.bounds import Throttle
 
 log = logging.getLogger("coordd")
 
@@ -36,24 +35,26 @@ class Takeovers:
     OTHER_CONNECTION = "other_connection"  # a message over another connection than the Hello's
     KEY_BOUND = "key_bound"  # a Hello for a rank its CURVE key is not bound to
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self) -> None:
         self.refused: Counter[tuple[str, str]] = Counter()
-        self.clock = clock
-        self._logged_at: dict[tuple[str, str], float] = {}
-        self._unlogged: Counter[tuple[str, str]] = Counter()
+        self._throttle = Throttle(LOG_INTERVAL, keys=4096)
 
     def refuse(
-        self, group: str, kind: str, *, rank: int | None, address: str, peer: bytes, detail: str
+        self,
+        group: str,
+        kind: str,
+        *,
+        rank: int | None,
+        address: str,
+        peer: bytes,
+        detail: str,
+        now: float,
     ) -> None:
         key = (group, kind)
         self.refused[key] += 1
-        now = self.clock()
-        last = self._logged_at.get(key)
-        if last is not None and now - last < LOG_INTERVAL:
-            self._unlogged[key] += 1
+        if not self._throttle.admit(key, now):
             return
-        self._logged_at[key] = now
-        more = self._unlogged.pop(key, 0)
+        more = self._throttle.held(key)
         logs.event(
             log,
             logging.WARNING,

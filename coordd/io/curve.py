@@ -20,7 +20,6 @@ import re
 import stat
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import zmq
 
 from coordd.core import logs
+from coordd.core.bounds import Throttle
 from coordd.proto.keyfile import KeyFileError, read_key_file
 
 log = logging.getLogger("coordd")
@@ -257,9 +257,12 @@ class CurveGate:
     where: Callable[[], dict[str, Any]] = field(
         default=lambda: logs.fault_fields(group="-", epoch=0, seq=0, kind="connect", ranks=[])
     )
-    _last_logged: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
-    _window: tuple[float, int] = (float("-inf"), 0)
-    _suppressed: int = 0
+    #: a key's refusal logged at most once per interval, REFUSAL_LINES lines per interval
+    _throttle: Throttle = field(
+        default_factory=lambda: Throttle(
+            REFUSAL_LOG_INTERVAL, keys=REFUSAL_KEYS_KEPT, lines=REFUSAL_LINES
+        )
+    )
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -290,10 +293,9 @@ class CurveGate:
         self.refused += 1
         now = time.monotonic()
         with self._lock:
-            if not self._may_log(key, now):
-                self._suppressed += 1
+            if not self._throttle.admit(key, now):
                 return False
-            suppressed, self._suppressed = self._suppressed, 0
+            suppressed = self._throttle.held_all()
         extra = {"suppressed": suppressed} if suppressed else {}
         logs.event(
             log,
@@ -306,27 +308,6 @@ class CurveGate:
             **extra,
         )
         return False
-
-    def _may_log(self, key: bytes, now: float) -> bool:
-        """Whether this refusal gets a line (holding the lock): a key at most once per
-        interval, and at most REFUSAL_LINES lines per interval in all; the table of keys is
-        bounded (least recently refused dropped first)."""
-        table = self._last_logged
-        last = table.get(key)
-        if last is not None and now - last < REFUSAL_LOG_INTERVAL:
-            table.move_to_end(key)
-            return False
-        start, lines = self._window
-        if now - start >= REFUSAL_LOG_INTERVAL:
-            start, lines = now, 0
-        if lines >= REFUSAL_LINES:
-            return False
-        self._window = (start, lines + 1)
-        table[key] = now
-        table.move_to_end(key)
-        while len(table) > REFUSAL_KEYS_KEPT:
-            table.popitem(last=False)
-        return True
 
     def rank_refusal(self, user_id: str, rank: int) -> str | None:
         """Why a connection authenticated with key `user_id` (z85, the ZAP User-Id) may not

@@ -7,7 +7,7 @@ says no for three reasons:
 - an unknown CURVE client key (status 400: the client fails at once; the key will not change);
 - memory pressure (`coordd.io.memory`; status 300: the client's handshake stalls until coordd's
   HANDSHAKE_IVL, then it reconnects and is let in once the pressure is over);
-- too many handshakes (`HandshakeRate`; status 300 too).
+- too many handshakes (`coordd.core.handshake.HandshakeRate`; status 300 too).
 
 Why a handshake rate (issue 11): a ROUTER names a connection that brings no routing id
 `\\x00` + a 32-bit counter, and libzmq aborts the process if that name is already held by a
@@ -18,7 +18,7 @@ spread over the 2^32 values while it makes id-less connections at a rate `a` hit
 the peer sends, and a name held silently never sends), so both factors are bounded instead:
 
 - `a` by this rate: every id-less connection is one admitted handshake;
-- C by the stranger grace (`coordd.io.limits.ConnectionGuard.expire`): a connection that has
+- C by the stranger grace (`coordd.core.admission.Admission.expire`): a connection that has
   said no Hello STRANGER_GRACE seconds after it was accepted is shut down, so every held name
   costs an admitted handshake per grace period, from the same budget.
 
@@ -44,12 +44,15 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import zmq
 from zmq.utils import z85
+
+from coordd.core.admission import Pressure
+from coordd.core.handshake import SOURCE_SHARE as SOURCE_SHARE  # `coordd serve --help` shows it
+from coordd.core.handshake import HandshakeRate
 
 log = logging.getLogger("coordd")
 
@@ -68,98 +71,6 @@ REFUSAL_DELAY = 1.0
 REFUSAL = b"coordd is over its memory budget (--max-rss-mb): try again"
 RATE_REFUSAL = b"coordd admits at most --max-handshake-rate handshakes a second: try again"
 
-#: One source's share of that rate, and of the burst (at least MIN_SOURCE_BURST): one fresh
-#: source took the whole shared burst in its first second, leaving the others the refill.
-SOURCE_SHARE = 1 / 8
-MIN_SOURCE_BURST = 64
-#: Sources remembered (least recently seen forgotten first: a forgotten one starts afresh,
-#: which the shared budget still bounds).
-MAX_SOURCES = 4096
-#: The automatic routing ids a ROUTER can give: the `2^32` of the arithmetic above.
-ROUTING_ID_SPACE = 1 << 32
-
-
-def hits_per_second(rate: float, grace: float, cap: int | None = None) -> float:
-    """The most `held names x id-less connections a second` an attacker gets out of `rate`
-    admitted handshakes a second, when each name is held at most `grace` seconds a handshake
-    and at most `cap` connections at once: it spends x a second on id-less connections and
-    the rest on names, holding (rate - x) * grace of them; x = rate / 2 is best."""
-    held = rate * grace / 2
-    if cap is not None and held > cap:
-        held = cap
-    return held * (rate - held / grace)
-
-
-def mean_seconds_to_abort(rate: float, grace: float, cap: int | None = None) -> float:
-    """Mean time for such an attacker to make libzmq give an id-less connection a name it
-    holds (the counter's start is secret, so each new name hits with probability held/2^32)."""
-    return ROUTING_ID_SPACE / max(hits_per_second(rate, grace, cap), 1e-12)
-
-
-@dataclass
-class _Bucket:
-    tokens: float
-    at: float
-
-
-@dataclass
-class HandshakeRate:
-    """At most `rate` handshakes a second from all sources and `rate * share` from one;
-    `burst` at once from all (a whole engine's ranks connect together at start), `burst *
-    share` from one (at least MIN_SOURCE_BURST: a host's ranks). Pure: the time is passed in."""
-
-    rate: float
-    burst: float
-    share: float = SOURCE_SHARE
-    max_sources: int = MAX_SOURCES
-    #: refused: the source over its share, or all sources over the rate
-    refused_source: int = 0
-    refused_total: int = 0
-    _all: _Bucket = field(init=False)
-    _source_burst: float = field(init=False)
-    _sources: OrderedDict[bytes, _Bucket] = field(init=False, default_factory=OrderedDict)
-
-    def __post_init__(self) -> None:
-        if self.rate <= 0 or self.burst < 1:
-            raise ValueError(f"rate must be > 0 and burst >= 1, got {self.rate}, {self.burst}")
-        self._all = _Bucket(self.burst, float("-inf"))
-        self._source_burst = min(self.burst, max(MIN_SOURCE_BURST, self.burst * self.share))
-
-    def admit(self, source: bytes, now: float) -> bool:
-        """One handshake from `source` at `now`: admitted (and counted) or not."""
-        bucket = self._sources.get(source)
-        if bucket is None:
-            bucket = self._sources[source] = _Bucket(self._source_burst, now)
-            while len(self._sources) > self.max_sources:
-                self._sources.popitem(last=False)
-        else:
-            self._sources.move_to_end(source)
-        if not _take(bucket, now, self.rate * self.share, self._source_burst, spend=False):
-            self.refused_source += 1
-            return False
-        if not _take(self._all, now, self.rate, self.burst, spend=True):
-            self.refused_total += 1
-            return False
-        bucket.tokens -= 1.0
-        return True
-
-    @property
-    def refused(self) -> int:
-        return self.refused_source + self.refused_total
-
-
-def _take(bucket: _Bucket, now: float, rate: float, burst: float, *, spend: bool) -> bool:
-    """Refill `bucket` to `now`; whether it holds a token (taken if `spend`)."""
-    if now > bucket.at:
-        bucket.tokens = min(burst, bucket.tokens + (now - bucket.at) * rate)
-        bucket.at = now
-    if bucket.tokens < 1.0:
-        return False
-    if spend:
-        bucket.tokens -= 1.0
-    return True
-
-
 #: The gate serving each context's ZAP endpoint (one per context): `coordd serve` with CURVE
 #: starts it with the key check first, and the server's memory budget and rate then share it.
 _GATES: dict[int, HandshakeGate] = {}
@@ -177,8 +88,8 @@ class HandshakeGate:
 
     Statuses: 200 admitted (with CURVE, the User-Id is the client's z85 key: the key-to-rank
     binding reads it at Hello); 400 an unknown key, whatever else holds; 300 memory pressure
-    (`refusing`, or `over()` says so) or over the handshake rate (`rate`), answered
-    REFUSAL_DELAY late."""
+    (`pressure`, the flag the server's admission sets, or `over()` says so) or over the
+    handshake rate (`rate`), answered REFUSAL_DELAY late."""
 
     def __init__(
         self,
@@ -186,7 +97,8 @@ class HandshakeGate:
         curve: Callable[[str, bytes], bool] | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        self.refusing = False
+        #: Memory pressure: the one flag the server's admission sets (`share_pressure`).
+        self.pressure = Pressure()
         #: Asked for each handshake too (`MemoryWatch.over`): refuse if it says so.
         self.over: Callable[[], bool] = lambda: False
         self.curve = curve
@@ -233,6 +145,15 @@ class HandshakeGate:
             _GATES[id(context)] = gate
         gate._thread.start()
         return gate
+
+    @property
+    def refusing(self) -> bool:
+        """Whether coordd is over its memory budget (new handshakes refused)."""
+        return self.pressure.on
+
+    @refusing.setter
+    def refusing(self, on: bool) -> None:
+        self.pressure.on = on
 
     def decide(self, request: list[bytes]) -> list[bytes]:
         """The reply to one ZAP request (version, request id, domain, address, routing id,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from coordd.core.defaults import METRICS_RANK_SERIES
 from coordd.ops.observer import DURATION_BUCKETS, version
 from coordd.ops.status import group_readiness
 from coordd.ops.view import ServerView
@@ -115,7 +116,9 @@ class CoorddCollector:
         )
         straggler = CounterMetricFamily(
             "coordd_straggler_rounds",
-            "Rounds whose decision this rank's report completed (it arrived last)",
+            "Rounds whose decision this rank's report completed (it arrived last); past "
+            f"{METRICS_RANK_SERIES} rank series in all, a group's other ranks are summed as "
+            'rank="other"',
             labels=["group", "rank"],
         )
         faults = CounterMetricFamily(
@@ -129,6 +132,7 @@ class CoorddCollector:
         registrations = CounterMetricFamily(
             "coordd_registrations", "Registrations accepted", labels=["group"]
         )
+        rank_series = 0
         for group, o, _ in groups:
             for kind, n in sorted(o.decided.items()):
                 rounds.add_metric([group, kind, "decided"], n)
@@ -140,9 +144,17 @@ class CoorddCollector:
                     cumulative += n
                     buckets.append((_bound(bound), cumulative))
                 duration.add_metric([group, kind], buckets, h.sum)
+            rest = 0
             for rank, n in enumerate(o.stragglers):
-                if n:
+                if not n:
+                    continue
+                if rank_series < METRICS_RANK_SERIES:
+                    rank_series += 1
                     straggler.add_metric([group, str(rank)], n)
+                else:
+                    rest += n
+            if rest:
+                straggler.add_metric([group, "other"], rest)
             for reason, n in sorted(o.faults.items()):
                 faults.add_metric([group, reason], n)
             for reason, n in sorted(o.rejected.items()):

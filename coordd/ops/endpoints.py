@@ -20,7 +20,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,7 +37,8 @@ log = logging.getLogger("coordd.http")
 
 #: (status, content type, body) for one GET.
 Response = tuple[int, str, bytes]
-Route = Callable[[], Response]
+#: A handler, given the request's query parameters (`?group=NAME`; empty when none).
+Route = Callable[..., Response]
 
 _REASONS = {
     200: "OK",
@@ -47,6 +49,7 @@ _REASONS = {
     503: "Service Unavailable",
 }
 _TEXT = "text/plain; charset=utf-8"
+_NONE: Mapping[str, str] = {}
 _REQUEST_LIMIT = 8192
 _IO_TIMEOUT = 5.0
 
@@ -88,11 +91,12 @@ class HttpEndpoints:
         """The response to one request line (also used directly by tests)."""
         if method not in ("GET", "HEAD"):
             return 405, _TEXT, b"only GET and HEAD\n"
-        route = self.routes.get(target.split("?", 1)[0])
+        path, _, query = target.partition("?")
+        route = self.routes.get(path)
         if route is None:
             return 404, _TEXT, ("endpoints: " + " ".join(sorted(self.routes)) + "\n").encode()
         try:
-            return route()
+            return route(dict(urllib.parse.parse_qsl(query)))
         except Exception:
             log.exception("endpoint %s failed", target)
             return 500, _TEXT, b"internal error\n"
@@ -135,7 +139,9 @@ class HttpEndpoints:
             writer.write(header if method == "HEAD" else header + body)
             await asyncio.wait_for(writer.drain(), _IO_TIMEOUT)
         except (asyncio.TimeoutError, ConnectionError):
-            pass
+            # A client that does not read its answer: abort, which drops what is buffered
+            # (close() would keep it until the client reads, outside max_connections).
+            writer.transport.abort()
         finally:
             writer.close()
             with contextlib.suppress(Exception):
@@ -146,18 +152,23 @@ def coordd_routes(server: ServerView) -> dict[str, Route]:
     """The four endpoints of one coordd (every group it serves)."""
     registry = make_registry(CoorddCollector(server, lambda: server_readiness(server)))
 
-    def metrics() -> Response:
+    def metrics(params: Mapping[str, str] = _NONE) -> Response:
         return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
 
-    def livez() -> Response:
+    def livez(params: Mapping[str, str] = _NONE) -> Response:
         return 200, _TEXT, b"ok\n"
 
-    def readyz() -> Response:
+    def readyz(params: Mapping[str, str] = _NONE) -> Response:
         ready, why = server_readiness(server)
         return (200 if ready else 503), _TEXT, (why + "\n").encode()
 
-    def status() -> Response:
-        body = json.dumps(status_document(server), indent=1).encode()
+    def status(params: Mapping[str, str] = _NONE) -> Response:
+        """Every group with at most STATUS_RANK_ROWS rank rows in all; `?group=NAME`: that
+        group with all its ranks."""
+        group = params.get("group")
+        if group is not None and group not in server.groups:
+            return 404, _TEXT, f"no group {group[:80]!a} (see /status)\n".encode()
+        body = json.dumps(status_document(server, group=group), indent=1).encode()
         return 200, "application/json", body + b"\n"
 
     return {"/metrics": metrics, "/livez": livez, "/readyz": readyz, "/status": status}

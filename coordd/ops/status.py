@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from coordd.core.defaults import STATUS_RANK_ROWS
 from coordd.core.peers import peer_label
 from coordd.proto.coordinator import LEFT_THE_GROUP
 from coordd.proto.messages import PROTOCOL_VERSION, FailReason, StepFailed
@@ -81,16 +82,25 @@ def server_readiness(server: ServerView) -> tuple[bool, str]:
     return readiness(snaps, server.expect_groups)
 
 
-def group_document(group: GroupView, now: float) -> dict[str, Any]:
-    """One group's part of /status: O(dp x recent rounds) work, only when asked."""
+def group_document(group: GroupView, now: float, rank_rows: int | None = None) -> dict[str, Any]:
+    """One group's part of /status, with a row for at most `rank_rows` of its ranks (None:
+    all; the rest are counted in `ranks_summary`): O(dp x recent rounds) work, only when asked."""
     observer = group.observer
     snap = group.coordinator.snapshot()
     ready, why = group_readiness(snap)
-    lateness = observer.mean_lateness()
+    shown = snap.dp_size if rank_rows is None else max(0, min(rank_rows, snap.dp_size))
+    lateness = observer.mean_lateness() if shown else []
     last = snap.last_round
     open_round = snap.round
+    left_out = sum(1 for rank in snap.dead if rank not in snap.members)
+    summary = {
+        "registered": len(snap.members),
+        "left out": left_out,
+        "missing": snap.dp_size - len(snap.members) - left_out,
+        "shown": shown,
+    }
     ranks = []
-    for rank in range(snap.dp_size):
+    for rank in range(shown):
         member = snap.members.get(rank)
         state = "registered" if member else ("left out" if rank in snap.dead else "missing")
         arrived = open_round.arrivals[rank] if open_round is not None else None
@@ -150,15 +160,30 @@ def group_document(group: GroupView, now: float) -> dict[str, Any]:
         "registrations": observer.registrations,
         "rejected": dict(observer.rejected),
         "ranks": ranks,
+        "ranks_summary": summary,
         "recent_failures": list(observer.recent_failures),
     }
 
 
-def status_document(server: ServerView) -> dict[str, Any]:
-    """The /status JSON: coordd, its readiness, and every group (in the order they came)."""
+def status_document(
+    server: ServerView, *, group: str | None = None, rank_rows: int = STATUS_RANK_ROWS
+) -> dict[str, Any]:
+    """The /status JSON: coordd, its readiness, and every group (in the order they came), or
+    only `group` with a row for each of its ranks. Over all groups, at most `rank_rows` rank
+    rows (the groups first in order get theirs; every group keeps its `ranks_summary`), so a
+    scrape's cost and size stop growing with dp x groups: ~256 rows is ~70 KB."""
     from coordd.ops.observer import version
 
     now = server.clock()
+    if group is not None:
+        chosen = server.groups.get(group)
+        documents = [] if chosen is None else [group_document(chosen, now)]
+    else:
+        documents = []
+        budget = rank_rows
+        for one in server.groups.values():
+            documents.append(group_document(one, now, budget))
+            budget -= documents[-1]["ranks_summary"]["shown"]
     counters = server.counters()
     ready, why = server_readiness(server)
     return {
@@ -174,7 +199,7 @@ def status_document(server: ServerView) -> dict[str, Any]:
         },
         "ready": ready,
         "ready_detail": why,
-        "groups": [group_document(group, now) for group in server.groups.values()],
+        "groups": documents,
         "outside_groups": {
             "rejected": dict(server.events.rejected),
             "faults": dict(server.events.faults),

@@ -2,6 +2,7 @@
 to trio): the pieces coordd's own chaos suite is built from.
 
 - `CoorddProcess`: a real `coordd serve` child process (`with CoorddProcess(dp=2, bind=...)`).
+- `FakeClock`: time a test moves by hand, for the pieces that take their time passed in.
 - `RawRank`: a rank that speaks the real wire format but sends whatever report or Hello it is
   given (a skipped seq, the wrong kind, another rank's id), and judges the answers as the real
   client does.
@@ -14,9 +15,11 @@ to trio): the pieces coordd's own chaos suite is built from.
   `ScenarioResult` whose `.violations` say what broke.
 
 This package imports coordd.proto and coordd.client only; the daemon runs as a subprocess.
+coordd's own load and attack generators are tools, not this kit: `python -m coordd.tools.load`.
 """
 
 from coordd.testing.checker import check_history, check_scenario
+from coordd.testing.clock import FakeClock
 from coordd.testing.history import (
     Begin,
     Done,
@@ -43,6 +46,7 @@ from coordd.testing.verdict import ProcessLog, ScenarioResult
 __all__ = [
     # processes
     "CoorddProcess",
+    "FakeClock",
     "RawRank",
     "RoguePeer",
     "bad_frame",

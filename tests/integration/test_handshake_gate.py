@@ -85,11 +85,11 @@ def test_id_less_handshakes_over_the_rate_are_refused_and_a_rank_still_registers
 
 
 def test_the_routing_id_attack_gets_the_burst_then_its_share(tmp_path: Path) -> None:
-    """The attack itself (coordd.testing.claims: names held, id-less connections as fast as
+    """The attack itself (coordd.tools.load.claims: names held, id-less connections as fast as
     one process goes) against --max-connections 64, --max-handshake-rate 16: in 4 s, at most
     the burst of 64 plus 4 s x 2/s handshakes are admitted, names and id-less together (with
     the rate off: thousands), and coordd lives."""
-    from coordd.testing.claims import attack
+    from coordd.tools.load.claims import attack
 
     args = ["--log-level", "error", "--max-handshake-rate", "16", "--max-connections", "64"]
     with CoorddProcess(1, f"ipc://{tmp_path}/c.sock", args) as coordd:

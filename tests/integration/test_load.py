@@ -1,9 +1,9 @@
 """coordd under hostile load (issue 11, part B): a real coordd process, real sockets, the load
-generators of `coordd.testing.load` (each a child process, bounded in count and time).
+generators of `coordd.tools.load` (each a child process, bounded in count and time).
 
 These are soak tests (marked slow, still run by CI), each a few seconds. They assert that
 coordd survives, stays responsive and bounded, and that honest ranks keep their rounds; the
-latency figures under each load are measured by `python -m coordd.testing.load measure`, not
+latency figures under each load are measured by `python -m coordd.tools.load measure`, not
 asserted here (the machine is shared).
 """
 
@@ -22,7 +22,7 @@ from coordd.io.curve import write_keypair
 from coordd.proto.errors import StepTimeout
 from coordd.proto.messages import StepReport
 from coordd.testing import CoorddProcess
-from coordd.testing.load import HonestRounds, ProcessGauge, start_load, wait_load
+from coordd.tools.load import HonestRounds, ProcessGauge, start_load, wait_load
 from tests.integration.scrape import free_port
 
 pytestmark = pytest.mark.slow
@@ -285,7 +285,7 @@ def test_measure_reports_the_spread_over_runs() -> None:
 
     argv = ["measure", "--dp", "2", "--only", "http", "--runs", "2"]
     out = subprocess.run(
-        [sys.executable, "-m", "coordd.testing.load", *argv],
+        [sys.executable, "-m", "coordd.tools.load", *argv],
         capture_output=True,
         text=True,
         timeout=80,

@@ -19,7 +19,7 @@ from coordd.io import limits, memory
 from coordd.io.gate import ZAP_DOMAIN, ZAP_ENDPOINT, HandshakeGate
 from coordd.proto.errors import CoordinatorUnavailable
 from coordd.testing import CoorddProcess
-from coordd.testing.load import HonestRounds, ProcessGauge, start_load, wait_load
+from coordd.tools.load import HonestRounds, ProcessGauge, start_load, wait_load
 from tests.integration.scrape import free_port, metric_value
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,7 +99,7 @@ def test_a_closed_connection_s_unfinished_multipart_message_is_freed(tmp_path: P
     router.bind(address)
     monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED)
     child = subprocess.Popen(
-        [sys.executable, "-m", "coordd.testing.load", "multipart", address, "--parts", "2000000"],
+        [sys.executable, "-m", "coordd.tools.load", "multipart", address, "--parts", "2000000"],
         stdout=subprocess.DEVNULL,
     )
     try:

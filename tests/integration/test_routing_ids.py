@@ -31,7 +31,7 @@ from coordd.io.identity import new_router
 from coordd.proto.errors import CoordinatorUnavailable, Rejected
 from coordd.proto.messages import Heartbeat, StepReport, encode
 from coordd.testing import CoorddProcess
-from coordd.testing.load import ProcessGauge
+from coordd.tools.load import ProcessGauge
 from tests.integration.clients import CLIENT_KINDS, ClientMaker, client_maker
 
 pytestmark = pytest.mark.timeout(120)

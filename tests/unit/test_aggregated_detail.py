@@ -9,12 +9,12 @@ import logging
 import pytest
 
 from coordd.core.logs import Aggregated
+from coordd.testing import FakeClock
 
 
 def test_a_summary_keeps_the_caller_s_detail(caplog: pytest.LogCaptureFixture) -> None:
-    now = [0.0]
     log = logging.getLogger("coordd.test_aggregated")
-    aggregated = Aggregated(log, "peer cut off", clock=lambda: now[0])
+    aggregated = Aggregated(log, "peer cut off", clock=FakeClock())
     caplog.set_level(logging.WARNING, logger="coordd.test_aggregated")
     for _ in range(3):
         aggregated(peer="p", detail="connection shut down")

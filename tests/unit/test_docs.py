@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from coordd.proto import group_state
 from coordd.proto.group_state import TRANSITIONS
 
 ROOT = Path(__file__).parents[2]
@@ -26,18 +25,12 @@ def _table() -> set[tuple[str, str, str]]:
 
 def test_the_design_pages_state_table_is_transitions() -> None:
     """Issue 20: three copies of the table (README, the docstring, `TRANSITIONS`) that nothing
-    tied together. docs/design.md's table (and the module docstring's) must list exactly the
-    moves of `TRANSITIONS`."""
+    tied together. docs/design.md's table must list exactly the moves of `TRANSITIONS` (the
+    docstring's: tests/unit/test_state_table.py)."""
     text = (ROOT / "docs" / "design.md").read_text()
     rows = re.findall(r"^\s*\| ([A-Z_]+) \| ([A-Z_]+) \| ([A-Z_]+) \|", text, re.MULTILINE)
     assert len(rows) == len(set(rows)), "a move listed twice"
     assert set(rows) == _table()
-
-
-def test_the_modules_docstring_table_is_transitions() -> None:
-    doc = group_state.__doc__ or ""
-    rows = re.findall(r"^\s+([A-Z_]+)\s+([A-Z_]+)\s+([A-Z_]+)\s{2,}", doc, re.MULTILINE)
-    assert set(rows) == _table() and len(rows) == len(_table())
 
 
 def _sh_blocks(text: str) -> list[str]:

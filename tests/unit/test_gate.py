@@ -1,4 +1,4 @@
-"""coordd.io.gate's handshake rate and the arithmetic behind it (pure: the time is passed in)."""
+"""coordd.core.handshake's rate and the arithmetic behind it (pure: the time is passed in)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from coordd.core import defaults
 from coordd.core.defaults import DEFAULT_HANDSHAKE_RATE
-from coordd.io.gate import (
+from coordd.core.handshake import (
     SOURCE_SHARE,
     HandshakeRate,
     hits_per_second,

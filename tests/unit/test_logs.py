@@ -13,14 +13,7 @@ import zmq
 
 from coordd.core import logs
 from coordd.io import curve as keys
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from coordd.testing import FakeClock
 
 
 @pytest.fixture
@@ -124,7 +117,7 @@ def test_the_curve_refusal_limiter_is_bounded(captured, monkeypatch) -> None:
     for key in fresh:
         assert gate.callback("coordd", key) is False
     assert gate.refused == 200_000
-    assert len(gate._last_logged) <= keys.REFUSAL_KEYS_KEPT
+    assert len(gate._throttle) <= keys.REFUSAL_KEYS_KEPT
     assert len(out.getvalue().splitlines()) == keys.REFUSAL_LINES
     assert gate.callback("coordd", b"A" * 40) is True
 

@@ -12,21 +12,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import Counter
+import socket
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordd.cli.status import probe_line, render
+from coordd.core.admission import Admission
+from coordd.core.defaults import STATUS_RANK_ROWS
 from coordd.core.logs import JsonFormatter, event, fault_fields, setup_logging
 from coordd.core.peers import Takeovers, peer_label
-from coordd.io.limits import ConnectionGuard
-from coordd.io.server import Group, ServerStats, group_name_problem
+from coordd.io.server import CoordServer, Group, ServerStats, group_name_problem
 from coordd.ops.endpoints import HttpEndpoints, coordd_routes
 from coordd.ops.observer import DURATION_BUCKETS, Observer, ServerEvents
 from coordd.ops.status import group_readiness, readiness, status_document
-from coordd.ops.view import ShellCounters
 from coordd.proto.coordinator import Coordinator, OnRankLoss
 from coordd.proto.messages import Hello, StepKind, StepReport
 from coordd.proto.snapshot import GroupSnapshot
@@ -56,35 +56,16 @@ class Daemon:
         self.curve_refused = None
         self.memory = None
         self.gate = None
-        self.connections = ConnectionGuard(1024, lambda: ())
+        self.connections = Admission(1024, lambda: (), ident=lambda fd: fd, pid=lambda fd, i: None)
         self.started_wall = self.wall()
         self.sent: list[Any] = []
 
     def clock(self) -> float:
         return self.now
 
-    def counters(self) -> ShellCounters:
-        """What `CoordServer.counters` gives, from this fake's stats and guard."""
-        s, guard = self.stats, self.connections
-        return ShellCounters(
-            frames_in=s.frames_in,
-            frames_out=s.frames_out,
-            bad_frames=s.bad_frames,
-            disconnects=s.disconnects,
-            connections_open=len(guard.open),
-            closed_cap=guard.evicted,
-            closed_flood=s.cut_off,
-            closed_banned=guard.refused,
-            closed_silent=guard.expired,
-            closed_messages_dropped=guard.dropped_shut,
-            memory_shed=None,
-            memory_refused=None,
-            rate_refused=None,
-            curve_refused=None,
-        )
-
-    def takeovers_refused(self) -> Counter[tuple[str, str]]:
-        return self.takeovers.refused
+    #: what the server gives metrics and /status, from this fake's stats and guard
+    counters = CoordServer.counters
+    takeovers_refused = CoordServer.takeovers_refused
 
     def wall(self) -> float:
         return 1_700_000_000.0 + self.now
@@ -93,8 +74,9 @@ class Daemon:
         found = self.groups.get(name)
         if found is None:
             c = Coordinator(self.dp_size, epoch=EPOCH, step_timeout=10.0, **self.kw)
-            found = self.groups[name] = Group(name, c, Observer(c.snapshot, name=name,
-                                                                wall=self.wall))
+            found = self.groups[name] = Group(
+                name, c, Observer(c.snapshot, name=name, wall=self.wall)
+            )
         return found
 
     @property
@@ -119,17 +101,26 @@ class Daemon:
         self.now = at
         g = self.group(group)
         kw.setdefault("config_fingerprint", "fp")
-        message = Hello(dp_size=self.dp_size, dp_rank=rank, incarnation=f"inc{rank}",
-                        group=group, **kw)
+        message = Hello(
+            dp_size=self.dp_size, dp_rank=rank, incarnation=f"inc{rank}", group=group, **kw
+        )
         g.observer.registering(peer(rank, group), message, f"10.0.0.{rank}")
         self._after(g.coordinator.receive(peer(rank, group), message, at), g)
 
-    def report(self, rank: int, seq: int, at: float, kind: StepKind = StepKind.FORWARD,
-               epoch: int = EPOCH, group: str = "default") -> None:
+    def report(
+        self,
+        rank: int,
+        seq: int,
+        at: float,
+        kind: StepKind = StepKind.FORWARD,
+        epoch: int = EPOCH,
+        group: str = "default",
+    ) -> None:
         self.now = at
         g = self.group(group)
-        message = StepReport(num_tokens=rank, num_tokens_padded=rank, dp_rank=rank, epoch=epoch,
-                             seq=seq, kind=kind)
+        message = StepReport(
+            num_tokens=rank, num_tokens_padded=rank, dp_rank=rank, epoch=epoch, seq=seq, kind=kind
+        )
         self._after(g.coordinator.receive(peer(rank, group), message, at), g)
 
     def lose(self, rank: int, at: float, group: str = "default") -> None:
@@ -150,9 +141,7 @@ class Daemon:
         out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
         for family in text_string_to_metric_families(body.decode()):
             for sample in family.samples:
-                out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = (
-                    sample.value
-                )
+                out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
         return out
 
 
@@ -232,8 +221,13 @@ def test_a_group_failure_is_counted_and_logged_once(caplog: pytest.LogCaptureFix
     assert dict(o.failed) == {"forward": 1}
     (line,) = [r for r in caplog.records if getattr(r, "event", "") == "group failed"]
     assert line.fields == {  # type: ignore[attr-defined]
-        "group": "default", "epoch": EPOCH, "seq": 0, "kind": "forward", "ranks": [1],
-        "reason": "mismatch", "detail": line.fields["detail"],  # type: ignore[attr-defined]
+        "group": "default",
+        "epoch": EPOCH,
+        "seq": 0,
+        "kind": "forward",
+        "ranks": [1],
+        "reason": "mismatch",
+        "detail": line.fields["detail"],  # type: ignore[attr-defined]
     }
     m = d.metrics()
     assert default(m, "coordd_faults_total", reason="mismatch") == 1
@@ -331,7 +325,8 @@ def test_readiness_over_groups() -> None:
     d.hello(0, 100.0, "dp-tp1-pp0")  # a second group still forming holds nothing back
     assert ready() == (True, "1/2 groups formed")
     assert ready(expect=2) == (
-        False, "1/2 groups formed: group dp-tp1-pp0 has 1/2 ranks registered"
+        False,
+        "1/2 groups formed: group dp-tp1-pp0 has 1/2 ranks registered",
     )
     d.hello(1, 100.0, "dp-tp1-pp0")
     assert ready(expect=2) == (True, "2/2 groups formed")
@@ -370,10 +365,16 @@ def test_every_series_of_a_group_carries_its_label() -> None:
         assert value(m, "coordd_epoch", group=name) == EPOCH
     assert value(m, "coordd_faults_total", group="enginecore", reason="mismatch") == 1
     assert value(m, "coordd_registrations_rejected_total", group="", reason="group_limit") == 1
-    labelled = {name for name, series in m.items() if any(
-        ("group", "dp-tp0-pp0") in key for key in series)}
-    assert {"coordd_round_duration_seconds_bucket", "coordd_straggler_rounds_total",
-            "coordd_group_state", "coordd_registered_ranks", "coordd_dead_ranks"} <= labelled
+    labelled = {
+        name for name, series in m.items() if any(("group", "dp-tp0-pp0") in key for key in series)
+    }
+    assert {
+        "coordd_round_duration_seconds_bucket",
+        "coordd_straggler_rounds_total",
+        "coordd_group_state",
+        "coordd_registered_ranks",
+        "coordd_dead_ranks",
+    } <= labelled
 
 
 def test_status_document_and_table() -> None:
@@ -411,8 +412,10 @@ def test_status_document_and_table() -> None:
     blocks = table.split("\ngroup ")[1:]
     assert [block.split()[0] for block in blocks] == ["default", "enginecore"]
     rows = [line.split() for line in blocks[0].splitlines() if line.strip()[:1].isdigit()]
-    assert [row[:3] for row in rows] == [["0", "registered", "10.0.0.0"],
-                                         ["1", "registered", "10.0.0.1"]]
+    assert [row[:3] for row in rows] == [
+        ["0", "registered", "10.0.0.0"],
+        ["1", "registered", "10.0.0.1"],
+    ]
 
 
 def test_status_table_and_probe_escape_a_peers_strings() -> None:
@@ -495,13 +498,17 @@ def test_log_lines_carry_their_fields_in_both_formats(caplog: pytest.LogCaptureF
     event(log, logging.WARNING, "group failed", **fields, reason="timeout", detail="late rank")
     (record,) = caplog.records
     assert record.getMessage() == (
-        'group failed group=g epoch=3 seq=41 kind=draft ranks=[2,5] reason=timeout '
+        "group failed group=g epoch=3 seq=41 kind=draft ranks=[2,5] reason=timeout "
         'detail="late rank"'
     )
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "group failed" and line["level"] == "warning"
     assert {k: line[k] for k in ("group", "epoch", "seq", "kind", "ranks", "reason")} == {
-        "group": "g", "epoch": 3, "seq": 41, "kind": "draft", "ranks": [2, 5],
+        "group": "g",
+        "epoch": 3,
+        "seq": 41,
+        "kind": "draft",
+        "ranks": [2, 5],
         "reason": "timeout",
     }
     with pytest.raises(ValueError, match="log format"):
@@ -527,3 +534,90 @@ def test_a_strangers_report_logs_the_rank_it_claims_not_as_the_culprit(
     assert record.fields["claimed"] == [3]  # type: ignore[attr-defined]
     assert record.fields["peer"] == peer_label(b"stranger")  # type: ignore[attr-defined]
     assert events.faults == {"protocol": 1}
+
+
+def test_status_is_bounded_over_groups_and_lists_one_group_whole() -> None:
+    """At dp x groups past the cap, /status lists STATUS_RANK_ROWS rank rows in all (every
+    group keeps its counts), and ?group=NAME lists that group's every rank."""
+    groups = tuple(f"g{i}" for i in range(6))
+    d = registered(64, groups)
+    routes = coordd_routes(d)  # type: ignore[arg-type]
+    status, _, body = routes["/status"]()
+    doc = json.loads(body)
+    assert status == 200 and len(doc["groups"]) == 6
+    assert sum(len(g["ranks"]) for g in doc["groups"]) == STATUS_RANK_ROWS == 256
+    assert [len(g["ranks"]) for g in doc["groups"]] == [64, 64, 64, 64, 0, 0]
+    assert all(g["ranks_summary"]["registered"] == 64 for g in doc["groups"])
+    table = render(doc)
+    assert "(64 more ranks not shown: 64 registered, 0 missing, 0 left out in all; " in table
+    assert "coordd status --group g5)" in table
+
+    endpoints = HttpEndpoints(routes)
+    status, _, body = endpoints.respond("GET", "/status?group=g5")
+    one = json.loads(body)
+    assert status == 200 and [g["name"] for g in one["groups"]] == ["g5"]
+    assert len(one["groups"][0]["ranks"]) == 64
+    status, _, body = endpoints.respond("GET", "/status?group=nope")
+    assert status == 404 and b"no group 'nope'" in body
+
+
+def test_straggler_series_stop_growing_past_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-rank straggler series up to METRICS_RANK_SERIES in all; the rest of a group's ranks
+    are summed as rank="other", so the totals still add up."""
+    from coordd.ops import collector
+
+    monkeypatch.setattr(collector, "METRICS_RANK_SERIES", 3)
+    d = registered(2, ("a", "b"))
+    for group in ("a", "b"):
+        d.group(group).observer.stragglers[:] = [5, 7]
+    m = d.metrics()
+    series = m["coordd_straggler_rounds_total"]
+    assert series == {
+        (("group", "a"), ("rank", "0")): 5,
+        (("group", "a"), ("rank", "1")): 7,
+        (("group", "b"), ("rank", "0")): 5,
+        (("group", "b"), ("rank", "other")): 7,
+    }
+
+
+def test_a_scraper_that_does_not_read_is_aborted_not_left_buffered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An answer a client never reads is dropped when the write deadline passes: the
+    connection is aborted (close() would keep the buffer outside --max-http-connections)."""
+    from coordd.ops import endpoints as http
+
+    monkeypatch.setattr(http, "_IO_TIMEOUT", 0.5)
+    big = b"x" * (16 << 20)
+    served = HttpEndpoints({"/big": lambda params=None: (200, "text/plain", big)})
+    writers: list[asyncio.StreamWriter] = []
+    answer = served._answer
+
+    async def recording(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await answer(reader, writer)
+
+    monkeypatch.setattr(served, "_answer", recording)
+
+    async def scrape() -> tuple[int, int, int]:
+        url = await served.start("127.0.0.1", 0)
+        port = int(url.rsplit(":", 1)[1])
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        writer.write(b"GET /big HTTP/1.1\r\n\r\n")
+        await writer.drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not served.open and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        during = served.open
+        while served.open and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        held = writers[0].transport.get_write_buffer_size()
+        writer.transport.abort()
+        await served.close()
+        return during, served.open, held
+
+    during, after, held = asyncio.run(scrape())
+    assert during == 1 and after == 0
+    assert held == 0, f"{held} bytes still buffered for a client that does not read"

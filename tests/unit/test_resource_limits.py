@@ -1,4 +1,5 @@
-"""coordd.io.limits: NOFILE, fitted caps, the connection guard, the stranger token bucket."""
+"""coordd.io.limits: NOFILE, fitted caps, and what admission asks of the OS (socket identities,
+peer pids, shutdown(2)), with `coordd.core.admission` decisions carried out as the shell does."""
 
 from __future__ import annotations
 
@@ -10,17 +11,23 @@ import sys
 from collections.abc import Callable
 
 from coordd.core import defaults
+from coordd.core.admission import Admission, Shut
 from coordd.io import limits
 
 
-def recorder(shut: list[int]) -> Callable[[int, int | None], bool]:
-    """A shutdown that records the descriptors it was asked to shut down."""
+def real(cap: int, registered: Callable[[], set[int]] = set) -> Admission:
+    """Admission asking the OS, as the server builds it."""
+    return Admission(cap, registered, ident=limits.socket_ident, pid=limits.peer_pid)
 
-    def shutdown(fd: int, ident: int | None) -> bool:
-        shut.append(fd)
-        return True
 
-    return shutdown
+def carry_out(admission: Admission, shuts: list[Shut]) -> int:
+    """What `CoordServer._shut` does: shutdown(2) where the descriptor still names the socket."""
+    done = 0
+    for shut in shuts:
+        if limits.shutdown_fd(shut.fd, shut.ident):
+            admission.done(shut)
+            done += 1
+    return done
 
 
 def test_raise_nofile_lifts_the_soft_limit_to_the_hard_one() -> None:
@@ -47,22 +54,6 @@ def test_caps_fit_the_descriptor_limit() -> None:
     assert tight.zmq >= 64 and tight.http >= 1
 
 
-def test_the_guard_closes_the_oldest_strangers_never_a_rank() -> None:
-    shut: list[int] = []
-    ranks = {10, 11}
-    guard = limits.ConnectionGuard(4, lambda: ranks, shutdown=recorder(shut), ident=lambda fd: fd)
-    for fd in (10, 20, 11, 21, 22, 23):
-        guard.accepted(fd)
-    assert guard.over() == 2
-    assert guard.enforce() == 2
-    assert shut == [20, 21]  # the oldest that hold no rank
-    assert set(guard.open) == {10, 11, 22, 23}
-    guard.closed(22)
-    guard.accepted(24)
-    assert guard.enforce() == 0
-    assert guard.evicted == 2 and guard.peak == 6
-
-
 def test_shutdown_fd_ends_the_connection_but_keeps_the_descriptor() -> None:
     a, b = socket.socketpair()
     with a, b:
@@ -72,44 +63,26 @@ def test_shutdown_fd_ends_the_connection_but_keeps_the_descriptor() -> None:
     assert not limits.shutdown_fd(a.fileno() if a.fileno() >= 0 else 10**6)
 
 
-def test_the_token_bucket() -> None:
-    now = [0.0]
-    bucket = limits.TokenBucket(10.0, 5.0, lambda: now[0])
-    assert sum(bucket.take() for _ in range(100)) == 5
-    now[0] = 1.0
-    assert sum(bucket.take() for _ in range(100)) == 5  # refilled up to the burst only
-    assert bucket.denied == 190
-
-
 def test_a_process_cut_off_for_flooding_is_refused_for_a_while() -> None:
     import os
 
-    shut: list[int] = []
-    guard = limits.ConnectionGuard(100, set, shutdown=recorder(shut))
+    guard = real(100)
     a, b = socket.socketpair()
     c, d = socket.socketpair()
     with a, b, c, d:
         assert limits.peer_pid(a.fileno()) == os.getpid()
         guard.accepted(a.fileno(), now=0.0)
-        assert guard.cut(a.fileno(), now=1.0)
-        guard.accepted(c.fileno(), now=2.0)  # the same process again: refused at once
-        assert shut == [a.fileno(), c.fileno()] and guard.refused == 1
-        guard.accepted(c.fileno(), now=1.0 + defaults.BAN_SECONDS + 0.1)  # the ban is over
+        guard.new_window(0.5)
+        for _ in range(guard.flood - 1):
+            assert not guard.stranger_message(b"rogue", a.fileno(), 0.5)
+        assert guard.stranger_message(b"rogue", a.fileno(), 0.5)
+        assert carry_out(guard, guard.cut(b"rogue", a.fileno(), now=1.0)) == 1
+        assert b.recv(1) == b""  # shut down
+        refused = guard.accepted(c.fileno(), now=2.0)  # the same process again: refused
+        assert [s.fd for s in refused] == [c.fileno()] and guard.refused == 1
+        assert carry_out(guard, refused) == 1 and d.recv(1) == b""
+        assert guard.accepted(c.fileno(), now=1.0 + defaults.BAN_SECONDS + 0.1) == []  # over
         assert c.fileno() in guard.open and guard.refused == 1
-
-
-def test_the_memory_guard_sheds_every_stranger_newest_first_never_a_rank() -> None:
-    shut: list[int] = []
-    ranks = {10}
-    guard = limits.ConnectionGuard(100, lambda: ranks, shutdown=recorder(shut), ident=lambda fd: fd)
-    for fd in (20, 10, 21, 22):
-        guard.accepted(fd)
-    assert guard.strangers() == 3
-    assert guard.shed() == 3
-    assert shut == [22, 21, 20] and list(guard.open) == [10]
-    guard.refusing = True  # under memory pressure a new connection is shut at once
-    guard.accepted(23)
-    assert shut[-1] == 23 and 23 not in guard.open and guard.refused_memory == 1
 
 
 def test_socket_ident_names_the_socket_not_the_number() -> None:
@@ -141,16 +114,16 @@ def test_a_descriptor_number_reused_by_a_newer_connection_is_not_shut_down() -> 
     b, b_peer = socket.socketpair()
     with a, a_peer, b, b_peer:
         number = a.fileno()
-        guard = limits.ConnectionGuard(1, set)
-        guard.accepted(number)  # A, with its socket's identity
+        guard = real(1)
+        guard.accepted(number, 0.0)  # A, with its socket's identity
         os.dup2(b.fileno(), number)  # A is gone; its number now names B's socket
         assert not limits.shutdown_fd(number, guard.open[number])
         assert limits.peer_pid(number, guard.open[number]) is None
-        assert guard.shed() == 0  # nothing shut: the number is B's now
+        assert carry_out(guard, guard.shed()) == 0  # nothing shut: the number is B's now
         assert still_open(b_peer)  # no end-of-file: B is untouched
         # the connection the guard did record is shut down through the same path
-        guard.accepted(number)  # B's ACCEPTED, identity B
-        assert guard.shed() == 1
+        guard.accepted(number, 0.0)  # B's ACCEPTED, identity B
+        assert carry_out(guard, guard.shed()) == 1
         assert b_peer.recv(1) == b""
 
 
@@ -159,13 +132,14 @@ def test_shutting_down_one_open_connection_checks_its_identity() -> None:
     b, b_peer = socket.socketpair()
     with a, a_peer, b, b_peer:
         number = a.fileno()
-        guard = limits.ConnectionGuard(10, set)
-        guard.accepted(number)
-        assert not guard.shutdown(number + 10_000)  # not open
+        guard = real(10)
+        guard.accepted(number, 0.0)
+        ident = guard.open[number]
+        assert ident is not None
         os.dup2(b.fileno(), number)
-        assert not guard.shutdown(number) and still_open(b_peer)
+        assert not limits.shutdown_fd(number, ident) and still_open(b_peer)
         guard.open[number] = None  # identity unknown at ACCEPTED: never shut
-        assert not guard.shutdown(number) and still_open(b_peer)
+        assert guard.shed() == [] and still_open(b_peer)
 
 
 def test_the_cap_and_the_flood_cut_off_check_the_identity_too() -> None:
@@ -173,12 +147,14 @@ def test_the_cap_and_the_flood_cut_off_check_the_identity_too() -> None:
     b, b_peer = socket.socketpair()
     with a, a_peer, b, b_peer:
         number = a.fileno()
-        guard = limits.ConnectionGuard(0, set)
-        guard.accepted(number)
+        guard = real(0)
+        guard.accepted(number, 0.0)
         os.dup2(b.fileno(), number)
-        assert guard.enforce() == 1 and guard.evicted == 0  # chosen, but not shut: not A
-        guard.accepted(number)
-        assert not guard.cut(number + 10_000, now=0.0)  # no such descriptor
+        chosen = guard.enforce()
+        assert len(chosen) == 1 and carry_out(guard, chosen) == 0  # chosen, but not A: kept
+        assert guard.evicted == 0
+        guard.accepted(number, 0.0)
+        assert guard.cut(b"rogue", number + 10_000, now=0.0) == []  # no such descriptor
         assert still_open(b_peer)
 
 
@@ -190,34 +166,12 @@ def test_what_a_shut_connection_still_has_queued_is_recognised_by_its_socket() -
     b, b_peer = socket.socketpair()
     with a, a_peer, b, b_peer:
         number = a.fileno()
-        guard = limits.ConnectionGuard(10, set)
-        guard.accepted(number)
+        guard = real(10)
+        guard.accepted(number, 0.0)
         assert not guard.from_shut(number) and not guard.from_shut(None)  # open: read
-        assert guard.shed() == 1
+        assert carry_out(guard, guard.shed()) == 1
         assert guard.from_shut(number) and guard.dropped_shut == 1  # the same socket: drop
         os.dup2(b.fileno(), number)  # libzmq closed it and gave the number to B
         assert not guard.from_shut(number)  # B's: read, before B's ACCEPTED too
-        guard.accepted(number)  # B's ACCEPTED: the number is B's from now on
+        guard.accepted(number, 0.0)  # B's ACCEPTED: the number is B's from now on
         assert number not in guard.shut and not guard.from_shut(number)
-    # a shut connection whose descriptor libzmq already closed (no socket under it): drop
-    fake = limits.ConnectionGuard(10, set, shutdown=recorder([]), ident=lambda fd: 7)
-    fake.accepted(40)
-    fake.shed()
-    fake._ident = lambda fd: None
-    assert fake.from_shut(40)
-
-
-def test_a_connection_that_says_no_hello_within_the_grace_is_shut_down() -> None:
-    shut: list[int] = []
-    guard = limits.ConnectionGuard(100, set, shutdown=recorder(shut), ident=lambda fd: fd)
-    for fd, at in ((10, 0.0), (11, 1.0), (12, 2.0), (13, 9.5)):
-        guard.accepted(fd, at)
-    introduced = {11}  # it said Hello (a rank, or a peer refused by name)
-    assert guard.expire(before=5.0, introduced=introduced) == 2
-    assert shut == [10, 12]
-    assert set(guard.open) == {11, 13}
-    assert guard.expire(before=5.0, introduced=introduced) == 0  # nothing twice
-    assert guard.expire(before=10.0, introduced=introduced) == 1
-    assert shut == [10, 12, 13] and guard.expired == 3
-    guard.closed(13)
-    assert 13 not in guard.accepted_at

@@ -422,7 +422,7 @@ class TakeoverAttempt(Scenario):
 class IdClaims(Scenario):
     """The routing-id attack on libzmq (see coordd.io.gate), briefly, while the group runs: the
     claimer holds names libzmq could give (`\\x00` + 4 bytes) and makes id-less handshakes as
-    fast as it can (`coordd.testing.claims.attack`), then says Hello from a zero-led routing
+    fast as it can (`coordd.tools.load.claims.attack`), then says Hello from a zero-led routing
     id, which coordd must refuse (a registered name would be exempt from the stranger grace)."""
 
     fault = Fault.ID_CLAIMS

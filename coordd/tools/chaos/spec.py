@@ -109,7 +109,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     leak_identity: bool = False
     victim_log: str = ""
     #: id_claims: names held (`\x00` + 4 random bytes), id-less handshakes in flight at once,
-    #: and for how long (`coordd.testing.claims.attack`)
+    #: and for how long (`coordd.tools.load.claims.attack`)
     claims: int = 0
     in_flight: int = 0
     claim_seconds: float = 0.0

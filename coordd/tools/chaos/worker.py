@@ -41,7 +41,6 @@ from coordd.proto.messages import (
     error_from_failure,
     error_from_reject,
 )
-from coordd.testing.claims import attack
 from coordd.testing.history import (
     Begin,
     Done,
@@ -61,6 +60,7 @@ from coordd.testing.rawrank import RawRank
 from coordd.testing.rogue import APP_LEVEL, RoguePeer
 from coordd.tools.chaos.spec import Fault, WorkerSpec
 from coordd.tools.chaos.workload import kind_for, other_report, report_for
+from coordd.tools.load.claims import attack
 
 now = time.monotonic
 #: The rogue's probe (three questions) may take this long in all: coordd answers in

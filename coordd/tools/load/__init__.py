@@ -4,15 +4,15 @@
 Run one from the command line (it is a separate process, so it does not share the measuring
 process's interpreter lock):
 
-    python -m coordd.testing.load garbage ADDRESS --peers 50 --messages 20000 --repeat 3
-    python -m coordd.testing.load fast ADDRESS --seconds 5
-    python -m coordd.testing.load multipart ADDRESS --parts 2000000
-    python -m coordd.testing.load unread ADDRESS --peers 20 --messages 10000
-    python -m coordd.testing.load connections ADDRESS --count 1000 --seconds 5   (raw sockets)
-    python -m coordd.testing.load http HOST:PORT --count 1000 --seconds 5
-    python -m coordd.testing.load claims ADDRESS --count 900 --peers 20 --seconds 5   (id claims)
+    python -m coordd.tools.load garbage ADDRESS --peers 50 --messages 20000 --repeat 3
+    python -m coordd.tools.load fast ADDRESS --seconds 5
+    python -m coordd.tools.load multipart ADDRESS --parts 2000000
+    python -m coordd.tools.load unread ADDRESS --peers 20 --messages 10000
+    python -m coordd.tools.load connections ADDRESS --count 1000 --seconds 5   (raw sockets)
+    python -m coordd.tools.load http HOST:PORT --count 1000 --seconds 5
+    python -m coordd.tools.load claims ADDRESS --count 900 --peers 20 --seconds 5   (id claims)
 
-or all of them with figures: `python -m coordd.testing.load measure --dp 4`.
+or all of them with figures: `python -m coordd.tools.load measure --dp 4`.
 `LOADS` names them; `start_load(kind, address, ...)` starts one as a child process;
 `HonestRounds` drives dp real clients through rounds and keeps each round's latency;
 `ProcessGauge` samples a process's RSS and descriptors.
@@ -210,7 +210,7 @@ def start_load(kind: str, address: str, *args: str) -> subprocess.Popen[bytes]:
     """Start load `kind` (one of LOADS) against `address` as a child process."""
     if kind not in LOADS:
         raise ValueError(f"load kind must be one of {LOADS}, got {kind!r}")
-    argv = [sys.executable, "-m", "coordd.testing.load", kind, address, *args]
+    argv = [sys.executable, "-m", "coordd.tools.load", kind, address, *args]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent())
 
 
@@ -446,8 +446,8 @@ def measure(
     return 1 if died else 0
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m coordd.testing.load", description=__doc__)
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m coordd.tools.load", description=__doc__)
     p.add_argument("kind", choices=(*LOADS, "measure"))
     p.add_argument("address", nargs="?", default="")
     p.add_argument("--peers", type=int, default=50)
@@ -478,7 +478,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     elif args.kind == "connections":
         n = connections(args.address, args.count, args.seconds)
     elif args.kind == "claims":
-        from coordd.testing.claims import attack
+        from coordd.tools.load.claims import attack
 
         result = attack(args.address, args.count, args.seconds, in_flight=args.peers)
         print(result.summary(), file=sys.stderr, flush=True)
@@ -489,7 +489,3 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if args.kind == "garbage":
         os._exit(0)  # a context left terming (see _term_soon) would hold the exit
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -1,0 +1,325 @@
+"""Admission of the peers that hold no rank, pure: the time is passed in, and what needs the
+OS (a descriptor's socket identity, the pid at the other end of a unix socket) is asked of
+small callables (`coordd.io.limits` gives the real ones). Decisions come back as `Shut`
+actions that the shell carries out (`shutdown(2)` on libzmq's descriptor, only if it still
+names the socket `ident`) and reports back with `done`.
+
+The rules (`coordd.io.limits` says why each exists):
+
+- Open connections are known by descriptor, oldest first, each with its socket's identity
+  when its ACCEPTED event was read; over `cap`, the oldest that holds no registered rank is
+  shut (`enforce`). A registered rank's connection is never chosen by any rule here.
+- Under memory pressure (`pressure`, one flag, which the ZAP gate reads too) every new
+  connection is shut as soon as it is accepted, and `shed` shuts every stranger.
+- A connection that said no Hello within the stranger grace is shut (`expire`).
+- A peer that holds no rank and sends more than `flood` messages in a one-second window has
+  its connection shut (`stranger_message`, then `cut`), and over ipc its process's other
+  stranger connections too, and its new ones for BAN_SECONDS; but only if the peer's first
+  message of the window came over the socket now under that descriptor (acfddde: descriptor
+  numbers are reused at once, so what was counted may be a closed connection's backlog, and
+  the cut would ban an honest process).
+- What a stranger's message is answered, rate-limited (`answer`).
+
+Every decision that names descriptors assumes the monitor was read up to now (every
+descriptor in `open` is then one libzmq holds): the shell makes sure of it where it acts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from coordd.core.bounds import BoundedMap, TokenBucket
+from coordd.core.defaults import BAN_SECONDS
+from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError
+from coordd.proto.messages import (
+    Goodbye,
+    Heartbeat,
+    Hello,
+    StepFailed,
+    ToCoordinator,
+    failure_message,
+)
+
+#: Answers to peers that registered with no group (an echo, a refusal): at most this many a
+#: second over all of them, so a stranger's flood gets little back and queues little here.
+STRANGER_ANSWERS_PER_S = 200.0
+#: A peer that holds no rank and sends more messages than this in a second (bad frames,
+#: reports it never registered for) has its connection shut down: libzmq's inbound queue is
+#: unbounded (see RCVHWM), so a flood must be cut off at its source.
+STRANGER_MESSAGES_PER_S = 2000
+#: Which socket a stranger's first message came over is taken again after this long (a peer
+#: that names itself keeps its routing id across connections: its new one is cut in time).
+STRANGER_SOCKET_TTL = 5.0
+#: Most entries of each table a peer can grow here (first sockets, cut connections).
+MAX_TRACKED = 4096
+#: Most processes banned at once (the expired ones are dropped first).
+MAX_BANNED = 1024
+
+# why a connection is shut (`Shut.reason`)
+CAP = "cap"  # over the connection cap: the oldest stranger
+PRESSURE = "pressure"  # accepted under memory pressure
+SHED = "shed"  # a stranger, under memory pressure
+BANNED = "banned"  # accepted from a process cut off for flooding
+FLOOD = "flood"  # a stranger over `flood` messages in a second
+FLOOD_PROCESS = "flood_process"  # another stranger connection of that peer's process
+SILENT = "silent"  # no Hello within the stranger grace
+
+Ident = Callable[[int], "int | None"]
+Pid = Callable[[int, "int | None"], "int | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class Shut:
+    """Shut down the connection on descriptor `fd` if it still names socket `ident`."""
+
+    fd: int
+    ident: int
+    reason: str
+    #: the flooding peer (FLOOD only), for the log line
+    peer: bytes = b""
+
+
+class Pressure:
+    """The one "over the memory budget" flag: admission and the ZAP gate read it."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+class Admission:
+    """The connections that hold no rank: counts, grace, cap and pressure, as `Shut`s.
+
+    `registered()` gives the descriptors of registered ranks (never shut); `ident(fd)` the
+    identity of the socket a descriptor names now (None: no socket); `pid(fd, ident)` the
+    process at the other end of a unix socket (None: tcp, or not that socket any more)."""
+
+    def __init__(
+        self,
+        cap: int,
+        registered: Callable[[], Collection[int]],
+        *,
+        ident: Ident,
+        pid: Pid,
+        flood: int = STRANGER_MESSAGES_PER_S,
+        answers_per_s: float = STRANGER_ANSWERS_PER_S,
+        now: float = float("-inf"),
+    ) -> None:
+        self.cap = cap
+        self.flood = flood
+        self._registered = registered
+        self._ident = ident
+        self._pid = pid
+        self.pressure = Pressure()
+        #: open descriptor -> its socket's identity (insertion order = accept order)
+        self.open: OrderedDict[int, int | None] = OrderedDict()
+        #: when each open connection's ACCEPTED event was read
+        self.accepted_at: dict[int, float] = {}
+        self.peak = 0
+        #: ipc peers' process ids cut off for flooding -> until when
+        self.banned: dict[int, float] = {}
+        #: connections refused as they were accepted: a banned process, memory pressure
+        self.refused = 0
+        self.refused_memory = 0
+        #: connections shut down and carried out, by reason (`done`)
+        self.closed: Counter[str] = Counter()
+        #: Connections shut down (descriptor -> socket identity), until the number is
+        #: accepted again: what is still queued from them (a flood's backlog, up to hundreds
+        #: of thousands of messages) is dropped undecoded (`from_shut`).
+        self.shut: dict[int, int] = {}
+        self.dropped_shut = 0
+        #: messages from peers that hold no rank in the current one-second window
+        self.counts: dict[bytes, int] = {}
+        self.window_end = float("-inf")
+        #: the socket each stranger's first message came over (its identity then), and when
+        self._first_socket: BoundedMap[bytes, tuple[int | None, float]] = BoundedMap(MAX_TRACKED)
+        #: (peer, descriptor) pairs already cut (never twice: what is left is their backlog)
+        self._cut: BoundedMap[tuple[bytes, int], None] = BoundedMap(MAX_TRACKED)
+        self._answers = TokenBucket(answers_per_s, answers_per_s, now)
+        self.answers_dropped = 0
+
+    # -- the connections ----------------------------------------------------------------------
+
+    def accepted(self, fd: int, now: float) -> list[Shut]:
+        """A connection was accepted (its ACCEPTED event); one under memory pressure, or from a
+        process cut off for flooding within BAN_SECONDS, is shut at once."""
+        ident = self._ident(fd)
+        # a new connection under this number: its messages are read again
+        self.shut.pop(fd, None)
+        if self.pressure.on:
+            self.refused_memory += 1
+            return _shut(fd, ident, PRESSURE)
+        if self.banned:
+            pid = self._pid(fd, ident)
+            until = self.banned.get(pid) if pid is not None else None
+            if until is not None and now < until:
+                self.refused += 1
+                return _shut(fd, ident, BANNED)
+            if pid is not None and until is not None:
+                del self.banned[pid]
+        self.open.pop(fd, None)
+        self.open[fd] = ident
+        self.accepted_at[fd] = now
+        self.peak = max(self.peak, len(self.open))
+        return []
+
+    def closed_fd(self, fd: int) -> None:
+        """The connection on `fd` was closed (its DISCONNECTED event)."""
+        self.open.pop(fd, None)
+        self.accepted_at.pop(fd, None)
+
+    def done(self, shut: Shut) -> None:
+        """`shut` was carried out: the connection is down."""
+        self.shut[shut.fd] = shut.ident
+        self.closed[shut.reason] += 1
+
+    def from_shut(self, fd: int | None) -> bool:
+        """Whether a message that came over descriptor `fd` (its SRCFD) was queued by a
+        connection shut down here: the number still names that socket, or none. A new
+        connection under the number (its ACCEPTED not read yet) names another socket: no."""
+        ident = self.shut.get(fd) if fd is not None else None
+        if ident is None:
+            return False
+        now = self._ident(fd)  # type: ignore[arg-type]
+        if now is not None and now != ident:
+            return False
+        self.dropped_shut += 1
+        return True
+
+    def over(self) -> int:
+        """How many connections beyond the cap."""
+        return max(0, len(self.open) - self.cap)
+
+    def strangers(self) -> int:
+        """How many open connections hold no registered rank."""
+        keep = self._registered()
+        return sum(1 for fd in self.open if fd not in keep)
+
+    def enforce(self) -> list[Shut]:
+        """The oldest connections that hold no rank beyond the cap."""
+        excess = self.over()
+        if not excess:
+            return []
+        keep = set(self._registered())
+        victims = [fd for fd in self.open if fd not in keep][:excess]
+        return [s for fd in victims for s in _shut(fd, self.open.pop(fd), CAP)]
+
+    def shed(self) -> list[Shut]:
+        """Every connection that holds no rank, newest first (memory pressure)."""
+        keep = set(self._registered())
+        victims = [fd for fd in reversed(self.open) if fd not in keep]
+        return [s for fd in victims for s in _shut(fd, self.open.pop(fd), SHED)]
+
+    def expire(self, before: float, introduced: Collection[int]) -> list[Shut]:
+        """The connections accepted before `before` that are not in `introduced` (they said no
+        Hello)."""
+        victims = []
+        for fd in self.open:
+            if self.accepted_at.get(fd, before) >= before:
+                break  # accept order: the rest are younger
+            if fd not in introduced:
+                victims.append(fd)
+        shuts = []
+        for fd in victims:
+            self.accepted_at.pop(fd, None)
+            shuts += _shut(fd, self.open.pop(fd), SILENT)
+        return shuts
+
+    # -- flooding strangers -------------------------------------------------------------------
+
+    def new_window(self, now: float) -> None:
+        """A new one-second window of message counts (the shell asks when `window_end` is
+        past, once per drain)."""
+        self.counts.clear()
+        self.window_end = now + 1.0
+
+    def stranger_message(self, peer: bytes, fd: int, now: float) -> bool:
+        """Count one message from `peer`, which holds no rank, over descriptor `fd`; True when
+        the count reaches `flood` (then `cut`, with the monitor read)."""
+        count = self.counts.get(peer, 0) + 1
+        self.counts[peer] = count
+        if count == 1:
+            seen = self._first_socket.get(peer)
+            if seen is None or now - seen[1] > STRANGER_SOCKET_TTL:
+                self._first_socket.put(peer, (self._ident(fd), now))
+        return count == self.flood
+
+    def cut(self, peer: bytes, fd: int, now: float) -> list[Shut]:
+        """Cut off flooding `peer` on `fd`: its connection (once; never a registered rank's;
+        only if its first message came over the socket now under `fd`) and, over ipc, its
+        process's other connections that hold no rank, and its new ones for BAN_SECONDS."""
+        if (peer, fd) in self._cut or fd not in self.open or fd in self._registered():
+            return []
+        ident = self.open[fd]
+        seen = self._first_socket.get(peer)
+        if seen is None or seen[0] != ident:
+            # its first message came over another socket under this number: what is counted
+            # is that one's backlog (numbers are reused at once), and a cut bans the process
+            return []
+        self._cut.put((peer, fd), None)
+        if ident is None:
+            return []
+        shuts = [Shut(fd, ident, FLOOD, peer)]
+        pid = self._pid(fd, ident)
+        if pid is None:
+            return shuts
+        if len(self.banned) >= MAX_BANNED:
+            self.banned = {p: t for p, t in self.banned.items() if t > now}
+        self.banned[pid] = now + BAN_SECONDS
+        # and the same process's other connections that hold no rank (one flood, many sockets)
+        keep = set(self._registered())
+        for other, other_ident in [(f, i) for f, i in self.open.items() if f != fd]:
+            if other not in keep and self._pid(other, other_ident) == pid:
+                del self.open[other]
+                shuts += _shut(other, other_ident, FLOOD_PROCESS)
+        return shuts
+
+    def answer(
+        self, message: ToCoordinator, now: float, known_epoch: Callable[[int], bool]
+    ) -> Heartbeat | StepFailed | None:
+        """What a message from a peer that registered with no group (never, before coordd
+        restarted, or so long ago that it was forgotten) is answered: nothing for a Hello or
+        a Goodbye, an echo for a Heartbeat, a failure for a report (`known_epoch(epoch)`: it
+        names some group's current epoch). At most STRANGER_ANSWERS_PER_S a second over all
+        strangers (the rest counted in `answers_dropped`): a flood gets little back, and so
+        queues little."""
+        if isinstance(message, (Goodbye, Hello)):
+            return None
+        if not self._answers.take(now):
+            self.answers_dropped += 1
+            return None
+        if isinstance(message, Heartbeat):
+            return message
+        report = message  # a StepReport or a GatherReport
+        error: CoordError
+        if known_epoch(report.epoch):
+            error = ProtocolError("report from a peer that has not registered", rank=report.dp_rank)
+        else:
+            error = CoordinatorUnavailable(
+                f"epoch {report.epoch} is the current epoch of no group coordd serves "
+                "(coordd restarted or the group re-formed): register again"
+            )
+        return failure_message(error, epoch=report.epoch, seq=report.seq, kind=report.kind)
+
+    # -- counts -------------------------------------------------------------------------------
+
+    @property
+    def evicted(self) -> int:
+        return self.closed[CAP]
+
+    @property
+    def expired(self) -> int:
+        return self.closed[SILENT]
+
+    @property
+    def cut_off(self) -> int:
+        return self.closed[FLOOD]
+
+
+def _shut(fd: int, ident: int | None, reason: str) -> list[Shut]:
+    """A shutdown of `fd`, unless its identity is unknown (it named no socket when its
+    ACCEPTED event was read: never shut blind)."""
+    return [] if ident is None else [Shut(fd, ident, reason)]

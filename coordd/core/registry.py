@@ -1,0 +1,409 @@
+"""The group registry, pure (no sockets; the time is passed in): which group a `Hello` goes
+to, creating groups up to `max_groups` (dropping one without members to make room), refusing
+what no group may admit, and which group and connection each peer (routing id) belongs to.
+
+It returns actions that the shell carries out (`Deliver` a group's sends, `Refuse` a Hello,
+tell a group's observer, answer a peer as a stranger); the groups' state machines
+(`coordd.proto.coordinator.Coordinator`) are driven here, so their sends come back inside
+`Deliver`.
+
+The rules:
+- a group name is 1..MAX_GROUP_NAME printable characters without whitespace;
+- a routing id that starts with a zero byte (libzmq's own names, or a peer imitating one)
+  never registers (`coordd.io.gate` says why);
+- a message from a routing id counts only if it came over the descriptor its Hello came in
+  on, while that connection is open (`speaks_for`; a rank is the connection that registered
+  it);
+- with CURVE keys bound to ranks, a connection may register only as a rank its key is bound
+  to (`rank_keys`);
+- a client belongs to one group: a member of one cannot register with another;
+- the peer map is bounded: a peer that left (and holds no rank, and no round of its group is
+  open) is forgotten past 2 * dp * groups + 256 entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from coordd.core.peers import Takeovers
+from coordd.proto.coordinator import Coordinator, Send
+from coordd.proto.errors import Rejected
+from coordd.proto.messages import Hello, Reject, RejectReason, ToCoordinator
+from coordd.proto.registration import check_basics
+from coordd.proto.snapshot import OnRankLoss
+
+#: Longest group name; names are printable and hold no whitespace (they are metric labels and
+#: log fields).
+MAX_GROUP_NAME = 64
+
+
+def group_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a group, or None if it can."""
+    if not 1 <= len(name) <= MAX_GROUP_NAME:
+        return f"it has {len(name)} characters"
+    for char in name:
+        if char.isspace() or not char.isprintable():
+            return f"it holds {char!r}"
+    return None
+
+
+def shown(name: str) -> str:
+    """A group name as logs and answers show it: itself when valid, else its ascii() (cut)."""
+    if group_name_problem(name) is None:
+        return name
+    return ascii(name[: MAX_GROUP_NAME + 1])
+
+
+class GroupLike(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def coordinator(self) -> Coordinator: ...
+
+
+G = TypeVar("G", bound=GroupLike)
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver(Generic[G]):
+    """Send what `group`'s coordinator answered (and look at the group after the drain)."""
+
+    group: G
+    sends: Sequence[Send]
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Answer `hello` from `peer` with a Reject, counted outside any group (`group`: the
+    name it asked for, shown safely)."""
+
+    peer: bytes
+    hello: Hello
+    error: Rejected
+    group: str
+
+
+@dataclass(frozen=True, slots=True)
+class Registering(Generic[G]):
+    """A Hello from `peer` goes to `group` (its observer is told before any answer)."""
+
+    group: G
+    peer: bytes
+    hello: Hello
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class AsStranger:
+    """Answer `message` as a stranger's (the peer holds no rank it may speak for)."""
+
+    peer: bytes
+    message: ToCoordinator
+
+
+@dataclass(frozen=True, slots=True)
+class Lost(Generic[G]):
+    """The connection that registered `peer` closed; `group` (None: none) lost it."""
+
+    group: G | None
+    peer: bytes
+    rank: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupCreated(Generic[G]):
+    group: G
+    epoch: int
+    groups: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDropped(Generic[G]):
+    group: G
+    epoch: int
+
+
+Action = (
+    Deliver[G] | Refuse | Registering[G] | AsStranger | Lost[G] | GroupCreated[G] | GroupDropped[G]
+)
+
+
+class Registry(Generic[G]):
+    """The groups by name (in the order they were created) and the peers' groups and
+    connections. `make_group(name, coordinator)` builds the shell's group object."""
+
+    def __init__(
+        self,
+        dp_size: int,
+        make_group: Callable[[str, Coordinator], G],
+        *,
+        max_groups: int,
+        step_timeout: float,
+        on_rank_loss: OnRankLoss,
+        takeovers: Takeovers | None = None,
+    ) -> None:
+        if max_groups < 1:
+            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
+        self.dp_size = dp_size
+        self.max_groups = max_groups
+        self.step_timeout = step_timeout
+        self.on_rank_loss = on_rank_loss
+        self._make_group = make_group
+        #: Attempts to speak for a rank over a connection that did not register it.
+        self.takeovers = takeovers or Takeovers()
+        #: With CURVE keys bound to ranks: why a connection's key may not register as a rank,
+        #: or None (`coordd.io.curve.CurveGate.rank_refusal`).
+        self.rank_keys: Callable[[str, int], str | None] | None = None
+        self.groups: dict[str, G] = {}
+        # The maps below are changed in place, never replaced: the shell's drain holds them.
+        #: The group each peer registered with (its reports go there).
+        self.peer_group: dict[bytes, G] = {}
+        #: The descriptor each peer's Hello came over, while that connection is open, and back.
+        self.peer_fd: dict[bytes, int] = {}
+        self.fd_peer: dict[int, bytes] = {}
+        self._last_epoch = 0
+
+    # -- where a message goes -----------------------------------------------------------------
+
+    def speaks_for(self, peer: bytes, fd: int) -> bool:
+        """Whether a message from `peer` over descriptor `fd` may speak for it: it came over
+        the connection that said the peer's Hello, or that connection is closed. A message
+        that may not goes to `other_connection`. (The shell's drain inlines this for the
+        peers of a group, one lookup and a compare, to keep the hot path free of calls;
+        tests/unit/test_shell.py checks that copy.)"""
+        registered = self.peer_fd.get(peer)
+        return registered is None or registered == fd
+
+    def other_connection(
+        self, peer: bytes, message: ToCoordinator, address: str, now: float
+    ) -> list[AsStranger]:
+        """`message` came from routing id `peer` over another connection than the one that
+        said its Hello, which is open: it does not count for the rank (refused, counted and
+        logged with the address), and is answered as a stranger's."""
+        group = self.peer_group.get(peer)
+        rank = group.coordinator.snapshot().rank_of(peer) if group is not None else None
+        self.takeovers.refuse(
+            group.name if group is not None else "-",
+            Takeovers.OTHER_CONNECTION,
+            rank=rank,
+            address=address,
+            peer=peer,
+            detail=f"a {type(message).__name__} over another connection than the one that "
+            "registered: not counted",
+            now=now,
+        )
+        return [AsStranger(peer, message)]
+
+    # -- Hello -> group -----------------------------------------------------------------------
+
+    def hello(
+        self,
+        peer: bytes,
+        hello: Hello,
+        fd: int,
+        now: float,
+        wall: float,
+        *,
+        address: str = "",
+        key: str = "",
+    ) -> list[Action[G]]:
+        """Route a Hello from `peer` over descriptor `fd` to the group it names (created here
+        on the first one). `wall` (seconds) seeds a new group's epoch; `address` is shown in
+        takeover lines; `key` is the connection's CURVE key (z85) when keys are bound to
+        ranks."""
+        if peer[:1] == b"\x00":
+            # libzmq's name for a peer that set none, or a peer imitating one: never a rank,
+            # and never exempt from the stranger grace (coordd.io.gate says why)
+            error = Rejected(
+                RejectReason.ROUTING_ID.value,
+                "this connection set no routing id of its own (or one that starts with a zero "
+                "byte, as ZeroMQ's own names do): coordd registers only connections that name "
+                "themselves",
+            )
+            return [_refuse(peer, hello, error)]
+        if not self.speaks_for(peer, fd):
+            # This routing id's registering connection is open (its close is not reported,
+            # and libzmq admits one live connection per id): the Hello came over another one.
+            return list(self.other_connection(peer, hello, address, now))
+        self._track(peer, fd)
+        if self.rank_keys is not None:
+            why = self.rank_keys(key, hello.dp_rank)
+            if why is not None:
+                return [self._key_refused(peer, hello, why, address, now)]
+        actions: list[Action[G]] = []
+        bound = self.peer_group.get(peer)
+        if bound is not None and bound.name != hello.group:
+            held = bound.coordinator.snapshot().rank_of(peer)
+            if held is not None:
+                error = Rejected(
+                    RejectReason.GROUP.value,
+                    f"this connection is registered as rank {held} of group {bound.name!r}, "
+                    f"not {shown(hello.group)}: a client belongs to one group",
+                    expected=bound.name,
+                    got=shown(hello.group),
+                )
+                return [_refuse(peer, hello, error)]
+        group = self.groups.get(hello.group)
+        if group is None:
+            group = self._create(peer, hello, wall, actions)
+            if group is None:
+                return actions
+        if bound is not None and bound is not group:
+            # No member of its old group (checked above): a rejoin it queued there is void.
+            actions.append(
+                Deliver(bound, bound.coordinator.peer_lost(peer, now, "joined another group"))
+            )
+        self.peer_group[peer] = group
+        actions.append(Registering(group, peer, hello, address))
+        sends = group.coordinator.receive(peer, hello, now)
+        for _, answer in sends:
+            if type(answer) is Reject and answer.reason is RejectReason.RANK_TAKEN:
+                self.takeovers.refuse(
+                    group.name,
+                    Takeovers.RANK_HELD,
+                    rank=hello.dp_rank,
+                    address=address,
+                    peer=peer,
+                    detail=answer.text,
+                    now=now,
+                )
+        actions.append(Deliver(group, sends))
+        if len(self.peer_group) > 2 * self.dp_size * len(self.groups) + 256:
+            self._forget_departed()
+        return actions
+
+    def _key_refused(self, peer: bytes, hello: Hello, why: str, address: str, now: float) -> Refuse:
+        """A Hello over a connection whose CURVE key is bound to other ranks: refused (one
+        leaked rank key cannot speak for another rank), counted and logged."""
+        error = Rejected(
+            RejectReason.CURVE_KEY.value,
+            f"this connection may not register as dp_rank {hello.dp_rank}: {why}",
+            expected="a dp_rank its CURVE key is bound to",
+            got=str(hello.dp_rank),
+        )
+        self.takeovers.refuse(
+            shown(hello.group),
+            Takeovers.KEY_BOUND,
+            rank=hello.dp_rank,
+            address=address,
+            peer=peer,
+            detail=error.detail,
+            now=now,
+        )
+        return _refuse(peer, hello, error)
+
+    def _create(self, peer: bytes, hello: Hello, wall: float, actions: list[Action[G]]) -> G | None:
+        """A new group for `hello`, or None if it was refused (its name, its settings, the
+        limit): a Hello that no group would admit creates none. Appends what to carry out."""
+        name = hello.group
+        problem = group_name_problem(name)
+        if problem is not None:
+            error = Rejected(
+                RejectReason.GROUP.value,
+                f"field group: {shown(name)} cannot name a group ({problem}); a group name is "
+                f"1..{MAX_GROUP_NAME} printable characters without whitespace",
+                expected=f"1..{MAX_GROUP_NAME} printable characters, no whitespace",
+                got=shown(name),
+            )
+            actions.append(_refuse(peer, hello, error))
+            return None
+        try:
+            check_basics(hello, self.dp_size)
+        except Rejected as refused:
+            actions.append(_refuse(peer, hello, refused))
+            return None
+        if len(self.groups) >= self.max_groups and not self._evict_one(actions):
+            error = Rejected(
+                RejectReason.GROUP_LIMIT.value,
+                f"coordd serves {len(self.groups)} groups, its limit (--max-groups "
+                f"{self.max_groups}): group {name!r} cannot be created",
+                expected=f"at most {self.max_groups} groups",
+                got=f"{len(self.groups) + 1} groups",
+            )
+            actions.append(_refuse(peer, hello, error))
+            return None
+        # Epochs grow across the groups too: a report's epoch names one group's epoch at most.
+        epoch = self._last_epoch = max(int(wall * 1000), self._last_epoch + 1)
+        coordinator = Coordinator(
+            self.dp_size,
+            epoch=epoch,
+            step_timeout=self.step_timeout,
+            on_rank_loss=self.on_rank_loss,
+        )
+        group = self._make_group(name, coordinator)
+        self.groups[name] = group
+        actions.append(GroupCreated(group, epoch, len(self.groups)))
+        return group
+
+    def _evict_one(self, actions: list[Action[G]]) -> bool:
+        """Make room at the limit: drop the oldest group with no members and no open round
+        (its ranks all left; a stranger's Hellos cannot hold the slots forever). True if one
+        was dropped."""
+        for name, group in self.groups.items():
+            snap = group.coordinator.snapshot()
+            if not snap.members and snap.round is None:
+                del self.groups[name]
+                for p in [p for p, g in self.peer_group.items() if g is group]:
+                    del self.peer_group[p]
+                actions.append(GroupDropped(group, snap.epoch))
+                return True
+        return False
+
+    def _forget_departed(self) -> None:
+        """Bound the peer map: keep the peers that are members of their group, and every peer
+        of a group with an open round (one may be queued to rejoin at its end); a peer that
+        left is answered as a stranger from then on."""
+        live = {peer for group in self.groups.values() for peer in group.coordinator.holders()}
+        for p in [
+            p
+            for p, g in self.peer_group.items()
+            if p not in live and g.coordinator.snapshot().round is None
+        ]:
+            del self.peer_group[p]
+
+    # -- connections --------------------------------------------------------------------------
+
+    def _track(self, peer: bytes, fd: int) -> None:
+        old = self.peer_fd.get(peer)
+        if old is not None and old != fd:
+            self.fd_peer.pop(old, None)
+        self.peer_fd[peer] = fd
+        self.fd_peer[fd] = peer
+
+    def closed(self, fd: int, now: float) -> list[Action[G]]:
+        """The connection on descriptor `fd` closed: the rank that registered over it is lost
+        (in its own group only)."""
+        peer = self.fd_peer.pop(fd, None)
+        if peer is None or self.peer_fd.get(peer) != fd:
+            return []
+        del self.peer_fd[peer]
+        group = self.peer_group.get(peer)
+        if group is None:
+            return [Lost(None, peer, None)]
+        coordinator = group.coordinator
+        rank = coordinator.snapshot().rank_of(peer)
+        return [
+            Deliver(group, coordinator.peer_lost(peer, now, "connection closed")),
+            Lost(group, peer, rank),
+        ]
+
+    def registered_fds(self) -> set[int]:
+        """The descriptors of connections that registered a rank now a member of its group
+        (never shut by admission)."""
+        members = {
+            member.peer
+            for group in self.groups.values()
+            for member in group.coordinator.snapshot().members.values()
+        }
+        return {fd for peer, fd in self.peer_fd.items() if peer in members}
+
+    def known_epoch(self, epoch: int) -> bool:
+        """Whether `epoch` is some group's current epoch."""
+        return any(g.coordinator.snapshot().epoch == epoch for g in self.groups.values())
+
+
+def _refuse(peer: bytes, hello: Hello, error: Rejected) -> Refuse:
+    return Refuse(peer, hello, error, shown(hello.group))

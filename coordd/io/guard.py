@@ -1,0 +1,175 @@
+"""The shell side of admission (`coordd.core.admission`): it carries out the `Shut`s the core
+decides (`shutdown(2)` through `coordd.io.limits`, only where the descriptor still names its
+socket), runs the stranger-grace timer and the memory watch, and writes the aggregated log
+lines. Every decision that names descriptors goes through `act`, which first has the server
+make its monitor current (`current`): the one place that rule is kept."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection, Iterable
+
+from coordd.core import defaults
+from coordd.core.admission import FLOOD, Admission, Shut
+from coordd.core.logs import Aggregated
+from coordd.core.peers import peer_label
+from coordd.io import limits, memory
+from coordd.io.gate import HandshakeGate
+
+log = logging.getLogger("coordd")
+
+
+class Guard:
+    """Carry out `admission`'s decisions. `current()` reads the server's monitor and says
+    whether it is current; `introduced()` the descriptors that said a Hello; `backlog()`
+    whether messages are queued unread."""
+
+    def __init__(
+        self,
+        admission: Admission,
+        *,
+        clock: Callable[[], float],
+        current: Callable[[], bool],
+        introduced: Callable[[], Collection[int]],
+        backlog: Callable[[], bool],
+        stranger_grace: float,
+        max_rss_mb: float,
+        gate: HandshakeGate | None,
+        shutdown: Callable[[int, int | None], bool] = limits.shutdown_fd,
+    ) -> None:
+        self.admission = admission
+        self.clock = clock
+        self._current = current
+        self._introduced = introduced
+        self._backlog = backlog
+        self._shutdown = shutdown
+        #: A connection that said no Hello this long after it was accepted is shut down (0:
+        #: never); see coordd.io.gate for why.
+        self.stranger_grace = stranger_grace
+        self._grace_timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if gate is not None:
+            gate.pressure = admission.pressure  # one flag, read by both
+        #: Over `max_rss_mb` (0: off, the default in-process: the host's memory is not
+        #: coordd's; `coordd serve` sets it), connections that hold no rank are closed.
+        self.memory: memory.MemoryWatch | None = None
+        if max_rss_mb:
+            self.memory = memory.MemoryWatch(
+                max_rss_mb,
+                strangers=admission.strangers,
+                pressure=self._memory_pressure,
+                clock=clock,
+                backlog=backlog,
+            )
+            if gate is not None:
+                gate.over = self.memory.over
+        self._evicted_log = Aggregated(log, "connection closed over the cap", clock=clock)
+        # info: a client built before its connect() (it reconnects and says Hello then) is
+        # closed so too; the metric counts them (connections_closed_total{reason="silent"})
+        self._expired_log = Aggregated(
+            log, "silent connection closed", level=logging.INFO, clock=clock
+        )
+        self._cut_log = Aggregated(log, "flooding peer cut off", clock=clock)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        for aggregated in (self._evicted_log, self._expired_log, self._cut_log):
+            aggregated.schedule = loop.call_later
+        if self.memory is not None:
+            self.memory.start(loop)
+        if self.stranger_grace:
+            self._grace_timer = loop.call_later(self._grace_period(), self._expire_silent)
+
+    def stop(self) -> None:
+        self._loop = None
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+        if self.memory is not None:
+            self.memory.stop()
+
+    def act(self, decide: Callable[[], list[Shut]]) -> int | None:
+        """The one place where admission decides on descriptors: with the monitor current
+        (else None: the decision waits for its next chance), carry out what it decides; how
+        many connections were shut down."""
+        if not self._current():
+            return None
+        return self.shut(decide())
+
+    def shut(self, shuts: Iterable[Shut]) -> int:
+        """Carry out `shuts` (`shutdown(2)` on each descriptor that still names its socket;
+        decided with the monitor current, or naming the connection just accepted); how many
+        were done."""
+        done = 0
+        admission = self.admission
+        for shut in shuts:
+            if not self._shutdown(shut.fd, shut.ident):
+                continue
+            admission.done(shut)
+            done += 1
+            if shut.reason == FLOOD:
+                self._cut_log(
+                    peer=peer_label(shut.peer),
+                    messages=admission.flood,
+                    detail=f"more than {admission.flood} messages in a second from a peer "
+                    "that holds no rank: connection shut down (over ipc, its process's new "
+                    f"connections too for {defaults.BAN_SECONDS:g}s)",
+                )
+        return done
+
+    def accepted(self, fd: int) -> None:
+        """A connection was accepted (refused at once under pressure, or from a banned
+        process: the event names it)."""
+        if self.memory is not None:
+            self.memory.poke()  # a burst grows coordd fast: look sooner
+        self.shut(self.admission.accepted(fd, self.clock()))
+
+    def stranger_sent(self, peer: bytes, fd: int) -> None:
+        """Count a message from a peer that holds no rank; at the flood cut-off, cut it off."""
+        admission = self.admission
+        now = self.clock()
+        if admission.stranger_message(peer, fd, now):
+            self.act(lambda: admission.cut(peer, fd, now))
+
+    def enforce_cap(self) -> None:
+        """Over the cap: close the oldest connections that hold no rank (the server calls
+        this with its monitor current)."""
+        closed = self.shut(self.admission.enforce())
+        if closed:
+            self._evicted_log(
+                connections=len(self.admission.open),
+                cap=self.admission.cap,
+                closed=closed,
+                detail="the oldest connections that registered no rank were closed",
+            )
+
+    def _memory_pressure(self, on: bool) -> int:
+        """Over the memory budget (coordd.io.memory): refuse new connections (the one flag,
+        which the ZAP gate reads too) and close every one that holds no rank. How many were
+        closed (0 with events still queued: the next check tries again)."""
+        self.admission.pressure.on = on
+        if not on:
+            return 0
+        return self.act(self.admission.shed) or 0
+
+    def _grace_period(self) -> float:
+        """How often silent connections are looked for: a quarter of the grace, at most 1 s."""
+        return min(1.0, self.stranger_grace / 4)
+
+    def _expire_silent(self) -> None:
+        """Shut down the connections that said no Hello within the grace (the timer's
+        callback; it schedules the next). With messages queued unread, a Hello may be among
+        them: the grace is then tripled, not dropped (a flood must not make claims last)."""
+        loop = self._loop
+        if loop is None:
+            return
+        self._grace_timer = loop.call_later(self._grace_period(), self._expire_silent)
+        grace = self.stranger_grace * (3 if self._backlog() else 1)
+        before = self.clock() - grace
+        closed = self.act(lambda: self.admission.expire(before, self._introduced()))
+        if closed:
+            self._expired_log(
+                closed=closed,
+                total=self.admission.expired,
+                detail=f"connections that said no Hello within {grace:g}s were closed",
+            )

@@ -1,0 +1,123 @@
+"""coordd's ROUTER socket, set up and bound: every option and why, the ZAP gates, the ipc path.
+
+`open_router` returns the bound socket and what to release with it; `CoordServer` serves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from coordd.core import defaults
+from coordd.core.handshake import HandshakeRate
+from coordd.io.gate import ZAP_DOMAIN, HandshakeGate
+from coordd.io.identity import new_router
+from coordd.io.listen import BindError, IpcSocket, check_bind, explain_bind_failure
+from coordd.proto.messages import MAX_MESSAGE_BYTES
+
+
+def prepare_ipc_path(address: str, mode: int = 0o600) -> IpcSocket | None:
+    """For ipc://, claim the path (`coordd.io.listen.IpcSocket`: the directory, the lock beside
+    the socket, a stale socket removed); None for tcp. `BindError` if coordd may not."""
+    return IpcSocket.claim(address, mode)
+
+
+@dataclass
+class Router:
+    """A bound ROUTER socket, its monitor, the ZAP gate it asks (or None) and its ipc path's
+    claim (or None)."""
+
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    bound_address: str
+    gate: HandshakeGate | None
+    ipc: IpcSocket | None
+
+    def close(self, linger: float = 0.0) -> None:
+        if self.sock.closed:
+            return
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=int(linger * 1000))
+        if self.gate is not None:
+            self.gate.stop()
+        if self.ipc is not None:
+            self.ipc.release()  # the socket only if it is still the one we bound
+
+
+def open_router(
+    context: zmq.Context,
+    address: str,
+    *,
+    heartbeat_interval: float,
+    heartbeat_timeout: float,
+    max_connections: int,
+    ipc_mode: int = 0o600,
+    gated: bool = False,
+    max_handshake_rate: float = 0,
+    configure_socket: Callable[[zmq.Socket], None] | None = None,
+) -> Router:
+    """coordd's ROUTER bound to `address` with its monitor (ACCEPTED and DISCONNECTED), and
+    with `gated` (memory budget or handshake rate) the ZAP gate. `BindError` if it cannot."""
+    endpoint = check_bind(address)
+    ipc = prepare_ipc_path(address, ipc_mode)
+    # Its automatic routing ids start from a secret (a peer that held the next one could
+    # make libzmq abort coordd; see coordd.io.identity.new_router).
+    sock = new_router(context)
+    if endpoint.ipv6:
+        sock.setsockopt(zmq.IPV6, 1)
+    # Off: while a connection holds a routing id, libzmq drops a second connection that
+    # presents it (on, the newcomer took the id over, and with it a rank's decisions); a
+    # rank is the connection that registered it (see coordd.io.identity). On, it also lets any
+    # peer abort coordd with its own id twice (libzmq #4841's path, measured in
+    # tests/integration/test_routing_ids.py).
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(heartbeat_timeout * 1000))
+    # A peer that never reads its answers holds at most SEND_QUEUE of them here (then
+    # the ROUTER drops what is sent to it); a rank reads its decision every round.
+    sock.setsockopt(zmq.SNDHWM, defaults.SEND_QUEUE)
+    # No inbound queue limit, on purpose: with one, a peer that sends faster than coordd
+    # reads fills its pipe, libzmq stops reading its connection ("input stopped"), and if
+    # the peer then disconnects, libzmq 4.3.5 marks the engine `_io_error` and a later
+    # heartbeat (coordd's PING timer, or a PING still in the read buffer when reading
+    # resumes) calls out_event() -> `Assertion failed: !_io_error
+    # (src/stream_engine_base.cpp:310)`, aborting coordd (libzmq issue #4841; no release
+    # fixes it; the PING can be the peer's own, so no coordd-side heartbeat setting avoids
+    # it). Unbounded, the pipe never fills and that path is never taken; coordd
+    # reads every peer in turn (fair queueing) and drops strangers' frames cheaply.
+    sock.setsockopt(zmq.RCVHWM, 0)
+    # A connection that never finishes its handshake (a key-less tcp+CURVE client, a
+    # socket that sends nothing) is closed after this, freeing its descriptor.
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(defaults.HANDSHAKE_TIMEOUT * 1000))
+    # Under memory pressure or over the handshake rate, new connections are refused in
+    # their handshake (see coordd.io.gate).
+    gate = HandshakeGate.start(context) if gated else None
+    if gate is not None:
+        sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        if max_handshake_rate:
+            # burst: as many as may connect at once (a whole engine starts together)
+            gate.rate = HandshakeRate(max_handshake_rate, max(1, max_connections))
+    if configure_socket is not None:
+        configure_socket(sock)
+    try:
+        if ipc is not None:
+            ipc.bind(sock)
+        else:
+            sock.bind(address)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        if gate is not None:
+            gate.stop()
+        if ipc is not None:
+            ipc.release()
+        raise BindError(
+            explain_bind_failure(address, endpoint, exc.errno or 0, exc.strerror)
+        ) from None
+    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
+    return Router(sock, monitor, bound, gate, ipc)

@@ -1,0 +1,5 @@
+import sys
+
+from coordd.tools.load import main
+
+sys.exit(main())

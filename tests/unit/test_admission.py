@@ -1,0 +1,233 @@
+"""coordd.core.admission, pure: the connections that hold no rank (cap, grace, memory
+pressure, the flood cut-off and its socket rule, answers to strangers). No sockets: socket
+identities and peer pids are fakes, and the time is passed in."""
+
+from __future__ import annotations
+
+from coordd.core import defaults
+from coordd.core.admission import (
+    BANNED,
+    CAP,
+    FLOOD,
+    FLOOD_PROCESS,
+    PRESSURE,
+    SHED,
+    SILENT,
+    STRANGER_ANSWERS_PER_S,
+    STRANGER_SOCKET_TTL,
+    Admission,
+    Shut,
+)
+from coordd.proto.messages import (
+    FailReason,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    StepFailed,
+    StepKind,
+    StepReport,
+)
+
+
+class Host:
+    """The OS as admission sees it: which socket (identity) each descriptor names now, and
+    which process is at its other end."""
+
+    def __init__(self) -> None:
+        self.idents: dict[int, int | None] = {}
+        self.pids: dict[int, int] = {}
+        self.ranks: set[int] = set()
+
+    def ident(self, fd: int) -> int | None:
+        return self.idents.get(fd, fd)
+
+    def pid(self, fd: int, ident: int | None) -> int | None:
+        if ident is not None and self.ident(fd) != ident:
+            return None  # not that socket any more
+        return self.pids.get(fd)
+
+    def admission(self, cap: int = 100, flood: int = 10) -> Admission:
+        return Admission(
+            cap, lambda: self.ranks, ident=self.ident, pid=self.pid, flood=flood, now=0.0
+        )
+
+
+def carried(admission: Admission, shuts: list[Shut]) -> list[int]:
+    """Carry `shuts` out (every shutdown succeeds); the descriptors shut."""
+    for shut in shuts:
+        admission.done(shut)
+    return [s.fd for s in shuts]
+
+
+def flood(admission: Admission, peer: bytes, fd: int, now: float) -> bool:
+    """`admission.flood` messages from `peer` over `fd` in one window; True if the last one
+    reached the cut-off."""
+    admission.new_window(now)
+    due = [admission.stranger_message(peer, fd, now) for _ in range(admission.flood)]
+    assert not any(due[:-1])
+    return due[-1]
+
+
+def test_over_the_cap_the_oldest_strangers_are_shut_never_a_rank() -> None:
+    host = Host()
+    host.ranks = {10, 11}
+    guard = host.admission(cap=4)
+    for fd in (10, 20, 11, 21, 22, 23):
+        assert guard.accepted(fd, 0.0) == []
+    assert guard.over() == 2
+    shuts = guard.enforce()
+    assert {s.reason for s in shuts} == {CAP}
+    assert carried(guard, shuts) == [20, 21]  # the oldest that hold no rank
+    assert set(guard.open) == {10, 11, 22, 23}
+    guard.closed_fd(22)
+    guard.accepted(24, 0.0)
+    assert guard.enforce() == []
+    assert guard.evicted == 2 and guard.peak == 6
+
+
+def test_a_descriptor_whose_socket_was_unknown_is_never_shut() -> None:
+    host = Host()
+    host.idents[30] = None  # it named no socket when its ACCEPTED was read
+    guard = host.admission(cap=0)
+    guard.accepted(30, 0.0)
+    assert guard.enforce() == [] and guard.shed() == []
+
+
+def test_under_memory_pressure_strangers_are_shed_newest_first_and_new_ones_shut() -> None:
+    host = Host()
+    host.ranks = {10}
+    guard = host.admission()
+    for fd in (20, 10, 21, 22):
+        guard.accepted(fd, 0.0)
+    assert guard.strangers() == 3
+    shuts = guard.shed()
+    assert {s.reason for s in shuts} == {SHED}
+    assert carried(guard, shuts) == [22, 21, 20] and list(guard.open) == [10]
+    guard.pressure.on = True  # the one flag (the ZAP gate reads the same object)
+    assert guard.accepted(23, 0.0) == [Shut(23, 23, PRESSURE)]
+    assert 23 not in guard.open and guard.refused_memory == 1
+    guard.pressure.on = False
+    assert guard.accepted(24, 0.0) == [] and 24 in guard.open
+
+
+def test_a_connection_that_says_no_hello_within_the_grace_is_shut() -> None:
+    guard = Host().admission()
+    for fd, at in ((10, 0.0), (11, 1.0), (12, 2.0), (13, 9.5)):
+        guard.accepted(fd, at)
+    introduced = {11}  # it said Hello (a rank, or a peer refused by name)
+    shuts = guard.expire(before=5.0, introduced=introduced)
+    assert {s.reason for s in shuts} == {SILENT}
+    assert carried(guard, shuts) == [10, 12]
+    assert set(guard.open) == {11, 13}
+    assert guard.expire(before=5.0, introduced=introduced) == []  # nothing twice
+    assert carried(guard, guard.expire(before=10.0, introduced=introduced)) == [13]
+    assert guard.expired == 3
+    guard.closed_fd(13)
+    assert 13 not in guard.accepted_at
+
+
+def test_a_flooding_stranger_is_cut_off_once_with_its_process_but_never_a_rank() -> None:
+    """One process (pid 1) holds a registered rank on fd 3 and two stranger connections; the
+    stranger on fd 4 floods. Its connection and its process's other stranger connection are
+    shut, the rank is not, and the process's new connections are refused for BAN_SECONDS."""
+    host = Host()
+    host.ranks = {3}
+    host.pids = {3: 1, 4: 1, 5: 1, 6: 1, 7: 2}
+    guard = host.admission(flood=10)
+    for fd in (3, 4, 5, 7):
+        guard.accepted(fd, 0.0)
+    assert flood(guard, b"rogue", 4, now=1.0)
+    shuts = guard.cut(b"rogue", 4, now=1.0)
+    assert shuts == [Shut(4, 4, FLOOD, b"rogue"), Shut(5, 5, FLOOD_PROCESS)]
+    carried(guard, shuts)
+    assert 3 in guard.open and 7 in guard.open  # the rank, and another process
+    assert guard.cut_off == 1
+    assert guard.cut(b"rogue", 4, now=1.1) == []  # once: what is left is its backlog
+    # the same process connects again: refused at once, until the ban is over
+    assert guard.accepted(6, now=2.0) == [Shut(6, 6, BANNED)] and guard.refused == 1
+    assert guard.accepted(6, now=1.0 + defaults.BAN_SECONDS + 0.1) == []
+    assert 6 in guard.open and guard.refused == 1
+
+
+def test_a_registered_ranks_connection_is_never_cut_off() -> None:
+    host = Host()
+    host.ranks = {3}
+    guard = host.admission(flood=10)
+    guard.accepted(3, 0.0)
+    assert flood(guard, b"peer", 3, now=1.0)  # e.g. another routing id over a rank's socket
+    assert guard.cut(b"peer", 3, now=1.0) == []
+
+
+def test_messages_count_only_if_the_first_came_over_the_socket_now_under_the_number() -> None:
+    """acfddde: a burst's shut connection left its backlog queued; libzmq gave its number to a
+    new (honest) connection before coordd read the close. The backlog's messages, counted
+    under that number, must not cut (and ban) the new connection's process."""
+    host = Host()
+    host.pids = {7: 1}
+    guard = host.admission(flood=10)
+    host.idents[7] = 100
+    guard.accepted(7, 0.0)  # the flooder's connection, socket 100
+    guard.new_window(1.0)
+    assert not guard.stranger_message(b"burst", 7, 1.0)  # its first message: socket 100
+    guard.closed_fd(7)
+    host.idents[7] = 200  # the number now names another socket
+    guard.accepted(7, 1.1)
+    for _ in range(guard.flood - 2):
+        guard.stranger_message(b"burst", 7, 1.2)
+    assert guard.stranger_message(b"burst", 7, 1.2)  # the cut-off is reached...
+    assert guard.cut(b"burst", 7, now=1.2) == []  # ...but over another socket: no cut
+    assert guard.banned == {}
+    # the same peer's messages over the socket now under the number do count (after the TTL
+    # its first socket is taken again)
+    later = 1.2 + STRANGER_SOCKET_TTL + 1
+    assert flood(guard, b"burst", 7, now=later)
+    assert guard.cut(b"burst", 7, now=later) == [Shut(7, 200, FLOOD, b"burst")]
+
+
+def test_counts_start_again_each_window() -> None:
+    guard = Host().admission(flood=10)
+    guard.accepted(4, 0.0)
+    guard.new_window(0.0)
+    assert not any(guard.stranger_message(b"p", 4, 0.5) for _ in range(9))
+    guard.new_window(1.0)
+    assert guard.counts == {} and guard.window_end == 2.0
+    assert not any(guard.stranger_message(b"p", 4, 1.5) for _ in range(9))
+
+
+def test_what_a_shut_connection_still_has_queued_is_recognised_by_its_socket() -> None:
+    host = Host()
+    guard = host.admission()
+    guard.accepted(40, 0.0)
+    assert not guard.from_shut(40) and not guard.from_shut(None)  # open: read
+    carried(guard, guard.shed())
+    assert guard.from_shut(40) and guard.dropped_shut == 1  # the same socket: dropped
+    host.idents[40] = 41  # the number names another socket (its ACCEPTED not read yet)
+    assert not guard.from_shut(40)
+    host.idents[40] = None  # libzmq closed it: no socket under it, still the shut one's
+    assert guard.from_shut(40)
+    guard.accepted(40, 0.0)  # a new connection's ACCEPTED: read again
+    assert not guard.from_shut(40)
+
+
+def report(epoch: int) -> StepReport:
+    return StepReport(num_tokens=1, num_tokens_padded=1, dp_rank=3, epoch=epoch, seq=5,
+                      kind=StepKind.FORWARD)
+
+
+def test_strangers_are_answered_at_a_bounded_rate() -> None:
+    guard = Host().admission()
+    hello = Hello(dp_size=1, dp_rank=0, config_fingerprint="", incarnation="x")
+    assert guard.answer(hello, 0.0, lambda e: True) is None
+    assert guard.answer(Goodbye(), 0.0, lambda e: True) is None
+    beat = Heartbeat()
+    assert guard.answer(beat, 0.0, lambda e: True) is beat
+    known = guard.answer(report(9), 0.0, lambda e: e == 9)
+    assert isinstance(known, StepFailed) and known.reason is FailReason.PROTOCOL
+    assert "not registered" in known.text and known.culprits == [3]
+    unknown = guard.answer(report(8), 0.0, lambda e: e == 9)
+    assert isinstance(unknown, StepFailed) and "epoch 8 is the current epoch of no group" in (
+        unknown.text
+    )
+    answered = sum(guard.answer(beat, 0.0, lambda e: True) is not None for _ in range(1000))
+    assert answered == STRANGER_ANSWERS_PER_S - 3 and guard.answers_dropped == 1000 - answered
+    assert guard.answer(beat, 0.1, lambda e: True) is beat  # 20 more after 0.1 s

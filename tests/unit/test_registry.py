@@ -1,0 +1,235 @@
+"""coordd.core.registry, pure: Hello -> group, names, the group limit and eviction, refusals,
+and which group and connection each peer belongs to. No sockets; the time is passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from coordd.core.peers import Takeovers
+from coordd.core.registry import (
+    MAX_GROUP_NAME,
+    AsStranger,
+    Deliver,
+    GroupCreated,
+    GroupDropped,
+    Lost,
+    Refuse,
+    Registering,
+    Registry,
+    group_name_problem,
+    shown,
+)
+from coordd.proto.coordinator import Coordinator
+from coordd.proto.messages import (
+    Hello,
+    Reject,
+    RejectReason,
+    StepKind,
+    StepReport,
+    Welcome,
+)
+from coordd.proto.snapshot import OnRankLoss
+
+WALL = 1_700_000_000.0
+
+
+@dataclass(eq=False)
+class G:
+    name: str
+    coordinator: Coordinator
+
+
+def registry(dp: int = 2, max_groups: int = 4) -> Registry[G]:
+    return Registry(
+        dp, G, max_groups=max_groups, step_timeout=10.0, on_rank_loss=OnRankLoss.FAIL
+    )
+
+
+def hello(rank: int = 0, group: str = "g", dp: int = 2, **kw: object) -> Hello:
+    return Hello(dp_size=dp, dp_rank=rank, config_fingerprint="f", incarnation="i", group=group,
+                 **kw)  # type: ignore[arg-type]
+
+
+def refusal(actions: list[object]) -> Refuse:
+    assert len(actions) == 1 and type(actions[0]) is Refuse, actions
+    return actions[0]
+
+
+def sent(actions: list[object]) -> list[tuple[tuple[bytes, ...], object]]:
+    return [send for a in actions if type(a) is Deliver for send in a.sends]
+
+
+def test_the_first_hello_creates_its_group_and_binds_the_peer_to_its_connection() -> None:
+    reg = registry()
+    actions = reg.hello(b"r0", hello(0), fd=7, now=1.0, wall=WALL, address="a0")
+    kinds = [type(a) for a in actions]
+    assert kinds == [GroupCreated, Registering, Deliver]
+    group = reg.groups["g"]
+    assert actions[0] == GroupCreated(group, int(WALL * 1000), 1)
+    assert actions[1] == Registering(group, b"r0", hello(0), "a0")
+    assert [type(m) for _, m in sent(actions)] == [Welcome]
+    assert reg.peer_group[b"r0"] is group and reg.peer_fd[b"r0"] == 7 and reg.fd_peer[7] == b"r0"
+    # the second rank joins the same group; nothing is created
+    actions = reg.hello(b"r1", hello(1), fd=8, now=1.0, wall=WALL)
+    assert [type(a) for a in actions] == [Registering, Deliver]
+    assert reg.registered_fds() == {7, 8}
+
+
+def test_a_message_counts_only_over_the_connection_that_registered_its_rank() -> None:
+    reg = registry()
+    reg.hello(b"r0", hello(0), fd=7, now=1.0, wall=WALL)
+    group = reg.groups["g"]
+    assert reg.peer_group[b"r0"] is group
+    assert reg.speaks_for(b"r0", 7)
+    assert not reg.speaks_for(b"r0", 9)  # another connection
+    assert reg.speaks_for(b"nobody", 9)  # no connection bound: a stranger's (no group)
+    report = StepReport(epoch=1, seq=0, kind=StepKind.FORWARD, dp_rank=0, num_tokens=1,
+                        num_tokens_padded=1, want_ubatch=False, cudagraph_mode=0,
+                        has_unfinished=False)
+    answer = reg.other_connection(b"r0", report, "10.0.0.9", now=2.0)
+    assert answer == [AsStranger(b"r0", report)]
+    assert reg.takeovers.refused[("g", Takeovers.OTHER_CONNECTION)] == 1
+    # once the registering connection closed, the routing id is not bound to any
+    reg.closed(7, now=3.0)
+    assert reg.speaks_for(b"r0", 9)
+
+
+def test_a_hello_over_another_connection_while_the_registering_one_is_open_is_refused() -> None:
+    reg = registry()
+    reg.hello(b"r0", hello(0), fd=7, now=1.0, wall=WALL)
+    actions = reg.hello(b"r0", hello(0), fd=9, now=2.0, wall=WALL, address="10.0.0.9")
+    assert actions == [AsStranger(b"r0", hello(0))]
+    assert reg.takeovers.refused[("g", Takeovers.OTHER_CONNECTION)] == 1
+    assert reg.peer_fd[b"r0"] == 7 and 9 not in reg.fd_peer  # the rank's connection is kept
+
+
+def test_a_routing_id_that_starts_with_a_zero_byte_never_registers() -> None:
+    reg = registry()
+    refused = refusal(reg.hello(b"\x00\x12\x34\x56\x78", hello(0), fd=7, now=1.0, wall=WALL))
+    assert refused.error.reason == RejectReason.ROUTING_ID.value
+    assert "set no routing id of its own" in refused.error.detail
+    assert not reg.groups and not reg.peer_fd
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [("", "it has 0 characters"), ("a b", "it holds ' '"), ("x" * (MAX_GROUP_NAME + 1), None),
+     ("tab\there", "it holds '\\t'")],
+)
+def test_a_bad_group_name_is_refused_and_creates_nothing(name: str, problem: str | None) -> None:
+    reg = registry()
+    refused = refusal(reg.hello(b"r0", hello(0, group=name), fd=7, now=1.0, wall=WALL))
+    assert refused.error.reason == RejectReason.GROUP.value
+    assert refused.error.detail.startswith(f"field group: {shown(name)} cannot name a group")
+    assert refused.group == shown(name)
+    if problem is not None:
+        assert group_name_problem(name) == problem
+    assert not reg.groups and b"r0" not in reg.peer_group
+
+
+def test_settings_no_group_could_admit_create_none() -> None:
+    reg = registry(dp=2)
+    refused = refusal(reg.hello(b"r0", hello(0, dp=3), fd=7, now=1.0, wall=WALL))
+    assert refused.error.reason == RejectReason.DP_SIZE.value
+    assert not reg.groups
+
+
+def test_the_group_limit_refuses_a_new_group_until_one_without_members_makes_room() -> None:
+    reg = registry(dp=1, max_groups=2)
+    reg.hello(b"a", hello(0, group="a", dp=1), fd=1, now=1.0, wall=WALL)
+    reg.hello(b"b", hello(0, group="b", dp=1), fd=2, now=1.0, wall=WALL)
+    refused = refusal(reg.hello(b"c", hello(0, group="c", dp=1), fd=3, now=1.0, wall=WALL))
+    assert refused.error.reason == RejectReason.GROUP_LIMIT.value
+    assert refused.error.detail == (
+        "coordd serves 2 groups, its limit (--max-groups 2): group 'c' cannot be created"
+    )
+    assert (refused.error.expected, refused.error.got) == ("at most 2 groups", "3 groups")
+    # a's only rank leaves: a has no members and no round, so c takes its slot
+    group_a = reg.groups["a"]
+    lost = reg.closed(1, now=2.0)
+    assert [type(x) for x in lost] == [Deliver, Lost]
+    actions = reg.hello(b"c", hello(0, group="c", dp=1), fd=3, now=3.0, wall=WALL)
+    dropped = [x for x in actions if type(x) is GroupDropped]
+    assert dropped == [GroupDropped(group_a, group_a.coordinator.snapshot().epoch)]
+    assert list(reg.groups) == ["b", "c"]
+    assert b"a" not in reg.peer_group  # the dropped group's peers are forgotten
+
+
+def test_epochs_grow_across_groups_even_within_one_millisecond() -> None:
+    reg = registry(dp=1)
+    for name in "xyz":
+        reg.hello(name.encode(), hello(0, group=name, dp=1), fd=ord(name), now=1.0, wall=WALL)
+    epochs = [g.coordinator.snapshot().epoch for g in reg.groups.values()]
+    assert epochs == sorted(set(epochs)) and epochs[0] == int(WALL * 1000)
+
+
+def test_a_client_belongs_to_one_group() -> None:
+    reg = registry()
+    reg.hello(b"r0", hello(0, group="g"), fd=7, now=1.0, wall=WALL)
+    refused = refusal(reg.hello(b"r0", hello(0, group="h"), fd=7, now=2.0, wall=WALL))
+    assert refused.error.reason == RejectReason.GROUP.value
+    assert refused.error.detail == (
+        "this connection is registered as rank 0 of group 'g', not h: a client belongs to one "
+        "group"
+    )
+    assert "h" not in reg.groups
+
+
+def test_a_peer_that_left_its_group_may_join_another_and_its_old_group_is_told() -> None:
+    reg = registry(dp=1)
+    reg.hello(b"p", hello(0, group="g", dp=1), fd=7, now=1.0, wall=WALL)
+    old = reg.groups["g"]
+    reg.hello(b"q", hello(0, group="g", dp=1), fd=8, now=1.0, wall=WALL)  # refused: taken
+    assert reg.takeovers.refused[("g", Takeovers.RANK_HELD)] == 1
+    actions = reg.hello(b"q", hello(0, group="h", dp=1), fd=8, now=2.0, wall=WALL)
+    assert isinstance(actions[0], GroupCreated)
+    assert any(type(a) is Deliver and a.group is old for a in actions)  # q's rejoin there: void
+    assert reg.peer_group[b"q"] is reg.groups["h"]
+
+
+def test_a_key_bound_to_other_ranks_cannot_register() -> None:
+    reg = registry()
+    reg.rank_keys = lambda key, rank: None if (key, rank) == ("K0", 0) else "bound to dp_rank 0"
+    refused = refusal(reg.hello(b"r1", hello(1), fd=7, now=1.0, wall=WALL, key="K0"))
+    assert refused.error.reason == RejectReason.CURVE_KEY.value
+    assert refused.error.detail == (
+        "this connection may not register as dp_rank 1: bound to dp_rank 0"
+    )
+    assert reg.takeovers.refused[("g", Takeovers.KEY_BOUND)] == 1
+    assert [type(a) for a in reg.hello(b"r0", hello(0), fd=8, now=1.0, wall=WALL, key="K0")] == [
+        GroupCreated, Registering, Deliver]
+
+
+def test_the_peer_map_is_bounded() -> None:
+    reg = registry(dp=1)
+    reg.hello(b"member", hello(0, dp=1), fd=1, now=1.0, wall=WALL)
+    for n in range(300):
+        actions = reg.hello(f"x{n}".encode(), hello(0, dp=1), fd=100 + n, now=1.0, wall=WALL)
+        (_, answer), = sent(actions)
+        assert type(answer) is Reject and answer.reason is RejectReason.RANK_TAKEN
+    assert len(reg.peer_group) <= 2 * 1 * 1 + 256
+    assert b"member" in reg.peer_group
+
+
+def test_a_closed_connection_loses_its_rank_in_its_own_group_only() -> None:
+    reg = registry(dp=1)
+    reg.hello(b"a", hello(0, group="a", dp=1), fd=1, now=1.0, wall=WALL)
+    reg.hello(b"b", hello(0, group="b", dp=1), fd=2, now=1.0, wall=WALL)
+    group_a = reg.groups["a"]
+    actions = reg.closed(1, now=2.0)
+    assert actions[-1] == Lost(group_a, b"a", 0)
+    assert all(a.group is group_a for a in actions if type(a) is Deliver)
+    assert not group_a.coordinator.snapshot().members
+    assert reg.groups["b"].coordinator.snapshot().members
+    assert reg.closed(1, now=2.0) == []  # once
+    assert reg.closed(99, now=2.0) == []  # a stranger's connection
+    assert reg.registered_fds() == {2}
+
+
+def test_only_some_groups_epoch_is_known() -> None:
+    reg = registry(dp=1)
+    reg.hello(b"a", hello(0, dp=1), fd=1, now=1.0, wall=WALL)
+    epoch = reg.groups["g"].coordinator.snapshot().epoch
+    assert reg.known_epoch(epoch) and not reg.known_epoch(epoch + 1)

@@ -1,0 +1,127 @@
+"""CoordServer's drain with a fake socket under it: what the shell itself decides per message.
+
+The drain inlines the registry's rule "a message counts only over the connection that said
+its Hello" (`Registry.speaks_for`) for registered ranks, to keep the hot path free of calls;
+libzmq drops the frames of a second connection presenting a live routing id before coordd
+reads them, so no test over real sockets reaches that check. Here the frames carry the
+descriptors (SRCFD) the test chooses."""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+import pytest
+import zmq
+
+from coordd.core.peers import Takeovers
+from coordd.io import server as server_module
+from coordd.io.server import CoordServer
+from coordd.proto.messages import (
+    FromCoordinator,
+    Hello,
+    StepDecision,
+    StepFailed,
+    StepKind,
+    StepReport,
+    Welcome,
+    decode_from_coordinator,
+    encode,
+)
+
+
+class Frame:
+    def __init__(self, payload: bytes, fd: int) -> None:
+        self.buffer = memoryview(payload)
+        self.more = False
+        self._fd = fd
+
+    def get(self, option: object) -> object:
+        if option == zmq.SRCFD:
+            return self._fd
+        if option == "Peer-Address":
+            return "10.0.0.1"
+        raise zmq.ZMQError(zmq.EINVAL)
+
+
+class FakeSocket:
+    """Frames queued by the test; what the server sends, recorded by peer."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.queue: deque[tuple[bytes, Frame]] = deque()
+        self.pending: bytes | None = None
+        self.out: dict[bytes, list[FromCoordinator]] = {}
+        self._to: bytes | None = None
+
+    def put(self, peer: bytes, message: object, fd: int) -> None:
+        self.queue.append((peer, Frame(encode(message), fd)))  # type: ignore[arg-type]
+
+    def getsockopt(self, option: int) -> int:
+        return int(zmq.POLLIN) if self.queue else 0
+
+    def recv(self, flags: int = 0, copy: bool = True) -> object:
+        if self.pending is None:
+            if not self.queue:
+                raise zmq.Again()
+            peer = self.queue[0][0]
+            self.pending = peer
+            return peer
+        self.pending = None
+        return self.queue.popleft()[1]
+
+    def send(self, data: bytes, flags: int = 0) -> None:
+        if self._to is None:
+            self._to = bytes(data)
+            return
+        self.out.setdefault(self._to, []).append(decode_from_coordinator(bytes(data)))
+        self._to = None
+
+
+@pytest.fixture
+def shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    server = CoordServer(f"ipc://{tmp_path}/c.sock", dp_size=1)
+    fake = FakeSocket()
+    real = server._sock
+    monkeypatch.setattr(server, "_sock", fake)
+    monkeypatch.setattr(server_module, "_send_frame", lambda sock, data, flags: sock.send(data))
+    yield server, fake
+    server._sock = real
+    server.close()
+
+
+def report(welcome: Welcome) -> StepReport:
+    return StepReport(num_tokens=4, num_tokens_padded=4, dp_rank=0, epoch=welcome.epoch,
+                      seq=welcome.next_seq, kind=StepKind.FORWARD)
+
+
+def test_a_report_counts_only_over_the_connection_that_registered_its_rank(shell) -> None:  # type: ignore[no-untyped-def]
+    server, sock = shell
+    sock.put(b"rank0", Hello(dp_size=1, dp_rank=0, config_fingerprint="", incarnation="x"), 5)
+    server._drain_frames()
+    (welcome,) = sock.out.pop(b"rank0")
+    assert isinstance(welcome, Welcome)
+    # the same routing id over another descriptor: refused, not counted for the rank
+    sock.put(b"rank0", report(welcome), 6)
+    server._drain_frames()
+    assert server.takeovers.refused[("default", Takeovers.OTHER_CONNECTION)] == 1
+    assert server.groups["default"].coordinator.snapshot().round is None
+    assert all(not isinstance(m, StepDecision) for m in sock.out.get(b"rank0", []))
+    sock.out.clear()
+    # over the registering connection: the round completes (dp=1)
+    sock.put(b"rank0", report(welcome), 5)
+    server._drain_frames()
+    (decision,) = sock.out.pop(b"rank0")
+    assert isinstance(decision, StepDecision) and decision.seq == welcome.next_seq
+    assert server.takeovers.refused[("default", Takeovers.OTHER_CONNECTION)] == 1
+
+
+def test_a_strangers_report_is_answered_not_counted(shell) -> None:  # type: ignore[no-untyped-def]
+    server, sock = shell
+    sock.put(b"nobody", StepReport(num_tokens=1, num_tokens_padded=1, dp_rank=0, epoch=1, seq=0,
+                                   kind=StepKind.FORWARD), 9)
+    server._drain_frames()
+    (failed,) = sock.out[b"nobody"]
+    assert isinstance(failed, StepFailed) and "epoch 1" in failed.text
+    assert server.connections.counts == {b"nobody": 1}
