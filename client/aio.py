@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 import zmq
 
 from coordd.client.config import ClientConfig
+from coordd.client.edge import drain, send_and_look
+from coordd.client.registration import Step
 from coordd.client.session import (
     GroupFailed,
     Pong,
@@ -23,7 +25,7 @@ from coordd.client.session import (
     Resolved,
     RoundStillOpen,
 )
-from coordd.client.shell import HELLO_RESENDS, ClientShell
+from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
     GatherReport,
@@ -59,8 +61,8 @@ class AsyncCoordClient(ClientShell):
         #: The futures of unanswered rounds, by seq, with the registration each began in and
         #: whether it is a gather round (its future resolves to the rows).
         self._pending: dict[int, tuple[int, asyncio.Future[Any], bool]] = {}
-        #: The registration's answer: a Welcome, or None when the Hello must go again.
-        self._welcome: asyncio.Future[Welcome | None] | None = None
+        #: While connect() waits: woken by coordd's answer and by the monitor.
+        self._wake: asyncio.Future[None] | None = None
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -68,32 +70,38 @@ class AsyncCoordClient(ClientShell):
         """Register (Hello -> Welcome) in a new epoch; raises `Rejected` or
         `CoordinatorUnavailable`. Rounds still pending from before get the latter."""
         loop = self._attach()
-        self.connection.disconnected()
-        if self.connection.dropped:
-            loop = self._reopen(self.reopen_if_dropped)
-        hello = encode(self.session.hello())
-        self.resends_left = HELLO_RESENDS
-        self._settle_all()
-        deadline = time.monotonic() + timeout
+        registration = self.begin_registration(timeout, time.monotonic())
+        self._settle_all()  # the old registration's rounds: superseded
         try:
             while True:
-                self._welcome = loop.create_future()
-                await self._send_before(hello, deadline)
-                welcome = await asyncio.wait_for(
-                    self._welcome, max(0.0, deadline - time.monotonic())
-                )
-                if welcome is not None:
-                    return welcome
-                loop = self._reopen(self.reopen_for_hello)  # None: `hello_lost()` said so
-        except asyncio.TimeoutError:
-            error = self.no_answer(timeout)
-            self._dispatch(self.session.registration_failed(error))
-            raise error from None
+                step = registration.next_step(self.connection, time.monotonic())
+                if step is Step.WAIT:
+                    await self._wait_event(loop, registration.deadline)
+                elif step is Step.SEND:
+                    await self._send_before(registration.data, registration.deadline)
+                elif step is Step.REOPEN:
+                    loop = self._reopen(self.reopen_if_dropped)
+                else:
+                    assert registration.welcome is not None
+                    return registration.welcome
         except CoordinatorUnavailable as error:
-            self._dispatch(self.session.registration_failed(error))
+            self._dispatch(registration.abort(error))
             raise
+
+    async def _wait_event(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """Until coordd answers the Hello, the monitor reports something, or `deadline`."""
+        wake = self._wake = loop.create_future()
+        try:
+            await asyncio.wait_for(wake, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            pass
         finally:
-            self._welcome = None
+            self._wake = None
+
+    def _wake_registration(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     def start(
         self, report: StepReport, kind: StepKind | str = StepKind.FORWARD
@@ -135,8 +143,12 @@ class AsyncCoordClient(ClientShell):
 
     def _refuse_if_open(self) -> None:
         """Rounds are not pipelined (see `CoordClient.start`): `RoundStillOpen` while the
-        previous round of this registration is unanswered."""
-        if not self._pending or self._closed:
+        previous round of this registration is unanswered. Reads what came first (an answer
+        for the round about to be reported is then a misfit, not its answer)."""
+        if self._closed:
+            return
+        if not self._pending:
+            drain(self.connection.socket, self._on_frame, expect=False)
             return
         self._drain()
         registration = self.session.registration
@@ -148,12 +160,10 @@ class AsyncCoordClient(ClientShell):
         self, stamped: StepReport | GatherReport, future: asyncio.Future[Any], *, gather: bool
     ) -> None:
         self._pending[stamped.seq] = (self.session.registration, future, gather)
-        if not self.connection.send(encode(stamped)):
+        if not send_and_look(self.connection.socket, encode(stamped), self._on_frame):
             self._fail(
                 CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
             )
-        # a send can take the descriptor's edge: look (ZMQ_EVENTS), the answer is rarely here yet
-        self.connection.drain(self._on_frame, expect=False)
 
     async def coordinate(
         self,
@@ -255,24 +265,18 @@ class AsyncCoordClient(ClientShell):
                     f"cannot reach coordd at {self.address}" + self.connection.why_unreachable()
                 )
             await asyncio.sleep(0.01)
-        self.connection.send(data)
-        self._drain()
+        send_and_look(self.connection.socket, data, self._on_frame)
 
     def _check_monitor(self) -> None:
         connection = self.connection
         dropped = connection.disconnected()
         self._drain()  # what coordd sent before the close is still this rank's
-        welcome = self._welcome
-        if connection.handshake_refused and welcome is not None and not welcome.done():
-            # it fails the same way every retry: say so now
-            welcome.set_exception(connection.refused())
+        self._wake_registration()  # connect() looks at what the monitor said
         if dropped:
-            if welcome is not None and not welcome.done() and self.hello_lost():
-                welcome.set_result(None)  # connect() sends the Hello again, over a new connection
             self._dispatch(self.session.connection_lost())
 
     def _drain(self) -> None:
-        self.connection.drain(self._on_frame)
+        drain(self.connection.socket, self._on_frame)
 
     def _on_frame(self, frame: bytes) -> None:
         self._dispatch(self.session.receive_frame(frame))
@@ -282,12 +286,8 @@ class AsyncCoordClient(ClientShell):
             self._settle(event.seq)
         elif type(event) is GroupFailed:
             self._settle_all()
-        elif type(event) is Registered:
-            if self._welcome is not None and not self._welcome.done():
-                self._welcome.set_result(event.welcome)
-        elif type(event) is RegistrationFailed:
-            if self._welcome is not None and not self._welcome.done():
-                self._welcome.set_exception(event.error)
+        elif type(event) is Registered or type(event) is RegistrationFailed:
+            self._wake_registration()
         elif type(event) is Pong:
             pong = self._pongs.get(event.nonce)
             if pong is not None and not pong.done():

@@ -14,8 +14,15 @@ The rules, the same for every shell:
 - `connect()` opens a new registration: rounds of the old one that are still unanswered get
   `CoordinatorUnavailable("superseded by connect()")`, and their uncollected answers are
   dropped. Until the `Welcome`, a disconnect means nothing here (the shell sends the same
-  `Hello` again over a new connection, in the same registration: `ClientShell.hello_lost`);
+  `Hello` again over a new connection, in the same registration: `coordd.client.registration`);
   a refused or unanswered `Hello` fails the session with its error.
+- Every answer is checked against the round this rank asked (`InvalidAnswer` says what did not
+  fit): its epoch and seq; a decision's kind, its `num_tokens_across_dp` of length dp, its
+  `cudagraph_mode` in 0..2 and `dead_ranks` within 0..dp-1; a gather's site, its dp rows of the
+  length this rank sent, this rank's own row as sent. A misfit, or a decision for a round this
+  rank has not reported yet, fails the group with that `InvalidAnswer` (coordd is at fault):
+  none of it is used. An answer for no round this rank asked (an older epoch's, a round already
+  answered, one of a past registration) is dropped and counted (`dropped_answers`), never kept.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from coordd.proto.errors import (
     UNAVAILABLE_HINTS,
     CoordError,
     CoordinatorUnavailable,
+    InvalidAnswer,
     InvalidReport,
     ProtocolError,
     Rejected,
@@ -70,6 +78,16 @@ _GATHER = StepKind.GATHER
 Outcome = StepDecision | GatherResult | CoordError
 #: Longest call-site label a `GatherReport` carries.
 MAX_SITE_CHARS = 256
+#: Rounds one registration keeps asked (reported, not yet answered): at twice this many, all but
+#: the newest MAX_ASKED are forgotten (their answers then count as unsolicited). A shell has one
+#: open at a time; this bounds a session driven without collecting its answers (the lean
+#: benchmark's ranks, the device path) at a cost per report of one len().
+MAX_ASKED = 64
+_TRIM_ASKED_AT = 2 * MAX_ASKED
+#: The highest `cudagraph_mode` (NONE=0, PIECEWISE=1, FULL=2).
+MAX_CUDAGRAPH_MODE = 2
+#: What a round asked for: its kind (a policy round), or the `GatherReport` sent (a gather).
+Asked = StepKind | GatherReport
 
 
 @dataclass(frozen=True)
@@ -150,12 +168,20 @@ class RankSession:
         self.next_seq = 0
         self.failed: CoordError | None = None
         self.registering = False
+        #: The latest registration's `Welcome` (None before the first).
+        self.welcome: Welcome | None = None
         #: How many times `connect()` began; a round belongs to the registration it started in.
         self.registration = 0
         #: Each answered round's first uncollected answer, and (rarely: a duplicate report's
         #: error) the ones after it.
         self._answers: dict[int, Outcome] = {}
         self._later: dict[int, list[Outcome]] = {}
+        #: The rounds of this registration reported and not yet answered, by seq; and how many
+        #: more reports than one a seq had (a test peer's duplicates, each answered).
+        self._asked: dict[int, Asked] = {}
+        self._asked_again: dict[int, int] = {}
+        #: Answers dropped because no round this rank asked was waiting for them.
+        self.dropped_answers = 0
         self._identity: bytes | None = None
 
     @property
@@ -181,6 +207,8 @@ class RankSession:
         self.registration += 1
         self._answers.clear()
         self._later.clear()
+        self._asked.clear()
+        self._asked_again.clear()
         return self.hello_message
 
     def report(self, report: StepReport, kind: StepKind) -> StepReport:
@@ -217,6 +245,10 @@ class RankSession:
         ):
             check_carriable(self.dp_rank, stamped)
         self.next_seq = seq + 1
+        asked = self._asked
+        asked[seq] = kind
+        if len(asked) >= _TRIM_ASKED_AT:
+            self._forget_oldest()
         return stamped
 
     def gather(self, site: str, values: Sequence[int]) -> GatherReport:
@@ -224,7 +256,28 @@ class RankSession:
         `InvalidReport` (taking nothing) for what the wire cannot carry."""
         stamped = self.stamp(self.gather_report(site, values), StepKind.GATHER)
         self.next_seq += 1
+        self.sent(stamped)
         return stamped
+
+    def sent(self, report: StepReport | GatherReport) -> None:
+        """`report` went to coordd: its answer is expected (`report` and `gather` call this; a
+        test peer that sends what `stamp` made calls it itself). A seq sent twice is answered
+        twice."""
+        seq = report.seq
+        asked = self._asked
+        if seq in asked:
+            self._asked_again[seq] = self._asked_again.get(seq, 0) + 1
+            return
+        asked[seq] = report if type(report) is GatherReport else report.kind
+        if len(asked) >= _TRIM_ASKED_AT:
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        """Keep the newest MAX_ASKED asks (insertion order: the newest are last)."""
+        asked = self._asked
+        for seq in list(asked)[:-MAX_ASKED]:
+            del asked[seq]
+            self._asked_again.pop(seq, None)
 
     def gather_report(self, site: str, values: Sequence[int]) -> GatherReport:
         """An unstamped `GatherReport`: `values` as plain ints (anything with `__index__`:
@@ -301,7 +354,7 @@ class RankSession:
         except msgspec.DecodeError:
             return None
         if type(msg) is StepDecision or type(msg) is GatherResult:  # `receive`'s first case
-            return self._answer(msg.seq, msg) if msg.epoch == self.epoch else None
+            return self._decided(msg)
         return self.receive(msg)
 
     def take_frame(self, frame: bytes, seq: int) -> StepDecision | GatherResult | Event | None:
@@ -315,21 +368,35 @@ class RankSession:
             msg = _decode_from_coordinator(frame)
         except msgspec.DecodeError:
             return None
-        if type(msg) is StepDecision or type(msg) is GatherResult:  # `receive`'s first case
-            if msg.epoch != self.epoch:
-                return None
-            if msg.seq == seq and seq not in self._answers:
-                return msg
-            return self._answer(msg.seq, msg)
+        if type(msg) is StepDecision:
+            # the awaited round's decision, if it fits the round (`_misfit`'s checks for a
+            # decision, inline: every round of the blocking client comes this way)
+            if msg.seq == seq and msg.epoch == self.epoch and seq not in self._answers:
+                asked = self._asked.pop(seq, None)
+                if (
+                    asked is msg.kind
+                    and len(msg.num_tokens_across_dp) == self.dp_size
+                    and 0 <= msg.cudagraph_mode <= MAX_CUDAGRAPH_MODE
+                    and not msg.dead_ranks
+                ):
+                    if self._asked_again:
+                        self._ask_again(seq, asked)
+                    return msg
+                if asked is not None:
+                    self._asked[seq] = asked  # `_decided` judges it
+            return self._decided(msg)
+        if type(msg) is GatherResult:
+            return self._decided(msg)
         return self.receive(msg)
 
     def receive(self, msg: FromCoordinator) -> Event | None:
         """What `msg` means for this rank; None for stale messages of an older epoch."""
         if type(msg) is StepDecision or type(msg) is GatherResult:
-            return self._answer(msg.seq, msg) if msg.epoch == self.epoch else None
+            return self._decided(msg)
         if type(msg) is StepFailed:
             return self._on_failed(msg)
         if type(msg) is Welcome:
+            self.welcome = msg
             self.epoch = msg.epoch
             self.next_seq = msg.next_seq
             self.failed = None
@@ -394,13 +461,155 @@ class RankSession:
             self._later.setdefault(seq, []).append(outcome)
         return Resolved(seq, outcome)
 
+    # -- checking an answer against its round -----------------------------------------------
+
+    def _decided(self, msg: StepDecision | GatherResult) -> Event | None:
+        """A decision or gathered rows: its round's answer if it fits the round asked."""
+        seq = msg.seq
+        if msg.epoch != self.epoch or self.registering:
+            self.dropped_answers += 1  # an older epoch's (or, registering, the old one's)
+            return None
+        asked = self._asked.pop(seq, None)
+        if asked is not None and self._asked_again:
+            self._ask_again(seq, asked)
+        if (  # a decision that fits (`_misfit`'s checks, inline for the asyncio client)
+            type(msg) is StepDecision
+            and asked is msg.kind
+            and len(msg.num_tokens_across_dp) == self.dp_size
+            and 0 <= msg.cudagraph_mode <= MAX_CUDAGRAPH_MODE
+            and not msg.dead_ranks
+        ):
+            return self._answer(seq, msg)
+        if asked is None:
+            if seq >= self.next_seq:  # coordd decided a round this rank has not reported
+                return self._unfit(
+                    InvalidAnswer(
+                        seq,
+                        "seq",
+                        seq,
+                        f"a round this rank reported (its last is seq={self.next_seq - 1})",
+                    )
+                )
+            self.dropped_answers += 1  # answered already, or never asked in this registration
+            return None
+        if self._misfit(msg, asked) is None:
+            return self._answer(seq, msg)
+        return self._reject(msg, asked)
+
+    def _take_ask(self, seq: int) -> Asked | None:
+        asked = self._asked.pop(seq, None)
+        if asked is not None and self._asked_again:
+            self._ask_again(seq, asked)
+        return asked
+
+    def _ask_again(self, seq: int, asked: Asked) -> None:
+        """One of a seq's reports is answered: keep it asked while more of them went."""
+        again = self._asked_again
+        left = again.get(seq, 0)
+        if left:
+            self._asked[seq] = asked
+            if left == 1:
+                del again[seq]
+            else:
+                again[seq] = left - 1
+
+    def _misfit(self, msg: StepDecision | GatherResult, asked: Asked) -> bool | None:
+        """None if `msg` fits the round asked (a few int comparisons: every round comes here);
+        else True (`_reject` says how)."""
+        n = self.dp_size
+        if isinstance(msg, StepDecision):
+            if (
+                asked is not msg.kind
+                or len(msg.num_tokens_across_dp) != n
+                or not 0 <= msg.cudagraph_mode <= MAX_CUDAGRAPH_MODE
+            ):
+                return True
+            dead = msg.dead_ranks
+            if dead and (min(dead) < 0 or max(dead) >= n):
+                return True
+            return None
+        if not isinstance(asked, GatherReport) or msg.site != asked.site:
+            return True
+        rows = msg.rows
+        if len(rows) != n or rows[self.dp_rank] != asked.values:
+            return True
+        dead = msg.dead_ranks
+        if not dead:  # every row as long as this rank's
+            return True if len(set(map(len, rows))) != 1 else None
+        if min(dead) < 0 or max(dead) >= n or self.dp_rank in dead:
+            return True
+        want = len(asked.values)
+        for r, row in enumerate(rows):
+            if len(row) != (0 if r in dead else want):
+                return True
+        return None
+
+    def _reject(self, msg: StepDecision | GatherResult, asked: Asked) -> GroupFailed | None:
+        """`msg` does not fit the round asked: say what, and fail the group with it."""
+        return self._unfit(_what_misfits(msg, asked, self.dp_size, self.dp_rank))
+
+    def _unfit(self, error: InvalidAnswer) -> GroupFailed | None:
+        if self.failed is not None:  # the first failure stays the one reported
+            self.dropped_answers += 1
+            return None
+        return self.fail(error)
+
     def _on_failed(self, msg: StepFailed) -> Event | None:
         error = error_from_failure(msg)
-        if msg.reason is FailReason.PROTOCOL:
+        if msg.reason is FailReason.PROTOCOL:  # one report's own error
+            if msg.epoch != self.epoch or self._take_ask(msg.seq) is None:
+                self.dropped_answers += 1
+                return None
             return self._answer(msg.seq, error)
         if msg.reason is FailReason.UNAVAILABLE or msg.epoch == self.epoch:
             return self.fail(error)
         return None
+
+
+def _what_misfits(
+    msg: StepDecision | GatherResult, asked: Asked, dp_size: int, dp_rank: int
+) -> InvalidAnswer:
+    """What of `msg` does not fit the round asked (only on that path: `_misfit` found it)."""
+    seq = msg.seq
+    if isinstance(msg, StepDecision):
+        if isinstance(asked, GatherReport):
+            return InvalidAnswer(seq, "kind", msg.kind.value, f"a gather of site {asked.site!r}")
+        if asked is not msg.kind:
+            return InvalidAnswer(seq, "kind", msg.kind.value, asked.value)
+        across = msg.num_tokens_across_dp
+        if len(across) != dp_size:
+            return InvalidAnswer(
+                seq, "num_tokens_across_dp", across, f"{dp_size} values, one per rank"
+            )
+        if not 0 <= msg.cudagraph_mode <= MAX_CUDAGRAPH_MODE:
+            return InvalidAnswer(
+                seq, "cudagraph_mode", msg.cudagraph_mode, "0..2 (NONE, PIECEWISE, FULL)"
+            )
+        return InvalidAnswer(seq, "dead_ranks", msg.dead_ranks, f"ranks in 0..{dp_size - 1}")
+    if not isinstance(asked, GatherReport):
+        return InvalidAnswer(seq, "kind", "gather", asked.value)
+    if msg.site != asked.site:
+        return InvalidAnswer(seq, "site", msg.site, repr(asked.site))
+    rows = msg.rows
+    if len(rows) != dp_size:
+        return InvalidAnswer(seq, "rows", f"{len(rows)} rows", f"{dp_size} rows, one per rank")
+    dead = msg.dead_ranks
+    if dead and (min(dead) < 0 or max(dead) >= dp_size):
+        return InvalidAnswer(seq, "dead_ranks", dead, f"ranks in 0..{dp_size - 1}")
+    if dp_rank in dead:
+        return InvalidAnswer(seq, "dead_ranks", dead, f"not this rank ({dp_rank}): it reported")
+    if rows[dp_rank] != asked.values:
+        return InvalidAnswer(
+            seq, f"rows[{dp_rank}]", rows[dp_rank], f"{asked.values} (what this rank sent)"
+        )
+    want = len(asked.values)
+    for r, row in enumerate(rows):
+        length = 0 if r in dead else want
+        if len(row) != length:
+            return InvalidAnswer(
+                seq, f"rows[{r}]", f"{len(row)} values", f"{length} (rank {r}'s row)"
+            )
+    raise AssertionError("unreachable: _misfit found a misfit")  # pragma: no cover
 
 
 class SessionView:
@@ -422,3 +631,9 @@ class SessionView:
     def epoch(self) -> int | None:
         """The epoch of the current registration; None before the first Welcome."""
         return self.session.epoch
+
+    @property
+    def dropped_answers(self) -> int:
+        """Answers from coordd dropped because no round of this rank's was waiting for them
+        (an older epoch's, a round already answered, one of a past registration)."""
+        return self.session.dropped_answers

@@ -11,13 +11,10 @@ from typing import Any
 import zmq
 
 from coordd.client.config import ClientConfig
+from coordd.client.registration import Registration
 from coordd.client.session import RankSession, SessionView
 from coordd.client.transport import RankConnection
-from coordd.proto.errors import CoordinatorUnavailable
-
-#: How many times one registration sends its Hello again over a new connection, when the
-#: connection drops before coordd's answer (see `ClientShell.hello_lost`).
-HELLO_RESENDS = 3
+from coordd.proto.messages import Hello
 
 
 class ClientShell(SessionView):
@@ -39,8 +36,6 @@ class ClientShell(SessionView):
         self._context = context
         self.connection = RankConnection.open(given, self.session.identity, context)
         self._closed = False
-        #: Resends left to the registration in progress (`HELLO_RESENDS` at its start).
-        self.resends_left = 0
 
     def reopen_if_dropped(self) -> bool:
         """Before a registration: if the connection ever dropped, replace it with a new one
@@ -59,35 +54,13 @@ class ClientShell(SessionView):
         )
         return True
 
-    def hello_lost(self) -> bool:
-        """While registering, after the monitor was read: True if the connection dropped after
-        its handshake and this registration may still send its Hello again (the caller then
-        does so over `reopen_for_hello()`'s connection).
-
-        coordd shut the connection (a flood cut-off, the memory guard, the stranger grace) or
-        the network dropped it: the Hello, or coordd's Welcome, was lost with it. libzmq
-        reconnects, but sends nothing again, and connect() would wait out its whole timeout
-        though a new Hello is answered at once."""
-        return self.resends_left > 0 and self.connection.lost_after_handshake
-
-    def reopen_for_hello(self) -> None:
-        """The connection for sending the Hello again: a new one under a fresh routing id, as
-        after any drop (`reopen_if_dropped`); takes one of the registration's resends."""
-        self.resends_left -= 1
-        self.reopen_if_dropped()
-
-    def no_answer(self, timeout: float) -> CoordinatorUnavailable:
-        """The error of a registration that got no answer within `timeout`."""
-        resent = HELLO_RESENDS - self.resends_left
-        dropped = (
-            f" (its connection dropped before coordd answered: the Hello went {resent + 1} times)"
-            if resent > 0
-            else ""
-        )
-        return CoordinatorUnavailable(
-            f"no answer from coordd within {timeout:g}s{dropped}"
-            + self.connection.why_unreachable()
-        )
+    def begin_registration(
+        self, timeout: float, now: float, hello: Hello | None = None
+    ) -> Registration:
+        """Read the monitor (the registration's first step looks at whether the connection
+        ever dropped), then begin a registration (`Registration`) for the shell to step."""
+        self.connection.disconnected()
+        return Registration(self.session, timeout, now, hello)
 
     @property
     def address(self) -> str:

@@ -17,8 +17,10 @@ from typing import Any
 import zmq
 
 from coordd.client.config import ClientConfig
-from coordd.client.session import Pong, Registered, RegistrationFailed, Resolved, RoundStillOpen
-from coordd.client.shell import HELLO_RESENDS, ClientShell
+from coordd.client.edge import drain
+from coordd.client.registration import Step
+from coordd.client.session import Pong, RegistrationFailed, Resolved, RoundStillOpen
+from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
     GatherReport,
@@ -41,6 +43,7 @@ _POLL_SLICE_MS = 50
 _RCVTIMEO = int(zmq.RCVTIMEO)
 _NOBLOCK = int(zmq.NOBLOCK)
 _CLOSED = "client closed"
+_WAIT, _SEND, _REOPEN = Step.WAIT, Step.SEND, Step.REOPEN
 _get_ident = threading.get_ident
 _send = zmq.backend.Socket.send
 
@@ -151,7 +154,6 @@ class CoordClient(ClientShell):
         super().__init__(address, config=config, context=context, **options)
         #: The DEALER's RCVTIMEO in ms (-1: libzmq's default, block): a wait's slice.
         self._rcvtimeo = -1
-        self._welcome: Welcome | None = None
         self._pong: int | None = None
         #: The last round started and not yet answered: (seq, registration).
         self._open: tuple[int, int] | None = None
@@ -183,6 +185,8 @@ class CoordClient(ClientShell):
                 raise CoordinatorUnavailable(_CLOSED)
             if self._open is not None:
                 self._check_open(self._open)
+            else:  # what came since: an answer for the round about to be reported is a misfit
+                self._read_available(expect=False)
             stamped = session.report(report, kind)
             self._send_report(stamped)
         finally:
@@ -203,6 +207,8 @@ class CoordClient(ClientShell):
         try:
             if self._open is not None:
                 self._check_open(self._open)
+            else:
+                self._read_available(expect=False)
             stamped = self.session.gather(site, values)
             self._send_report(stamped)
         finally:
@@ -305,7 +311,7 @@ class CoordClient(ClientShell):
 
     def _register(self, timeout: float, hello: Hello | None = None) -> Welcome:
         """Begin a registration and send `hello` (default: this rank's own) for it; again over
-        a new connection if the connection drops before the answer (`hello_lost`)."""
+        a new connection if the connection drops before the answer (`Registration`)."""
         self._enter()
         try:
             return self._register_now(timeout, hello)
@@ -313,31 +319,25 @@ class CoordClient(ClientShell):
             self._leave()
 
     def _register_now(self, timeout: float, hello: Hello | None) -> Welcome:
-        self._welcome = None
+        """Step a `Registration` (its rules are there, shared with the asyncio client)."""
         self._open = None
-        self.connection.disconnected()
-        if self.reopen_if_dropped():
-            self._rcvtimeo = -1
-        own = self.session.hello()
-        data = encode(own if hello is None else hello)
-        self.resends_left = HELLO_RESENDS
-        deadline = time.monotonic() + timeout
+        registration = self.begin_registration(timeout, time.monotonic(), hello)
         try:
-            self._send_before(data, deadline)
-            while self._welcome is None:
-                if not self._pump(deadline):
-                    raise self.no_answer(timeout)
-                connection = self.connection
-                if connection.handshake_refused:  # it fails the same way every retry
-                    raise connection.refused()
-                if self._welcome is None and self.hello_lost():
-                    self.reopen_for_hello()
+            while True:
+                step = registration.next_step(self.connection, time.monotonic())
+                if step is _WAIT:
+                    self._pump(registration.deadline)  # a frame, or a slice (the monitor read)
+                elif step is _SEND:
+                    self._send_before(registration.data, registration.deadline)
+                elif step is _REOPEN:
+                    self.reopen_if_dropped()
                     self._rcvtimeo = -1
-                    self._send_before(data, deadline)
+                else:
+                    assert registration.welcome is not None
+                    return registration.welcome
         except CoordinatorUnavailable as error:
-            self.session.registration_failed(error)
+            registration.abort(error)
             raise
-        return self._welcome
 
     def _send_before(self, data: bytes, deadline: float) -> None:
         """Send (queued until the connection is up, IMMEDIATE is off), or give up."""
@@ -393,9 +393,10 @@ class CoordClient(ClientShell):
             if self._closed:
                 self._close_sockets()
 
-    def _read_available(self) -> None:
+    def _read_available(self, expect: bool = True) -> None:
+        """Receive what is queued (`expect`: as `edge.drain` takes it)."""
         try:
-            self.connection.drain(self._on_frame)
+            drain(self.connection.socket, self._on_frame, expect=expect)
         except zmq.ZMQError as exc:
             raise self._socket_error(exc) from None
 
@@ -456,9 +457,7 @@ class CoordClient(ClientShell):
             self._on_event(event)
 
     def _on_event(self, event: object) -> None:
-        if type(event) is Registered:
-            self._welcome = event.welcome
-        elif type(event) is RegistrationFailed:
+        if type(event) is RegistrationFailed:
             raise event.error
         elif type(event) is Pong:
             self._pong = event.nonce

@@ -13,7 +13,6 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Callable
 
 import zmq
 
@@ -39,7 +38,6 @@ from coordd.proto.messages import MAX_MESSAGE_BYTES
 
 # Plain ints: pyzmq's constants are enum.Flag members, slow to combine in Python.
 _EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
@@ -194,33 +192,13 @@ class RankConnection:
         return bool(int(self.socket.getsockopt(_EVENTS)) & _POLLOUT)
 
     def send(self, data: bytes) -> bool:
-        """Queue `data` without blocking; False if there is no pipe to queue it on."""
+        """Queue `data` without blocking; False if there is no pipe to queue it on. (A shell
+        that watches the descriptor reads through `coordd.client.edge` instead.)"""
         try:
             self.socket.send(data, _NOBLOCK)
         except zmq.Again:
             return False
         return True
-
-    def drain(self, on_frame: Callable[[bytes], object], expect: bool = True) -> None:
-        """Hand every queued frame to `on_frame`; ends on a ZMQ_EVENTS check, which is what
-        re-arms the socket's edge-triggered file descriptor for an event loop. `expect`:
-        a frame is likely queued (the descriptor fired); False right after a send, when
-        one rarely is."""
-        sock = self.socket
-        if sock.closed:
-            return
-        # Expecting one, try the first frame straight away: a cold getsockopt costs more than
-        # the recv. Otherwise, and after it, EVENTS rather than recv-until-Again: raising
-        # zmq.Again costs several times that (~6 us in pyzmq).
-        if expect:
-            try:
-                frame = sock.recv(_NOBLOCK)
-            except zmq.Again:
-                pass
-            else:
-                on_frame(frame)
-        while int(sock.getsockopt(_EVENTS)) & _POLLIN:
-            on_frame(sock.recv(_NOBLOCK))
 
     def disconnected(self) -> bool:
         """Read every pending monitor event; True if any was a disconnect (a failed handshake
@@ -268,14 +246,6 @@ class RankConnection:
             if tcp:
                 self._no_detail += 1
                 self.handshake_refused = self._no_detail >= _NO_DETAIL_LIMIT
-
-    def refused(self) -> CoordinatorUnavailable:
-        """The error of a connection whose handshake coordd refused (it fails the same way on
-        every retry), with the hint for its cause."""
-        return CoordinatorUnavailable(
-            f"coordd refused the connection ({self.where()}): {self.handshake_failure}",
-            hint=self.handshake_hint,
-        )
 
     def why_unreachable(self) -> str:
         """': <reason>': why coordd did not answer, as far as this side can tell (a failed

@@ -354,11 +354,41 @@ class ProtocolError(CoordError):
         return cls(msg.detail, rank=msg.culprits[0] if msg.culprits else None)
 
 
+class InvalidAnswer(ProtocolError):
+    """coordd answered round `seq` with `field`=`value`, which does not fit the round this rank
+    asked (`expected` says what would): another seq, epoch, kind or site; a list of another
+    length than dp; a value out of range; an answer for a round this rank had not reported.
+
+    At fault: coordd (or whatever speaks to this rank as coordd), never the ranks: the answer
+    was not built from this round's reports, so no part of it is used. The client checks it
+    before handing it over; the group fails with this error until connect() (it never travels:
+    a rank raises it). Run the same coordd release on the ranks and the sidecar; if they match,
+    report a bug in coordd with this message.
+    """
+
+    hint = (
+        "coordd sent an answer that does not fit the round: run the same coordd release on the "
+        "ranks and the sidecar; if they match, report a coordd bug with this message"
+    )
+    #: Who is at fault: always coordd.
+    at_fault = "coordd"
+
+    def __init__(self, seq: int, field: str, value: object, expected: str) -> None:
+        self.seq = seq
+        self.field = field
+        self.value = value
+        self.expected = expected
+        super().__init__(
+            f"coordd answered round seq={seq} with {field}={value!r} (expected {expected})"
+        )
+
+
 __all__ = [
     "REJECT_HINTS",
     "ConflictingReport",
     "CoordError",
     "CoordinatorUnavailable",
+    "InvalidAnswer",
     "InvalidReport",
     "ProtocolError",
     "RankLost",

@@ -63,6 +63,8 @@ class RawRank(CoordClient):
         return self.session.stamp(report, kind, seq=seq, dp_rank=rank)
 
     def send(self, message: StepReport | GatherReport) -> None:
+        """Send `message` as it is; its answer is then expected (`RankSession.sent`)."""
+        self.session.sent(message)
         if not self.connection.send(encode(message)):
             raise self.session.fail(
                 CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from coordd.client.config import ClientConfig
 from coordd.client.session import (
+    MAX_ASKED,
     SUPERSEDED,
     GroupFailed,
     Pong,
@@ -19,6 +21,7 @@ from coordd.client.session import (
 )
 from coordd.proto.errors import (
     CoordinatorUnavailable,
+    InvalidAnswer,
     InvalidReport,
     ProtocolError,
     RankLost,
@@ -145,9 +148,13 @@ def test_a_protocol_error_answers_one_report_and_the_group_goes_on() -> None:
     spoofed = ProtocolError("report for another rank", rank=1)
     event = session.receive(failure_message(spoofed, epoch=3, seq=seq, kind=FORWARD))
     assert isinstance(event, Resolved)
-    # more answers for one seq (a test peer's duplicates) are taken in order, one per wait
+    # a test peer that sent one seq three times gets three answers, taken in order, one per
+    # wait; a fourth answer is for no report: dropped and counted
+    for _ in range(2):
+        session.sent(session.stamp(REPORT, FORWARD, seq=seq))
     session.receive(decision(3, seq))
     session.receive(failure_message(spoofed, epoch=3, seq=seq, kind=FORWARD))
+    assert session.receive(decision(3, seq)) is None and session.dropped_answers == 1
     assert session.settled(seq, registration)
     assert session.outcome(seq, registration) == spoofed
     assert session.outcome(seq, registration) == decision(3, seq)
@@ -367,6 +374,8 @@ def test_take_frame_hands_back_the_awaited_answer_and_receives_the_rest() -> Non
     (as `outcome` would give it); others' answers are kept; stale and garbage frames dropped."""
     session = registered()
     (a, registration), (b, _) = started(session), started(session)
+    for _ in range(2):
+        session.sent(session.stamp(REPORT, FORWARD, seq=a))
     assert session.outcome(a, registration) is None
     assert session.take_frame(encode(decision(3, a)), a) == decision(3, a)
     assert not session.settled(a, registration)
@@ -375,8 +384,180 @@ def test_take_frame_hands_back_the_awaited_answer_and_receives_the_rest() -> Non
     assert session.take_frame(encode(decision(2, a)), a) is None  # an older epoch's
     assert session.take_frame(b"\xc1 garbage", a) is None
     assert isinstance(session.take_frame(encode(Goodbye(text="bye")), a), GroupFailed)
-    # an answer already kept for the round comes first: the new one is kept behind it
+    # a seq reported three times (a test peer, above): the answer kept for the round comes
+    # first, the new one is kept behind it
     session.receive(decision(3, a))
     assert isinstance(session.take_frame(encode(decision(3, a)), a), Resolved)
     assert session.outcome(a, registration) == decision(3, a)
     assert session.outcome(a, registration) == decision(3, a)
+
+
+# -- a superseded round settles -----------------------------------------------------------------
+
+
+def test_a_superseded_round_settles_the_moment_connect_begins() -> None:
+    """An engine that polls `done()` (`settled`) on a round of the old registration must see it
+    settle when connect() begins a new one: the new registration holds no answer for it and has
+    not failed, so only the registration number tells (else it polls for ever)."""
+    session = registered()
+    old = started(session)
+    assert not session.settled(*old)
+    session.hello()
+    assert session.settled(*old), "superseded: settled before the Welcome"
+    session.receive(Welcome(epoch=4, next_seq=old[0], dp_size=2))
+    assert session.settled(*old), "and after it, though the new epoch reuses its seq"
+    fresh = started(session)
+    assert fresh[0] == old[0] and not session.settled(*fresh)
+    assert session.outcome(*old) == CoordinatorUnavailable(SUPERSEDED)
+    assert session.outcome(*fresh) is None
+
+
+# -- answers are checked against the round asked ------------------------------------------------
+
+
+def _as(msg: StepDecision | GatherResult, **changes: object) -> StepDecision | GatherResult:
+    return msgspec.structs.replace(msg, **changes)
+
+
+def _fed(session: RankSession, msg: object, seq: int, route: str) -> object:
+    """Feed `msg` the way a shell would: `receive`, `receive_frame`, or the blocking client's
+    `take_frame` while it waits for `seq`."""
+    if route == "receive":
+        return session.receive(msg)  # type: ignore[arg-type]
+    if route == "frame":
+        return session.receive_frame(encode(msg))
+    return session.take_frame(encode(msg), seq)
+
+
+ROUTES = ["receive", "frame", "take"]
+DECISION_MISFITS = [
+    ("num_tokens_across_dp", {"num_tokens_across_dp": [4]}),
+    ("num_tokens_across_dp", {"num_tokens_across_dp": [4, 4, 4]}),
+    ("kind", {"kind": StepKind.DRAFT}),
+    ("cudagraph_mode", {"cudagraph_mode": 9}),
+    ("cudagraph_mode", {"cudagraph_mode": -1}),
+    ("dead_ranks", {"dead_ranks": [7]}),
+    ("dead_ranks", {"dead_ranks": [-1]}),
+]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("field", "changes"), DECISION_MISFITS)
+def test_a_decision_that_does_not_fit_its_round_fails_the_group_naming_coordd(
+    field: str, changes: dict[str, object], route: str
+) -> None:
+    session = registered()
+    seq, registration = started(session)
+    misfit = _as(decision(3, seq), **changes)
+    event = _fed(session, misfit, seq, route)
+    assert isinstance(event, GroupFailed)
+    error = event.error
+    assert isinstance(error, InvalidAnswer) and isinstance(error, ProtocolError)
+    assert (error.seq, error.field, error.at_fault, error.rank) == (seq, field, "coordd", None)
+    assert str(error).startswith(f"coordd answered round seq={seq} with {field}=")
+    assert session.outcome(seq, registration) == error, "none of the answer is used"
+    with pytest.raises(InvalidAnswer):
+        session.report(REPORT, FORWARD)
+    assert session.receive(decision(3, seq)) is None, "the first failure stays"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_decision_for_a_round_not_yet_reported_fails_the_group(route: str) -> None:
+    session = registered(next_seq=10)
+    seq, registration = started(session)
+    event = _fed(session, decision(3, seq + 1), seq, route)
+    assert isinstance(event, GroupFailed) and isinstance(event.error, InvalidAnswer)
+    assert (event.error.field, event.error.value) == ("seq", seq + 1)
+    assert session.outcome(seq, registration) == event.error
+    # and before any report: seq 10 decided though this rank has not reported it
+    session = registered(next_seq=10)
+    assert isinstance(session.receive(decision(3, 10)), GroupFailed)
+
+
+def test_a_decision_that_fits_is_the_rounds_answer() -> None:
+    session = registered()
+    seq, registration = started(session)
+    fits = _as(decision(3, seq), cudagraph_mode=2, dead_ranks=[0])
+    assert session.receive(fits) == Resolved(seq, fits)
+    assert session.outcome(seq, registration) == fits and session.failed is None
+
+
+GATHER_MISFITS = [
+    ("site", {"site": "vllm.other"}),
+    ("rows", {"rows": [[1, 2]]}),
+    ("rows", {"rows": [[1, 2], [3, 4], [5, 6]]}),
+    ("rows[1]", {"rows": [[1, 2], [3, 5]]}),  # this rank's own row altered
+    ("rows[0]", {"rows": [[1], [3, 4]]}),  # another rank's row of another length
+    ("rows[0]", {"rows": [[1, 2], [3, 4]], "dead_ranks": [0]}),  # a dead rank's row not empty
+    ("dead_ranks", {"dead_ranks": [2]}),
+    ("dead_ranks", {"rows": [[1, 2], []], "dead_ranks": [1]}),  # this rank, which reported
+]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("field", "changes"), GATHER_MISFITS)
+def test_gathered_rows_that_do_not_fit_the_round_fail_the_group_naming_coordd(
+    field: str, changes: dict[str, object], route: str
+) -> None:
+    session = registered()
+    seq = session.gather(SITE, [3, 4]).seq
+    registration = session.registration
+    event = _fed(session, _as(gathered(3, seq), **changes), seq, route)
+    assert isinstance(event, GroupFailed) and isinstance(event.error, InvalidAnswer)
+    assert (event.error.seq, event.error.field) == (seq, field)
+    assert session.outcome(seq, registration) == event.error
+
+
+def test_an_answer_of_the_other_kind_fails_the_group() -> None:
+    session = registered()
+    seq = session.gather(SITE, [3, 4]).seq
+    event = session.receive(decision(3, seq))
+    assert isinstance(event, GroupFailed) and isinstance(event.error, InvalidAnswer)
+    assert event.error.field == "kind" and "gather" in event.error.expected
+    session = registered()
+    seq, _ = started(session)
+    event = session.receive(gathered(3, seq))
+    assert isinstance(event, GroupFailed) and isinstance(event.error, InvalidAnswer)
+    assert (event.error.field, event.error.expected) == ("kind", "forward")
+
+
+def test_gathered_rows_that_fit_are_the_rounds_answer() -> None:
+    session = registered()
+    seq = session.gather(SITE, [3, 4]).seq
+    fits = gathered(3, seq, rows=[[], [3, 4]])
+    fits = msgspec.structs.replace(fits, dead_ranks=[0])
+    assert session.receive(fits) == Resolved(seq, fits)
+    seq = session.gather(SITE, []).seq
+    empty = gathered(3, seq, rows=[[], []])
+    assert session.receive(empty) == Resolved(seq, empty)
+    assert session.failed is None
+
+
+def test_unsolicited_answers_are_dropped_and_counted_not_kept() -> None:
+    """A coordd that sends answers for rounds this rank did not ask (300k of them kept 106 MB
+    before): an older epoch's, a round already answered, one of a past registration."""
+    session = registered(next_seq=10)
+    seq, registration = started(session)
+    assert session.receive(decision(3, seq)) == Resolved(seq, decision(3, seq))
+    for k in range(10_000):
+        session.receive(decision(3, k % (seq + 1)))  # answered already, or before the Welcome
+        session.receive_frame(encode(decision(2, seq + 1 + k)))  # an older epoch's
+    spoofed = ProtocolError("for no report", rank=1)
+    session.receive(failure_message(spoofed, epoch=3, seq=seq, kind=FORWARD))
+    assert session.dropped_answers == 20_001
+    assert session.failed is None
+    assert session.outcome(seq, registration) == decision(3, seq)
+    assert session._answers == {} and session._later == {}, "nothing kept"
+    session.hello()  # registering: the old registration's answers are not this one's
+    assert session.receive(decision(3, seq + 5)) is None and session.failed is None
+    assert session.dropped_answers == 20_002
+
+
+def test_a_session_that_never_collects_keeps_a_bounded_number_of_asks() -> None:
+    session = registered(next_seq=0)
+    for _ in range(10 * MAX_ASKED):
+        session.report(REPORT, FORWARD)
+    assert MAX_ASKED <= len(session._asked) < 2 * MAX_ASKED
+    assert session.receive(decision(3, 0)) is None, "forgotten: its answer is unsolicited"
+    last = session.next_seq - 1
+    assert session.receive(decision(3, last)) == Resolved(last, decision(3, last))
