@@ -180,6 +180,20 @@ class Coordinator:
                         self._round.withdraw(rank)
                 return self._complete_if_ready(now, None)
 
+    def undecodable(self, peer: bytes, detail: str, now: float) -> Sequence[Send]:
+        """A message from member `peer` did not decode (a report over the size limits, a
+        value out of range of its type): a protocol violation by that rank, which fails the
+        group at once with a `ProtocolError` naming it (the others would otherwise wait out
+        the step timeout and blame it as late). As with a lost rank, only an open round's
+        ranks are sent the failure now; the others get it when they next report. Nothing for
+        a peer that holds no rank, or once the group has failed."""
+        rank = self._peer_rank.get(peer)
+        if rank is None or self._state is _S.FAILED:
+            return _NOTHING
+        waiting = self._state is _S.ROUND_OPEN
+        sends = self._fail(ProtocolError(f"undecodable message: {detail}", rank=rank), now)
+        return sends if waiting else _NOTHING
+
     def next_deadline(self) -> float | None:
         """When `on_deadline` must next be called, or None."""
         if self._round is None:
@@ -213,6 +227,11 @@ class Coordinator:
         """Group failures so far (as in the snapshot): the daemon compares it once per drain,
         which costs nothing, and builds a snapshot only when it moved."""
         return self._failures
+
+    @property
+    def decisions(self) -> int:
+        """Rounds decided so far (as in the snapshot), without building one."""
+        return self._decisions
 
     def holders(self) -> list[bytes]:
         """Every peer that holds a rank: this epoch's members, and the ranks of a failed epoch

@@ -90,6 +90,11 @@ REJECT_HINTS = {
         "set the connection's routing id (ZMQ_ROUTING_ID) to a random value that does not "
         "start with a zero byte (coordd's client uses 16 random bytes as URL-safe text)"
     ),
+    "group_unexpected": (
+        "coordd admits only the groups its deployment expects (--groups / COORDD_GROUPS: names "
+        "or fnmatch patterns, by default vLLM's dp-tp*-pp*, enginecore and the client's "
+        "default): add this group's name there, or fix the rank's group name"
+    ),
     "group_limit": (
         "coordd serves at most --max-groups groups (COORDD_MAX_GROUPS): raise it, or find "
         "what registers so many group names (vLLM: one per TP/PP position, plus the engine cores)"

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from coordd.core.defaults import (
+    DEFAULT_GROUPS,
     DEFAULT_HANDSHAKE_RATE,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_GROUPS,
@@ -199,6 +200,15 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         help="most named groups served at once (each its own rounds; vLLM: one per TP/PP "
         f"position plus the engine cores); a Hello for one more is refused "
         f"(default {DEFAULT_MAX_GROUPS})",
+    )
+    p.add_argument(
+        "--groups",
+        type=_paths,
+        default=_env("groups", list(DEFAULT_GROUPS), _paths),
+        help="comma list of the group names (or fnmatch patterns) this deployment expects; a "
+        "Hello for another group is refused (group_unexpected), and an exact name always gets "
+        f"a slot under --max-groups (default {','.join(DEFAULT_GROUPS)}: vLLM's worker groups, "
+        "its engine cores and the plain client's default; '*' admits any name)",
     )
     p.add_argument(
         "--expect-groups",
@@ -385,6 +395,7 @@ def serve(args: argparse.Namespace) -> int:
                 on_rank_loss=OnRankLoss(args.on_rank_loss),
                 max_groups=args.max_groups,
                 expect_groups=args.expect_groups,
+                groups=args.groups,
                 heartbeat_interval=args.heartbeat_interval,
                 heartbeat_timeout=args.heartbeat_timeout,
                 context=context,

@@ -71,10 +71,11 @@ class Guard:
             log, "silent connection closed", level=logging.INFO, clock=clock
         )
         self._cut_log = Aggregated(log, "flooding peer cut off", clock=clock)
+        self._member_log = Aggregated(log, "member cut off", clock=clock)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        for aggregated in (self._evicted_log, self._expired_log, self._cut_log):
+        for aggregated in (self._evicted_log, self._expired_log, self._cut_log, self._member_log):
             aggregated.schedule = loop.call_later
         if self.memory is not None:
             self.memory.start(loop)
@@ -130,6 +131,15 @@ class Guard:
         now = self.clock()
         if admission.stranger_message(peer, fd, now):
             self.act(lambda: admission.cut(peer, fd, now))
+
+    def cut_member(self, peer: bytes, fd: int, detail: str) -> bool:
+        """End member `peer`'s connection on `fd` (a protocol violation: over its share of
+        messages, or junk); True if it was shut down (else the next check tries again)."""
+        done = self.act(lambda: self.admission.member_shut(fd, peer))
+        if not done:
+            return False
+        self._member_log(peer=peer_label(peer), detail=detail)
+        return True
 
     def enforce_cap(self) -> None:
         """Over the cap: close the oldest connections that hold no rank (the server calls

@@ -87,10 +87,44 @@ class IpcSocket:
             os.chmod(self.path, self.mode)  # the umask did it; this says so to a reader
             self.bound = _file_identity(os.lstat(self.path))
 
+    @property
+    def paused_path(self) -> str:
+        return self.path + ".paused"
+
+    def pause(self) -> bool:
+        """Stop new connections without touching the open ones: the bound socket's file is
+        renamed aside (a connect() then finds no file and its client retries; libzmq's
+        listener keeps its socket). Safe from any thread (a file rename, no ZeroMQ call).
+        True if it was paused now."""
+        if self.bound is None:
+            return False
+        try:
+            if _file_identity(os.lstat(self.path)) != self.bound:
+                return False
+            os.rename(self.path, self.paused_path)
+            self.bound = _file_identity(os.lstat(self.paused_path))  # a rename moves ctime
+        except OSError:
+            return False
+        return True
+
+    def resume(self) -> bool:
+        """Undo `pause` (only the file coordd bound); True if it was resumed now."""
+        if self.bound is None:
+            return False
+        try:
+            if _file_identity(os.lstat(self.paused_path)) != self.bound:
+                return False
+            os.rename(self.paused_path, self.path)
+            self.bound = _file_identity(os.lstat(self.path))
+        except OSError:
+            return False
+        return True
+
     def release(self) -> None:
         """Remove the socket if it is still the one coordd bound, then the lock; idempotent."""
         if self.lock_fd < 0:
             return
+        self.resume()
         if self.bound is not None:
             with contextlib.suppress(FileNotFoundError):
                 if _file_identity(os.lstat(self.path)) == self.bound:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import zmq
 
 from coordd.core import defaults
-from coordd.core.admission import Admission
+from coordd.core.admission import MEMBER_CHECK, Admission
 from coordd.core.logs import Aggregated
 from coordd.core.peers import peer_label
 from coordd.core.registry import (
@@ -51,6 +51,7 @@ from coordd.core.registry import (
     Deliver,
     GroupCreated,
     GroupDropped,
+    GroupRules,
     Lost,
     Refuse,
     Registering,
@@ -102,6 +103,8 @@ _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 #: The socket's send without pyzmq's Python wrapper (`zmq.Socket.send` checks its DRAFT
 #: routing_id/group arguments in Python before it calls this): a round sends 2 * dp frames.
 _send_frame = zmq.backend.Socket.send
+#: A member's message count is checked against its share when it is a multiple of this.
+_MEMBER_MASK = MEMBER_CHECK - 1
 
 #: Most messages handled in one turn of the event loop: then the loop runs its timers (step
 #: timeouts), the HTTP endpoints and the monitor, and the drain goes on at its next turn. One
@@ -137,7 +140,9 @@ class CoordServer:
 
     Groups share `dp_size`, `step_timeout` and `on_rank_loss`; `max_groups` bounds how many
     exist (a Hello for another one is refused with `group_limit`, unless a group without
-    members can make room), and `expect_groups` is how many must be formed for /readyz."""
+    members can make room, or `groups` names it exactly), `groups` (names and fnmatch
+    patterns) which groups are admitted at all, and `expect_groups` how many must be formed
+    for /readyz."""
 
     def __init__(
         self,
@@ -148,6 +153,7 @@ class CoordServer:
         on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
         max_groups: int = defaults.DEFAULT_MAX_GROUPS,
         expect_groups: int = 0,
+        groups: Sequence[str] = defaults.DEFAULT_GROUPS,
         heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT,
         context: zmq.Context | None = None,
@@ -181,6 +187,7 @@ class CoordServer:
             max_groups=max_groups,
             step_timeout=step_timeout,
             on_rank_loss=on_rank_loss,
+            rules=GroupRules(groups),
         )
         #: The groups by name, in the order they were created.
         self.groups = self.registry.groups
@@ -300,6 +307,7 @@ class CoordServer:
             memory_refused=None if gate is None else gate.refused,
             rate_refused=None if gate is None or gate.rate is None else gate.rate.refused,
             curve_refused=None if self.curve_refused is None else self.curve_refused(),
+            closed_violation=guard.violations,
         )
 
     def takeovers_refused(self) -> Counter[tuple[str, str]]:
@@ -366,7 +374,7 @@ class CoordServer:
             return True
         now = self.clock()
         if now >= admission.window_end:
-            admission.new_window(now)
+            self._new_window(now)
         sock = self._sock
         stats = self.stats
         clock = self.clock
@@ -374,6 +382,7 @@ class CoordServer:
         peer_group = registry.peer_group
         peer_fd = registry.peer_fd
         touched = self._touched
+        member_counts = admission.member_counts
         # what connections coordd shut down still have queued: dropped undecoded (a flood's
         # backlog; ~1 us a message instead of ~4); not at debug level (a line per bad frame)
         shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
@@ -406,24 +415,66 @@ class CoordServer:
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
-                self._bad_frame(peer, str(exc), frame)
-                continue
-            if type(message) is Hello:
-                self._on_hello(peer, message, frame)
+                if self._bad_frame(peer, str(exc), frame):
+                    return True  # a member cut off: the next drain drops what it queued
                 continue
             group = peer_group.get(peer)
             if group is None:
+                # a stranger: its Hellos count toward the flood cut-off as much as the rest
                 self.guard.stranger_sent(peer, frame.get(_SRCFD))
-                self._from_stranger(peer, message)
+                if type(message) is Hello:
+                    self._on_hello(peer, message, frame)
+                else:
+                    self._from_stranger(peer, message)
                 continue
             # registry.speaks_for, inlined: only over the connection that said its Hello
             fd = peer_fd.get(peer)
-            if fd is not None and frame.get(_SRCFD) != fd:
+            srcfd = frame.get(_SRCFD)
+            if fd is None:
+                # its registering connection closed: a stranger now, for the cut-off
+                self.guard.stranger_sent(peer, srcfd)
+            elif srcfd != fd:
                 address = frame_address(frame)
                 self._carry_out(registry.other_connection(peer, message, address, clock()))
                 continue
+            else:
+                # a member's input is bounded too (one report per round, and a few more)
+                count = member_counts.get(peer, 0) + 1
+                member_counts[peer] = count
+                if not count & _MEMBER_MASK and self._member_over(peer, group, fd, count):
+                    return True  # cut off: the next drain drops what it queued undecoded
+            if type(message) is Hello:
+                self._on_hello(peer, message, frame)
+                continue
             touched.add(group)
             self._send(group.coordinator.receive(peer, message, clock()), group.observer)
+        return True
+
+    def _new_window(self, now: float) -> None:
+        """A new one-second window of message counts: each group's rounds so far are the
+        base its members' shares are reckoned from."""
+        self.connections.new_window(now)
+        for group in self.groups.values():
+            coordinator = group.coordinator
+            group.window_rounds = coordinator.decisions + coordinator.failures
+
+    def _member_over(self, peer: bytes, group: Group, fd: int, count: int) -> bool:
+        """Member `peer` has sent `count` messages over `fd` in this window: if that is over
+        its share (`Admission.member_over`), end its connection (its rank is lost, nothing
+        else is touched); True if it was cut off."""
+        coordinator = group.coordinator
+        rounds = coordinator.decisions + coordinator.failures - group.window_rounds
+        if not self.connections.member_over(count, rounds):
+            return False
+        # (over the connection that registered it: a member, or one that left its group
+        # and kept the connection; either is cut off alone)
+        detail = (
+            f"protocol violation: {count} messages in under a second, over a rank's share "
+            f"(its group had {rounds} rounds in that time; a rank sends one report a round)"
+        )
+        if not self.guard.cut_member(peer, fd, detail):
+            return False
+        self._carry_out(self.registry.violation(peer, detail, self.clock()))
         return True
 
     def _drop_parts(self) -> bool:
@@ -494,7 +545,7 @@ class CoordServer:
             elif type(action) is Lost:
                 self.stats.disconnects += 1
                 if action.group is not None:
-                    action.group.observer.lost(action.rank, action.peer, "connection closed")
+                    action.group.observer.lost(action.rank, action.peer, action.detail)
             elif type(action) is GroupCreated:
                 self.events.group_created(
                     action.group.name, action.epoch, action.groups, self.max_groups
@@ -529,15 +580,30 @@ class CoordServer:
 
     # -- peers that hold no rank ------------------------------------------------------------
 
-    def _bad_frame(self, peer: bytes, why: str, frame: zmq.Frame | None = None) -> None:
-        if frame is not None and peer not in self.registry.peer_group:
-            self.guard.stranger_sent(peer, frame.get(_SRCFD))
+    def _bad_frame(self, peer: bytes, why: str, frame: zmq.Frame | None = None) -> bool:
+        """A frame that did not decode: from a member over its connection, a protocol
+        violation that fails its group's round at once naming it (and counts toward its
+        share, so junk floods are cut off); from anyone else, a stranger's message. True if
+        a member was cut off."""
+        cut = False
+        if frame is not None:
+            srcfd = frame.get(_SRCFD)
+            group = self.registry.member(peer, srcfd)
+            if group is None:
+                self.guard.stranger_sent(peer, srcfd)
+            else:
+                self._carry_out(self.registry.undecodable(peer, srcfd, why, self.clock()))
+                counts = self.connections.member_counts
+                count = counts[peer] = counts.get(peer, 0) + 1
+                if not count & _MEMBER_MASK:
+                    cut = self._member_over(peer, group, srcfd, count)
         self.stats.bad_frames += 1
         # One line each only at --log-level debug (the chaos checker counts them); the
         # warning is aggregated: a flood costs a few lines.
         label = peer_label(peer)
         log.debug("dropped a bad frame from %s: %s", label, why)
         self._bad_frame_log(peer=label, why=why, total=self.stats.bad_frames)
+        return cut
 
     def _from_stranger(self, peer: bytes, message: ToCoordinator) -> None:
         """Answer a peer that registered with no group (`Admission.answer`)."""

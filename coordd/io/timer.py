@@ -19,6 +19,8 @@ class Group:
     coordinator: Coordinator
     observer: Observer
     deadline: float | None = None
+    #: its rounds (decided and failed) when the current message-count window began
+    window_rounds: int = 0
 
 
 class Deadlines:

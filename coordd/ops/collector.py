@@ -203,7 +203,8 @@ class CoorddCollector:
             "coordd_connections_closed",
             "Connections that held no rank, shut down by coordd: over --max-connections "
             "(cap), flooding (flood), from a process cut off for flooding (banned), or silent: "
-            "no Hello within the stranger grace (silent)",
+            "no Hello within the stranger grace (silent); and members' connections ended for a "
+            "protocol violation: over a rank's share of messages (violation)",
             labels=["reason"],
         )
         for reason, n in (
@@ -211,6 +212,7 @@ class CoorddCollector:
             ("flood", s.closed_flood),
             ("banned", s.closed_banned),
             ("silent", s.closed_silent),
+            ("violation", s.closed_violation),
         ):
             closed.add_metric([reason], n)
         yield closed

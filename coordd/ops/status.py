@@ -49,16 +49,32 @@ def group_readiness(snap: GroupSnapshot) -> tuple[bool, str]:
     return True, f"{present}/{snap.dp_size} ranks registered"
 
 
+def holds_back(snap: GroupSnapshot) -> bool:
+    """Whether a failed group holds /readyz at 503: it was a formed group (it served rounds,
+    or every rank was in when it failed) and ranks of it are still connected. One that never
+    formed (a peer's group of its own, one rank of dp) is only not formed, and one whose ranks
+    all left serves nobody: a peer that fails a group and leaves cannot keep coordd out of
+    service (the expected groups' count, `--expect-groups`, still does)."""
+    failure = snap.failure
+    if failure is None or not snap.members:
+        return False
+    if snap.decisions > 0:
+        return True
+    lost = len(failure.culprits) if failure.reason is FailReason.LOST else 0
+    return len(snap.members) + lost >= snap.dp_size
+
+
 def readiness(groups: Mapping[str, GroupSnapshot], expect_groups: int = 0) -> tuple[bool, str]:
-    """coordd is ready (/readyz 200) when no group is failed and at least `expect_groups`
-    groups (at least one when 0) are formed; a group still forming, or empty because its ranks
-    left, holds nothing back once enough others are formed. The reason names the group."""
+    """coordd is ready (/readyz 200) when no group holds it back (`holds_back`: failed, with
+    ranks still connected) and at least `expect_groups` groups (at least one when 0) are
+    formed; a group still forming, or empty because its ranks left, holds nothing back once
+    enough others are formed. The reason names the group."""
     want = max(1, expect_groups)
     formed = 0
     waiting: tuple[str, str] | None = None
     for name, snap in groups.items():
         ready, why = group_readiness(snap)
-        if snap.failure is not None:
+        if holds_back(snap):
             return False, f"group {name} {why}"
         if ready:
             formed += 1

@@ -167,7 +167,8 @@ def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> N
     proc = CoorddProcess(
         4,
         f"ipc://{tmp_path}/c.sock",
-        ["--log-level", "warning", "--max-rss-mb", "64", "--metrics-port", str(port)],
+        ["--log-level", "warning", "--max-rss-mb", "64", "--metrics-port", str(port),
+         "--groups", "default,after"],
     ).start()
     try:
         with HonestRounds(proc.address, 4) as ranks, ProcessGauge(proc.pid, 0.01) as gauge:
@@ -385,7 +386,8 @@ def test_connections_open_during_a_garbage_burst_are_not_cut_off_for_its_backlog
     proc = CoorddProcess(
         4,
         f"ipc://{tmp_path}/c.sock",
-        ["--log-level", "error", "--max-rss-mb", "64", "--metrics-port", str(port)],
+        ["--log-level", "error", "--max-rss-mb", "64", "--metrics-port", str(port),
+         "--groups", "default,idle*"],
     ).start()
     try:
         with HonestRounds(proc.address, 4) as ranks:

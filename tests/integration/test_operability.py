@@ -276,8 +276,10 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
     assert metric(m, "coordd_faults_total", group="default", reason="lost") == 1
     assert metric(m, "coordd_ready") == 0
     code, body = fetch(c.url + "/readyz", 5)
-    # the ranks closed cleanly (Goodbye): still fail-stop, but said as an orderly departure
-    assert code == 503 and body.startswith(b"group default stopped at seq"), body
+    # the ranks closed cleanly (Goodbye): still fail-stop, but said as an orderly departure;
+    # every rank left, so it is a group not formed (one that holds ranks would hold /readyz)
+    assert code == 503 and body.startswith(b"0/1 groups formed: group default has stopped at "
+                                            b"seq"), body
     assert b"left the group (closed cleanly)" in body and b"connect() again" in body
     (failure,) = status(c.url)["groups"][0]["recent_failures"]
     assert failure["reason"] == "lost" and failure["seq"] == rounds
@@ -385,7 +387,7 @@ def test_json_fault_lines_carry_group_epoch_seq_kind_and_ranks(
 ) -> None:
     log = tmp_path / "coordd.log"
     c = coordd("serve", "--dp", "2", "--bind", f"ipc://{tmp_path}/c.sock",
-               "--log-format", "json", stderr=log)
+               "--log-format", "json", "--groups", "g7", stderr=log)
     ranks = [CoordClient(c.address, dp_rank=r, dp_size=2, group="g7") for r in range(2)]
     try:
         for r in ranks:
