@@ -97,7 +97,7 @@ def _takes(action: argparse.Action) -> str:
     if kind is float:
         return "a number"
     if kind is _paths:
-        return "a comma list of paths"
+        return "a comma list"
     return "a string"
 
 
@@ -204,7 +204,7 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--groups",
         type=_paths,
-        default=_env("groups", list(DEFAULT_GROUPS), _paths),
+        default=_env("groups", list(DEFAULT_GROUPS)),
         help="comma list of the group names (or fnmatch patterns) this deployment expects; a "
         "Hello for another group is refused (group_unexpected), and an exact name always gets "
         f"a slot under --max-groups (default {','.join(DEFAULT_GROUPS)}: vLLM's worker groups, "
