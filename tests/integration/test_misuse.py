@@ -112,6 +112,17 @@ def _busy_port() -> tuple[socket.socket, int]:
     return held, held.getsockname()[1]
 
 
+def test_an_ipc_bind_into_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    """Before: `--bind ipc:///nonexistent/dir/x.sock` made the directories, said "coordd
+    ready" and left them behind."""
+    done = run_coordd("--dp", "1", "--bind", f"ipc://{tmp_path}/nonexistent/dir/x.sock")
+    line = one_line_refusal(done)
+    assert line.startswith(f"coordd: --bind ipc://{tmp_path}/nonexistent/dir/x.sock: "), line
+    assert f"directory {tmp_path}/nonexistent/dir does not exist" in line
+    assert "coordd ready" not in done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_every_bad_bind_is_one_line_naming_the_option_and_the_fix(tmp_path: Path) -> None:
     """Before: raw ZMQError tracebacks (and exit code 1 only by accident of the traceback)."""
     held, port = _busy_port()
@@ -166,6 +177,8 @@ def test_a_client_given_a_bad_address_gets_a_coord_error() -> None:
         with pytest.raises(CoordinatorUnavailable) as caught:
             CoordClient(address, dp_rank=0, dp_size=2)
         assert isinstance(caught.value, CoordError) and says in str(caught.value)
+        # the hint is about the address, not "check that coordd is running"
+        assert "--bind" in caught.value.hint and "running" not in caught.value.hint
 
 
 def test_no_coordd_says_what_was_tried_and_why(tmp_path: Path,
@@ -222,19 +235,21 @@ def test_a_refused_curve_key_fails_at_the_handshake(tmp_path: Path) -> None:
     args = ["--curve-secret-key", str(keys / "coordd.key_secret"),
             "--curve-client-keys", str(keys / "rank.key"), "--log-level", "error"]
     with CoorddProcess(1, "tcp://127.0.0.1:*", args) as coordd:
-        for server, client, says in [
-            ("coordd", "stranger", "refused this rank's CURVE key"),
-            ("stranger", "rank", "CURVE handshake failed"),
+        for server, client, says, hint in [
+            ("coordd", "stranger", "refused this rank's CURVE key", "--curve-client-keys"),
+            ("stranger", "rank", "CURVE handshake failed", "COORDD_CURVE_SERVER_KEY"),
         ]:
             curve = CurveKeys.from_files(str(keys / f"{server}.key"),
                                          str(keys / f"{client}.key_secret"))
             c = CoordClient(coordd.address, dp_rank=0, dp_size=1, curve=curve)
             began = time.monotonic()
             try:
-                with pytest.raises(CoordinatorUnavailable, match=says):
+                with pytest.raises(CoordinatorUnavailable, match=says) as caught:
                     c.connect(timeout=30)
             finally:
                 c.close()
+            assert hint in caught.value.hint and "running" not in caught.value.hint
+            assert caught.value.__notes__ == [f"hint: {caught.value.hint}"]
             assert time.monotonic() - began < 15, "it waited for the timeout"
 
 
@@ -507,7 +522,7 @@ def test_the_readme_client_snippet_runs_as_pasted(tmp_path: Path) -> None:
     """Before: the snippet used ipc:///run/coordd/coordd.sock (not coordd's default) and
     placeholders; now it must run as it stands against `coordd --dp 1` at the default address."""
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme[readme.index("### The client"):]
+    section = readme[readme.index("## The client inside an engine"):]
     snippet = section[section.index("```python\n") + 10:section.index("```\n", 10)]
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
     env.pop("COORDD_ADDRESS", None)

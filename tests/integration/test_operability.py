@@ -445,6 +445,8 @@ def test_a_busy_metrics_port_stops_coordd_with_a_clear_error(tmp_path: Path) -> 
         done = coordd_cli("serve", "--dp", "1", "--bind", f"ipc://{tmp_path}/c.sock",
                           "--metrics-port", str(port))
     assert done.returncode == 1
-    assert f"cannot serve HTTP on 127.0.0.1:{port}" in done.stderr
+    # named as the option to change (before: "cannot serve HTTP on ...: [Errno 98] ...")
+    assert f"coordd: --metrics-port {port}: 127.0.0.1:{port} is in use" in done.stderr
+    assert "[Errno" not in done.stderr and "0 for any free one" in done.stderr
     unreachable = coordd_cli("status", "--url", f"http://127.0.0.1:{port}", "--timeout", "2")
     assert unreachable.returncode == 2 and "cannot reach coordd" in unreachable.stderr

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordd.cli.status import render
+from coordd.cli.status import probe_line, render
 from coordd.core.admission import Admission
 from coordd.core.defaults import STATUS_RANK_ROWS
 from coordd.core.logs import JsonFormatter, event, fault_fields, setup_logging
@@ -444,6 +444,26 @@ def test_status_document_and_table() -> None:
         ["0", "registered", "10.0.0.0"],
         ["1", "registered", "10.0.0.1"],
     ]
+
+
+def test_status_table_and_probe_escape_a_peers_strings() -> None:
+    """Before: an incarnation or gather site with ESC, BEL or CR was printed raw: it could
+    retitle the terminal, clear it, or forge "ready: yes" (issue 21, item 11)."""
+    evil = "x\x1b]0;owned\x07\x1b[2J\rready: yes\nfake"
+    d = registered(2)
+    d.report(0, 0, 101.0)
+    doc = json.loads(json.dumps(status_document(d)))  # type: ignore[arg-type]
+    doc["groups"][0]["ranks"][0]["incarnation"] = evil
+    doc["groups"][0]["round"] = {"open": True, "kind": evil, "reported": 1, "age_s": 1.0}
+    doc["ready_detail"] = evil
+    table = render(doc)
+    assert not set("\x1b\x07\r") & set(table)
+    assert "\\x1b]0;owned\\x07" in table and "\\rready: yes\\nfake" in table
+    lines = table.splitlines()
+    assert len([line for line in lines if line.startswith("ready:")]) == 1  # none forged
+    assert not [line for line in lines if line.startswith("fake")]
+    line = probe_line("readyz", 503, evil.encode())
+    assert "\n" not in line and "\x1b" not in line and line.startswith("readyz: 503 x\\x1b")
 
 
 def test_endpoints_answer_get_head_and_refuse_the_rest() -> None:
