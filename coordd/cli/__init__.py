@@ -410,7 +410,7 @@ def serve(args: argparse.Namespace) -> int:
         if gate is not None:
             server.curve_refused = lambda: gate.refused
             if any(bound is not None for bound in gate.ranks.values()):
-                server.rank_keys = gate.rank_refusal
+                server.registry.rank_keys = gate.rank_refusal
 
         async def main() -> None:
             stop = asyncio.Event()

@@ -19,6 +19,8 @@ from coordd.io.identity import new_router
 from coordd.io.listen import BindError, IpcSocket, check_bind, explain_bind_failure
 from coordd.proto.messages import MAX_MESSAGE_BYTES
 
+_NOBLOCK_INT = int(zmq.NOBLOCK)
+
 
 def prepare_ipc_path(address: str, mode: int = 0o600) -> IpcSocket | None:
     """For ipc://, claim the path (`coordd.io.listen.IpcSocket`: the directory, the lock beside
@@ -136,3 +138,18 @@ def open_router(
             if gate is not None:
                 gate.on_handshake = watch.poke
     return Router(sock, monitor, bound, gate, ipc, watch)
+
+
+def drop_parts(sock: zmq.Socket, budget: int) -> tuple[bool, int]:
+    """Drop parts of the multipart message being read from `sock`, up to `budget`: (whether
+    its last part is gone, parts dropped). libzmq hands a message over only whole, so every
+    part is there: no wait."""
+    dropped = 0
+    try:
+        while dropped < budget:
+            dropped += 1
+            if not sock.recv(_NOBLOCK_INT, copy=False).more:
+                return True, dropped
+    except zmq.Again:  # pragma: no cover - a message is delivered whole
+        return True, dropped - 1
+    return False, dropped

@@ -59,9 +59,9 @@ from coordd.core.registry import (
     group_name_problem,
 )
 from coordd.io import limits
-from coordd.io.guard import Guard
+from coordd.io.guard import Guard, shell_counters
 from coordd.io.identity import frame_address
-from coordd.io.router import open_router, prepare_ipc_path
+from coordd.io.router import drop_parts, open_router, prepare_ipc_path
 from coordd.io.timer import Deadlines, Group
 from coordd.ops.observer import Observer, ServerEvents
 from coordd.ops.view import ShellCounters
@@ -132,6 +132,15 @@ class ServerStats:
     parts_dropped: int = 0
 
 
+def _check_sizes(dp_size: int, max_groups: int, expect_groups: int) -> None:
+    if not 1 <= dp_size <= MAX_DP_SIZE:
+        raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
+    if max_groups < 1:
+        raise ValueError(f"max_groups must be >= 1, got {max_groups}")
+    if not 0 <= expect_groups <= max_groups:
+        raise ValueError(f"expect_groups must be in 0..max_groups ({max_groups})")
+
+
 class CoordServer:
     """Serve every DP group on one ROUTER socket bound to `address`: the I/O shell around the
     group registry (`coordd.core.registry`) and the admission of strangers
@@ -166,12 +175,7 @@ class CoordServer:
         max_handshake_rate: float = 0,
         stranger_grace: float = defaults.STRANGER_GRACE,
     ) -> None:
-        if not 1 <= dp_size <= MAX_DP_SIZE:
-            raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
-        if max_groups < 1:
-            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
-        if not 0 <= expect_groups <= max_groups:
-            raise ValueError(f"expect_groups must be in 0..max_groups ({max_groups})")
+        _check_sizes(dp_size, max_groups, expect_groups)
         self.address = address
         self.dp_size = dp_size
         self.step_timeout = step_timeout
@@ -248,16 +252,6 @@ class CoordServer:
         self._drained = self._deadlines.drained
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    @property
-    def rank_keys(self) -> Callable[[str, int], str | None] | None:
-        """With CURVE keys bound to ranks: why a connection's key (its ZAP User-Id) may not
-        register as a rank, or None (`coordd.io.curve.CurveGate.rank_refusal`)."""
-        return self.registry.rank_keys
-
-    @rank_keys.setter
-    def rank_keys(self, check: Callable[[str, int], str | None] | None) -> None:
-        self.registry.rank_keys = check
-
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then say goodbye to every rank and close."""
         self._loop = asyncio.get_running_loop()
@@ -290,24 +284,8 @@ class CoordServer:
 
     def counters(self) -> ShellCounters:
         """The shell's counts now, for metrics and /status (`coordd.ops.view.ServerView`)."""
-        stats, guard = self.stats, self.connections
-        gate = self.gate
-        return ShellCounters(
-            frames_in=stats.frames_in,
-            frames_out=stats.frames_out,
-            bad_frames=stats.bad_frames,
-            disconnects=stats.disconnects,
-            connections_open=len(guard.open),
-            closed_cap=guard.evicted,
-            closed_flood=guard.cut_off,
-            closed_banned=guard.refused,
-            closed_silent=guard.expired,
-            closed_messages_dropped=guard.dropped_shut,
-            memory_shed=None if self.memory is None else self.memory.stats.shed_connections,
-            memory_refused=None if gate is None else gate.refused,
-            rate_refused=None if gate is None or gate.rate is None else gate.rate.refused,
-            curve_refused=None if self.curve_refused is None else self.curve_refused(),
-            closed_violation=guard.violations,
+        return shell_counters(
+            self.stats, self.connections, self.memory, self.gate, self.curve_refused
         )
 
     def takeovers_refused(self) -> Counter[tuple[str, str]]:
@@ -374,7 +352,7 @@ class CoordServer:
             return True
         now = self.clock()
         if now >= admission.window_end:
-            self._new_window(now)
+            self.guard.new_window(now, self.groups.values())
         sock = self._sock
         stats = self.stats
         clock = self.clock
@@ -450,50 +428,22 @@ class CoordServer:
             self._send(group.coordinator.receive(peer, message, clock()), group.observer)
         return True
 
-    def _new_window(self, now: float) -> None:
-        """A new one-second window of message counts: each group's rounds so far are the
-        base its members' shares are reckoned from."""
-        self.connections.new_window(now)
-        for group in self.groups.values():
-            coordinator = group.coordinator
-            group.window_rounds = coordinator.decisions + coordinator.failures
-
     def _member_over(self, peer: bytes, group: Group, fd: int, count: int) -> bool:
-        """Member `peer` has sent `count` messages over `fd` in this window: if that is over
-        its share (`Admission.member_over`), end its connection (its rank is lost, nothing
-        else is touched); True if it was cut off."""
-        coordinator = group.coordinator
-        rounds = coordinator.decisions + coordinator.failures - group.window_rounds
-        if not self.connections.member_over(count, rounds):
-            return False
-        # (over the connection that registered it: a member, or one that left its group
-        # and kept the connection; either is cut off alone)
-        detail = (
-            f"protocol violation: {count} messages in under a second, over a rank's share "
-            f"(its group had {rounds} rounds in that time; a rank sends one report a round)"
-        )
-        if not self.guard.cut_member(peer, fd, detail):
+        """Member `peer` sent `count` messages over `fd` in this window: over its share, its
+        connection is ended and its rank lost (`Guard.member_over`); True if it was."""
+        detail = self.guard.member_over(peer, group, fd, count)
+        if detail is None:
             return False
         self._carry_out(self.registry.violation(peer, detail, self.clock()))
         return True
 
     def _drop_parts(self) -> bool:
         """Drop parts of the refused multipart message being read, up to DROP_BUDGET; True
-        once its last part is gone. libzmq hands a message over only whole, so every part is
-        there: no wait."""
-        recv = self._sock.recv
-        dropped = 0
-        try:
-            while dropped < DROP_BUDGET:
-                dropped += 1
-                if not recv(_NOBLOCK, copy=False).more:
-                    self._dropping = False
-                    break
-        except zmq.Again:  # pragma: no cover - a message is delivered whole
-            dropped -= 1
-            self._dropping = False
+        once its last part is gone."""
+        done, dropped = drop_parts(self._sock, DROP_BUDGET)
         self.stats.parts_dropped += dropped
-        return not self._dropping
+        self._dropping = not done
+        return done
 
     def _drain_monitor(self) -> bool:
         """Accepted and closed connections (a rank that registered over a closed one is lost,
