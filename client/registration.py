@@ -67,6 +67,9 @@ class ConnectionState(Protocol):
     @property
     def handshake_failure(self) -> str | None: ...
 
+    @property
+    def handshake_hint(self) -> str: ...
+
     def where(self) -> str: ...
 
     def why_unreachable(self) -> str: ...
@@ -112,7 +115,8 @@ class Registration:
         if connection.handshake_refused:  # it fails the same way every retry: say so now
             raise CoordinatorUnavailable(
                 f"coordd refused the connection ({connection.where()}): "
-                f"{connection.handshake_failure}"
+                f"{connection.handshake_failure}",
+                hint=connection.handshake_hint,  # what to do about that refusal
             )
         if now >= self.deadline:
             raise self.no_answer(connection)

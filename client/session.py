@@ -38,6 +38,7 @@ import msgspec
 
 from coordd.client.config import ClientConfig
 from coordd.proto.errors import (
+    UNAVAILABLE_HINTS,
     CoordError,
     CoordinatorUnavailable,
     InvalidAnswer,
@@ -409,7 +410,8 @@ class RankSession:
         if type(msg) is Heartbeat:
             return Pong(msg.nonce)
         if type(msg) is Goodbye:
-            return self.fail(CoordinatorUnavailable(f"coordd said goodbye: {msg.text}"))
+            hint = UNAVAILABLE_HINTS["goodbye"]
+            return self.fail(CoordinatorUnavailable(f"coordd said goodbye: {msg.text}", hint=hint))
         return None
 
     def connection_lost(self) -> GroupFailed | None:

@@ -33,7 +33,7 @@ from coordd.proto.address import (
     resolve_address,
     runtime_dir_problem,
 )
-from coordd.proto.errors import CoordinatorUnavailable
+from coordd.proto.errors import UNAVAILABLE_HINTS, CoordinatorUnavailable
 from coordd.proto.messages import MAX_MESSAGE_BYTES
 
 # Plain ints: pyzmq's constants are enum.Flag members, slow to combine in Python.
@@ -99,16 +99,20 @@ class RankConnection:
             self.endpoint: Endpoint = check_address(address)
         except AddressError as exc:
             raise CoordinatorUnavailable(
-                f"cannot use coordd's address ({self.where()}): {exc}"
+                f"cannot use coordd's address ({self.where()}): {exc}",
+                hint=UNAVAILABLE_HINTS["address"],
             ) from None
         if source == FROM_DEFAULT and self.endpoint.scheme == "ipc":
             problem = runtime_dir_problem(os.path.dirname(self.endpoint.path))
             if problem is not None:
-                raise CoordinatorUnavailable(f"refusing the default address: {problem}")
+                hint = UNAVAILABLE_HINTS["runtime_dir"]
+                raise CoordinatorUnavailable(f"refusing the default address: {problem}", hint=hint)
         if curve is None:
             curve = curve_keys_from_env()
         self.uses_curve = curve is not None
         self.handshake_failure: str | None = None
+        #: What to do about `handshake_failure` (the error's hint).
+        self.handshake_hint = ""
         #: Set when a failed handshake will fail again the same way (connect() stops waiting).
         self.handshake_refused = False
         #: Set once a disconnect was read: libzmq would reconnect under the same routing id,
@@ -230,6 +234,7 @@ class RankConnection:
         took = None if began is None else time.monotonic() - began
         if event & _HANDSHAKE_DEFINITE:
             self.handshake_failure = _explain_handshake(event, value, self.uses_curve, tcp)
+            self.handshake_hint = _handshake_hint(event, self.uses_curve, tcp)
             self.handshake_refused = True
         elif took is not None and took >= _STALL_AFTER:
             # coordd admits it later: connect() tries again until its own deadline
@@ -237,6 +242,7 @@ class RankConnection:
             self._no_detail = 0
         else:
             self.handshake_failure = _explain_handshake(event, value, self.uses_curve, tcp)
+            self.handshake_hint = _handshake_hint(event, self.uses_curve, tcp)
             if tcp:
                 self._no_detail += 1
                 self.handshake_refused = self._no_detail >= _NO_DETAIL_LIMIT
@@ -350,6 +356,28 @@ def _explain_stall(took: float) -> str:
         f"{took:.1f} s after the connection was made, as coordd does while it is over its "
         "memory budget (--max-rss-mb) or its handshake rate (--max-handshake-rate); see its log"
     )
+
+
+def _handshake_hint(event: int, curve: bool, tcp: bool) -> str:
+    """What to do about a failed handshake (`_explain_handshake` says what failed)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (
+            f"give the rank a key coordd admits ({CLIENT_KEY_ENV}: a key file coordd's "
+            "--curve-client-keys lists, for this dp_rank), or add its public key there"
+        )
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return (
+            f"use CURVE on both sides or on neither: with coordd's --curve-secret-key set "
+            f"{SERVER_KEY_ENV} and {CLIENT_KEY_ENV} on the rank; without it, unset them"
+        )
+    if not tcp:
+        return "check that what serves the socket is coordd (its log; coordd status)"
+    if not curve:
+        return (
+            f"if coordd runs with --curve-secret-key, set {SERVER_KEY_ENV} and {CLIENT_KEY_ENV};"
+            " else see coordd's log for refused handshakes"
+        )
+    return f"set {SERVER_KEY_ENV} to coordd's public key (the .key file of its key pair)"
 
 
 def _explain_handshake(event: int, value: int, curve: bool, tcp: bool = True) -> str:

@@ -12,6 +12,13 @@ Fail-stop: the first fault ends the round for every rank with one `StepFailed`; 
 stays FAILED, and every later report gets that same failure at once, until a rank registers
 again, which opens a new epoch.
 
+A clean exit is not a fault: a rank that says Goodbye between rounds leaves the group (its rank
+is `left`), and once every registered rank has left so, the group is STOPPED, with no failure
+counted (`departures` and `stops` count them instead). A report while a rank has left fails
+the group at once with `RankLost(left the group)` naming it (the round could never complete),
+and so does a Goodbye while a round is open; a connection closed without a Goodbye is a lost
+rank, as before. The next Hello after a stop opens a new epoch.
+
 Elastic (`OnRankLoss.NEUTRALIZE`): a lost rank is left out instead; it counts as a neutral
 value in every later decision (`dead_ranks`, as vLLM's `neutralize_dead_dp_columns` in
 vllm/v1/worker/dp_utils.py does), its peer gets `RankLost` if it reports without registering,
@@ -124,6 +131,10 @@ class Coordinator:
         self._held: dict[int, Member] = {}
         self._held_rank: dict[bytes, int] = {}
         self._dead: frozenset[int] = frozenset()
+        #: Ranks of this epoch that said Goodbye between rounds (left cleanly).
+        self._left: frozenset[int] = frozenset()
+        self._departures = 0
+        self._stops = 0
         self._round: Round | None = None
         self._queued: list[tuple[bytes, Hello]] = []  # lost ranks back mid-round (elastic)
         self._failure: StepFailed | None = None
@@ -146,8 +157,29 @@ class Coordinator:
         if type(message) is Heartbeat:
             return (Send((peer,), message),)
         if type(message) is Goodbye:
-            return self.peer_lost(peer, now, detail=LEFT_THE_GROUP)
+            return self._on_goodbye(peer, now)
         raise TypeError(f"not a message to the coordinator: {message!r}")
+
+    def _on_goodbye(self, peer: bytes, now: float) -> Sequence[Send]:
+        """A rank leaves in order. Between rounds that is no fault: the rank is `left`, and
+        the group STOPPED once no rank is registered. With a round open (its peers wait on
+        it) or the group failed, it is a loss like any other, said as a departure."""
+        rank = self._peer_rank.get(peer)
+        if rank is None or self._state is not _S.IDLE:
+            return self.peer_lost(peer, now, detail=LEFT_THE_GROUP)
+        self._remove(rank)
+        self._departures += 1
+        self._left |= {rank}
+        if not self._members:
+            self._move(_E.STOP)
+            self._stops += 1
+            self._dead = frozenset()
+            self._left = frozenset()
+            return _NOTHING
+        self._move(_E.DEPART)
+        if self.on_rank_loss is OnRankLoss.NEUTRALIZE:
+            self._dead |= {rank}  # elastic: left out of later rounds, like a lost rank
+        return _NOTHING
 
     def peer_lost(self, peer: bytes, now: float, detail: str = "disconnected") -> Sequence[Send]:
         """The transport says `peer` is gone (closed, or missed heartbeats)."""
@@ -169,6 +201,7 @@ class Coordinator:
                 self._move(_E.DISBAND)
                 self._round = None
                 self._dead = frozenset()
+                self._left = frozenset()
                 return self._rejoin_queued(now)
             case _:
                 self._move(_E.LEAVE)
@@ -179,6 +212,20 @@ class Coordinator:
                     if self._round is not None:
                         self._round.withdraw(rank)
                 return self._complete_if_ready(now, None)
+
+    def undecodable(self, peer: bytes, detail: str, now: float) -> Sequence[Send]:
+        """A message from member `peer` did not decode (a report over the size limits, a
+        value out of range of its type): a protocol violation by that rank, which fails the
+        group at once with a `ProtocolError` naming it (the others would otherwise wait out
+        the step timeout and blame it as late). As with a lost rank, only an open round's
+        ranks are sent the failure now; the others get it when they next report. Nothing for
+        a peer that holds no rank, or once the group has failed."""
+        rank = self._peer_rank.get(peer)
+        if rank is None or self._state is _S.FAILED:
+            return _NOTHING
+        waiting = self._state is _S.ROUND_OPEN
+        sends = self._fail(ProtocolError(f"undecodable message: {detail}", rank=rank), now)
+        return sends if waiting else _NOTHING
 
     def next_deadline(self) -> float | None:
         """When `on_deadline` must next be called, or None."""
@@ -209,10 +256,20 @@ class Coordinator:
         return self._state
 
     @property
+    def stops(self) -> int:
+        """Times every rank left the group cleanly (as in the snapshot)."""
+        return self._stops
+
+    @property
     def failures(self) -> int:
         """Group failures so far (as in the snapshot): the daemon compares it once per drain,
         which costs nothing, and builds a snapshot only when it moved."""
         return self._failures
+
+    @property
+    def decisions(self) -> int:
+        """Rounds decided so far (as in the snapshot), without building one."""
+        return self._decisions
 
     def holders(self) -> list[bytes]:
         """Every peer that holds a rank: this epoch's members, and the ranks of a failed epoch
@@ -245,6 +302,9 @@ class Coordinator:
                 last_failure=self._failure,
                 failures=self._failures,
                 decisions=self._decisions,
+                left=self._left,
+                departures=self._departures,
+                stops=self._stops,
                 last_round=self._last_round,
             )
         return snap
@@ -261,7 +321,8 @@ class Coordinator:
         if self._state is _S.FAILED:
             return _E.LEAVE
         if not self._members:
-            return _E.DISBAND
+            # the last rank lost: a loss after others left cleanly is still a fault
+            return _E.FAIL if self._left - self._dead else _E.DISBAND
         if self.on_rank_loss is OnRankLoss.NEUTRALIZE:
             return _E.LEAVE
         return _E.FAIL
@@ -287,14 +348,22 @@ class Coordinator:
             )
             return (Send((peer,), self._failure_of(error, report)),)
         rnd = self._round
+        decided = self._decided
+        if (
+            report.seq != self._seq
+            and decided is not None
+            and report.seq == decided.round.seq
+            and decided.round.reports[rank] == report
+        ):
+            return (Send((peer,), decided.decision),)
+        gone = self._left - self._dead
+        if gone:
+            # A peer left cleanly and this rank still syncs: that round can never complete.
+            # Nobody else waits between rounds: each rank gets the failure when it reports.
+            self._fail(RankLost(sorted(gone), LEFT_THE_GROUP), now, report)
+            assert self._failure is not None
+            return (Send((peer,), self._failure),)
         if report.seq != self._seq:
-            decided = self._decided
-            if (
-                decided is not None
-                and report.seq == decided.round.seq
-                and decided.round.reports[rank] == report
-            ):
-                return (Send((peer,), decided.decision),)
             expected = report.label if rnd is None else rnd.label
             return self._fail(
                 StepMismatch(rank, self._seq, expected, report.seq, report.label), now, report
@@ -436,6 +505,8 @@ class Coordinator:
             return (Send((peer,), reject_message(error)),)
         if self._state is _S.FAILED:
             self._reform()
+        elif self._state is _S.STOPPED:
+            self._restart()
         if hello.dp_rank in self._dead and self._state is _S.ROUND_OPEN:
             return self._queue(peer, hello)
         return self._join(peer, hello, now)
@@ -452,6 +523,7 @@ class Coordinator:
 
     def _join(self, peer: bytes, hello: Hello, now: float) -> Sequence[Send]:
         self._move(_E.JOIN)
+        self._left -= {hello.dp_rank}
         held = self._held.pop(hello.dp_rank, None)
         if held is not None:
             del self._held_rank[held.peer]
@@ -490,8 +562,16 @@ class Coordinator:
             self._held_rank[member.peer] = rank
         self._members.clear()
         self._peer_rank.clear()
+        self._left = frozenset()
         self._members_changed()
         # `_dead` stays: in elastic mode the new epoch goes on without the ranks that are gone.
+
+    def _restart(self) -> None:
+        """The first Hello after every rank left cleanly: a new epoch, the next seq."""
+        self._move(_E.REFORM)
+        self._epoch += 1
+        self._left = frozenset()
+        self._members_changed()
 
     def _members_changed(self) -> None:
         self._peers = None

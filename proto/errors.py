@@ -57,7 +57,7 @@ class CoordError(Exception):
 
 
 def _fields(error: CoordError) -> dict[str, object]:
-    return {k: v for k, v in vars(error).items() if k != "__notes__"}
+    return {k: v for k, v in vars(error).items() if k not in ("__notes__", "hint")}
 
 
 def _ranks(ranks: Iterable[int]) -> tuple[int, ...]:
@@ -89,6 +89,11 @@ REJECT_HINTS = {
     "routing_id": (
         "set the connection's routing id (ZMQ_ROUTING_ID) to a random value that does not "
         "start with a zero byte (coordd's client uses 16 random bytes as URL-safe text)"
+    ),
+    "group_unexpected": (
+        "coordd admits only the groups its deployment expects (--groups / COORDD_GROUPS: names "
+        "or fnmatch patterns, by default vLLM's dp-tp*-pp*, enginecore and the client's "
+        "default): add this group's name there, or fix the rank's group name"
     ),
     "group_limit": (
         "coordd serves at most --max-groups groups (COORDD_MAX_GROUPS): raise it, or find "
@@ -280,6 +285,28 @@ class StepTimeout(CoordError):
         return cls(msg.culprits, msg.timeout)
 
 
+#: `CoordinatorUnavailable` hints for causes that "check that coordd runs" does not fix.
+UNAVAILABLE_HINTS = {
+    "address": (
+        "write the address as coordd's --bind is written: ipc:///path/to/coordd.sock or "
+        "tcp://host:port (IPv6: tcp://[::1]:port)"
+    ),
+    "runtime_dir": (
+        "make the runtime directory one of this user's own (not a symlink), or set "
+        "COORDD_ADDRESS to the address coordd binds"
+    ),
+    "closed": "this client was closed: make a new one (a closed client does not reopen)",
+    "superseded": "start the round again: connect() ended every round started before it",
+    "goodbye": "coordd was stopped: start it again (or wait for its restart), then connect()",
+}
+#: The hints of the client's fixed details (`client.sync`'s "client closed",
+#: `client.session.SUPERSEDED`; tests/unit/test_messages.py holds them to those constants).
+_DETAIL_HINTS = {
+    "client closed": UNAVAILABLE_HINTS["closed"],
+    "superseded by connect()": UNAVAILABLE_HINTS["superseded"],
+}
+
+
 class CoordinatorUnavailable(CoordError):
     """coordd cannot be reached, shut down, or restarted (its new epoch ends the old rounds).
 
@@ -291,8 +318,13 @@ class CoordinatorUnavailable(CoordError):
     reason = "unavailable"
     hint = "check that coordd is running and reachable at the client's address, then connect()"
 
-    def __init__(self, detail: str) -> None:
+    def __init__(self, detail: str, *, hint: str = "") -> None:
+        """`hint`: what to do about this cause, where the raiser knows better than the class's
+        (a malformed address, a refused key: no point checking that coordd runs)."""
         self.detail = detail
+        hint = hint or _DETAIL_HINTS.get(detail, "")
+        if hint:
+            self.hint = hint
         super().__init__(detail)
 
     def wire_fields(self) -> dict[str, Any]:

@@ -9,6 +9,8 @@ state is a bug in the coordinator, and fails loudly here rather than corrupting 
     IDLE         JOIN     IDLE         another rank registered (or one said Hello again)
     IDLE         OPEN     ROUND_OPEN   the first report of the next seq arrived
     IDLE         LEAVE    IDLE         a rank was lost and is left out (elastic)
+    IDLE         DEPART   IDLE         a rank said Goodbye; the others are still registered
+    IDLE         STOP     STOPPED      the last registered rank said Goodbye: every rank left
     IDLE         DISBAND  EMPTY        the last rank was lost
     IDLE         FAIL     FAILED       a fault between rounds (a lost rank, a skipped seq)
     ROUND_OPEN   JOIN     ROUND_OPEN   a rank that was never in the round registered
@@ -20,6 +22,7 @@ state is a bug in the coordinator, and fails loudly here rather than corrupting 
     ROUND_OPEN   FAIL     FAILED       a fault ends the round for every rank
     FAILED       LEAVE    FAILED       a rank was lost while the group waits to re-form
     FAILED       REFORM   EMPTY        a rank registered again: a new epoch, no members yet
+    STOPPED      REFORM   EMPTY        a rank registered after the group stopped: a new epoch
 
 REFORM is no fresh start: the Hello that causes it passed the same checks as a first
 registration, against the failed epoch's ranks whose connections are still open; those keep
@@ -27,6 +30,13 @@ their ranks and the group's settings in the new epoch until they register again 
 (the coordinator's `_held`), so EMPTY after a REFORM still binds a Hello to the settings of
 the ranks still connected. Only with no rank held by any live connection does a Hello set new
 settings.
+
+A clean exit is not a fault. A rank that says Goodbye between rounds leaves (DEPART); once every
+registered rank has left so, the group is STOPPED, and no failure is counted. What can still
+fail after a departure is a round: a rank that reports while a peer has left (the round could
+never complete) fails the group at once with RankLost naming the rank that left, and so does a
+Goodbye while a round is open (its peers are waiting on it). A connection that closes without
+a Goodbye is a lost rank, as ever.
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ class GroupState(str, enum.Enum):
     ROUND_OPEN = "round_open"
     #: Fail-stop: every report gets the failure until a rank registers again.
     FAILED = "failed"
+    #: Every rank of the epoch left cleanly (Goodbye between rounds): not a failure. The next
+    #: Hello starts a new epoch.
+    STOPPED = "stopped"
 
 
 class GroupEvent(str, enum.Enum):
@@ -62,6 +75,8 @@ class GroupEvent(str, enum.Enum):
     FAIL = "fail"
     LEAVE = "leave"
     DISBAND = "disband"
+    DEPART = "depart"
+    STOP = "stop"
 
 
 _S, _E = GroupState, GroupEvent
@@ -77,6 +92,8 @@ TRANSITIONS: Mapping[GroupState, Mapping[GroupEvent, GroupState]] = MappingProxy
                 _E.LEAVE: _S.IDLE,
                 _E.DISBAND: _S.EMPTY,
                 _E.FAIL: _S.FAILED,
+                _E.DEPART: _S.IDLE,
+                _E.STOP: _S.STOPPED,
             }
         ),
         _S.ROUND_OPEN: MappingProxyType(
@@ -91,6 +108,7 @@ TRANSITIONS: Mapping[GroupState, Mapping[GroupEvent, GroupState]] = MappingProxy
             }
         ),
         _S.FAILED: MappingProxyType({_E.LEAVE: _S.FAILED, _E.REFORM: _S.EMPTY}),
+        _S.STOPPED: MappingProxyType({_E.REFORM: _S.EMPTY}),
     }
 )
 

@@ -81,6 +81,8 @@ class RejectReason(str, enum.Enum):
     #: The connection's routing id starts with a zero byte: ZeroMQ's names for peers that set
     #: none (see coordd.io.gate for why such a connection cannot be a rank).
     ROUTING_ID = "routing_id"
+    #: The group is not one the deployment expects (coordd's --groups names and patterns).
+    GROUP_UNEXPECTED = "group_unexpected"
 
 
 class FailReason(str, enum.Enum):

@@ -56,11 +56,22 @@ class GroupSnapshot:
     #: Rounds decided so far.
     decisions: int
     last_round: CompletedRound | None
+    #: Ranks of this epoch that left cleanly (Goodbye between rounds) while others stay.
+    left: frozenset[int] = frozenset()
+    #: Goodbyes between rounds so far (orderly departures, not failures).
+    departures: int = 0
+    #: Times every registered rank left cleanly (the group STOPPED) so far.
+    stops: int = 0
 
     @property
     def failure(self) -> StepFailed | None:
         """The failure every report gets now, or None when the group is not failed."""
         return self.last_failure if self.state is GroupState.FAILED else None
+
+    @property
+    def stopped(self) -> bool:
+        """Every rank of the epoch left cleanly: an orderly end, not a failure."""
+        return self.state is GroupState.STOPPED
 
     @property
     def group(self) -> Hello | None:

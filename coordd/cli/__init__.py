@@ -8,26 +8,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import importlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from coordd.core.defaults import (
+    DEFAULT_GROUPS,
     DEFAULT_HANDSHAKE_RATE,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_GROUPS,
     DEFAULT_MAX_HTTP_CONNECTIONS,
     DEFAULT_MAX_RSS_MB,
+    DEFAULT_METRICS_PORT,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
     STEP_TIMEOUT,
     STRANGER_GRACE,
 )
 from coordd.proto.address import default_address
+from coordd.proto.messages import MAX_DP_SIZE
 from coordd.proto.snapshot import OnRankLoss
 
 if TYPE_CHECKING:
@@ -59,14 +64,70 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _env(option: str, default: Any, kind: Callable[[str], Any] = str) -> Any:
-    raw = os.environ.get("COORDD_" + option.upper().replace("-", "_"))
-    if raw is None:
-        return default
-    try:
-        return kind(raw)
-    except ValueError:
-        raise SystemExit(f"coordd: bad value {raw!r} for COORDD_{option.upper()}") from None
+class _Default:
+    """An option's default, which its environment variable overrides: read once parsing is
+    done (`apply_env`), so a bad variable breaks only the command that uses it (`coordd
+    status` is not `serve`), and is refused as the flag would be, naming the variable."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _env(option: str, default: Any) -> _Default:
+    return _Default(default)
+
+
+def env_var(dest: str) -> str:
+    """The environment variable of option `dest` (`step_timeout` -> COORDD_STEP_TIMEOUT)."""
+    return "COORDD_" + dest.upper()
+
+
+def _takes(action: argparse.Action) -> str:
+    """What an option takes, as its refusal says it."""
+    if action.choices is not None:
+        return "one of " + ", ".join(str(c) for c in action.choices)
+    if isinstance(action, argparse._StoreTrueAction):
+        return "1/0, true/false, yes/no or on/off"
+    kind = action.type
+    if kind is int:
+        return "a whole number"
+    if kind is float:
+        return "a number"
+    if kind is _paths:
+        return "a comma list"
+    return "a string"
+
+
+def apply_env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Give every option not on the command line its environment variable's value (checked as
+    its flag is, one line on a bad one: the variable, what it got, what it takes), else its
+    default. `args.from_env` maps each flag that took its variable's value to the variable."""
+    from_env: dict[str, str] = {}
+    for action in parser._actions:
+        current = getattr(args, action.dest, None)
+        if not isinstance(current, _Default):
+            continue
+        var = env_var(action.dest)
+        raw = os.environ.get(var)
+        if raw is None:
+            setattr(args, action.dest, current.value)
+            continue
+        flag = action.option_strings[-1]
+        try:
+            if isinstance(action, argparse._StoreTrueAction):
+                value: Any = _flag(raw)
+            else:
+                value = action.type(raw) if callable(action.type) else raw
+            if action.choices is not None and value not in action.choices:
+                raise ValueError(raw)
+        except (ValueError, TypeError):
+            raise SystemExit(f"coordd: {var}={raw!r}: {flag} takes {_takes(action)}") from None
+        setattr(args, action.dest, value)
+        from_env[flag] = var
+    args.from_env = from_env
 
 
 def _flag(raw: str) -> bool:
@@ -83,58 +144,76 @@ def _paths(raw: str) -> list[str]:
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
-    dp = _env("dp", None, int)
-    p.add_argument("--dp", type=int, default=dp, required=dp is None, help="data-parallel size")
+    """`coordd serve`'s options; each also comes from COORDD_<OPTION> (`apply_env`)."""
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=_env("dp", None),
+        required=env_var("dp") not in os.environ,
+        help=f"data-parallel size: the ranks of every group (1..{MAX_DP_SIZE}; required)",
+    )
     p.add_argument(
         "--bind",
         default=_env("bind", None),
-        help="ipc://PATH or tcp://HOST:PORT, IPv6 as tcp://[::1]:PORT (default: ipc in a "
-        "private runtime dir)",
+        help="ipc://PATH or tcp://HOST:PORT, IPv6 as tcp://[::1]:PORT (default: "
+        "ipc://$XDG_RUNTIME_DIR/coordd/coordd.sock, else /tmp/coordd-$UID/coordd.sock)",
     )
     p.add_argument(
         "--ipc-mode",
         choices=["600", "660"],
         default=_env("ipc_mode", "600"),
-        help="the ipc socket's permissions, whatever the umask: 600 (coordd's user only, the "
-        "default) or 660 (also the group of the socket's directory: ranks of another uid in "
-        "that group, e.g. a pod's fsGroup)",
+        help="the ipc socket's permissions, whatever the umask: 600 (coordd's user only) or "
+        "660 (also the group of the socket's directory: ranks of another uid in that group, "
+        "e.g. a pod's fsGroup) (default 600)",
     )
     p.add_argument(
         "--step-timeout",
         type=float,
-        default=_env("step_timeout", STEP_TIMEOUT, float),
-        help="seconds a round may stay open after its first report",
+        default=_env("step_timeout", STEP_TIMEOUT),
+        help="seconds a round may stay open after its first report; then the ranks not "
+        f"reported are named in StepTimeout (default {STEP_TIMEOUT:g})",
     )
     p.add_argument(
         "--heartbeat-interval",
         type=float,
-        default=_env("heartbeat_interval", HEARTBEAT_INTERVAL, float),
-        help="ZMTP heartbeat, seconds",
+        default=_env("heartbeat_interval", HEARTBEAT_INTERVAL),
+        help=f"ZMTP heartbeat interval, seconds (default {HEARTBEAT_INTERVAL:g})",
     )
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=_env("heartbeat_timeout", HEARTBEAT_TIMEOUT, float),
-        help="a rank silent this long is lost, seconds",
+        default=_env("heartbeat_timeout", HEARTBEAT_TIMEOUT),
+        help="a connection silent this long is closed and its rank lost, seconds; at least "
+        f"the interval (default {HEARTBEAT_TIMEOUT:g})",
     )
     p.add_argument(
         "--on-rank-loss",
         choices=[m.value for m in OnRankLoss],
         default=_env("on_rank_loss", OnRankLoss.FAIL.value),
-        help="fail: end the group (default); neutralize: leave the rank out",
+        help="fail: a lost rank ends the group's rounds; neutralize: leave the rank out "
+        "(default fail)",
     )
     p.add_argument(
         "--max-groups",
         type=int,
-        default=_env("max_groups", DEFAULT_MAX_GROUPS, int),
+        default=_env("max_groups", DEFAULT_MAX_GROUPS),
         help="most named groups served at once (each its own rounds; vLLM: one per TP/PP "
         f"position plus the engine cores); a Hello for one more is refused "
         f"(default {DEFAULT_MAX_GROUPS})",
     )
     p.add_argument(
+        "--groups",
+        type=_paths,
+        default=_env("groups", list(DEFAULT_GROUPS)),
+        help="comma list of the group names (or fnmatch patterns) this deployment expects; a "
+        "Hello for another group is refused (group_unexpected), and an exact name always gets "
+        f"a slot under --max-groups (default {','.join(DEFAULT_GROUPS)}: vLLM's worker groups, "
+        "its engine cores and the plain client's default; '*' admits any name)",
+    )
+    p.add_argument(
         "--expect-groups",
         type=int,
-        default=_env("expect_groups", 0, int),
+        default=_env("expect_groups", 0),
         help="/readyz turns ready once this many groups are formed (default 0: once any one "
         "is); a failed group always makes it not ready",
     )
@@ -142,19 +221,21 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         "--log-level",
         default=_env("log_level", "info"),
         choices=["debug", "info", "warning", "error"],
+        help="the least severe log lines written (default info)",
     )
     p.add_argument(
         "--log-format",
         default=_env("log_format", "text"),
         choices=["text", "json"],
-        help="text, or one JSON object per line (fault lines carry group, epoch, seq, kind, ranks)",
+        help="text, or one JSON object per line (fault lines carry group, epoch, seq, kind, "
+        "ranks) (default text)",
     )
     p.add_argument(
         "--metrics-port",
         type=int,
-        default=_env("metrics_port", None, int),
+        default=_env("metrics_port", None),
         help="serve /metrics, /livez, /readyz and /status over HTTP on this port "
-        "(0: any free port; default: off; the deploy files use 9180)",
+        f"(0: any free port; default: off; the deploy files use {DEFAULT_METRICS_PORT})",
     )
     p.add_argument(
         "--metrics-host",
@@ -164,21 +245,23 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--curve-secret-key",
         default=_env("curve_secret_key", None),
-        help="coordd's CURVE key pair file (NAME.key_secret from `coordd keygen`)",
+        help="coordd's CURVE key pair file (NAME.key_secret from `coordd keygen`) (default: "
+        "none; a tcp bind then needs --insecure)",
     )
     p.add_argument(
         "--curve-client-keys",
         type=_paths,
-        default=_env("curve_client_keys", [], _paths),
+        default=_env("curve_client_keys", []),
         help="comma list of client public key files (NAME.key) or directories of them: "
         "coordd admits only these; a file named rank<N>.key, or an entry N=PATH, admits its "
-        "key(s) for dp_rank N only",
+        "key(s) for dp_rank N only (default: none)",
     )
     p.add_argument(
         "--insecure",
         action="store_true",
-        default=_env("insecure", False, _flag),
-        help="allow a tcp bind without CURVE (any host that reaches the port can join)",
+        default=_env("insecure", False),
+        help="allow a tcp bind without CURVE (any host that reaches the port can join) "
+        "(default off)",
     )
     add_limit_options(p)
 
@@ -190,21 +273,21 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-connections",
         type=int,
-        default=_env("max_connections", DEFAULT_MAX_CONNECTIONS, int),
+        default=_env("max_connections", DEFAULT_MAX_CONNECTIONS),
         help="most ZeroMQ connections held at once; over it the oldest that registered no rank "
         f"is closed (default {DEFAULT_MAX_CONNECTIONS}; lowered to fit the NOFILE limit)",
     )
     p.add_argument(
         "--max-http-connections",
         type=int,
-        default=_env("max_http_connections", DEFAULT_MAX_HTTP_CONNECTIONS, int),
-        help="most HTTP connections held at once; one more is closed at once "
-        f"(default {DEFAULT_MAX_HTTP_CONNECTIONS})",
+        default=_env("max_http_connections", DEFAULT_MAX_HTTP_CONNECTIONS),
+        help="most HTTP connections held at once; at the cap, the one that has waited longest "
+        f"for its request is closed (default {DEFAULT_MAX_HTTP_CONNECTIONS})",
     )
     p.add_argument(
         "--max-rss-mb",
         type=int,
-        default=_env("max_rss_mb", DEFAULT_MAX_RSS_MB, int),
+        default=_env("max_rss_mb", DEFAULT_MAX_RSS_MB),
         help="memory budget: while coordd's resident memory is over this many MB, connections "
         "that registered no rank are closed, new connections are refused in their handshake "
         "(they retry), and freed memory is given back to the OS; registered ranks are never "
@@ -213,7 +296,7 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-handshake-rate",
         type=float,
-        default=_env("max_handshake_rate", DEFAULT_HANDSHAKE_RATE, float),
+        default=_env("max_handshake_rate", DEFAULT_HANDSHAKE_RATE),
         help="most new connections admitted a second, from all peers together (one peer "
         f"address or process: 1/{round(1 / SOURCE_SHARE)} of it), after a burst of "
         "--max-connections (one source: the same share of it, at least 64); more wait and "
@@ -245,6 +328,14 @@ def fit_limits(args: argparse.Namespace, log: logging.Logger) -> ConnectionCaps:
     return caps
 
 
+def _source(args: argparse.Namespace, refusal: str) -> str:
+    """' (from COORDD_X)' if the option a refusal names took its value from the environment."""
+    for flag, var in getattr(args, "from_env", {}).items():
+        if refusal.startswith(flag + " ") or refusal.startswith(flag + ":"):
+            return f" (from {var})"
+    return ""
+
+
 def check_server_args(args: argparse.Namespace) -> bool:
     """Reject unsafe, incomplete or out-of-range option sets before anything starts, with one
     line naming the option (exit code 1); True if CURVE is on."""
@@ -255,7 +346,7 @@ def check_server_args(args: argparse.Namespace) -> bool:
     try:
         check_serve(args)
     except OptionError as exc:
-        raise SystemExit(f"coordd: {exc}") from None
+        raise SystemExit(f"coordd: {exc}{_source(args, str(exc))}") from None
     bind = args.bind or default_address()
     try:
         check_bind(bind)
@@ -304,6 +395,7 @@ def serve(args: argparse.Namespace) -> int:
                 on_rank_loss=OnRankLoss(args.on_rank_loss),
                 max_groups=args.max_groups,
                 expect_groups=args.expect_groups,
+                groups=args.groups,
                 heartbeat_interval=args.heartbeat_interval,
                 heartbeat_timeout=args.heartbeat_timeout,
                 context=context,
@@ -318,7 +410,7 @@ def serve(args: argparse.Namespace) -> int:
         if gate is not None:
             server.curve_refused = lambda: gate.refused
             if any(bound is not None for bound in gate.ranks.values()):
-                server.rank_keys = gate.rank_refusal
+                server.registry.rank_keys = gate.rank_refusal
 
         async def main() -> None:
             stop = asyncio.Event()
@@ -334,8 +426,7 @@ def serve(args: argparse.Namespace) -> int:
                     await endpoints.start(args.metrics_host, args.metrics_port)
                 except OSError as exc:
                     server.close()
-                    where = f"{args.metrics_host}:{args.metrics_port}"
-                    raise SystemExit(f"coordd: cannot serve HTTP on {where}: {exc}") from None
+                    raise SystemExit(f"coordd: {_http_refusal(args, exc)}") from None
             # the ready line comes first: launchers (CoorddProcess) wait for it as line one
             print(f"coordd ready on {server.bound_address}", flush=True)
             if endpoints is not None:
@@ -350,9 +441,33 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         if gate is not None:
             gate.stop()
-    decided = {name: group.observer.decided for name, group in server.groups.items()}
-    log.info("coordd stopped: rounds decided by group and kind %s", decided)
+    stopped(log, {name: group.observer.decided for name, group in server.groups.items()})
     return 0
+
+
+def stopped(log: logging.Logger, decided: dict[str, dict[str, int]]) -> None:
+    """The last lines: rounds decided in all, then per group by kind, as key=value fields
+    (`rounds decided group=default forward=2 state=1`)."""
+    from coordd.core.logs import event
+
+    total = sum(sum(kinds.values()) for kinds in decided.values())
+    event(log, logging.INFO, "coordd stopped", rounds=total, groups=len(decided))
+    for group, kinds in decided.items():
+        event(log, logging.INFO, "rounds decided", group=group, **dict(sorted(kinds.items())))
+
+
+def _http_refusal(args: argparse.Namespace, exc: OSError) -> str:
+    """One line for HTTP endpoints that cannot start, naming the option to change."""
+    where = f"{args.metrics_host}:{args.metrics_port}"
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"--metrics-port {args.metrics_port}: {where} is in use (another coordd, or "
+            "another service): give another port, or 0 for any free one"
+        )
+    if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(exc, socket.gaierror):
+        return f"--metrics-host {args.metrics_host}: cannot serve HTTP on {where}: {exc.strerror}"
+    why = exc.strerror or exc
+    return f"--metrics-port {args.metrics_port}: cannot serve HTTP on {where}: {why}"
 
 
 def _run(main: Callable[[], Any]) -> None:
@@ -374,14 +489,23 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Subcommand | None]:
         argv.insert(0, "serve")
     parser = argparse.ArgumentParser(prog="coordd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    add_server_options(sub.add_parser("serve", help="run the coordinator (the default)"))
+    serve_parser = sub.add_parser(
+        "serve",
+        help="run the coordinator (the default)",
+        description="Run the coordinator. Every option also comes from COORDD_<OPTION> "
+        "(--step-timeout: COORDD_STEP_TIMEOUT); a flag on the command line wins.",
+    )
+    add_server_options(serve_parser)
     chosen: Subcommand | None = None
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text)
         if argv[0] == name:
             chosen = cast(Subcommand, importlib.import_module(module_name))
             chosen.add_arguments(sub_parser)
-    return parser.parse_args(argv), chosen
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        apply_env(serve_parser, args)
+    return args, chosen
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import urllib.request
 from typing import Any
 
 from coordd.core.defaults import DEFAULT_METRICS_PORT
+from coordd.core.logs import one_line
 
 
 def default_url() -> str:
@@ -23,6 +24,11 @@ def default_url() -> str:
     if url:
         return url
     port = os.environ.get("COORDD_METRICS_PORT") or str(DEFAULT_METRICS_PORT)
+    if not (port.isascii() and port.isdigit() and int(port) <= 65535):
+        raise SystemExit(
+            f"coordd status: COORDD_METRICS_PORT={port!r}: it takes a port number (0..65535), "
+            "the one coordd serves HTTP on (or set --url)"
+        )
     return f"http://127.0.0.1:{port}"
 
 
@@ -77,8 +83,11 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"coordd status: {unreachable(base + path, exc)}", file=sys.stderr)
         return 2 if not args.probe else 1
+    except ValueError as exc:  # http.client.InvalidURL: a port that is not a number
+        print(f"coordd status: --url {args.url!r}: {exc}", file=sys.stderr)
+        return 2
     if args.probe:
-        return _print(f"{args.probe}: {code} {body.decode('utf-8', 'replace').strip()}", code)
+        return _print(probe_line(args.probe, code, body), code)
     if code != 200:
         print(f"coordd status: {base + path} answered {code}", file=sys.stderr)
         return 2
@@ -88,6 +97,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"coordd status: {base + path} did not answer JSON: is it coordd?", file=sys.stderr)
         return 2
     return _print(json.dumps(document, indent=2) if args.json else render(document), 200)
+
+
+def probe_line(probe: str, code: int, body: bytes) -> str:
+    """What `--probe` prints: the endpoint, its status and its body on one line, escaped (the
+    body may quote a peer's strings: a failed group's error text)."""
+    return f"{probe}: {code} {one_line(body.decode('utf-8', 'replace').strip())}"
+
+
+def escaped(value: Any) -> Any:
+    """`value` (the /status document or a part) with every string made safe for a terminal:
+    a control character (ESC, BEL, CR, a newline) in a peer's incarnation, a group name or a
+    gather site is written as an escape, as the logs do (`coordd.core.logs.one_line`), so it
+    cannot retitle the terminal, clear it, or forge a line such as "ready: yes"."""
+    if isinstance(value, str):
+        return one_line(value)
+    if isinstance(value, list):
+        return [escaped(v) for v in value]
+    if isinstance(value, dict):
+        return {escaped(k): escaped(v) for k, v in value.items()}
+    return value
 
 
 def unreachable(url: str, exc: OSError) -> str:
@@ -165,7 +194,9 @@ def rank_footnote(window: int) -> str:
 
 
 def render(doc: dict[str, Any]) -> str:
-    """The status document as a terminal table: coordd, then one block per group."""
+    """The status document as a terminal table: coordd, then one block per group (every
+    string escaped: `escaped`)."""
+    doc = escaped(doc)
     info = doc["coordd"]
     frames = doc["frames"]
     lines = [
@@ -204,6 +235,10 @@ def _group_block(doc: dict[str, Any]) -> list[str]:
     decided = ", ".join(f"{k} {n}" for k, n in sorted(rounds["decided"].items())) or "none"
     failed = sum(rounds["failed"].values())
     lines.append(f"  rounds decided: {decided}; failed: {failed}")
+    if doc.get("left_cleanly"):
+        lines.append(
+            f"  STOPPED: every rank left cleanly (Goodbye) at seq {doc['seq']}; not a failure"
+        )
     if doc["failure"]:
         f = doc["failure"]
         lines.append(

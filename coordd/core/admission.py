@@ -19,6 +19,11 @@ The rules (`coordd.io.limits` says why each exists):
   numbers are reused at once, so what was counted may be a closed connection's backlog, and
   the cut would ban an honest process).
 - What a stranger's message is answered, rate-limited (`answer`).
+- A member's input is bounded too (`member_over`): a rank sends one report per round (and as
+  much again in resends), plus its registration, pings and Goodbye. One that sends more than
+  MEMBER_SLACK messages in a window beyond twice its group's rounds in it (or floods junk,
+  which counts the same) breaks the protocol: its connection is shut (`member_shut`; its rank
+  is lost) and nothing else (no ban, no other connection).
 
 Every decision that names descriptors assumes the monitor was read up to now (every
 descriptor in `open` is then one libzmq holds): the shell makes sure of it where it acts.
@@ -52,6 +57,11 @@ STRANGER_MESSAGES_PER_S = 2000
 #: Which socket a stranger's first message came over is taken again after this long (a peer
 #: that names itself keeps its routing id across connections: its new one is cut in time).
 STRANGER_SOCKET_TTL = 5.0
+#: Messages a member may send in a window beyond two per round its group had in it (Hello,
+#: pings, Goodbye, a resend after a reconnect: a few), and how often (in messages) the drain
+#: checks a member's count against that share: a power of two (the check is a mask).
+MEMBER_SLACK = 1024
+MEMBER_CHECK = 1024
 #: Most entries of each table a peer can grow here (first sockets, cut connections).
 MAX_TRACKED = 4096
 #: Most processes banned at once (the expired ones are dropped first).
@@ -65,6 +75,7 @@ BANNED = "banned"  # accepted from a process cut off for flooding
 FLOOD = "flood"  # a stranger over `flood` messages in a second
 FLOOD_PROCESS = "flood_process"  # another stranger connection of that peer's process
 SILENT = "silent"  # no Hello within the stranger grace
+VIOLATION = "violation"  # a member over its share of messages (or flooding junk)
 
 Ident = Callable[[int], "int | None"]
 Pid = Callable[[int, "int | None"], "int | None"]
@@ -133,6 +144,8 @@ class Admission:
         self.dropped_shut = 0
         #: messages from peers that hold no rank in the current one-second window
         self.counts: dict[bytes, int] = {}
+        #: messages from members in the current window (the drain counts them inline)
+        self.member_counts: dict[bytes, int] = {}
         self.window_end = float("-inf")
         #: the socket each stranger's first message came over (its identity then), and when
         self._first_socket: BoundedMap[bytes, tuple[int | None, float]] = BoundedMap(MAX_TRACKED)
@@ -234,7 +247,25 @@ class Admission:
         """A new one-second window of message counts (the shell asks when `window_end` is
         past, once per drain)."""
         self.counts.clear()
+        self.member_counts.clear()
         self.window_end = now + 1.0
+
+    @staticmethod
+    def member_over(count: int, rounds: int) -> bool:
+        """Whether `count` messages in this window from one member are over its share, when
+        its group had `rounds` rounds (decided or failed) in the window."""
+        return count > MEMBER_SLACK + 2 * rounds
+
+    def member_shut(self, fd: int, peer: bytes) -> list[Shut]:
+        """End member `peer`'s connection on `fd` (its registering one) for a violation."""
+        ident = self.open.get(fd)
+        if ident is None:
+            return []
+        # a stranger from here on, counted afresh: what was kept of it before it registered
+        # (its Hello's socket) would keep its next connection from being cut
+        self.counts.pop(peer, None)
+        self._first_socket.pop(peer, None)
+        return [Shut(fd, ident, VIOLATION, peer)]
 
     def stranger_message(self, peer: bytes, fd: int, now: float) -> bool:
         """Count one message from `peer`, which holds no rank, over descriptor `fd`; True when
@@ -317,6 +348,10 @@ class Admission:
     @property
     def cut_off(self) -> int:
         return self.closed[FLOOD]
+
+    @property
+    def violations(self) -> int:
+        return self.closed[VIOLATION]
 
 
 def _shut(fd: int, ident: int | None, reason: str) -> list[Shut]:

@@ -6,6 +6,7 @@ from coordd.proto.defaults import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, STEP_TI
 
 __all__ = [
     "BAN_SECONDS",
+    "DEFAULT_GROUPS",
     "DEFAULT_HANDSHAKE_RATE",
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_GROUPS",
@@ -24,6 +25,12 @@ __all__ = [
     "STRANGER_GRACE",
 ]
 
+#: The groups a deployment expects (`--groups`: names or fnmatch patterns): vLLM's as the
+#: plugin names them (coordd.vllm.groups: one per TP/PP/PCP position of the workers,
+#: `dp-tp{t}-pp{p}[-pcp{n}][-engine]`, and the engine cores), and the plain client's default
+#: (client.config.ClientConfig.group). An exact name always gets a group slot (`--max-groups`
+#: bounds the groups admitted by a pattern); `dp-tp0-pp0` is named exactly for that.
+DEFAULT_GROUPS = ("dp-tp0-pp0", "enginecore", "default", "dp-tp*-pp*")
 #: Most groups one coordd serves (`--max-groups`).
 DEFAULT_MAX_GROUPS = 64
 #: Most ZeroMQ connections (ranks and anything else that connects) held at once.

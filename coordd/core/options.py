@@ -92,6 +92,22 @@ def handshake_rate(value: float) -> float:
     )
 
 
+def group_patterns(patterns: list[str]) -> list[str]:
+    """`--groups`: at least one name or pattern, each one a valid group name."""
+    from coordd.core.registry import MAX_GROUP_NAME, group_name_problem, shown
+
+    if not patterns:
+        raise OptionError("--groups must name at least one group (or pattern; '*': any)")
+    for pattern in patterns:
+        problem = group_name_problem(pattern)
+        if problem is not None:
+            raise OptionError(
+                f"--groups entry {shown(pattern)} cannot name a group ({problem}): each is "
+                f"1..{MAX_GROUP_NAME} printable characters without whitespace"
+            )
+    return patterns
+
+
 def check_serve(args: argparse.Namespace) -> None:
     """Every range of `coordd serve`'s options (`OptionError` for the first one out)."""
     dp_size("--dp", args.dp)
@@ -103,6 +119,7 @@ def check_serve(args: argparse.Namespace) -> None:
             f"--expect-groups must be in 0..--max-groups ({args.max_groups}), "
             f"got {args.expect_groups}"
         )
+    group_patterns(args.groups)
     rss_mb(args.max_rss_mb)
     handshake_rate(args.max_handshake_rate)
     if args.metrics_port is not None:

@@ -8,7 +8,14 @@ tell a group's observer, answer a peer as a stranger); the groups' state machine
 `Deliver`.
 
 The rules:
-- a group name is 1..MAX_GROUP_NAME printable characters without whitespace;
+- a group name is 1..MAX_GROUP_NAME printable characters without whitespace, and names a
+  group the deployment expects (`GroupRules`: `--groups` names and fnmatch patterns); a Hello
+  for another is refused before anything is kept of it (no group, no peer entry, no takeover
+  record under its name): the peer stays a stranger, under the flood cut-off and the grace;
+- a refused Hello leaves nothing behind: only a peer that holds a rank (or waits to rejoin)
+  is in the peer -> group map and the descriptor maps (which exempt it from the grace);
+- `--max-groups` bounds the groups admitted by a pattern; an exactly named group always gets
+  a slot (a group without members is dropped first to make room);
 - a routing id that starts with a zero byte (libzmq's own names, or a peer imitating one)
   never registers (`coordd.io.gate` says why);
 - a message from a routing id counts only if it came over the descriptor its Hello came in
@@ -23,10 +30,12 @@ The rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Generic, Protocol, TypeVar
 
+from coordd.core.defaults import DEFAULT_GROUPS
 from coordd.core.peers import Takeovers
 from coordd.proto.coordinator import Coordinator, Send
 from coordd.proto.errors import Rejected
@@ -54,6 +63,33 @@ def shown(name: str) -> str:
     if group_name_problem(name) is None:
         return name
     return ascii(name[: MAX_GROUP_NAME + 1])
+
+
+_GLOB = frozenset("*?[")
+
+
+class GroupRules:
+    """The groups a deployment expects: exact names and fnmatch patterns (`--groups`).
+    `"*"` admits any valid name (the explicit rule for a deployment that names its own)."""
+
+    def __init__(self, patterns: Iterable[str] = DEFAULT_GROUPS) -> None:
+        self.patterns = tuple(patterns)
+        if not self.patterns:
+            raise ValueError("at least one group name or pattern is needed")
+        for pattern in self.patterns:
+            problem = group_name_problem(pattern)
+            if problem is not None:
+                raise ValueError(f"group pattern {shown(pattern)}: {problem}")
+        #: names without a wildcard: each always gets a group slot
+        self.exact = frozenset(p for p in self.patterns if _GLOB.isdisjoint(p))
+        self._globs = tuple(p for p in self.patterns if not _GLOB.isdisjoint(p))
+
+    def admits(self, name: str) -> bool:
+        """Whether `name` (a valid group name) is one the deployment expects."""
+        return name in self.exact or any(fnmatchcase(name, glob) for glob in self._globs)
+
+    def __str__(self) -> str:
+        return ",".join(self.patterns)
 
 
 class GroupLike(Protocol):
@@ -111,6 +147,7 @@ class Lost(Generic[G]):
     group: G | None
     peer: bytes
     rank: int | None
+    detail: str = "connection closed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +181,7 @@ class Registry(Generic[G]):
         step_timeout: float,
         on_rank_loss: OnRankLoss,
         takeovers: Takeovers | None = None,
+        rules: GroupRules | None = None,
     ) -> None:
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
@@ -152,6 +190,8 @@ class Registry(Generic[G]):
         self.step_timeout = step_timeout
         self.on_rank_loss = on_rank_loss
         self._make_group = make_group
+        #: The groups the deployment expects.
+        self.rules = rules or GroupRules()
         #: Attempts to speak for a rank over a connection that did not register it.
         self.takeovers = takeovers or Takeovers()
         #: With CURVE keys bound to ranks: why a connection's key may not register as a rank,
@@ -197,6 +237,37 @@ class Registry(Generic[G]):
         )
         return [AsStranger(peer, message)]
 
+    def member(self, peer: bytes, fd: int | None) -> G | None:
+        """The group of `peer` if it holds a rank there and `fd` is the descriptor of the
+        connection that registered it (open): the one connection a member's violation may
+        end (a message queued by a closed connection may carry a number reused since)."""
+        registered = self.peer_fd.get(peer)
+        if registered is None or registered != fd:
+            return None
+        group = self.peer_group.get(peer)
+        if group is None or group.coordinator.snapshot().rank_of(peer) is None:
+            return None
+        return group
+
+    def undecodable(self, peer: bytes, fd: int | None, detail: str, now: float) -> list[Action[G]]:
+        """A message from `peer` over `fd` did not decode: from a member over its connection,
+        a protocol violation that fails its group's round at once, naming it."""
+        group = self.member(peer, fd)
+        if group is None:
+            return []
+        return [Deliver(group, group.coordinator.undecodable(peer, detail, now))]
+
+    def violation(self, peer: bytes, detail: str, now: float) -> list[Action[G]]:
+        """Member `peer` broke the input bound (the shell ends its connection): its rank is
+        lost now, with `detail`, and from here on it is a stranger (no peer entry)."""
+        group = self.peer_group.pop(peer, None)
+        self._untrack(peer)  # its close is then no second loss
+        if group is None:
+            return []
+        rank = group.coordinator.snapshot().rank_of(peer)
+        sends = group.coordinator.peer_lost(peer, now, detail)
+        return [Deliver(group, sends), Lost(group, peer, rank, detail)]
+
     # -- Hello -> group -----------------------------------------------------------------------
 
     def hello(
@@ -228,7 +299,10 @@ class Registry(Generic[G]):
             # This routing id's registering connection is open (its close is not reported,
             # and libzmq admits one live connection per id): the Hello came over another one.
             return list(self.other_connection(peer, hello, address, now))
-        self._track(peer, fd)
+        # The name first: nothing is kept, logged or counted under a name not validated.
+        refused = self._name_refused(peer, hello)
+        if refused is not None:
+            return [refused]
         if self.rank_keys is not None:
             why = self.rank_keys(key, hello.dp_rank)
             if why is not None:
@@ -256,24 +330,62 @@ class Registry(Generic[G]):
             actions.append(
                 Deliver(bound, bound.coordinator.peer_lost(peer, now, "joined another group"))
             )
-        self.peer_group[peer] = group
+            del self.peer_group[peer]
         actions.append(Registering(group, peer, hello, address))
         sends = group.coordinator.receive(peer, hello, now)
-        for _, answer in sends:
-            if type(answer) is Reject and answer.reason is RejectReason.RANK_TAKEN:
-                self.takeovers.refuse(
-                    group.name,
-                    Takeovers.RANK_HELD,
-                    rank=hello.dp_rank,
-                    address=address,
-                    peer=peer,
-                    detail=answer.text,
-                    now=now,
-                )
+        refused_here = False
+        for peers, answer in sends:
+            if type(answer) is Reject and peer in peers:
+                refused_here = True
+                if answer.reason is RejectReason.RANK_TAKEN:
+                    self.takeovers.refuse(
+                        group.name,
+                        Takeovers.RANK_HELD,
+                        rank=hello.dp_rank,
+                        address=address,
+                        peer=peer,
+                        detail=answer.text,
+                        now=now,
+                    )
+        if refused_here and peer not in group.coordinator.holders():
+            # Refused, and holds no rank: it stays a stranger (no peer entry, no descriptor
+            # entry: the flood cut-off and the grace apply to it).
+            if self.peer_group.get(peer) is group:
+                del self.peer_group[peer]
+            self._untrack(peer)
+        else:
+            self._track(peer, fd)
+            self.peer_group[peer] = group
         actions.append(Deliver(group, sends))
         if len(self.peer_group) > 2 * self.dp_size * len(self.groups) + 256:
             self._forget_departed()
         return actions
+
+    def _name_refused(self, peer: bytes, hello: Hello) -> Refuse | None:
+        """A Hello whose group name is not valid, or not one the deployment expects (the
+        group itself, once it exists, is expected: it was admitted)."""
+        name = hello.group
+        if name in self.groups:
+            return None
+        problem = group_name_problem(name)
+        if problem is not None:
+            error = Rejected(
+                RejectReason.GROUP.value,
+                f"field group: {shown(name)} cannot name a group ({problem}); a group name is "
+                f"1..{MAX_GROUP_NAME} printable characters without whitespace",
+                expected=f"1..{MAX_GROUP_NAME} printable characters, no whitespace",
+                got=shown(name),
+            )
+            return _refuse(peer, hello, error)
+        if not self.rules.admits(name):
+            error = Rejected(
+                RejectReason.GROUP_UNEXPECTED.value,
+                f"group {name!r} is not one this deployment expects (coordd --groups {self.rules})",
+                expected=str(self.rules),
+                got=name,
+            )
+            return _refuse(peer, hello, error)
+        return None
 
     def _key_refused(self, peer: bytes, hello: Hello, why: str, address: str, now: float) -> Refuse:
         """A Hello over a connection whose CURVE key is bound to other ranks: refused (one
@@ -284,8 +396,10 @@ class Registry(Generic[G]):
             expected="a dp_rank its CURVE key is bound to",
             got=str(hello.dp_rank),
         )
+        # counted under the group only once it exists (bounded by --max-groups): a name
+        # per Hello would be a record, a log line and a metric series per name
         self.takeovers.refuse(
-            shown(hello.group),
+            hello.group if hello.group in self.groups else "-",
             Takeovers.KEY_BOUND,
             rank=hello.dp_rank,
             address=address,
@@ -299,27 +413,21 @@ class Registry(Generic[G]):
         """A new group for `hello`, or None if it was refused (its name, its settings, the
         limit): a Hello that no group would admit creates none. Appends what to carry out."""
         name = hello.group
-        problem = group_name_problem(name)
-        if problem is not None:
-            error = Rejected(
-                RejectReason.GROUP.value,
-                f"field group: {shown(name)} cannot name a group ({problem}); a group name is "
-                f"1..{MAX_GROUP_NAME} printable characters without whitespace",
-                expected=f"1..{MAX_GROUP_NAME} printable characters, no whitespace",
-                got=shown(name),
-            )
-            actions.append(_refuse(peer, hello, error))
-            return None
         try:
             check_basics(hello, self.dp_size)
         except Rejected as refused:
             actions.append(_refuse(peer, hello, refused))
             return None
-        if len(self.groups) >= self.max_groups and not self._evict_one(actions):
+        if (
+            len(self.groups) >= self.max_groups
+            and not self._evict_one(actions)
+            and name not in self.rules.exact
+        ):
             error = Rejected(
                 RejectReason.GROUP_LIMIT.value,
                 f"coordd serves {len(self.groups)} groups, its limit (--max-groups "
-                f"{self.max_groups}): group {name!r} cannot be created",
+                f"{self.max_groups}; a group --groups names exactly always gets a slot): "
+                f"group {name!r} cannot be created",
                 expected=f"at most {self.max_groups} groups",
                 got=f"{len(self.groups) + 1} groups",
             )
@@ -372,6 +480,11 @@ class Registry(Generic[G]):
             self.fd_peer.pop(old, None)
         self.peer_fd[peer] = fd
         self.fd_peer[fd] = peer
+
+    def _untrack(self, peer: bytes) -> None:
+        fd = self.peer_fd.pop(peer, None)
+        if fd is not None and self.fd_peer.get(fd) == peer:
+            del self.fd_peer[fd]
 
     def closed(self, fd: int, now: float) -> list[Action[G]]:
         """The connection on descriptor `fd` closed: the rank that registered over it is lost

@@ -67,6 +67,14 @@ ZAP_VERSION = b"1.0"
 #: client knows for coordd's "not now" (it counts failures 0.5 s or more after connecting as
 #: stalls), and retries until its own deadline. Under coordd's 5 s HANDSHAKE_IVL.
 REFUSAL_DELAY = 1.0
+#: Most refusals held REFUSAL_DELAY at once (`HandshakeGate.max_stalled`; the server sets a
+#: quarter of its connection cap). Each holds a descriptor while it waits (and its client's
+#: handshake stalls up to HANDSHAKE_IVL): a reconnect storm (10 processes x 192 DEALERs) kept
+#: ~1,900 of them and libzmq aborted coordd on EMFILE in its ipc accept (ipc_listener.cpp:297)
+#: at a NOFILE of 1024. Past this many, a refusal is answered at once: its connection closes
+#: and frees its descriptor within milliseconds (the client retries after its reconnect
+#: interval); only the storm's own connections go that way, an honest rank's still waits.
+MAX_STALLED = 256
 #: The ZAP status texts of the temporary refusals (status 300).
 REFUSAL = b"coordd is over its memory budget (--max-rss-mb): try again"
 RATE_REFUSAL = b"coordd admits at most --max-handshake-rate handshakes a second: try again"
@@ -109,6 +117,11 @@ class HandshakeGate:
         self.refused = 0
         self.admitted = 0
         self.bad_keys = 0
+        #: refusals answered at once, with MAX_STALLED already held (`max_stalled`)
+        self.hurried = 0
+        self.max_stalled = MAX_STALLED
+        #: told of every handshake (the descriptor watch: `coordd.io.limits.DescriptorWatch`)
+        self.on_handshake: Callable[[], None] | None = None
         self._context_id = id(context)
         self._sock = context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -212,6 +225,11 @@ class HandshakeGate:
             if len(envelope) < 2:  # pragma: no cover - libzmq sends id, delimiter, request
                 continue
             peer, empty, *request = envelope
+            if self.on_handshake is not None:
+                try:
+                    self.on_handshake()
+                except Exception:  # pragma: no cover - the watch logs its own failures
+                    log.exception("descriptor watch failed")
             try:
                 answer = self.decide(request)
             except Exception:  # a bug here must not stop every future handshake
@@ -219,8 +237,10 @@ class HandshakeGate:
                 request_id = request[1] if len(request) > 1 else b""
                 answer = [ZAP_VERSION, request_id, b"500", b"internal error", b"", b""]
             if answer[2] == b"300":
-                later.append((time.monotonic() + REFUSAL_DELAY, [peer, empty, *answer]))
-                continue
+                if len(later) < self.max_stalled:
+                    later.append((time.monotonic() + REFUSAL_DELAY, [peer, empty, *answer]))
+                    continue
+                self.hurried += 1  # each held refusal holds a descriptor: answered now
             try:
                 sock.send_multipart([peer, empty, *answer])
             except zmq.ZMQError:  # pragma: no cover

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection, Iterable
+from typing import TYPE_CHECKING
 
 from coordd.core import defaults
 from coordd.core.admission import FLOOD, Admission, Shut
@@ -16,6 +17,11 @@ from coordd.core.logs import Aggregated
 from coordd.core.peers import peer_label
 from coordd.io import limits, memory
 from coordd.io.gate import HandshakeGate
+from coordd.io.timer import Group
+from coordd.ops.view import ShellCounters
+
+if TYPE_CHECKING:
+    from coordd.io.server import ServerStats
 
 log = logging.getLogger("coordd")
 
@@ -71,10 +77,11 @@ class Guard:
             log, "silent connection closed", level=logging.INFO, clock=clock
         )
         self._cut_log = Aggregated(log, "flooding peer cut off", clock=clock)
+        self._member_log = Aggregated(log, "member cut off", clock=clock)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        for aggregated in (self._evicted_log, self._expired_log, self._cut_log):
+        for aggregated in (self._evicted_log, self._expired_log, self._cut_log, self._member_log):
             aggregated.schedule = loop.call_later
         if self.memory is not None:
             self.memory.start(loop)
@@ -131,6 +138,38 @@ class Guard:
         if admission.stranger_message(peer, fd, now):
             self.act(lambda: admission.cut(peer, fd, now))
 
+    def cut_member(self, peer: bytes, fd: int, detail: str) -> bool:
+        """End member `peer`'s connection on `fd` (a protocol violation: over its share of
+        messages, or junk); True if it was shut down (else the next check tries again)."""
+        done = self.act(lambda: self.admission.member_shut(fd, peer))
+        if not done:
+            return False
+        self._member_log(peer=peer_label(peer), detail=detail)
+        return True
+
+    def new_window(self, now: float, groups: Iterable[Group]) -> None:
+        """A new one-second window of message counts: each group's rounds so far are the
+        base its members' shares are reckoned from."""
+        self.admission.new_window(now)
+        for group in groups:
+            coordinator = group.coordinator
+            group.window_rounds = coordinator.decisions + coordinator.failures
+
+    def member_over(self, peer: bytes, group: Group, fd: int, count: int) -> str | None:
+        """Member `peer` has sent `count` messages over `fd` in this window: if that is over
+        its share (`Admission.member_over`), end its connection (over the connection that
+        registered it: a member, or one that left its group and kept the connection; either
+        is cut off alone). The violation's detail if it was cut off, else None."""
+        coordinator = group.coordinator
+        rounds = coordinator.decisions + coordinator.failures - group.window_rounds
+        if not self.admission.member_over(count, rounds):
+            return None
+        detail = (
+            f"protocol violation: {count} messages in under a second, over a rank's share "
+            f"(its group had {rounds} rounds in that time; a rank sends one report a round)"
+        )
+        return detail if self.cut_member(peer, fd, detail) else None
+
     def enforce_cap(self) -> None:
         """Over the cap: close the oldest connections that hold no rank (the server calls
         this with its monitor current)."""
@@ -173,3 +212,30 @@ class Guard:
                 total=self.admission.expired,
                 detail=f"connections that said no Hello within {grace:g}s were closed",
             )
+
+
+def shell_counters(
+    stats: ServerStats,
+    admission: Admission,
+    watch: memory.MemoryWatch | None,
+    gate: HandshakeGate | None,
+    curve_refused: Callable[[], int] | None,
+) -> ShellCounters:
+    """The I/O shell's counts now, as ops reads them (`coordd.ops.view.ShellCounters`)."""
+    return ShellCounters(
+        frames_in=stats.frames_in,
+        frames_out=stats.frames_out,
+        bad_frames=stats.bad_frames,
+        disconnects=stats.disconnects,
+        connections_open=len(admission.open),
+        closed_cap=admission.evicted,
+        closed_flood=admission.cut_off,
+        closed_banned=admission.refused,
+        closed_silent=admission.expired,
+        closed_messages_dropped=admission.dropped_shut,
+        memory_shed=None if watch is None else watch.stats.shed_connections,
+        memory_refused=None if gate is None else gate.refused,
+        rate_refused=None if gate is None or gate.rate is None else gate.rate.refused,
+        curve_refused=None if curve_refused is None else curve_refused(),
+        closed_violation=admission.violations,
+    )

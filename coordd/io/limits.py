@@ -31,7 +31,9 @@ import resource
 import socket
 import stat
 import struct
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 log = logging.getLogger("coordd")
@@ -137,3 +139,117 @@ def shutdown_fd(fd: int, ident: int | None = None) -> bool:
         except OSError:
             return False
     return True
+
+
+def open_descriptors() -> int | None:
+    """How many descriptors this process holds (Linux /proc), or None where it cannot tell."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+class DescriptorWatch:
+    """Refuses new connections at the listener before the descriptors run out: libzmq 4.3.5
+    aborts the process when its ipc accept fails with EMFILE (`Too many open files`,
+    ipc_listener.cpp:297), and a reconnect storm (10 processes x 192 DEALERs that reconnect
+    100 ms after each close) accepts faster than coordd closes connections over its cap.
+
+    This process's descriptors are counted at every POKE_EVERY-th handshake (`poke`, from
+    the ZAP gate's thread) and by a thread every SLOW_S (every FAST_S while paused, past
+    `low`, and for ALERT_S after a resume); past
+    `high` the watch calls `pause()` (the ipc socket's file renamed aside: a connect() finds
+    no file and retries; the open connections are untouched), and below `low` `resume()`.
+    No ZeroMQ call: safe beside the event loop."""
+
+    SLOW_S = 0.1
+    FAST_S = 0.002
+    #: the handshake gate pokes the watch per handshake: a look every this many
+    POKE_EVERY = 4
+    #: looks stay FAST_S this long after a resume
+    ALERT_S = 1.0
+
+    def __init__(
+        self,
+        nofile: int,
+        pause: Callable[[], bool],
+        resume: Callable[[], bool],
+        count: Callable[[], int | None] = open_descriptors,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.nofile = nofile
+        self._clock = clock
+        self._alert_until = float("-inf")
+        # a margin for what is accepted between two looks (a herd of reconnects after a
+        # resume: hundreds in a few ms), and a gap so that a resume is not undone at once
+        self.high = max(8, nofile // 2)
+        self.low = max(4, nofile // 4)
+        self._pause = pause
+        self._resume = resume
+        self._count = count
+        self.paused = False
+        #: times the listener was paused, and the most descriptors seen
+        self.pauses = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+        self._pokes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="coordd-fds", daemon=True)
+
+    def start(self) -> DescriptorWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+        if self.paused:
+            self._resume()
+            self.paused = False
+
+    def poke(self) -> None:
+        """A connection is in its handshake (the ZAP gate's thread says so for each): a look
+        every POKE_EVERY, so a storm is seen as it starts, at no cost while none comes."""
+        self._pokes += 1
+        if self._pokes % self.POKE_EVERY == 0:
+            self.check()
+
+    def check(self) -> float:
+        """One look: pause or resume as the count says; the seconds to the next look."""
+        with self._lock:
+            return self._check()
+
+    def _check(self) -> float:
+        n = self._count()
+        if n is None:
+            return self.SLOW_S
+        self.peak = max(self.peak, n)
+        if not self.paused and n >= self.high:
+            if self._pause():
+                self.paused = True
+                self.pauses += 1
+                log.warning(
+                    "descriptors %d of %d: new connections refused at the listener until "
+                    "fewer than %d are open (a reconnect storm?)",
+                    n,
+                    self.nofile,
+                    self.low,
+                )
+        elif self.paused and n <= self.low and self._resume():
+            self.paused = False
+            # the clients refused meanwhile all reconnect within their reconnect interval
+            # (100 ms): hundreds of accepts between two slow looks
+            self._alert_until = self._clock() + self.ALERT_S
+            log.info("descriptors %d of %d: new connections accepted again", n, self.nofile)
+        busy = self.paused or n >= self.low or self._clock() < self._alert_until
+        return self.FAST_S if busy else self.SLOW_S
+
+    def _run(self) -> None:
+        interval = self.SLOW_S
+        while not self._stop.wait(interval):
+            try:
+                interval = self.check()
+            except Exception:  # a bug here must not end the watch silently
+                log.exception("descriptor watch failed")
+                interval = self.SLOW_S

@@ -11,7 +11,9 @@ An ipc socket is coordd's only while coordd runs, and only one coordd may own a 
   fsGroup) whatever the umask, and at exit removed only if it is still the one coordd bound;
 - the default runtime directory ($XDG_RUNTIME_DIR/coordd, else /tmp/coordd-<uid>) must be a
   real directory owned by this uid (never followed through a symlink): made 0700 when coordd
-  creates it, made 0700 again if loosened; an operator's own directory is left as it is.
+  creates it, made 0700 again if loosened; an operator's own directory is left as it is;
+- coordd creates no directory but that one (its parent must exist): a `--bind` into a
+  directory that does not exist is refused, naming it.
 """
 
 from __future__ import annotations
@@ -85,10 +87,44 @@ class IpcSocket:
             os.chmod(self.path, self.mode)  # the umask did it; this says so to a reader
             self.bound = _file_identity(os.lstat(self.path))
 
+    @property
+    def paused_path(self) -> str:
+        return self.path + ".paused"
+
+    def pause(self) -> bool:
+        """Stop new connections without touching the open ones: the bound socket's file is
+        renamed aside (a connect() then finds no file and its client retries; libzmq's
+        listener keeps its socket). Safe from any thread (a file rename, no ZeroMQ call).
+        True if it was paused now."""
+        if self.bound is None:
+            return False
+        try:
+            if _file_identity(os.lstat(self.path)) != self.bound:
+                return False
+            os.rename(self.path, self.paused_path)
+            self.bound = _file_identity(os.lstat(self.paused_path))  # a rename moves ctime
+        except OSError:
+            return False
+        return True
+
+    def resume(self) -> bool:
+        """Undo `pause` (only the file coordd bound); True if it was resumed now."""
+        if self.bound is None:
+            return False
+        try:
+            if _file_identity(os.lstat(self.paused_path)) != self.bound:
+                return False
+            os.rename(self.paused_path, self.path)
+            self.bound = _file_identity(os.lstat(self.path))
+        except OSError:
+            return False
+        return True
+
     def release(self) -> None:
         """Remove the socket if it is still the one coordd bound, then the lock; idempotent."""
         if self.lock_fd < 0:
             return
+        self.resume()
         if self.bound is not None:
             with contextlib.suppress(FileNotFoundError):
                 if _file_identity(os.lstat(self.path)) == self.bound:
@@ -122,9 +158,16 @@ def _prepare_directory(address: str, directory: str) -> None:
     except OSError as exc:
         why = exc.strerror
         raise BindError(f"--bind {address}: cannot use directory {directory}: {why}") from None
+    if info is None and not is_runtime:
+        # a mistyped path must not become directories (made as root, left behind): coordd
+        # makes only its own runtime directory
+        raise BindError(
+            f"--bind {address}: directory {directory} does not exist: create it first, or "
+            f"fix the path (coordd creates only its own runtime directory, {runtime_dir()})"
+        )
     if info is None:
         try:
-            os.makedirs(directory, mode=0o700)
+            os.mkdir(directory, mode=0o700)  # the last part only: its parent must exist
         except FileExistsError:
             pass  # made at the same moment by another process: checked below
         except OSError as exc:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,10 +13,13 @@ import zmq
 
 from coordd.core import defaults
 from coordd.core.handshake import HandshakeRate
+from coordd.io import limits
 from coordd.io.gate import ZAP_DOMAIN, HandshakeGate
 from coordd.io.identity import new_router
 from coordd.io.listen import BindError, IpcSocket, check_bind, explain_bind_failure
 from coordd.proto.messages import MAX_MESSAGE_BYTES
+
+_NOBLOCK_INT = int(zmq.NOBLOCK)
 
 
 def prepare_ipc_path(address: str, mode: int = 0o600) -> IpcSocket | None:
@@ -34,10 +38,14 @@ class Router:
     bound_address: str
     gate: HandshakeGate | None
     ipc: IpcSocket | None
+    #: Over ipc: refuses new connections at the listener before descriptors run out.
+    watch: limits.DescriptorWatch | None = None
 
     def close(self, linger: float = 0.0) -> None:
         if self.sock.closed:
             return
+        if self.watch is not None:
+            self.watch.stop()
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=int(linger * 1000))
@@ -98,6 +106,8 @@ def open_router(
     # their handshake (see coordd.io.gate).
     gate = HandshakeGate.start(context) if gated else None
     if gate is not None:
+        # refusals held at once: each holds a descriptor (see coordd.io.gate.MAX_STALLED)
+        gate.max_stalled = max(16, max_connections // 4)
         sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         if max_handshake_rate:
             # burst: as many as may connect at once (a whole engine starts together)
@@ -120,4 +130,26 @@ def open_router(
         ) from None
     bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
-    return Router(sock, monitor, bound, gate, ipc)
+    watch = None
+    if ipc is not None and limits.open_descriptors() is not None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if nofile != resource.RLIM_INFINITY:
+            watch = limits.DescriptorWatch(nofile, ipc.pause, ipc.resume).start()
+            if gate is not None:
+                gate.on_handshake = watch.poke
+    return Router(sock, monitor, bound, gate, ipc, watch)
+
+
+def drop_parts(sock: zmq.Socket, budget: int) -> tuple[bool, int]:
+    """Drop parts of the multipart message being read from `sock`, up to `budget`: (whether
+    its last part is gone, parts dropped). libzmq hands a message over only whole, so every
+    part is there: no wait."""
+    dropped = 0
+    try:
+        while dropped < budget:
+            dropped += 1
+            if not sock.recv(_NOBLOCK_INT, copy=False).more:
+                return True, dropped
+    except zmq.Again:  # pragma: no cover - a message is delivered whole
+        return True, dropped - 1
+    return False, dropped

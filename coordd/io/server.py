@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import zmq
 
 from coordd.core import defaults
-from coordd.core.admission import Admission
+from coordd.core.admission import MEMBER_CHECK, Admission
 from coordd.core.logs import Aggregated
 from coordd.core.peers import peer_label
 from coordd.core.registry import (
@@ -51,6 +51,7 @@ from coordd.core.registry import (
     Deliver,
     GroupCreated,
     GroupDropped,
+    GroupRules,
     Lost,
     Refuse,
     Registering,
@@ -58,9 +59,9 @@ from coordd.core.registry import (
     group_name_problem,
 )
 from coordd.io import limits
-from coordd.io.guard import Guard
+from coordd.io.guard import Guard, shell_counters
 from coordd.io.identity import frame_address
-from coordd.io.router import open_router, prepare_ipc_path
+from coordd.io.router import drop_parts, open_router, prepare_ipc_path
 from coordd.io.timer import Deadlines, Group
 from coordd.ops.observer import Observer, ServerEvents
 from coordd.ops.view import ShellCounters
@@ -102,6 +103,8 @@ _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 #: The socket's send without pyzmq's Python wrapper (`zmq.Socket.send` checks its DRAFT
 #: routing_id/group arguments in Python before it calls this): a round sends 2 * dp frames.
 _send_frame = zmq.backend.Socket.send
+#: A member's message count is checked against its share when it is a multiple of this.
+_MEMBER_MASK = MEMBER_CHECK - 1
 
 #: Most messages handled in one turn of the event loop: then the loop runs its timers (step
 #: timeouts), the HTTP endpoints and the monitor, and the drain goes on at its next turn. One
@@ -129,6 +132,15 @@ class ServerStats:
     parts_dropped: int = 0
 
 
+def _check_sizes(dp_size: int, max_groups: int, expect_groups: int) -> None:
+    if not 1 <= dp_size <= MAX_DP_SIZE:
+        raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
+    if max_groups < 1:
+        raise ValueError(f"max_groups must be >= 1, got {max_groups}")
+    if not 0 <= expect_groups <= max_groups:
+        raise ValueError(f"expect_groups must be in 0..max_groups ({max_groups})")
+
+
 class CoordServer:
     """Serve every DP group on one ROUTER socket bound to `address`: the I/O shell around the
     group registry (`coordd.core.registry`) and the admission of strangers
@@ -137,7 +149,9 @@ class CoordServer:
 
     Groups share `dp_size`, `step_timeout` and `on_rank_loss`; `max_groups` bounds how many
     exist (a Hello for another one is refused with `group_limit`, unless a group without
-    members can make room), and `expect_groups` is how many must be formed for /readyz."""
+    members can make room, or `groups` names it exactly), `groups` (names and fnmatch
+    patterns) which groups are admitted at all, and `expect_groups` how many must be formed
+    for /readyz."""
 
     def __init__(
         self,
@@ -148,6 +162,7 @@ class CoordServer:
         on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
         max_groups: int = defaults.DEFAULT_MAX_GROUPS,
         expect_groups: int = 0,
+        groups: Sequence[str] = defaults.DEFAULT_GROUPS,
         heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT,
         context: zmq.Context | None = None,
@@ -160,12 +175,7 @@ class CoordServer:
         max_handshake_rate: float = 0,
         stranger_grace: float = defaults.STRANGER_GRACE,
     ) -> None:
-        if not 1 <= dp_size <= MAX_DP_SIZE:
-            raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
-        if max_groups < 1:
-            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
-        if not 0 <= expect_groups <= max_groups:
-            raise ValueError(f"expect_groups must be in 0..max_groups ({max_groups})")
+        _check_sizes(dp_size, max_groups, expect_groups)
         self.address = address
         self.dp_size = dp_size
         self.step_timeout = step_timeout
@@ -181,6 +191,7 @@ class CoordServer:
             max_groups=max_groups,
             step_timeout=step_timeout,
             on_rank_loss=on_rank_loss,
+            rules=GroupRules(groups),
         )
         #: The groups by name, in the order they were created.
         self.groups = self.registry.groups
@@ -241,16 +252,6 @@ class CoordServer:
         self._drained = self._deadlines.drained
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    @property
-    def rank_keys(self) -> Callable[[str, int], str | None] | None:
-        """With CURVE keys bound to ranks: why a connection's key (its ZAP User-Id) may not
-        register as a rank, or None (`coordd.io.curve.CurveGate.rank_refusal`)."""
-        return self.registry.rank_keys
-
-    @rank_keys.setter
-    def rank_keys(self, check: Callable[[str, int], str | None] | None) -> None:
-        self.registry.rank_keys = check
-
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then say goodbye to every rank and close."""
         self._loop = asyncio.get_running_loop()
@@ -283,23 +284,8 @@ class CoordServer:
 
     def counters(self) -> ShellCounters:
         """The shell's counts now, for metrics and /status (`coordd.ops.view.ServerView`)."""
-        stats, guard = self.stats, self.connections
-        gate = self.gate
-        return ShellCounters(
-            frames_in=stats.frames_in,
-            frames_out=stats.frames_out,
-            bad_frames=stats.bad_frames,
-            disconnects=stats.disconnects,
-            connections_open=len(guard.open),
-            closed_cap=guard.evicted,
-            closed_flood=guard.cut_off,
-            closed_banned=guard.refused,
-            closed_silent=guard.expired,
-            closed_messages_dropped=guard.dropped_shut,
-            memory_shed=None if self.memory is None else self.memory.stats.shed_connections,
-            memory_refused=None if gate is None else gate.refused,
-            rate_refused=None if gate is None or gate.rate is None else gate.rate.refused,
-            curve_refused=None if self.curve_refused is None else self.curve_refused(),
+        return shell_counters(
+            self.stats, self.connections, self.memory, self.gate, self.curve_refused
         )
 
     def takeovers_refused(self) -> Counter[tuple[str, str]]:
@@ -366,7 +352,7 @@ class CoordServer:
             return True
         now = self.clock()
         if now >= admission.window_end:
-            admission.new_window(now)
+            self.guard.new_window(now, self.groups.values())
         sock = self._sock
         stats = self.stats
         clock = self.clock
@@ -374,6 +360,7 @@ class CoordServer:
         peer_group = registry.peer_group
         peer_fd = registry.peer_fd
         touched = self._touched
+        member_counts = admission.member_counts
         # what connections coordd shut down still have queued: dropped undecoded (a flood's
         # backlog; ~1 us a message instead of ~4); not at debug level (a line per bad frame)
         shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
@@ -406,43 +393,57 @@ class CoordServer:
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
-                self._bad_frame(peer, str(exc), frame)
-                continue
-            if type(message) is Hello:
-                self._on_hello(peer, message, frame)
+                if self._bad_frame(peer, str(exc), frame):
+                    return True  # a member cut off: the next drain drops what it queued
                 continue
             group = peer_group.get(peer)
             if group is None:
+                # a stranger: its Hellos count toward the flood cut-off as much as the rest
                 self.guard.stranger_sent(peer, frame.get(_SRCFD))
-                self._from_stranger(peer, message)
+                if type(message) is Hello:
+                    self._on_hello(peer, message, frame)
+                else:
+                    self._from_stranger(peer, message)
                 continue
             # registry.speaks_for, inlined: only over the connection that said its Hello
             fd = peer_fd.get(peer)
-            if fd is not None and frame.get(_SRCFD) != fd:
+            srcfd = frame.get(_SRCFD)
+            if fd is None:
+                # its registering connection closed: a stranger now, for the cut-off
+                self.guard.stranger_sent(peer, srcfd)
+            elif srcfd != fd:
                 address = frame_address(frame)
                 self._carry_out(registry.other_connection(peer, message, address, clock()))
+                continue
+            else:
+                # a member's input is bounded too (one report per round, and a few more)
+                count = member_counts.get(peer, 0) + 1
+                member_counts[peer] = count
+                if not count & _MEMBER_MASK and self._member_over(peer, group, fd, count):
+                    return True  # cut off: the next drain drops what it queued undecoded
+            if type(message) is Hello:
+                self._on_hello(peer, message, frame)
                 continue
             touched.add(group)
             self._send(group.coordinator.receive(peer, message, clock()), group.observer)
         return True
 
+    def _member_over(self, peer: bytes, group: Group, fd: int, count: int) -> bool:
+        """Member `peer` sent `count` messages over `fd` in this window: over its share, its
+        connection is ended and its rank lost (`Guard.member_over`); True if it was."""
+        detail = self.guard.member_over(peer, group, fd, count)
+        if detail is None:
+            return False
+        self._carry_out(self.registry.violation(peer, detail, self.clock()))
+        return True
+
     def _drop_parts(self) -> bool:
         """Drop parts of the refused multipart message being read, up to DROP_BUDGET; True
-        once its last part is gone. libzmq hands a message over only whole, so every part is
-        there: no wait."""
-        recv = self._sock.recv
-        dropped = 0
-        try:
-            while dropped < DROP_BUDGET:
-                dropped += 1
-                if not recv(_NOBLOCK, copy=False).more:
-                    self._dropping = False
-                    break
-        except zmq.Again:  # pragma: no cover - a message is delivered whole
-            dropped -= 1
-            self._dropping = False
+        once its last part is gone."""
+        done, dropped = drop_parts(self._sock, DROP_BUDGET)
         self.stats.parts_dropped += dropped
-        return not self._dropping
+        self._dropping = not done
+        return done
 
     def _drain_monitor(self) -> bool:
         """Accepted and closed connections (a rank that registered over a closed one is lost,
@@ -494,7 +495,7 @@ class CoordServer:
             elif type(action) is Lost:
                 self.stats.disconnects += 1
                 if action.group is not None:
-                    action.group.observer.lost(action.rank, action.peer, "connection closed")
+                    action.group.observer.lost(action.rank, action.peer, action.detail)
             elif type(action) is GroupCreated:
                 self.events.group_created(
                     action.group.name, action.epoch, action.groups, self.max_groups
@@ -529,15 +530,30 @@ class CoordServer:
 
     # -- peers that hold no rank ------------------------------------------------------------
 
-    def _bad_frame(self, peer: bytes, why: str, frame: zmq.Frame | None = None) -> None:
-        if frame is not None and peer not in self.registry.peer_group:
-            self.guard.stranger_sent(peer, frame.get(_SRCFD))
+    def _bad_frame(self, peer: bytes, why: str, frame: zmq.Frame | None = None) -> bool:
+        """A frame that did not decode: from a member over its connection, a protocol
+        violation that fails its group's round at once naming it (and counts toward its
+        share, so junk floods are cut off); from anyone else, a stranger's message. True if
+        a member was cut off."""
+        cut = False
+        if frame is not None:
+            srcfd = frame.get(_SRCFD)
+            group = self.registry.member(peer, srcfd)
+            if group is None:
+                self.guard.stranger_sent(peer, srcfd)
+            else:
+                self._carry_out(self.registry.undecodable(peer, srcfd, why, self.clock()))
+                counts = self.connections.member_counts
+                count = counts[peer] = counts.get(peer, 0) + 1
+                if not count & _MEMBER_MASK:
+                    cut = self._member_over(peer, group, srcfd, count)
         self.stats.bad_frames += 1
         # One line each only at --log-level debug (the chaos checker counts them); the
         # warning is aggregated: a flood costs a few lines.
         label = peer_label(peer)
         log.debug("dropped a bad frame from %s: %s", label, why)
         self._bad_frame_log(peer=label, why=why, total=self.stats.bad_frames)
+        return cut
 
     def _from_stranger(self, peer: bytes, message: ToCoordinator) -> None:
         """Answer a peer that registered with no group (`Admission.answer`)."""

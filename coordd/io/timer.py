@@ -19,6 +19,8 @@ class Group:
     coordinator: Coordinator
     observer: Observer
     deadline: float | None = None
+    #: its rounds (decided and failed) when the current message-count window began
+    window_rounds: int = 0
 
 
 class Deadlines:
@@ -53,6 +55,8 @@ class Deadlines:
                 coordinator = group.coordinator
                 if coordinator.failures != group.observer.failures_seen:
                     group.observer.group_failed(coordinator.snapshot())
+                if coordinator.stops != group.observer.stops_seen:
+                    group.observer.group_stopped(coordinator.snapshot())
                 deadline = coordinator.next_deadline()
                 if deadline != group.deadline:
                     group.deadline = deadline

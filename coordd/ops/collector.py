@@ -92,6 +92,23 @@ class CoorddCollector:
             lambda c: int(c.state is GroupState.FAILED),
         )
         yield per_group(
+            "coordd_group_stopped",
+            "1 while every rank of the group has left cleanly (Goodbye): not a failure",
+            lambda c: int(c.state is GroupState.STOPPED),
+        )
+        yield _counter_per_group(
+            groups,
+            "coordd_departures",
+            "Ranks that left cleanly (Goodbye between rounds): orderly departures, not faults",
+            lambda c: c.departures,
+        )
+        yield _counter_per_group(
+            groups,
+            "coordd_group_stops",
+            "Times every rank of the group left cleanly (the group stopped, not failed)",
+            lambda c: c.stops,
+        )
+        yield per_group(
             "coordd_group_ready",
             "1 when the group is formed (every rank registered) and not failed",
             lambda c: int(group_readiness(c)[0]),
@@ -203,7 +220,8 @@ class CoorddCollector:
             "coordd_connections_closed",
             "Connections that held no rank, shut down by coordd: over --max-connections "
             "(cap), flooding (flood), from a process cut off for flooding (banned), or silent: "
-            "no Hello within the stranger grace (silent)",
+            "no Hello within the stranger grace (silent); and members' connections ended for a "
+            "protocol violation: over a rank's share of messages (violation)",
             labels=["reason"],
         )
         for reason, n in (
@@ -211,6 +229,7 @@ class CoorddCollector:
             ("flood", s.closed_flood),
             ("banned", s.closed_banned),
             ("silent", s.closed_silent),
+            ("violation", s.closed_violation),
         ):
             closed.add_metric([reason], n)
         yield closed
@@ -263,3 +282,17 @@ def make_registry(collector: CoorddCollector) -> CollectorRegistry:
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     return registry
+
+
+def _counter_per_group(
+    groups: list[tuple[str, Any, GroupSnapshot]],
+    name: str,
+    doc: str,
+    value: Callable[[GroupSnapshot], float],
+) -> Any:
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(name, doc, labels=["group"])
+    for group, _, snap in groups:
+        family.add_metric([group], value(snap))
+    return family

@@ -117,6 +117,8 @@ class Observer:
         self.recent_failures: deque[dict[str, Any]] = deque(maxlen=RECENT_FAILURES)
         #: The snapshot's `failures` and `decisions` when this observer last counted them.
         self.failures_seen = first.failures
+        #: The snapshot's `stops` when this observer last logged one (every rank left).
+        self.stops_seen = first.stops
         self._decisions_seen = first.decisions
         self._registering: tuple[bytes, Hello] | None = None
 
@@ -174,16 +176,31 @@ class Observer:
         self.failed[failure.kind.value] += 1
         departed = failure.reason is FailReason.LOST and failure.detail == LEFT_THE_GROUP
         if departed:
-            # An orderly departure (the rank's client said Goodbye), not a crash: still
-            # fail-stop, so the others get RankLost and connect() again for a new epoch.
+            # A rank said Goodbye while a round needed it (one was open, or another rank
+            # still reported): that round failed, but the rank that left did not crash.
             self._fault(
                 failure,
-                "group stopped: a rank left",
-                level=logging.INFO,
-                then="the other ranks get RankLost(left the group) and connect() again",
+                "group failed",
+                level=logging.WARNING,
+                then="a rank left (said Goodbye) while the others still synced; they get "
+                "RankLost(left the group) and connect() again",
             )
             return
         self._fault(failure, "group failed", level=logging.WARNING)
+
+    def group_stopped(self, snap: GroupSnapshot) -> None:
+        """Every rank left the group cleanly since this observer last looked (`snap.stops`
+        moved): an orderly end, logged at info and counted apart from failures."""
+        self.stops_seen = snap.stops
+        logs.event(
+            log,
+            logging.INFO,
+            "group stopped",
+            group=self.group,
+            epoch=snap.epoch,
+            seq=snap.seq,
+            detail="every rank left cleanly (Goodbye); the next registration starts a new epoch",
+        )
 
     def lost(self, rank: int | None, peer: bytes, detail: str) -> None:
         """A registered rank's connection closed (called after the coordinator was told)."""

@@ -25,21 +25,32 @@ if TYPE_CHECKING:
 
 
 def departed(failure: StepFailed) -> bool:
-    """The group ended because a rank left in order (its client said Goodbye), not a fault."""
+    """The group failed because a rank left in order (its client said Goodbye) while the
+    others still synced: the round failed, the rank that left did not crash."""
     return failure.reason is FailReason.LOST and failure.detail == LEFT_THE_GROUP
 
 
+#: What /readyz and `coordd status` say of a group that every rank left cleanly.
+LEFT_CLEANLY = "every rank left cleanly (Goodbye)"
+
+
 def group_readiness(snap: GroupSnapshot) -> tuple[bool, str]:
-    """A group is formed: every dp rank registered (neutralize mode: or left out), not failed."""
+    """A group is formed: every dp rank registered (neutralize mode: or left out), not failed.
+    A stopped group (every rank left cleanly) is not formed, and not failed either."""
     failure = snap.failure
     if failure is not None:
         if departed(failure):
             return False, (
-                f"stopped at seq {failure.seq}: rank(s) {list(failure.culprits)} left the group "
-                "(closed cleanly); fail-stop: the other ranks get RankLost and connect() again "
-                "to start a new epoch once every rank is back"
+                f"failed at seq {failure.seq}: rank(s) {list(failure.culprits)} left the group "
+                "(closed cleanly) while the others still synced; fail-stop: the other ranks "
+                "get RankLost and connect() again to start a new epoch once every rank is back"
             )
         return False, f"failed at seq {failure.seq}: {failure.text}"
+    if snap.stopped:
+        return False, (
+            f"stopped at seq {snap.seq}: {LEFT_CLEANLY}; the next registration starts "
+            f"epoch {snap.epoch + 1}"
+        )
     present = len(snap.members)
     counted = present + (len(snap.dead) if snap.on_rank_loss is OnRankLoss.NEUTRALIZE else 0)
     if present == 0 or counted < snap.dp_size:
@@ -49,27 +60,52 @@ def group_readiness(snap: GroupSnapshot) -> tuple[bool, str]:
     return True, f"{present}/{snap.dp_size} ranks registered"
 
 
+def holds_back(snap: GroupSnapshot) -> bool:
+    """Whether a failed group holds /readyz at 503: it was a formed group (it served rounds,
+    or every rank was in when it failed) and ranks of it are still connected. One that never
+    formed (a peer's group of its own, one rank of dp) is only not formed, and one whose ranks
+    all left serves nobody: a peer that fails a group and leaves cannot keep coordd out of
+    service (the expected groups' count, `--expect-groups`, still does)."""
+    failure = snap.failure
+    if failure is None or not snap.members:
+        return False
+    if snap.decisions > 0:
+        return True
+    lost = len(failure.culprits) if failure.reason is FailReason.LOST else 0
+    return len(snap.members) + lost >= snap.dp_size
+
+
 def readiness(groups: Mapping[str, GroupSnapshot], expect_groups: int = 0) -> tuple[bool, str]:
-    """coordd is ready (/readyz 200) when no group is failed and at least `expect_groups`
-    groups (at least one when 0) are formed; a group still forming, or empty because its ranks
-    left, holds nothing back once enough others are formed. The reason names the group."""
+    """coordd is ready (/readyz 200) when no group holds it back (`holds_back`: failed, with
+    ranks still connected) and at least `expect_groups` groups (at least one when 0) are
+    formed or stopped (every rank left cleanly: an orderly end, after which coordd serves the
+    next registration as before); a group still forming, or empty because its ranks left,
+    holds nothing back once enough others are formed. The reason names the group."""
     want = max(1, expect_groups)
-    formed = 0
+    formed = stopped = 0
     waiting: tuple[str, str] | None = None
     for name, snap in groups.items():
         ready, why = group_readiness(snap)
-        if snap.failure is not None:
+        if holds_back(snap):
             return False, f"group {name} {why}"
         if ready:
             formed += 1
+        elif snap.stopped:
+            stopped += 1
         elif waiting is None:
             waiting = (name, why)
     if not groups:
         return False, "no group has registered yet"
-    if formed >= want:
+    if formed + stopped >= want:
         if len(groups) == 1:
             ((name, snap),) = groups.items()
-            return True, f"1/1 groups formed ({name}: {group_readiness(snap)[1]})"
+            what = "stopped" if stopped else "formed"
+            return True, f"1/1 groups {what} ({name}: {group_readiness(snap)[1]})"
+        if stopped:
+            names = ", ".join(n for n, s in groups.items() if s.stopped)
+            return True, (
+                f"{formed}/{len(groups)} groups formed, {stopped} stopped ({LEFT_CLEANLY}: {names})"
+            )
         return True, f"{formed}/{len(groups)} groups formed"
     if waiting is None:  # every group is formed, but fewer groups than expected exist
         return False, f"{formed}/{want} groups formed: {want - formed} more to register"
@@ -102,7 +138,14 @@ def group_document(group: GroupView, now: float, rank_rows: int | None = None) -
     ranks = []
     for rank in range(shown):
         member = snap.members.get(rank)
-        state = "registered" if member else ("left out" if rank in snap.dead else "missing")
+        if member:
+            state = "registered"
+        elif rank in snap.left:
+            state = "left"  # said Goodbye; the others are still registered
+        elif rank in snap.dead:
+            state = "left out"
+        else:
+            state = "missing"
         arrived = open_round.arrivals[rank] if open_round is not None else None
         seen = arrived
         if seen is None and last is not None:
@@ -132,6 +175,9 @@ def group_document(group: GroupView, now: float, rank_rows: int | None = None) -
         "on_rank_loss": snap.on_rank_loss.value,
         "step_timeout_s": snap.step_timeout,
         "members": len(snap.members),
+        "left_cleanly": snap.stopped,
+        "departures": snap.departures,
+        "stops": snap.stops,
         "ready": ready,
         "ready_detail": why,
         "round": {

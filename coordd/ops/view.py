@@ -46,6 +46,8 @@ class ShellCounters:
     memory_refused: int | None
     rate_refused: int | None
     curve_refused: int | None
+    #: members' connections ended for a protocol violation (over their share of messages)
+    closed_violation: int = 0
 
 
 class ServerView(Protocol):

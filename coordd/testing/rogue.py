@@ -12,6 +12,7 @@ import random
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from types import TracebackType
 
 import msgspec
@@ -40,6 +41,11 @@ from coordd.testing.history import HistoryWriter, Note, Refused, error_info
 APP_LEVEL = ("invalid_msgpack", "truncated", "wrong_shape", "wrong_direction", "multipart", "empty")
 TRANSPORT_LEVEL = ("oversized", "not_zmtp")
 CATEGORIES = APP_LEVEL + TRANSPORT_LEVEL
+#: How often a probe's question is sent again while no answer that fits it came back.
+RESEND = 1.0
+#: The probe's stranger report is for a seq far past any round's, so its refusal is told
+#: apart from answers to reports sent before it.
+PROBE_SEQ = 1 << 40
 
 
 def _valid_frames(rng: random.Random, dp: int) -> list[bytes]:
@@ -179,26 +185,54 @@ class RoguePeer:
             time.sleep(self.rng.uniform(0.0, pause))
         return self.sent
 
-    def _answer(self, timeout: float) -> object | None:
-        if not self.sock.poll(int(timeout * 1000), zmq.POLLIN):
-            return None
-        try:
-            return decode_from_coordinator(self.sock.recv())
-        except ProtocolError:
-            return None
+    def _ask(self, question: bytes, fits: Callable[[object], bool], timeout: float) -> object:
+        """Send `question` until an answer that `fits` it comes back (within `timeout`);
+        answers that don't fit (late ones to earlier messages) are passed over. Sent again
+        every RESEND seconds: coordd may drop an answer to a stranger (its answer rate, a
+        silent connection closed at the grace), and a probe must not fail on that. The last
+        answer that did not fit, or None, if none fits in time."""
+        deadline = time.monotonic() + timeout
+        other: object | None = None
+        while True:
+            self.sock.send(question)
+            resend = min(deadline, time.monotonic() + RESEND)
+            while (left := resend - time.monotonic()) > 0:
+                if not self.sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    break
+                try:
+                    answer = decode_from_coordinator(self.sock.recv())
+                except ProtocolError:
+                    continue
+                if fits(answer):
+                    return answer
+                other = answer
+            if time.monotonic() >= deadline:
+                return other
 
     def probe(self, log: HistoryWriter, timeout: float, fingerprint: str = "") -> None:
         """coordd still answers, and refuses a stranger's report and an out-of-range Hello.
 
-        Each outcome is logged as the checker's rogue rules expect ("pong", a `Refused` for
+        The three share `timeout` (each gets at least RESEND), and each waits for its own
+        answer (resent meanwhile), so answers still coming to what the peer sent before, and
+        a dropped one, don't decide it: on a loaded machine coordd may answer seconds late. Each
+        outcome is logged as the checker's rogue rules expect ("pong", a `Refused` for
         "stranger report" and for "hello")."""
-        self.sock.send(encode(Heartbeat(nonce=7)))
-        answered = self._answer(timeout) == Heartbeat(nonce=7)
-        log.write(Note(t=time.monotonic(), what="pong" if answered else "no pong"))
-        stranger = StepReport(num_tokens=1, num_tokens_padded=1, dp_rank=0, epoch=0, seq=0)
-        self.sock.send(encode(stranger))
-        answer = self._answer(timeout)
-        if isinstance(answer, StepFailed):
+        deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(RESEND, deadline - time.monotonic())
+
+        ping = Heartbeat(nonce=self.rng.getrandbits(62))
+        answer = self._ask(encode(ping), lambda a: a == ping, left())
+        log.write(Note(t=time.monotonic(), what="pong" if answer == ping else "no pong"))
+        seq = PROBE_SEQ + self.rng.getrandbits(20)
+        stranger = StepReport(num_tokens=1, num_tokens_padded=1, dp_rank=0, epoch=0, seq=seq)
+
+        def refusal(a: object) -> bool:
+            return isinstance(a, StepFailed) and a.seq == seq
+
+        answer = self._ask(encode(stranger), refusal, left())
+        if isinstance(answer, StepFailed) and refusal(answer):
             error = error_info(error_from_failure(answer))
             log.write(Refused(t=time.monotonic(), error=error, what="stranger report"))
         else:
@@ -210,8 +244,7 @@ class RoguePeer:
             config_fingerprint=fingerprint,
             incarnation="rogue",
         )
-        self.sock.send(encode(hello))
-        answer = self._answer(timeout)
+        answer = self._ask(encode(hello), lambda a: isinstance(a, (Reject, Welcome)), left())
         if isinstance(answer, Reject):
             error = error_info(error_from_reject(answer))
             log.write(Refused(t=time.monotonic(), error=error, what="hello"))

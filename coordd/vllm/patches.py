@@ -1,7 +1,7 @@
-"""The patch points: where vLLM 0.33's DP syncs call their collective, routed through coordd.
+"""The patch points: where vLLM 0.32's and 0.33's DP syncs call their collective, via coordd.
 
 vLLM's own sync functions still build their tensors and compute every decision from the
-result; only the collective underneath becomes a gather round (`Exchange.all_reduce_`). Each
+result; only the collective underneath becomes a gather round (`Exchange.sync_`). Each
 point is one module or class attribute, so every importer of a sync function is covered
 without rebinding names, and syncs that vLLM answers locally (`should_skip_dp_coordination()`,
 a reused `DPSyncState`) never reach a patch point and make no round.
@@ -9,21 +9,36 @@ a reused `DPSyncState`) never reach a patch point and make no round.
   A  vllm.v1.worker.dp_utils.dist             a stand-in for torch.distributed whose all_reduce
                                                on the worker DP group goes to coordd (V1 runner,
                                                drafter, extract-hidden-states, forward context)
-  B  GroupCoordinator.cpu_all_reduce_          routed when called on the worker DP group
-                                               (Model Runner V2 and its speculators)
-  C  vllm.config.parallel.cpu_all_reduce_      the engine-state SUM (ParallelConfig.sync_dp_state)
+  B  Model Runner V2 and its speculators (vllm.v1.worker.gpu.dp_utils):
+     0.33: GroupCoordinator.cpu_all_reduce_    routed when called on the worker DP group ([7, dp])
+     0.32: vllm.v1.worker.gpu.dp_utils.dist    a stand-in as in A ([6, dp])
+  C  the engine-state SUM of ParallelConfig.sync_dp_state:
+     0.33: vllm.config.parallel.cpu_all_reduce_  its only caller is sync_dp_state
+     0.32: ParallelConfig.sync_dp_state        a staticmethod calling torch.distributed itself:
+                                               wrapped as D is
   D  ParallelConfig.has_unfinished_dp and      the static methods wrapped: MAX and MIN over the
      ParallelConfig.sync_kv_cache_memory_size  engine DP group
   E  ParallelConfig.stateless_init_dp_group    registers the engine-core DP group it creates
+  F  DPEngineCoreProc.shutdown                 says Goodbye to coordd first (vLLM SIGKILLs an
+                                               engine core ~5 s after its SIGTERM; the rest of
+                                               its shutdown may not finish)
 
-`install()` first checks that every target exists and looks as expected; if any does not (a
-vLLM whose code moved), it logs a warning naming it and patches nothing, so vLLM keeps its own
-collectives. Async or non-integer all-reduces, and other groups, always take vLLM's path.
+A clean exit is a Goodbye, not a lost rank: F on the engine core's exit path, and an exit hook
+(atexit, and multiprocessing's exit finalizers, which vLLM's worker processes run) in every
+process that made a link. A process that dies without either is lost, as it should be.
+
+`install()` first checks that every target of this vLLM release line exists and looks as
+expected; if any does not (a vLLM whose code moved), or the release is none of `SUPPORTED`, it
+logs one warning naming why and patches nothing, so vLLM keeps its own collectives. Async or
+non-integer all-reduces, and other groups, always take vLLM's path.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -40,20 +55,25 @@ from coordd.vllm.groups import GroupIdentity, engine_group, worker_group
 
 log = logging.getLogger("coordd.vllm")
 
-#: The vLLM release line the patch points were read from.
-SUPPORTED = "0.33"
+#: The vLLM release lines whose patch points were read from their sources.
+SUPPORTED = ("0.32", "0.33")
+#: COORDD_VLLM_TRACE=1: print each sync's site label the first time this process makes it.
+_TRACE = os.environ.get("COORDD_VLLM_TRACE", "") == "1"
+_traced: set[str] = set()
 
 
 class PatchRefused(RuntimeError):
     """A patch target is missing or not what this plugin was written against."""
 
 
-def site_label(op: ReduceOp, tensor: torch.Tensor, layout: Layout) -> str:
+def site_label(op: ReduceOp, tensor: torch.Tensor, layout: Layout, sync: str = "") -> str:
     """What a sync is, the same on every rank that runs it (`coordd.vllm.sites`): the vLLM
-    sync function, its first caller outside the sync modules, the op, dtype, shape and layout.
-    A rank that skipped or added a sync sends another label, which coordd reports as a
-    StepMismatch naming it."""
-    return sites.label(op, tensor, layout, depth=2)
+    sync function, its first caller outside the sync modules (so a drafter's sync differs
+    from the runner's), the op, dtype, shape and layout. A rank that skipped or added a sync
+    sends another label, which coordd reports as a StepMismatch naming it. `sync`: the sync
+    function's name when a patch stands in for it (no frame of vLLM's sync module is on the
+    stack then)."""
+    return sites.label(op, tensor, layout, depth=2, sync=sync)
 
 
 @dataclass
@@ -126,19 +146,33 @@ def _engine_route(process_group: Any) -> GroupIdentity:
     return known[1]
 
 
-#: Frames `Exchange.sync_` skips before it looks for the call site: `_sync_` and the patch.
+#: Frames `Exchange.sync_` skips before it looks for the call site: `_sync_` and the patch
+#: (at least those two stand between it and vLLM's frames on every patch's path).
 _SKIP = 2
 
 
-def _sync_(tensor: torch.Tensor, op: ReduceOp, identity: GroupIdentity, column: bool) -> bool:
-    """Run the collective as a gather round; False (nothing done) if the values do not fit
-    one round, so the caller takes vLLM's own path (decided by shape: every rank agrees).
-    vLLM's worker syncs (`column`) write only their own column, which is all that goes; if
-    one ever does not, the whole tensor goes (and its label says so: ranks that disagree fail
-    loudly, never add up wrongly)."""
+def _sync_(
+    tensor: torch.Tensor, op: ReduceOp, identity: GroupIdentity, column: bool, sync: str = ""
+) -> bool:
+    """Run the collective as a gather round; False (nothing done) if the tensor is not an
+    integer one or its values do not fit one round, so the caller takes vLLM's own path
+    (decided by dtype and shape: every rank agrees). vLLM's worker syncs (`column`) write
+    only their own column, which is all that goes; if one ever does not, the whole tensor
+    goes (and its label says so: ranks that disagree fail loudly, never add up wrongly).
+    `sync`: as `site_label`'s."""
     exchange = _state.exchange
-    # the label is looked for from the patch's caller: past this function and the patch
-    return exchange is not None and exchange.sync_(tensor, op, identity, column, _SKIP)
+    return exchange is not None and exchange.sync_(tensor, op, identity, column, _SKIP, sync)
+
+
+def _trace(identity: GroupIdentity, site: str) -> None:
+    """COORDD_VLLM_TRACE=1: print a sync's site label the first time this process makes it."""
+    if site not in _traced:
+        _traced.add(site)
+        print(
+            f"coordd vLLM plugin: {identity.name} rank {identity.dp_rank}: sync {site}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 _OPS = {
@@ -188,91 +222,137 @@ class DistShim(types.ModuleType):
 # -- the checks and the install ---------------------------------------------------------------
 
 
-def _targets() -> dict[str, Any]:
-    """Import the patch targets and check each is what the patches expect; raises
-    PatchRefused naming the first that is not."""
+def release_line(version: str) -> str | None:
+    """The supported release line `version` belongs to ("0.32", "0.33"), or None."""
+    for line in SUPPORTED:
+        if version == line or version.startswith(line + "."):
+            return line
+    return None
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise PatchRefused(what)
+
+
+def _is_torch_dist(module: types.ModuleType, where: str, label: str) -> None:
+    _need(
+        module.__dict__.get("dist") is torch_dist, f"{label}: {where}.dist is not torch.distributed"
+    )
+
+
+def _targets(line: str) -> dict[str, Any]:
+    """Import release line `line`'s patch targets and check each is what the patches expect;
+    raises PatchRefused naming the first that is not."""
     try:
         import vllm.config.parallel as config_parallel
         import vllm.distributed.utils as dist_utils
+        import vllm.v1.engine.core as engine_core
         import vllm.v1.worker.dp_utils as v1_dp_utils
+        import vllm.v1.worker.gpu.dp_utils as v2_dp_utils
         from vllm.distributed import parallel_state
     except ImportError as exc:
         raise PatchRefused(f"cannot import a patched vLLM module: {exc}") from exc
     parallel_config = config_parallel.ParallelConfig
     coordinator = getattr(parallel_state, "GroupCoordinator", None)
 
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise PatchRefused(what)
-
-    need(
-        v1_dp_utils.__dict__.get("dist") is torch_dist,
-        "A: vllm.v1.worker.dp_utils.dist is not torch.distributed",
-    )
-    need(callable(v1_dp_utils.__dict__.get("_run_ar")), "A: vllm.v1.worker.dp_utils._run_ar")
-    need(
+    _is_torch_dist(v1_dp_utils, "vllm.v1.worker.dp_utils", "A")
+    _need(callable(v1_dp_utils.__dict__.get("_run_ar")), "A: vllm.v1.worker.dp_utils._run_ar")
+    _need(
         callable(v1_dp_utils.__dict__.get("should_skip_dp_coordination")),
         "A: vllm.v1.worker.dp_utils.should_skip_dp_coordination",
     )
-    need(hasattr(parallel_state, "_DP"), "B: vllm.distributed.parallel_state._DP")
-    need(
-        coordinator is not None and callable(coordinator.__dict__.get("cpu_all_reduce_")),
-        "B: GroupCoordinator.cpu_all_reduce_",
+    _need(hasattr(parallel_state, "_DP"), "B: vllm.distributed.parallel_state._DP")
+    _need(
+        callable(v2_dp_utils.__dict__.get("sync_cudagraph_and_dp_padding")),
+        "B: vllm.v1.worker.gpu.dp_utils.sync_cudagraph_and_dp_padding",
     )
-    util = config_parallel.__dict__.get("cpu_all_reduce_")
-    need(
-        util is dist_utils.__dict__.get("cpu_all_reduce_") and callable(util),
-        "C: vllm.config.parallel.cpu_all_reduce_ is not vllm.distributed.utils.cpu_all_reduce_",
-    )
-    need(callable(parallel_config.__dict__.get("sync_dp_state")), "C: ParallelConfig.sync_dp_state")
+    sync_dp_state = parallel_config.__dict__.get("sync_dp_state")
+    if line == "0.33":
+        _need(
+            coordinator is not None and callable(coordinator.__dict__.get("cpu_all_reduce_")),
+            "B: GroupCoordinator.cpu_all_reduce_",
+        )
+        util = config_parallel.__dict__.get("cpu_all_reduce_")
+        _need(
+            util is dist_utils.__dict__.get("cpu_all_reduce_") and callable(util),
+            "C: vllm.config.parallel.cpu_all_reduce_ is not vllm.distributed.utils.cpu_all_reduce_",
+        )
+        _need(
+            callable(sync_dp_state) and not isinstance(sync_dp_state, staticmethod),
+            "C: ParallelConfig.sync_dp_state is not a method",
+        )
+    else:  # 0.32
+        _is_torch_dist(v2_dp_utils, "vllm.v1.worker.gpu.dp_utils", "B")
+        _need(
+            isinstance(sync_dp_state, staticmethod),
+            "C: ParallelConfig.sync_dp_state is not a staticmethod",
+        )
+        _need(
+            list(inspect.signature(sync_dp_state.__func__).parameters)
+            == ["dp_group", "has_unfinished", "pending_pause"],
+            "C: ParallelConfig.sync_dp_state(dp_group, has_unfinished, pending_pause)",
+        )
     for name in ("has_unfinished_dp", "sync_kv_cache_memory_size"):
-        need(
+        _need(
             isinstance(parallel_config.__dict__.get(name), staticmethod),
             f"D: ParallelConfig.{name} is not a staticmethod",
         )
-    need(
+    _need(
         callable(parallel_config.__dict__.get("stateless_init_dp_group")),
         "E: ParallelConfig.stateless_init_dp_group",
     )
+    dp_engine = getattr(engine_core, "DPEngineCoreProc", None)
+    _need(
+        isinstance(dp_engine, type) and callable(dp_engine.__dict__.get("shutdown")),
+        "F: vllm.v1.engine.core.DPEngineCoreProc.shutdown",
+    )
     return dict(
+        line=line,
         v1_dp_utils=v1_dp_utils,
+        v2_dp_utils=v2_dp_utils,
         config_parallel=config_parallel,
         parallel_config=parallel_config,
         coordinator=coordinator,
         parallel_state=parallel_state,
+        dp_engine=dp_engine,
     )
+
+
+def _refuse(why: str) -> bool:
+    log.warning(
+        "coordd vLLM plugin NOT installed, vLLM keeps its own DP collectives: %s "
+        "(the plugin supports vLLM %s)",
+        why,
+        " and ".join(f"{line}.x" for line in SUPPORTED),
+    )
+    return False
 
 
 def install(settings: PluginSettings) -> bool:
     """Route vLLM's DP syncs through coordd in this process; idempotent. Returns True if the
-    patches are in place, False if vLLM's shape differs (a warning says where)."""
+    patches are in place, False if this vLLM is not a supported release or its shape differs
+    from that release's (one warning says why; nothing is patched then)."""
     with _state.lock:
         if _state.saved:
             return True
         try:
-            targets = _targets()
-        except PatchRefused as exc:
-            log.warning(
-                "coordd vLLM plugin NOT installed, vLLM keeps its own DP collectives: %s "
-                "(the plugin is written against vLLM %s.x)",
-                exc,
-                SUPPORTED,
-            )
-            return False
-        import vllm
-
+            import vllm
+        except ImportError as exc:
+            return _refuse(f"cannot import vllm: {exc}")
         version = str(getattr(vllm, "__version__", "?"))
-        if not version.startswith(SUPPORTED + "."):
-            log.warning(
-                "coordd vLLM plugin: vLLM %s is not %s.x; its patch targets look as expected, "
-                "installing anyway",
-                version,
-                SUPPORTED,
-            )
-        _state.exchange = Exchange(settings)
+        line = release_line(version)
+        if line is None:
+            return _refuse(f"vLLM {version} is not a supported release")
+        try:
+            targets = _targets(line)
+        except PatchRefused as exc:
+            return _refuse(f"vLLM {version}: {exc}")
+        _state.exchange = Exchange(settings, trace=_trace if _TRACE else None)
         _patch_all(**targets)
     log.info(
-        "coordd vLLM plugin installed (coordd at %s): DP syncs are gather rounds",
+        "coordd vLLM plugin installed for vLLM %s (coordd at %s): DP syncs are gather rounds",
+        version,
         settings.address or "the default ipc path",
     )
     return True
@@ -283,44 +363,88 @@ def _replace(obj: Any, name: str, value: Any) -> None:
     setattr(obj, name, value)
 
 
+def leave() -> None:
+    """Say Goodbye to coordd for every group this process syncs in and close the links (the
+    process is shutting down: a clean exit, not a lost rank). The patches stay: a sync after
+    this connects again."""
+    exchange = _state.exchange
+    if exchange is not None:
+        exchange.close()
+
+
+def _engine_state_sum(dp_group: Any, has_unfinished: bool, pending_pause: bool) -> torch.Tensor:
+    tensor = torch.tensor([int(has_unfinished), int(pending_pause)], dtype=torch.int32)
+    if not _sync_(
+        tensor, ReduceOp.SUM, _engine_route(dp_group), False, "ParallelConfig.sync_dp_state"
+    ):
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=dp_group)
+    return tensor
+
+
 def _patch_all(
+    line: str,
     v1_dp_utils: types.ModuleType,
+    v2_dp_utils: types.ModuleType,
     config_parallel: types.ModuleType,
     parallel_config: type,
     coordinator: type,
     parallel_state: types.ModuleType,
+    dp_engine: type,
 ) -> None:
     # A
     _replace(v1_dp_utils, "dist", DistShim())
 
-    # B
-    original_cpu_all_reduce_ = coordinator.__dict__["cpu_all_reduce_"]
+    if line == "0.33":
+        # B: Model Runner V2 calls the DP group's cpu_all_reduce_
+        original_cpu_all_reduce_ = coordinator.__dict__["cpu_all_reduce_"]
 
-    def cpu_all_reduce_(self: Any, tensor: torch.Tensor) -> torch.Tensor:
-        # (`_sync_` refuses what `can_gather` would, on its first sight of a dtype and shape)
-        if self is parallel_state._DP and _sync_(
-            tensor, ReduceOp.SUM, _worker_identity(self), True
-        ):
-            return tensor
-        return original_cpu_all_reduce_(self, tensor)
+        def cpu_all_reduce_(self: Any, tensor: torch.Tensor) -> torch.Tensor:
+            # (`_sync_` refuses what `can_gather` would, on its first sight of a dtype and shape)
+            if self is parallel_state._DP and _sync_(
+                tensor, ReduceOp.SUM, _worker_identity(self), True
+            ):
+                return tensor
+            return original_cpu_all_reduce_(self, tensor)
 
-    cpu_all_reduce_.coordd_patch = True  # type: ignore[attr-defined]
-    _replace(coordinator, "cpu_all_reduce_", cpu_all_reduce_)
+        cpu_all_reduce_.coordd_patch = True  # type: ignore[attr-defined]
+        _replace(coordinator, "cpu_all_reduce_", cpu_all_reduce_)
 
-    # C: its only caller in 0.33 is ParallelConfig.sync_dp_state, on the engine DP group
-    original_util = config_parallel.__dict__["cpu_all_reduce_"]
+        # C: its only caller in 0.33 is ParallelConfig.sync_dp_state, on the engine DP group
+        original_util = config_parallel.__dict__["cpu_all_reduce_"]
 
-    def util_cpu_all_reduce_(tensor: torch.Tensor, group: Any, timeout: Any = None) -> torch.Tensor:
-        if (
-            isinstance(group, torch_dist.ProcessGroup)
-            and can_gather(tensor)
-            and _state.exchange is not None
-            and _sync_(tensor, ReduceOp.SUM, _engine_route(group), False)
-        ):
-            return tensor
-        return original_util(tensor, group, timeout)
+        def util_cpu_all_reduce_(
+            tensor: torch.Tensor, group: Any, timeout: Any = None
+        ) -> torch.Tensor:
+            if (
+                isinstance(group, torch_dist.ProcessGroup)
+                and can_gather(tensor)
+                and _state.exchange is not None
+                and _sync_(tensor, ReduceOp.SUM, _engine_route(group), False)
+            ):
+                return tensor
+            return original_util(tensor, group, timeout)
 
-    _replace(config_parallel, "cpu_all_reduce_", util_cpu_all_reduce_)
+        _replace(config_parallel, "cpu_all_reduce_", util_cpu_all_reduce_)
+    else:
+        # B: Model Runner V2 calls its module's dist.all_reduce on the DP cpu_group
+        _replace(v2_dp_utils, "dist", DistShim())
+
+        # C: the staticmethod, wrapped as D's are (vLLM's own arithmetic on the SUM)
+        original_sync = parallel_config.__dict__["sync_dp_state"].__func__
+
+        def sync_dp_state(
+            dp_group: Any, has_unfinished: bool, pending_pause: bool
+        ) -> tuple[bool, bool]:
+            if not isinstance(dp_group, torch_dist.ProcessGroup) or _state.exchange is None:
+                return tuple(original_sync(dp_group, has_unfinished, pending_pause))
+            tensor = _engine_state_sum(dp_group, has_unfinished, pending_pause)
+            dp_size = dp_group.size()
+            pause_count = int(tensor[1].item())
+            has_unfinished_global = int(tensor[0].item()) > 0 or pause_count % dp_size != 0
+            return has_unfinished_global, pause_count == dp_size
+
+        sync_dp_state.coordd_patch = True  # type: ignore[attr-defined]
+        _replace(parallel_config, "sync_dp_state", staticmethod(sync_dp_state))
 
     # D
     original_unfinished = parallel_config.__dict__["has_unfinished_dp"].__func__
@@ -329,10 +453,13 @@ def _patch_all(
         if not isinstance(dp_group, torch_dist.ProcessGroup) or _state.exchange is None:
             return bool(original_unfinished(dp_group, has_unfinished))
         tensor = torch.tensor([has_unfinished], dtype=torch.int32, device="cpu")
-        if not _sync_(tensor, ReduceOp.MAX, _engine_route(dp_group), False):
+        if not _sync_(
+            tensor, ReduceOp.MAX, _engine_route(dp_group), False, "ParallelConfig.has_unfinished_dp"
+        ):
             return bool(original_unfinished(dp_group, has_unfinished))
         return bool(tensor.item())
 
+    has_unfinished_dp.coordd_patch = True  # type: ignore[attr-defined]
     _replace(parallel_config, "has_unfinished_dp", staticmethod(has_unfinished_dp))
 
     original_kv = parallel_config.__dict__["sync_kv_cache_memory_size"].__func__
@@ -343,10 +470,17 @@ def _patch_all(
         if kv_cache_memory == -1:  # vLLM's "no limit" before its MIN
             kv_cache_memory = torch.iinfo(torch.int64).max
         tensor = torch.tensor([kv_cache_memory], dtype=torch.int64, device="cpu")
-        if not _sync_(tensor, ReduceOp.MIN, _engine_route(dp_group), False):
+        if not _sync_(
+            tensor,
+            ReduceOp.MIN,
+            _engine_route(dp_group),
+            False,
+            "ParallelConfig.sync_kv_cache_memory_size",
+        ):
             return int(original_kv(dp_group, kv_cache_memory))
         return int(tensor.item())
 
+    sync_kv_cache_memory_size.coordd_patch = True  # type: ignore[attr-defined]
     _replace(parallel_config, "sync_kv_cache_memory_size", staticmethod(sync_kv_cache_memory_size))
 
     # E
@@ -357,7 +491,21 @@ def _patch_all(
         register_engine_group(made[0] if return_store else made)
         return made
 
+    stateless_init_dp_group.coordd_patch = True  # type: ignore[attr-defined]
     _replace(parallel_config, "stateless_init_dp_group", stateless_init_dp_group)
+
+    # F
+    original_shutdown = dp_engine.__dict__["shutdown"]
+
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            leave()  # first: the rest may be cut short by vLLM's SIGKILL
+        except Exception:  # never in the way of vLLM's own shutdown
+            log.exception("coordd vLLM plugin: leaving coordd's groups failed")
+        return original_shutdown(self, *args, **kwargs)
+
+    shutdown.coordd_patch = True  # type: ignore[attr-defined]
+    _replace(dp_engine, "shutdown", shutdown)
 
 
 def uninstall() -> None:

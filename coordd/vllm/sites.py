@@ -42,7 +42,7 @@ _PAST, _SYNC, _CALLER = 0, 1, 2
 _CODES: dict[int, tuple[int, str, types.CodeType]] = {}
 #: (ids of the sync function's and the caller's code, the caller's instruction, ids of the
 #: op, the token and the layout) -> (the label, the objects whose ids are in the key)
-_LABELS: dict[tuple[int, ...], tuple[str, tuple[Any, ...]]] = {}
+_LABELS: dict[tuple[Any, ...], tuple[str, tuple[Any, ...]]] = {}
 #: `label`'s tokens: one object per (dtype, shape)
 _TOKENS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
@@ -69,20 +69,24 @@ def _forget() -> None:
     _TOKENS.clear()
 
 
-def label(op: Any, tensor: Any, layout: Any, depth: int = 1) -> str:
+def label(op: Any, tensor: Any, layout: Any, depth: int = 1, sync: str = "") -> str:
     """The label of the sync in progress, looked for from `depth` frames above this call;
-    `op` and `layout` are enums with a string `value`, `tensor` has a dtype and a shape."""
+    `op` and `layout` are enums with a string `value`, `tensor` has a dtype and a shape;
+    `sync` names the sync function where no frame of a sync module is on the stack (a patch
+    that stands in for it)."""
     dtype, shape = tensor.dtype, tuple(tensor.shape)
     token = _TOKENS.setdefault((dtype, shape), (dtype, shape))  # one object per pair
-    return label_of(op, dtype, shape, layout, token, depth + 1)
+    return label_of(op, dtype, shape, layout, token, depth + 1, sync)
 
 
-def label_of(op: Any, dtype: Any, shape: Any, layout: Any, token: Any, depth: int = 1) -> str:
+def label_of(
+    op: Any, dtype: Any, shape: Any, layout: Any, token: Any, depth: int = 1, sync: str = ""
+) -> str:
     """`label`, for a caller that has the tensor's dtype and shape at hand and an object that
     stands for the pair (the exchange's plan for them), looked up by its id."""
     frame: types.FrameType | None = sys._getframe(depth)
     codes = _CODES
-    sync_code = sync_fn = None
+    sync_code, sync_fn = None, sync or None
     while frame is not None:
         code = frame.f_code
         kind = codes.get(id(code))
@@ -97,7 +101,7 @@ def label_of(op: Any, dtype: Any, shape: Any, layout: Any, token: Any, depth: in
         caller_code, where = None, -1
     else:
         caller_code, where = frame.f_code, frame.f_lasti
-    key = (id(sync_code), id(caller_code), where, id(op), id(token), id(layout))
+    key = (id(sync_code), id(caller_code), where, id(op), id(token), id(layout), sync)
     found = _LABELS.get(key)
     if found is None:
         caller = "?" if caller_code is None else codes[id(caller_code)][1]

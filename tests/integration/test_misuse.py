@@ -112,6 +112,17 @@ def _busy_port() -> tuple[socket.socket, int]:
     return held, held.getsockname()[1]
 
 
+def test_an_ipc_bind_into_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    """Before: `--bind ipc:///nonexistent/dir/x.sock` made the directories, said "coordd
+    ready" and left them behind."""
+    done = run_coordd("--dp", "1", "--bind", f"ipc://{tmp_path}/nonexistent/dir/x.sock")
+    line = one_line_refusal(done)
+    assert line.startswith(f"coordd: --bind ipc://{tmp_path}/nonexistent/dir/x.sock: "), line
+    assert f"directory {tmp_path}/nonexistent/dir does not exist" in line
+    assert "coordd ready" not in done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_every_bad_bind_is_one_line_naming_the_option_and_the_fix(tmp_path: Path) -> None:
     """Before: raw ZMQError tracebacks (and exit code 1 only by accident of the traceback)."""
     held, port = _busy_port()
@@ -166,6 +177,8 @@ def test_a_client_given_a_bad_address_gets_a_coord_error() -> None:
         with pytest.raises(CoordinatorUnavailable) as caught:
             CoordClient(address, dp_rank=0, dp_size=2)
         assert isinstance(caught.value, CoordError) and says in str(caught.value)
+        # the hint is about the address, not "check that coordd is running"
+        assert "--bind" in caught.value.hint and "running" not in caught.value.hint
 
 
 def test_no_coordd_says_what_was_tried_and_why(tmp_path: Path,
@@ -222,19 +235,21 @@ def test_a_refused_curve_key_fails_at_the_handshake(tmp_path: Path) -> None:
     args = ["--curve-secret-key", str(keys / "coordd.key_secret"),
             "--curve-client-keys", str(keys / "rank.key"), "--log-level", "error"]
     with CoorddProcess(1, "tcp://127.0.0.1:*", args) as coordd:
-        for server, client, says in [
-            ("coordd", "stranger", "refused this rank's CURVE key"),
-            ("stranger", "rank", "CURVE handshake failed"),
+        for server, client, says, hint in [
+            ("coordd", "stranger", "refused this rank's CURVE key", "--curve-client-keys"),
+            ("stranger", "rank", "CURVE handshake failed", "COORDD_CURVE_SERVER_KEY"),
         ]:
             curve = CurveKeys.from_files(str(keys / f"{server}.key"),
                                          str(keys / f"{client}.key_secret"))
             c = CoordClient(coordd.address, dp_rank=0, dp_size=1, curve=curve)
             began = time.monotonic()
             try:
-                with pytest.raises(CoordinatorUnavailable, match=says):
+                with pytest.raises(CoordinatorUnavailable, match=says) as caught:
                     c.connect(timeout=30)
             finally:
                 c.close()
+            assert hint in caught.value.hint and "running" not in caught.value.hint
+            assert caught.value.__notes__ == [f"hint: {caught.value.hint}"]
             assert time.monotonic() - began < 15, "it waited for the timeout"
 
 
@@ -342,39 +357,109 @@ def test_aio_start_twice_without_wait_is_refused(start_coordd) -> None:  # type:
 # -- a rank that leaves cleanly -----------------------------------------------------------------
 
 
-def test_a_rank_that_closes_cleanly_is_an_orderly_departure(tmp_path: Path) -> None:
-    """Before: logged as a warning "group failed ... lost", /readyz "failed at seq"."""
+def _records(log: Path, message: str, timeout: float = 10.0) -> list[dict[str, object]]:
+    """coordd's JSON log records so far, once one says `message` (or the deadline passes)."""
+    deadline = time.monotonic() + timeout
+    records: list[dict[str, object]] = []
+    while time.monotonic() < deadline:
+        records = [json.loads(line) for line in log.read_text().splitlines() if line]
+        if any(r["message"] == message for r in records):
+            break
+        time.sleep(0.05)
+    return records
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def test_a_group_every_rank_left_cleanly_is_stopped_not_failed(tmp_path: Path) -> None:
+    """Before: a clean exit was logged "group stopped: a rank left" but counted as a failure
+    (coordd_group_failed 1, faults lost 1), /readyz 503 and `coordd status` FAILED."""
     log = tmp_path / "coordd.log"
     coordd = Coordd(["--dp", "2", "--bind", f"ipc://{tmp_path}/c.sock", "--metrics-port", "0",
                      "--log-format", "json"], stderr=log).start()
     try:
         cs = clients(coordd.address, 2)
         pending = [c.start(REPORT) for c in cs]
-        pending[0].wait(10)
-        pending[1].wait(10)
+        for p in pending:
+            p.wait(10)
+        cs[1].close()  # Goodbye
+        cs[0].close()  # Goodbye: every rank left
+        records = _records(log, "group stopped")
+        (stopped,) = [r for r in records if r["message"] == "group stopped"]
+        assert stopped["level"] == "info" and stopped["group"] == "default"
+        assert not [r for r in records if r["message"] in ("group failed", "rank lost")]
+        url = coordd.url
+        assert _metric(url, "coordd_group_failed", group="default") == 0
+        assert _metric(url, "coordd_group_stopped", group="default") == 1
+        assert _metric(url, "coordd_departures_total", group="default") == 2
+        assert _metric(url, "coordd_group_stops_total", group="default") == 1
+        assert _metric(url, "coordd_faults_total", group="default", reason="lost") == 0
+        assert _metric(url, "coordd_rounds_total", group="default", kind="forward",
+                       outcome="failed") == 0
+        assert _metric(url, "coordd_group_state", group="default", state="stopped") == 1
+        with urllib.request.urlopen(url + "/readyz", timeout=5) as response:
+            body = response.read().decode()
+        assert body.startswith("1/1 groups stopped (default: stopped at seq 1: every rank left "
+                               "cleanly (Goodbye)"), body
+        table = subprocess.run([*COORDD, "status", "--url", url], capture_output=True,
+                               text=True, timeout=30)
+        assert table.returncode == 0, table.stderr
+        assert "state stopped" in table.stdout and "every rank left cleanly" in table.stdout
+        assert "FAILED" not in table.stdout
+        # and the next registration starts a new epoch
+        again = clients(coordd.address, 2)
+        try:
+            for p in [c.start(REPORT) for c in again]:
+                p.wait(10)
+            assert _metric(url, "coordd_epoch", group="default") >= 2
+        finally:
+            for c in again:
+                c.close()
+    finally:
+        coordd.stop()
+
+
+def test_a_report_after_a_peer_left_fails_naming_it_and_a_crash_stays_lost(
+    tmp_path: Path,
+) -> None:
+    """A rank that left while another still syncs: that round fails (typed, naming the rank
+    that left); a connection closed without Goodbye is a lost rank."""
+    log = tmp_path / "coordd.log"
+    coordd = Coordd(["--dp", "2", "--bind", f"ipc://{tmp_path}/c.sock", "--metrics-port", "0",
+                     "--log-format", "json"], stderr=log).start()
+    try:
+        cs = clients(coordd.address, 2)
+        for p in [c.start(REPORT) for c in cs]:
+            p.wait(10)
         cs[1].close()  # Goodbye
         with pytest.raises(RankLost) as lost:
             cs[0].start(REPORT).wait(10)
         assert lost.value.ranks == (1,) and lost.value.detail == "left the group"
         cs[0].close()
-        deadline = time.monotonic() + 10
-        records: list[dict[str, object]] = []
-        while time.monotonic() < deadline:
-            records = [json.loads(line) for line in log.read_text().splitlines() if line]
-            if any(r["message"] == "group stopped: a rank left" for r in records):
-                break
-            time.sleep(0.05)
-        (stopped,) = [r for r in records if r["message"] == "group stopped: a rank left"]
-        assert stopped["level"] == "info" and stopped["ranks"] == [1]
-        assert not [r for r in records if r["message"] == "group failed"]
+        records = _records(log, "group failed")
+        (failed,) = [r for r in records if r["message"] == "group failed"]
+        assert failed["level"] == "warning" and failed["ranks"] == [1]
+        assert _metric(coordd.url, "coordd_group_failed", group="default") == 1
+        assert _metric(coordd.url, "coordd_group_stops_total", group="default") == 0
         try:
             urllib.request.urlopen(coordd.url + "/readyz", timeout=5)
-            raise AssertionError("/readyz answered 200 after a departure")
+            raise AssertionError("/readyz answered 200 after a failed round")
         except urllib.error.HTTPError as exc:
             body = exc.read().decode()
             assert exc.code == 503
-        assert body.startswith("group default stopped at seq 1: rank(s) [1] left the group "
-                               "(closed cleanly)"), body
+        # every rank has left: a group not formed (issue 21), its reason the departure
+        assert body.startswith("0/1 groups formed: group default has failed at seq 1: "
+                               "rank(s) [1] left the group (closed cleanly)"), body
     finally:
         coordd.stop()
 
@@ -437,7 +522,7 @@ def test_the_readme_client_snippet_runs_as_pasted(tmp_path: Path) -> None:
     """Before: the snippet used ipc:///run/coordd/coordd.sock (not coordd's default) and
     placeholders; now it must run as it stands against `coordd --dp 1` at the default address."""
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme[readme.index("### The client"):]
+    section = readme[readme.index("## The client inside an engine"):]
     snippet = section[section.index("```python\n") + 10:section.index("```\n", 10)]
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
     env.pop("COORDD_ADDRESS", None)

@@ -269,18 +269,19 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
         assert all(r["incarnation"] and r["last_seen_s"] < 60 for r in doc["ranks"])
     finally:
         ranks.close()
-    # the ranks left: in fail-stop mode the group is failed, and coordd says so
+    # the ranks left cleanly (Goodbye): the group is stopped, not failed, and coordd says so
     m = wait_for(lambda: (s := samples(c.url)) and
-                 metric(s, "coordd_group_failed", group="default") == 1 and s,
-                 30, "the group to fail once the ranks left")
-    assert metric(m, "coordd_faults_total", group="default", reason="lost") == 1
-    assert metric(m, "coordd_ready") == 0
+                 metric(s, "coordd_group_stopped", group="default") == 1 and s,
+                 30, "the group to stop once the ranks left")
+    assert metric(m, "coordd_group_failed", group="default") == 0
+    assert metric(m, "coordd_faults_total", group="default", reason="lost") == 0
+    assert metric(m, "coordd_departures_total", group="default") == dp
+    assert metric(m, "coordd_ready") == 1
     code, body = fetch(c.url + "/readyz", 5)
-    # the ranks closed cleanly (Goodbye): still fail-stop, but said as an orderly departure
-    assert code == 503 and body.startswith(b"group default stopped at seq"), body
-    assert b"left the group (closed cleanly)" in body and b"connect() again" in body
-    (failure,) = status(c.url)["groups"][0]["recent_failures"]
-    assert failure["reason"] == "lost" and failure["seq"] == rounds
+    assert code == 200 and body.startswith(b"1/1 groups stopped (default: stopped at seq"), body
+    assert b"every rank left cleanly (Goodbye)" in body
+    doc = status(c.url)["groups"][0]
+    assert doc["state"] == "stopped" and doc["left_cleanly"] and doc["recent_failures"] == []
     assert c.alive()
 
 
@@ -385,7 +386,7 @@ def test_json_fault_lines_carry_group_epoch_seq_kind_and_ranks(
 ) -> None:
     log = tmp_path / "coordd.log"
     c = coordd("serve", "--dp", "2", "--bind", f"ipc://{tmp_path}/c.sock",
-               "--log-format", "json", stderr=log)
+               "--log-format", "json", "--groups", "g7", stderr=log)
     ranks = [CoordClient(c.address, dp_rank=r, dp_size=2, group="g7") for r in range(2)]
     try:
         for r in ranks:
@@ -444,6 +445,8 @@ def test_a_busy_metrics_port_stops_coordd_with_a_clear_error(tmp_path: Path) -> 
         done = coordd_cli("serve", "--dp", "1", "--bind", f"ipc://{tmp_path}/c.sock",
                           "--metrics-port", str(port))
     assert done.returncode == 1
-    assert f"cannot serve HTTP on 127.0.0.1:{port}" in done.stderr
+    # named as the option to change (before: "cannot serve HTTP on ...: [Errno 98] ...")
+    assert f"coordd: --metrics-port {port}: 127.0.0.1:{port} is in use" in done.stderr
+    assert "[Errno" not in done.stderr and "0 for any free one" in done.stderr
     unreachable = coordd_cli("status", "--url", f"http://127.0.0.1:{port}", "--timeout", "2")
     assert unreachable.returncode == 2 and "cannot reach coordd" in unreachable.stderr

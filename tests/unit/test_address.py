@@ -243,7 +243,8 @@ def test_a_runtime_dir_is_made_0700_and_a_loosened_one_tightened(runtime: Path) 
     [
         (lambda d: f"ipc://{d}/file/coordd.sock", "is not a directory"),
         (lambda d: "ipc:///proc/1/coordd.sock", "cannot create files in /proc/1"),
-        (lambda d: "ipc:///proc/nosuchdir/x/coordd.sock", "cannot create directory"),
+        (lambda d: "ipc:///proc/nosuchdir/x/coordd.sock", "does not exist: create it first"),
+        (lambda d: f"ipc://{d}/no/such/dir/coordd.sock", "does not exist: create it first"),
     ],
 )
 def test_an_unusable_ipc_directory_is_one_sentence(tmp_path: Path, make, says: str) -> None:  # type: ignore[no-untyped-def]
@@ -251,3 +252,4 @@ def test_an_unusable_ipc_directory_is_one_sentence(tmp_path: Path, make, says: s
     with pytest.raises(BindError, match=None) as caught:
         IpcSocket.claim(make(tmp_path))
     assert says in str(caught.value) and str(caught.value).startswith("--bind ")
+    assert not (tmp_path / "no").exists(), "a mistyped path became directories"

@@ -10,11 +10,13 @@ from coordd.core.admission import (
     CAP,
     FLOOD,
     FLOOD_PROCESS,
+    MEMBER_SLACK,
     PRESSURE,
     SHED,
     SILENT,
     STRANGER_ANSWERS_PER_S,
     STRANGER_SOCKET_TTL,
+    VIOLATION,
     Admission,
     Shut,
 )
@@ -231,3 +233,23 @@ def test_strangers_are_answered_at_a_bounded_rate() -> None:
     answered = sum(guard.answer(beat, 0.0, lambda e: True) is not None for _ in range(1000))
     assert answered == STRANGER_ANSWERS_PER_S - 3 and guard.answers_dropped == 1000 - answered
     assert guard.answer(beat, 0.1, lambda e: True) is beat  # 20 more after 0.1 s
+
+
+def test_a_members_share_is_one_report_a_round_and_some_slack() -> None:
+    """Issue 21: a member's input is bounded too: over MEMBER_SLACK messages in a window
+    beyond two per round of its group is a violation; its own connection is shut (even
+    though it holds a rank) and nothing else; the counts start again each window."""
+    host = Host()
+    host.ranks = {5}
+    admission = host.admission()
+    assert admission.accepted(5, 0.0) == [] and admission.accepted(6, 0.0) == []
+    assert not admission.member_over(MEMBER_SLACK, rounds=0)
+    assert admission.member_over(MEMBER_SLACK + 1, rounds=0)
+    assert not admission.member_over(MEMBER_SLACK + 2 * 3000, rounds=3000)  # a busy group
+    assert admission.member_shut(5, b"m") == [Shut(5, 5, VIOLATION, b"m")]
+    assert admission.member_shut(7, b"m") == []  # no such connection: nothing blind
+    assert carried(admission, admission.member_shut(5, b"m")) == [5]
+    assert admission.violations == 1 and 6 in admission.open
+    admission.member_counts[b"m"] = 10
+    admission.new_window(1.0)
+    assert admission.member_counts == {}

@@ -429,6 +429,77 @@ def test_rank_lost_between_rounds(how: str) -> None:
         assert g.send(rep(r, 1)) == [Send((peer(r),), first)]
 
 
+def test_every_rank_leaving_cleanly_stops_the_group_without_a_failure() -> None:
+    g = Group()
+    g.round(0)
+    for r in (2, 0, 3):
+        assert list(g.c.receive(peer(r), Goodbye(text="rank closed"), g.now)) == []
+        snap = g.c.snapshot()
+        assert snap.state is GroupState.IDLE and snap.failures == 0
+    assert g.c.snapshot().left == frozenset({0, 2, 3})
+    assert list(g.c.receive(peer(1), Goodbye(), g.now)) == []
+    snap = g.c.snapshot()
+    assert snap.state is GroupState.STOPPED and snap.stopped
+    assert (snap.failures, snap.departures, snap.stops, snap.failure) == (0, 4, 1, None)
+    assert snap.members == {} and snap.left == frozenset() and g.c.next_deadline() is None
+    # a restart registers again: a new epoch that goes on from the next seq
+    (_, welcome), = g.hello(0)
+    assert isinstance(welcome, Welcome) and welcome.epoch == EPOCH + 1 and welcome.next_seq == 1
+    assert g.c.state is GroupState.IDLE and g.c.snapshot().failures == 0
+
+
+def test_a_report_after_a_peer_left_fails_naming_it() -> None:
+    """The round could never complete: the reporter is told at once which rank left."""
+    g = Group(dp=2)
+    g.round(0)
+    assert list(g.c.receive(peer(1), Goodbye(), g.now)) == []
+    failed(g.send(rep(0, 1)), RankLost([1], "left the group"), to=[peer(0)], seq=1)
+    snap = g.c.snapshot()
+    assert snap.state is GroupState.FAILED and snap.failures == 1 and snap.departures == 1
+
+
+def test_a_resent_report_after_a_peer_left_gets_its_decision_again() -> None:
+    g = Group(dp=2)
+    decision, _ = g.round(0)
+    assert list(g.c.receive(peer(1), Goodbye(), g.now)) == []
+    assert g.send(rep(0, 0)) == [Send((peer(0),), decision)]
+    assert g.c.state is GroupState.IDLE
+
+
+def test_a_loss_without_goodbye_after_a_clean_departure_is_a_failure() -> None:
+    g = Group(dp=2)
+    g.round(0)
+    assert list(g.c.receive(peer(0), Goodbye(), g.now)) == []
+    assert list(g.c.peer_lost(peer(1), g.now)) == []
+    snap = g.c.snapshot()
+    assert snap.state is GroupState.FAILED and snap.failures == 1 and snap.stops == 0
+    assert snap.last_failure is not None and snap.last_failure.culprits == [1]
+
+
+def test_a_rank_that_left_may_register_again_between_rounds() -> None:
+    g = Group(dp=2)
+    g.round(0)
+    assert list(g.c.receive(peer(1), Goodbye(), g.now)) == []
+    (_, welcome), = g.c.receive(b"again", hello(1, 2, incarnation="inc1b"), g.now)
+    assert isinstance(welcome, Welcome) and welcome.epoch == EPOCH and welcome.next_seq == 1
+    assert g.c.snapshot().left == frozenset()
+    assert g.send(rep(0, 1)) == []
+    (sent,) = g.c.receive(b"again", rep(1, 1), g.now)
+    assert isinstance(sent.message, StepDecision) and sorted(sent.peers) == [b"again", peer(0)]
+
+
+def test_elastic_a_rank_that_left_is_left_out() -> None:
+    g = Group(dp=3, on_rank_loss=OnRankLoss.NEUTRALIZE)
+    g.round(0)
+    assert list(g.c.receive(peer(2), Goodbye(), g.now)) == []
+    assert g.send(rep(0, 1)) == []
+    (sent,) = g.send(rep(1, 1))
+    assert isinstance(sent.message, StepDecision) and sent.message.dead_ranks == [2]
+    for r in (0, 1):
+        g.c.receive(peer(r), Goodbye(), g.now)
+    assert g.c.state is GroupState.STOPPED and g.c.snapshot().failures == 0
+
+
 def test_goodbye_mid_group() -> None:
     g = Group()
     assert g.send(rep(0, 0)) == []
@@ -1025,8 +1096,11 @@ def _in_each_state() -> dict[GroupState, Coordinator]:
     open_.receive(peer(0), rep(0, 0), 0.0)
     failed_ = Group(dp=2).c
     failed_.receive(peer(0), rep(0, 3), 0.0)
+    stopped = Group(dp=2).c
+    for r in (0, 1):
+        stopped.receive(peer(r), Goodbye(), 0.0)
     return {GroupState.EMPTY: empty, GroupState.IDLE: idle, GroupState.ROUND_OPEN: open_,
-            GroupState.FAILED: failed_}
+            GroupState.FAILED: failed_, GroupState.STOPPED: stopped}
 
 
 def test_the_machine_refuses_an_illegal_event_and_stays_where_it_was() -> None:
@@ -1083,6 +1157,14 @@ def test_every_move_in_the_table_happens() -> None:
     c.receive(peer(0), rep(0, 0), 1.0)
     c.receive(peer(1), Goodbye(), 1.0)
     c.receive(peer(0), Goodbye(), 1.0)
+    seen.update(c.moves)
+
+    c = group(2)  # a clean exit: both say Goodbye between rounds; then a new epoch
+    c.receive(peer(0), rep(0, 0), 1.0)
+    c.receive(peer(1), rep(1, 0), 1.0)
+    c.receive(peer(1), Goodbye(), 2.0)
+    c.receive(peer(0), Goodbye(), 2.0)
+    c.receive(peer(0), hello(0, 2), 3.0)
     seen.update(c.moves)
 
     table = {(s, e, t) for s, moves in TRANSITIONS.items() for e, t in moves.items()}

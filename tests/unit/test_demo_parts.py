@@ -10,10 +10,12 @@ import pytest
 from coordd.client.vllm import CUDAGRAPH_FULL, CUDAGRAPH_NONE, CUDAGRAPH_PIECEWISE, build_report
 from coordd.proto.messages import StepKind
 from coordd.proto.policy import decide
+from coordd.tools import demo
 from coordd.tools.demo import verify
 from coordd.tools.demo_rank import (
     MAX_NUM_BATCHED_TOKENS,
     Finished,
+    Progress,
     RoundRecord,
     Workload,
     demo_config,
@@ -108,3 +110,23 @@ def test_demo_without_rich_prints_plain_lines_and_names_the_extra(
     view = make_view("title", plain=False)
     assert isinstance(view, PlainView)
     assert "coordd[demo]" in capsys.readouterr().err
+
+
+def test_the_recent_column_is_the_last_seconds_not_the_whole_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: a 4000-sample window held all of a 5 s demo, so "recent" equalled "whole run"."""
+    clock = [100.0]
+    monkeypatch.setattr(demo.time, "monotonic", lambda: clock[0])
+    stats = demo.Stats(dp=1)
+
+    def progress(latency: float) -> Progress:
+        return Progress(0, 1, [latency / 10], [latency], 8, 8, 0, 0)
+
+    stats.add(progress(0.001))
+    clock[0] += demo.RECENT_S + 1
+    stats.add(progress(0.002))
+    assert stats.recent_latency == [0.002] and stats.latency == [0.001, 0.002]
+    assert stats.recent_exposed == [0.0002]
+    assert "the exchange overlaps the step" in demo.takeaway(stats)
+    assert "(10%)" in demo.takeaway(stats)

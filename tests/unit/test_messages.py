@@ -41,7 +41,7 @@ from coordd.proto import (
     max_gather_values,
 )
 from coordd.proto.coordinator import Coordinator
-from coordd.proto.errors import REJECT_HINTS
+from coordd.proto.errors import REJECT_HINTS, UNAVAILABLE_HINTS
 from coordd.proto.messages import MAX_DP_SIZE, WIRE_ERRORS, error_from_reject, reject_message
 
 # -- strategies ----------------------------------------------------------------------------
@@ -561,6 +561,21 @@ def test_the_hint_is_a_traceback_note_that_survives_the_wire(error: CoordError) 
     assert error.__notes__ == [f"hint: {error.hint}"]
     back = error_from_failure(failure_message(error, epoch=1, seq=2, kind=StepKind.FORWARD))
     assert back.__notes__ == error.__notes__
+
+
+def test_an_unavailable_coordd_gets_the_hint_of_its_cause() -> None:
+    """Before: every CoordinatorUnavailable said "check that coordd is running", even for a
+    closed client or a round superseded by connect()."""
+    from coordd.client.session import SUPERSEDED
+    from coordd.client.sync import _CLOSED
+
+    default = CoordinatorUnavailable("connection to coordd dropped")
+    assert default.hint == CoordinatorUnavailable.hint
+    assert CoordinatorUnavailable(_CLOSED).hint == UNAVAILABLE_HINTS["closed"]
+    assert CoordinatorUnavailable(SUPERSEDED).hint == UNAVAILABLE_HINTS["superseded"]
+    given = CoordinatorUnavailable("x", hint=UNAVAILABLE_HINTS["address"])
+    assert given.__notes__ == [f"hint: {UNAVAILABLE_HINTS['address']}"]
+    assert given == CoordinatorUnavailable("x")  # the hint is advice, not the error's data
 
 
 def test_rank_lost_says_to_reconnect() -> None:

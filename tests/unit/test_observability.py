@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordd.cli.status import render
+from coordd.cli.status import probe_line, render
 from coordd.core.admission import Admission
 from coordd.core.defaults import STATUS_RANK_ROWS
 from coordd.core.logs import JsonFormatter, event, fault_fields, setup_logging
@@ -337,6 +337,34 @@ def test_readiness_over_groups() -> None:
     assert group_readiness(d.snapshot("dp-tp0-pp0"))[0], "the other group is untouched"
 
 
+def test_a_group_that_failed_and_was_left_or_never_formed_does_not_hold_readiness() -> None:
+    """Issue 21: a peer's group of its own (one rank of dp) that fails with a wrong seq and
+    leaves cannot hold /readyz at 503 while the real group serves; a formed group that fails
+    with ranks still connected does."""
+    d = Daemon(2)
+
+    def ready(expect: int = 0) -> tuple[bool, str]:
+        return readiness({name: g.coordinator.snapshot() for name, g in d.groups.items()}, expect)
+
+    d.hello(0, 100.0, "dp-tp0-pp0")
+    d.hello(1, 100.0, "dp-tp0-pp0")
+    d.hello(0, 100.0, "dp-tp9-pp9")  # one rank of two: never formed
+    d.report(0, 5, 100.5, group="dp-tp9-pp9")  # a wrong seq: it fails
+    assert d.snapshot("dp-tp9-pp9").failure is not None
+    assert ready() == (True, "1/2 groups formed"), "never formed: only not formed"
+    d.lose(0, 101.0, group="dp-tp9-pp9")  # and it leaves
+    assert ready() == (True, "1/2 groups formed")
+    assert ready(expect=2)[0] is False, "the expected count still holds it"
+    d.report(0, 0, 102.0, group="dp-tp0-pp0")
+    d.report(1, 3, 102.0, group="dp-tp0-pp0")  # the formed group fails, its ranks connected
+    ok, why = ready()
+    assert not ok and why.startswith("group dp-tp0-pp0 failed at seq 0")
+    d.lose(0, 103.0, group="dp-tp0-pp0")
+    d.lose(1, 103.0, group="dp-tp0-pp0")  # every rank of it left: it serves nobody
+    assert ready() == (False, "0/1 groups formed: group dp-tp0-pp0 has failed at seq 0: rank 1 "
+                              "reported seq=3 kind=forward, the round expects seq=0 kind=forward")
+
+
 def test_every_series_of_a_group_carries_its_label() -> None:
     d = registered(2, groups=("enginecore", "dp-tp0-pp0"))
     for seq in range(3):
@@ -416,6 +444,26 @@ def test_status_document_and_table() -> None:
         ["0", "registered", "10.0.0.0"],
         ["1", "registered", "10.0.0.1"],
     ]
+
+
+def test_status_table_and_probe_escape_a_peers_strings() -> None:
+    """Before: an incarnation or gather site with ESC, BEL or CR was printed raw: it could
+    retitle the terminal, clear it, or forge "ready: yes" (issue 21, item 11)."""
+    evil = "x\x1b]0;owned\x07\x1b[2J\rready: yes\nfake"
+    d = registered(2)
+    d.report(0, 0, 101.0)
+    doc = json.loads(json.dumps(status_document(d)))  # type: ignore[arg-type]
+    doc["groups"][0]["ranks"][0]["incarnation"] = evil
+    doc["groups"][0]["round"] = {"open": True, "kind": evil, "reported": 1, "age_s": 1.0}
+    doc["ready_detail"] = evil
+    table = render(doc)
+    assert not set("\x1b\x07\r") & set(table)
+    assert "\\x1b]0;owned\\x07" in table and "\\rready: yes\\nfake" in table
+    lines = table.splitlines()
+    assert len([line for line in lines if line.startswith("ready:")]) == 1  # none forged
+    assert not [line for line in lines if line.startswith("fake")]
+    line = probe_line("readyz", 503, evil.encode())
+    assert "\n" not in line and "\x1b" not in line and line.startswith("readyz: 503 x\\x1b")
 
 
 def test_endpoints_answer_get_head_and_refuse_the_rest() -> None:

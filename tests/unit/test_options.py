@@ -82,6 +82,89 @@ def test_the_environment_is_checked_the_same(monkeypatch: pytest.MonkeyPatch) ->
     assert "--step-timeout must be in" in refusal(["--dp", "2"])
 
 
+@pytest.mark.parametrize(
+    ("var", "value", "says"),
+    [
+        ("COORDD_DP", "eight", "COORDD_DP='eight': --dp takes a whole number"),
+        ("COORDD_IPC_MODE", "777", "COORDD_IPC_MODE='777': --ipc-mode takes one of 600, 660"),
+        ("COORDD_LOG_FORMAT", "xml", "COORDD_LOG_FORMAT='xml': --log-format takes one of text"),
+        ("COORDD_LOG_LEVEL", "loud", "COORDD_LOG_LEVEL='loud': --log-level takes one of debug"),
+        ("COORDD_ON_RANK_LOSS", "ignore", "--on-rank-loss takes one of fail, neutralize"),
+        ("COORDD_STEP_TIMEOUT", "soon", "COORDD_STEP_TIMEOUT='soon': --step-timeout takes a "
+         "number"),
+        ("COORDD_INSECURE", "maybe", "COORDD_INSECURE='maybe': --insecure takes 1/0"),
+        ("COORDD_METRICS_PORT", "http", "--metrics-port takes a whole number"),
+    ],
+)
+def test_a_bad_variable_is_one_line_naming_it_and_what_it_takes(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, says: str
+) -> None:
+    """Before: COORDD_IPC_MODE=777, COORDD_LOG_FORMAT=xml and COORDD_ON_RANK_LOSS=ignore gave
+    tracebacks (KeyError, ValueError) (issue 21, item 13)."""
+    monkeypatch.setenv(var, value)
+    argv = [] if var == "COORDD_DP" else ["--dp", "2"]
+    with pytest.raises(SystemExit) as caught:
+        cli.parse(argv)
+    assert str(caught.value.code) == f"coordd: {says}" or says in str(caught.value.code)
+    assert "\n" not in str(caught.value.code)
+
+
+def test_a_variable_out_of_range_is_named_beside_its_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COORDD_DP", "0")
+    assert refusal([]).endswith("got 0 (from COORDD_DP)")
+    args, _ = cli.parse(["--dp", "0"])  # the flag wins, and is named alone
+    with pytest.raises(SystemExit) as caught:
+        cli.check_server_args(args)
+    assert "COORDD_DP" not in str(caught.value.code)
+
+
+def test_the_environment_gives_values_and_a_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COORDD_DP", "8")
+    monkeypatch.setenv("COORDD_STEP_TIMEOUT", "2.5")
+    monkeypatch.setenv("COORDD_INSECURE", "yes")
+    monkeypatch.setenv("COORDD_CURVE_CLIENT_KEYS", "a.key, b.key")
+    args, _ = cli.parse(["--step-timeout", "4"])
+    assert (args.dp, args.step_timeout, args.insecure) == (8, 4.0, True)
+    assert args.curve_client_keys == ["a.key", "b.key"]
+    assert args.from_env == {"--dp": "COORDD_DP", "--insecure": "COORDD_INSECURE",
+                             "--curve-client-keys": "COORDD_CURVE_CLIENT_KEYS"}
+    args, _ = cli.parse(["--dp", "2"])
+    assert args.max_groups == 64 and args.log_level == "info" and args.bind is None
+
+
+def test_a_bad_server_variable_does_not_break_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: COORDD_DP=eight broke `coordd status` (and the container's HEALTHCHECK)."""
+    monkeypatch.setenv("COORDD_DP", "eight")
+    monkeypatch.setenv("COORDD_IPC_MODE", "777")
+    args, chosen = cli.parse(["status", "--probe", "livez"])
+    assert chosen is not None and args.probe == "livez"
+    monkeypatch.setenv("COORDD_METRICS_PORT", "abc")  # but its own variable is checked
+    with pytest.raises(SystemExit, match="COORDD_METRICS_PORT='abc': it takes a port number"):
+        cli.parse(["status"])
+
+
+def test_serve_help_shows_every_default() -> None:
+    """Before: --step-timeout, --heartbeat-* and --log-level (no help text) showed none."""
+    parser = argparse.ArgumentParser()
+    cli.add_server_options(parser)
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help and ("default" in action.help or "required" in action.help), action
+
+
+def test_the_stop_line_is_key_value(caplog: pytest.LogCaptureFixture) -> None:
+    """Before: "rounds decided by group and kind {'default': {'forward': 2}}"."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="coordd"):
+        cli.stopped(logging.getLogger("coordd"), {"default": {"state": 1, "forward": 2}})
+    assert [r.getMessage() for r in caplog.records] == [
+        "coordd stopped rounds=3 groups=1",
+        "rounds decided group=default forward=2 state=1",
+    ]
+
+
 def test_good_options_pass() -> None:
     args, _ = cli.parse(["--dp", str(MAX_DP_SIZE), "--step-timeout", "0.5",
                          "--heartbeat-interval", "0.2", "--heartbeat-timeout", "0.2",

@@ -27,6 +27,7 @@ class FakeConnection:
     lost_after_handshake: bool = False
     handshake_refused: bool = False
     handshake_failure: str | None = None
+    handshake_hint: str = ""
 
     def where(self) -> str:
         return "ipc:///x.sock, as given"
@@ -100,9 +101,12 @@ def test_no_answer_by_the_deadline_fails_the_session() -> None:
 def test_a_refused_handshake_fails_at_once() -> None:
     reg = Registration(RankSession(CONFIG), timeout=5.0, now=0.0)
     steps_until_wait(reg, FakeConnection(), 0.0)
-    refused = FakeConnection(handshake_refused=True, handshake_failure="wrong CURVE key")
-    with pytest.raises(CoordinatorUnavailable, match=r"refused the connection .*wrong CURVE key"):
+    refused = FakeConnection(handshake_refused=True, handshake_failure="wrong CURVE key",
+                             handshake_hint="add the key to --curve-client-keys")
+    with pytest.raises(CoordinatorUnavailable, match=r"refused the connection .*wrong CURVE key") \
+            as caught:
         reg.next_step(refused, 0.1)
+    assert caught.value.hint == "add the key to --curve-client-keys"  # the cause's, not the class's
 
 
 def test_a_reject_raises_its_error() -> None:

@@ -14,6 +14,7 @@ from coordd.core.registry import (
     Deliver,
     GroupCreated,
     GroupDropped,
+    GroupRules,
     Lost,
     Refuse,
     Registering,
@@ -41,9 +42,11 @@ class G:
     coordinator: Coordinator
 
 
-def registry(dp: int = 2, max_groups: int = 4) -> Registry[G]:
+def registry(dp: int = 2, max_groups: int = 4, groups: tuple[str, ...] = ("*",)) -> Registry[G]:
+    """A registry that admits any group name (`groups`: the --groups rules)."""
     return Registry(
-        dp, G, max_groups=max_groups, step_timeout=10.0, on_rank_loss=OnRankLoss.FAIL
+        dp, G, max_groups=max_groups, step_timeout=10.0, on_rank_loss=OnRankLoss.FAIL,
+        rules=GroupRules(groups),
     )
 
 
@@ -143,7 +146,8 @@ def test_the_group_limit_refuses_a_new_group_until_one_without_members_makes_roo
     refused = refusal(reg.hello(b"c", hello(0, group="c", dp=1), fd=3, now=1.0, wall=WALL))
     assert refused.error.reason == RejectReason.GROUP_LIMIT.value
     assert refused.error.detail == (
-        "coordd serves 2 groups, its limit (--max-groups 2): group 'c' cannot be created"
+        "coordd serves 2 groups, its limit (--max-groups 2; a group --groups names exactly "
+        "always gets a slot): group 'c' cannot be created"
     )
     assert (refused.error.expected, refused.error.got) == ("at most 2 groups", "3 groups")
     # a's only rank leaves: a has no members and no round, so c takes its slot
@@ -181,12 +185,29 @@ def test_a_peer_that_left_its_group_may_join_another_and_its_old_group_is_told()
     reg = registry(dp=1)
     reg.hello(b"p", hello(0, group="g", dp=1), fd=7, now=1.0, wall=WALL)
     old = reg.groups["g"]
-    reg.hello(b"q", hello(0, group="g", dp=1), fd=8, now=1.0, wall=WALL)  # refused: taken
+    reg.closed(7, now=1.5)  # p's connection closed: it left g (its entry is kept a while)
+    assert reg.peer_group[b"p"] is old
+    actions = reg.hello(b"p", hello(0, group="h", dp=1), fd=9, now=2.0, wall=WALL)
+    assert isinstance(actions[0], GroupCreated)
+    assert any(type(a) is Deliver and a.group is old for a in actions)  # p's rejoin there: void
+    assert reg.peer_group[b"p"] is reg.groups["h"]
+
+
+def test_a_refused_peer_stays_a_stranger() -> None:
+    """A Hello refused by its group (the rank is taken) keeps nothing of the peer: no peer
+    entry (the flood cut-off applies to it) and no descriptor entry (nor does the grace
+    exempt it); it may still register elsewhere."""
+    reg = registry(dp=1)
+    reg.hello(b"p", hello(0, group="g", dp=1), fd=7, now=1.0, wall=WALL)
+    actions = reg.hello(b"q", hello(0, group="g", dp=1), fd=8, now=1.0, wall=WALL)
+    assert [type(m) for _, m in sent(actions)] == [Reject]
     assert reg.takeovers.refused[("g", Takeovers.RANK_HELD)] == 1
+    assert b"q" not in reg.peer_group and b"q" not in reg.peer_fd and 8 not in reg.fd_peer
+    assert 8 not in reg.registered_fds()
+    assert reg.closed(8, now=1.5) == []
     actions = reg.hello(b"q", hello(0, group="h", dp=1), fd=8, now=2.0, wall=WALL)
     assert isinstance(actions[0], GroupCreated)
-    assert any(type(a) is Deliver and a.group is old for a in actions)  # q's rejoin there: void
-    assert reg.peer_group[b"q"] is reg.groups["h"]
+    assert reg.peer_group[b"q"] is reg.groups["h"] and reg.fd_peer[8] == b"q"
 
 
 def test_a_key_bound_to_other_ranks_cannot_register() -> None:
@@ -197,9 +218,12 @@ def test_a_key_bound_to_other_ranks_cannot_register() -> None:
     assert refused.error.detail == (
         "this connection may not register as dp_rank 1: bound to dp_rank 0"
     )
-    assert reg.takeovers.refused[("g", Takeovers.KEY_BOUND)] == 1
+    # no group g yet: counted outside any group (a record per unvalidated name would grow)
+    assert reg.takeovers.refused == {("-", Takeovers.KEY_BOUND): 1}
     assert [type(a) for a in reg.hello(b"r0", hello(0), fd=8, now=1.0, wall=WALL, key="K0")] == [
         GroupCreated, Registering, Deliver]
+    refusal(reg.hello(b"r1", hello(1), fd=9, now=1.0, wall=WALL, key="K0"))
+    assert reg.takeovers.refused[("g", Takeovers.KEY_BOUND)] == 1
 
 
 def test_the_peer_map_is_bounded() -> None:
@@ -233,3 +257,104 @@ def test_only_some_groups_epoch_is_known() -> None:
     reg.hello(b"a", hello(0, dp=1), fd=1, now=1.0, wall=WALL)
     epoch = reg.groups["g"].coordinator.snapshot().epoch
     assert reg.known_epoch(epoch) and not reg.known_epoch(epoch + 1)
+
+
+# -- groups are admitted, not self-declared (issue 21) -------------------------------------------
+
+
+def test_the_default_rules_admit_vllms_groups_and_the_clients_default_only() -> None:
+    rules = GroupRules()
+    for name in ("dp-tp0-pp0", "dp-tp3-pp1", "dp-tp1-pp0-pcp2", "dp-tp0-pp0-engine",
+                 "enginecore", "default"):
+        assert rules.admits(name), name
+    for name in ("junk", "g", "dp-tp0", "enginecore2", "Default", "x-dp-tp0-pp0"):
+        assert not rules.admits(name), name
+    assert rules.exact == {"dp-tp0-pp0", "enginecore", "default"}
+
+
+def test_a_hello_for_an_unexpected_group_is_refused_and_nothing_is_kept() -> None:
+    reg = registry(groups=("enginecore", "dp-tp*-pp*"))
+    refused = refusal(reg.hello(b"j", hello(0, group="junk"), fd=7, now=1.0, wall=WALL))
+    assert refused.error.reason == RejectReason.GROUP_UNEXPECTED.value
+    assert refused.error.detail == (
+        "group 'junk' is not one this deployment expects (coordd --groups enginecore,dp-tp*-pp*)"
+    )
+    assert refused.error.hint and "--groups" in refused.error.hint
+    assert not reg.groups and not reg.peer_group and not reg.peer_fd and not reg.fd_peer
+
+
+def test_an_unexpected_name_is_refused_before_the_key_check_and_leaves_no_record() -> None:
+    """Over CURVE with keys bound to ranks, Hellos for another rank under new names: refused
+    as unexpected first, with no takeover record (or log line, or series) per name."""
+    reg = registry(groups=("g",))
+    reg.rank_keys = lambda key, rank: "bound to dp_rank 0" if rank else None
+    for n in range(100):
+        refused = refusal(reg.hello(b"r%d" % n, hello(1, group=f"n{n}"), fd=7, now=1.0,
+                                    wall=WALL, key="K0"))
+        assert refused.error.reason == RejectReason.GROUP_UNEXPECTED.value
+    assert not reg.takeovers.refused and not reg.groups
+
+
+def test_exact_names_always_get_a_slot_and_patterns_share_the_limit() -> None:
+    reg = registry(dp=2, max_groups=2, groups=("enginecore", "dp-tp*-pp*"))
+    for t in range(2):  # two groups of one rank of two: they fill the limit
+        reg.hello(b"j%d" % t, hello(0, group=f"dp-tp{t}-pp9"), fd=10 + t, now=1.0, wall=WALL)
+    refused = refusal(reg.hello(b"x", hello(0, group="dp-tp5-pp9"), fd=20, now=1.0, wall=WALL))
+    assert refused.error.reason == RejectReason.GROUP_LIMIT.value
+    actions = reg.hello(b"e", hello(0, group="enginecore"), fd=21, now=1.0, wall=WALL)
+    assert isinstance(actions[0], GroupCreated) and "enginecore" in reg.groups
+    assert len(reg.groups) == 3
+
+
+def test_rules_refuse_bad_patterns() -> None:
+    with pytest.raises(ValueError):
+        GroupRules(())
+    with pytest.raises(ValueError):
+        GroupRules(("a b",))
+
+
+def test_a_members_undecodable_message_fails_its_round_naming_it() -> None:
+    reg = registry(dp=2)
+    reg.hello(b"r0", hello(0), fd=7, now=1.0, wall=WALL)
+    reg.hello(b"r1", hello(1), fd=8, now=1.0, wall=WALL)
+    group = reg.groups["g"]
+    epoch = group.coordinator.snapshot().epoch
+    report = StepReport(epoch=epoch, seq=0, kind=StepKind.FORWARD, dp_rank=0, num_tokens=1,
+                        num_tokens_padded=1, want_ubatch=False, cudagraph_mode=0,
+                        has_unfinished=False)
+    group.coordinator.receive(b"r0", report, 2.0)
+    assert reg.undecodable(b"r1", 99, "too long", 2.1) == []  # not over its connection
+    assert reg.undecodable(b"zz", 7, "too long", 2.1) == []  # not a member
+    (deliver,) = reg.undecodable(b"r1", 8, "array longer than 256", 2.1)
+    assert isinstance(deliver, Deliver)
+    ((peers, failure),) = deliver.sends
+    assert set(peers) == {b"r0", b"r1"}
+    assert failure.reason.value == "protocol" and failure.culprits == [1]
+    assert "array longer than 256" in failure.text
+    assert reg.undecodable(b"r1", 8, "again", 2.2) == [Deliver(group, ())]  # failed already
+
+
+def test_a_members_violation_loses_its_rank_and_makes_it_a_stranger() -> None:
+    reg = registry(dp=1)
+    reg.hello(b"r0", hello(0, dp=1), fd=7, now=1.0, wall=WALL)
+    group = reg.groups["g"]
+    assert reg.member(b"r0", 7) is group and reg.member(b"r0", 8) is None
+    actions = reg.violation(b"r0", "too many messages", 2.0)
+    assert [type(a) for a in actions] == [Deliver, Lost]
+    assert not group.coordinator.snapshot().members
+    assert b"r0" not in reg.peer_group and reg.closed(7, 2.5) == []
+
+
+def test_key_bound_refusals_under_many_admitted_names_keep_one_record() -> None:
+    """Issue 21, 4: over CURVE, Hellos for another rank under new names a pattern admits:
+    each refused (the key is bound to rank 0), none creates a group, and what is kept is one
+    record outside any group, not one per name (before: a record, a WARNING line and a
+    /metrics series per name; 60,000 Hellos, +16 MB)."""
+    reg = registry(groups=("dp-tp*-pp*",))
+    reg.rank_keys = lambda key, rank: None if rank == 0 else "bound to dp_rank 0"
+    for n in range(2000):
+        refused = refusal(reg.hello(b"p%d" % n, hello(1, group=f"dp-tp{n}-pp0"), fd=7, now=1.0,
+                                    wall=WALL, key="K0"))
+        assert refused.error.reason == RejectReason.CURVE_KEY.value
+    assert reg.takeovers.refused == {("-", Takeovers.KEY_BOUND): 2000}
+    assert not reg.groups and not reg.peer_group and not reg.peer_fd

@@ -9,6 +9,9 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 from coordd.core import defaults
 from coordd.core.admission import Admission, Shut
@@ -175,3 +178,66 @@ def test_what_a_shut_connection_still_has_queued_is_recognised_by_its_socket() -
         assert not guard.from_shut(number)  # B's: read, before B's ACCEPTED too
         guard.accepted(number, 0.0)  # B's ACCEPTED: the number is B's from now on
         assert number not in guard.shut and not guard.from_shut(number)
+
+
+# -- refusing at the listener before the descriptors run out (issue 21, 6) -----------------------
+
+
+def test_the_descriptor_watch_pauses_past_high_and_resumes_below_low() -> None:
+    from coordd.io.limits import DescriptorWatch
+
+    counts = iter([100, 500, 512, 700, 500, 256, 200, 650])
+    calls: list[str] = []
+    watch = DescriptorWatch(
+        1024,
+        pause=lambda: calls.append("pause") or True,
+        resume=lambda: calls.append("resume") or True,
+        count=lambda: next(counts),
+    )
+    assert (watch.high, watch.low) == (512, 256)
+    seen = [(watch.check(), watch.paused) for _ in range(8)]
+    assert [paused for _, paused in seen] == [False, False, True, True, True, False, False, True]
+    assert calls == ["pause", "resume", "pause"] and watch.pauses == 2 and watch.peak == 700
+    assert seen[2][0] == DescriptorWatch.FAST_S and seen[0][0] == DescriptorWatch.SLOW_S
+    assert seen[6][0] == DescriptorWatch.FAST_S, "just resumed: a herd of reconnects comes"
+    for _ in range(DescriptorWatch.POKE_EVERY - 1):  # the gate's pokes: a look every 4th
+        watch.poke()
+    with pytest.raises(StopIteration):
+        watch.poke()
+
+
+def test_an_ipc_socket_paused_refuses_new_connections_and_keeps_the_open_ones(
+    tmp_path: Path,
+) -> None:
+    import zmq
+
+    from coordd.io.listen import IpcSocket
+
+    address = f"ipc://{tmp_path}/p.sock"
+    ipc = IpcSocket.claim(address)
+    assert ipc is not None
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    ipc.bind(router)
+    old = ctx.socket(zmq.DEALER)
+    old.connect(address)
+    old.send(b"before")
+    assert router.poll(5000) and router.recv_multipart()[1] == b"before"
+    try:
+        new = ctx.socket(zmq.DEALER)
+        assert ipc.pause() and not ipc.pause()
+        assert not Path(ipc.path).exists()
+        new.connect(address)
+        new.send(b"paused")
+        old.send(b"still")
+        assert router.poll(5000) and router.recv_multipart()[1] == b"still"
+        assert not router.poll(300), "no connection while paused"
+        assert ipc.resume() and not ipc.resume()
+        assert router.poll(5000) and router.recv_multipart()[1] == b"paused"
+        assert ipc.pause()
+    finally:
+        for sock in (router, old, new):
+            sock.close(0)
+        ipc.release()  # paused: put back, then removed
+        ctx.term()
+    assert not Path(ipc.path).exists() and not Path(ipc.paused_path).exists()

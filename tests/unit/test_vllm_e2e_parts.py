@@ -4,6 +4,7 @@ the arguments, each rank's environment, reading coordd's /metrics, and the compa
 from __future__ import annotations
 
 import json
+import os
 import socket
 import urllib.request
 from pathlib import Path
@@ -79,6 +80,25 @@ def test_each_rank_gets_vllms_dp_variables_and_the_plugin_switch() -> None:
                         base=base)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
 
 
+def test_on_cpu_each_rank_gets_its_own_core_and_a_small_kv_cache() -> None:
+    opts = e2e.resolve_device(e2e.Options(device="cpu"))
+    assert opts.eager, "CPU runs eager"
+    envs = [e2e.rank_env(opts, r, 4321, address=None, base={}) for r in range(2)]
+    assert [env["VLLM_DP_RANK_LOCAL"] for env in envs] == ["0", "1"]
+    binds = {env["VLLM_CPU_OMP_THREADS_BIND"] for env in envs}
+    assert len(binds) == 1, "one list for all, vLLM takes the local rank's entry"
+    cores = binds.pop().split("|")
+    assert len(cores) == 2 and all(c.isdigit() for c in cores)
+    if len(os.sched_getaffinity(0)) > 1:
+        assert cores[0] != cores[1], "one core per rank"
+    assert all(env["VLLM_CPU_KVCACHE_SPACE"] == "1" for env in envs)
+    assert all("VLLM_DISABLE_PYNCCL" not in env for env in envs)
+    kw = e2e.engine_kwargs(opts, Path("/m"))
+    assert kw["enforce_eager"] is True and "kv_cache_memory_bytes" not in kw
+    assert "compilation_config" not in kw and "gpu_memory_utilization" not in kw
+    assert e2e.parse_args(["--device", "cpu"]).device == "cpu"
+
+
 def test_engine_arguments_keep_the_ranks_off_nccl() -> None:
     kw = e2e.engine_kwargs(e2e.Options(), Path("/m"))
     assert kw["load_format"] == "dummy" and kw["disable_nccl_for_dp_synchronization"] is True
@@ -150,8 +170,8 @@ def test_step_times_side_by_side() -> None:
 
 def test_without_vllm_or_a_gpu_it_says_why_and_exits_2(capsys: pytest.CaptureFixture[str]
                                                        ) -> None:
-    why = e2e.preflight()
+    why = e2e.preflight("cuda")
     if why is None:
         pytest.skip("this machine can run the check")
-    assert e2e.main([]) == e2e.UNAVAILABLE
+    assert e2e.main(["--device", "cuda"]) == e2e.UNAVAILABLE
     assert "cannot run here" in capsys.readouterr().err

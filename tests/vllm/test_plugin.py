@@ -17,8 +17,11 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch
 import torch.distributed as torch_dist
+import vllm
 import vllm.config.parallel as config_parallel
+import vllm.v1.engine.core as engine_core
 import vllm.v1.worker.dp_utils as v1
+import vllm.v1.worker.gpu.dp_utils as v2
 from vllm.config import ParallelConfig
 from vllm.distributed import parallel_state as ps
 
@@ -39,15 +42,31 @@ def plugin() -> Iterator[None]:
         patches.uninstall()
 
 
+#: The release line of the vLLM here (the plugin patches each line's own targets).
+LINE = patches.release_line(vllm.__version__)
+
+
 def _originals() -> dict[str, object]:
+    """Every attribute the plugin replaces in this vLLM release line."""
+    if LINE == "0.33":
+        b_c = {
+            "B": ps.GroupCoordinator.__dict__["cpu_all_reduce_"],
+            "C": config_parallel.__dict__["cpu_all_reduce_"],
+        }
+    else:
+        b_c = {"B": v2.__dict__["dist"], "C": ParallelConfig.__dict__["sync_dp_state"]}
     return {
         "A": v1.__dict__["dist"],
-        "B": ps.GroupCoordinator.__dict__["cpu_all_reduce_"],
-        "C": config_parallel.__dict__["cpu_all_reduce_"],
+        **b_c,
         "D1": ParallelConfig.__dict__["has_unfinished_dp"],
         "D2": ParallelConfig.__dict__["sync_kv_cache_memory_size"],
         "E": ParallelConfig.__dict__["stateless_init_dp_group"],
+        "F": engine_core.DPEngineCoreProc.__dict__["shutdown"],
     }
+
+
+def test_this_vllm_is_a_supported_release() -> None:
+    assert LINE in patches.SUPPORTED, vllm.__version__
 
 
 def test_vllm_loads_the_plugin_through_its_entry_point(tmp_path: Path) -> None:
@@ -115,6 +134,31 @@ def test_a_vllm_of_another_shape_is_left_alone(
         assert not patches.install(NOWHERE)
     assert not patches.installed() and _originals() == before
     assert "NOT installed" in caplog.text and "vllm.v1.worker.dp_utils.dist" in caplog.text
+    assert len(caplog.records) == 1
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.31.2", "1.0.0", "0.3.3"])
+def test_an_unknown_release_is_left_alone_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, version: str
+) -> None:
+    monkeypatch.setattr(vllm, "__version__", version)
+    before = _originals()
+    with caplog.at_level(logging.WARNING, logger="coordd.vllm"):
+        assert not patches.install(NOWHERE)
+    assert not patches.installed() and _originals() == before
+    (record,) = caplog.records
+    assert "NOT installed" in record.getMessage() and f"vLLM {version} is not a supported" in (
+        record.getMessage()
+    )
+    assert "0.32.x and 0.33.x" in record.getMessage()
+
+
+def test_the_other_lines_targets_are_refused_here() -> None:
+    """Each line's checks are its own: this vLLM's shape fails the other line's checks (so a
+    release that moved its targets is refused, never half patched)."""
+    other = next(line for line in patches.SUPPORTED if line != LINE)
+    with pytest.raises(patches.PatchRefused, match=r"^[BC]: "):
+        patches._targets(other)
 
 
 def test_other_groups_and_ops_take_vllms_path(plugin: None) -> None:

@@ -188,7 +188,7 @@ class RankPaused(Scenario):
 
     def run(self, run: ScenarioRun) -> None:
         name = run.culprit_name = f"rank{run.culprit}"
-        run.start_ranks()
+        run.start_ranks(until_file=run.until_file)  # on until the fault is in (release_end)
         run.wait_seq(name, run.inject_seq)
         time.sleep(run.rng.uniform(0.0, 0.004))
         t = time.monotonic()
@@ -201,6 +201,7 @@ class RankPaused(Scenario):
         time.sleep(run.rng.uniform(0.0, 0.5))
         run.signal_worker(name, signal.SIGCONT)
         run.event(Note(t=time.monotonic(), what="resumed", detail=name))
+        release_end(run)
 
 
 class Straggler(Scenario):
@@ -291,7 +292,8 @@ class NetworkCut(Scenario):
         name = run.culprit_name = f"rank{run.culprit}"
         for rank in range(run.dp):
             prefix = cut.prefix_argv() if rank == run.culprit else []
-            run.start_worker(run.spec(f"rank{rank}", "rank", rank), prefix)
+            spec = run.spec(f"rank{rank}", "rank", rank, until_file=run.until_file)
+            run.start_worker(spec, prefix)
         run.release([f"rank{r}" for r in range(run.dp)])
         run.wait_seq(name, run.inject_seq)
         t = time.monotonic()
@@ -302,6 +304,7 @@ class NetworkCut(Scenario):
         time.sleep(run.rng.uniform(0.0, 0.5))
         cut.restore()
         run.event(Note(t=time.monotonic(), what="link restored", detail=cut.name))
+        release_end(run)
 
     def cleanup(self, run: ScenarioRun) -> None:
         cut = run.resources.get("netns")
@@ -455,6 +458,16 @@ def run_on_until_done(run: ScenarioRun, culprit: Process, start: Callable[[], No
     runs, and the group is seen going on."""
     start()
     run.wait_until(lambda: culprit.popen.poll() is not None, f"{culprit.name} to finish")
+    release_end(run)
+
+
+def release_end(run: ScenarioRun) -> None:
+    """Let ranks started with `until_file` end: 10 rounds past the furthest one begun (at
+    least `end_seq`), the seq they agree on through the rounds (see the worker). A fault
+    injected once a rank reached `inject_seq` must land while the group runs: with a fixed
+    end, ranks on 2 busy cores finished all their rounds before the runner's SIGSTOP or link
+    cut took effect (rank_paused: "no rank was running when the fault was injected";
+    network_cut: "the failure never reached" the others)."""
     ranks = [p for name, p in run.processes.items() if name.startswith("rank")]
     for p in ranks:
         p.poll_log()

@@ -21,6 +21,7 @@ or all of them with figures: `python -m coordd.tools.load measure --dp 4`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import socket
@@ -40,14 +41,28 @@ from coordd.proto.messages import StepReport, encode
 from coordd.testing.process import CoorddProcess, die_with_parent
 from coordd.testing.rogue import APP_LEVEL, bad_frame
 
-LOADS = ("garbage", "fast", "multipart", "unread", "connections", "http", "claims")
+LOADS = (
+    "garbage",
+    "fast",
+    "multipart",
+    "unread",
+    "connections",
+    "http",
+    "claims",
+    "member",
+    "storm",
+)
 
 
-def _dealer(context: zmq.Context, address: str, *, ping_ms: int = 100) -> zmq.Socket:
+def _dealer(
+    context: zmq.Context, address: str, *, ping_ms: int = 100, routing_id: bytes = b""
+) -> zmq.Socket:
     """A DEALER to coordd; a CURVE client with the keys a rank would use
     ($COORDD_CURVE_SERVER_KEY, $COORDD_CURVE_CLIENT_KEY: a flood from a leaked rank key)."""
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if routing_id:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
     curve = curve_keys_from_env()
     if curve is not None:
         sock.curve_serverkey = curve.server_public
@@ -117,6 +132,77 @@ def fast(address: str, seconds: float = 5.0) -> int:
         sock.close(linger=0)
         context.term()
     return sent
+
+
+def member(address: str, seconds: float = 5.0, group: str = "enginecore", dp: int = 1) -> int:
+    """A member that floods: registers as rank 0 of `group` (dp `dp`; with a leaked rank key
+    over CURVE, see `_dealer`), then sends 1 KiB of junk as fast as it can for `seconds`
+    (issue 21: the cut-off applied only to peers that held no rank, and coordd grew from 34
+    to 700+ MB in 4 s). Its DEALER reconnects under the same routing id when cut off (then a
+    stranger). Returns frames sent."""
+    from coordd.proto.messages import Hello, Welcome, decode_from_coordinator
+
+    context = zmq.Context()
+    sock = _dealer(context, address, ping_ms=0, routing_id=f"flood-{os.getpid()}".encode())
+    hello = Hello(
+        dp_size=dp, dp_rank=0, config_fingerprint="load", incarnation="flood", group=group
+    )
+    sent = 0
+    try:
+        sock.send(encode(hello))
+        answer = decode_from_coordinator(sock.recv()) if sock.poll(10_000) else None
+        if not isinstance(answer, Welcome):
+            print(f"not welcomed: {answer}", file=sys.stderr, flush=True)
+            return 0
+        junk = b"\xc1" + bytes(1023)  # 0xc1: never msgpack
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for _ in range(256):
+                try:
+                    sock.send(junk, zmq.NOBLOCK)
+                except zmq.Again:  # cut off, reconnecting (or at the HWM)
+                    time.sleep(0.001)
+                    continue
+                sent += 1
+    finally:
+        sock.close(linger=0)
+        _term_soon(context)
+    return sent
+
+
+def storm(address: str, processes: int = 10, sockets: int = 192, seconds: float = 5.0) -> int:
+    """A reconnect storm: `processes` processes of `sockets` DEALERs each that send nothing
+    (libzmq reconnects each 100 ms after coordd closes it), for `seconds` (issue 21: at a
+    hard NOFILE of 1024 libzmq aborted coordd on EMFILE in its ipc accept). Returns sockets."""
+    import signal
+
+    kids = []
+    for _ in range(processes):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            context = zmq.Context()
+            context.setsockopt(zmq.MAX_SOCKETS, sockets + 64)
+            socks = []
+            for i in range(sockets):
+                sock = context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.ROUTING_ID, f"storm-{os.getpid()}-{i}".encode())
+                sock.connect(address)
+                socks.append(sock)
+            time.sleep(seconds)
+            os._exit(0)
+        kids.append(pid)
+
+    def end(*_: object) -> None:
+        for kid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kid, signal.SIGKILL)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, end)
+    for kid in kids:
+        os.waitpid(kid, 0)
+    return processes * sockets
 
 
 def multipart(address: str, parts: int = 2_000_000) -> int:
@@ -366,6 +452,7 @@ MEASURED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("connections", ("--count", "1000", "--seconds", "4")),
     ("http", ("--count", "1000", "--seconds", "4")),
     ("claims", ("--count", "900", "--peers", "20", "--seconds", "4")),
+    ("member", ("--seconds", "4", "--dp", "4")),
 )
 
 
@@ -473,6 +560,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         n = fast(args.address, args.seconds)
     elif args.kind == "multipart":
         n = multipart(args.address, args.parts)
+    elif args.kind == "storm":
+        n = storm(args.address, args.peers, args.count, args.seconds)
+    elif args.kind == "member":
+        n = member(args.address, args.seconds, dp=args.dp)
     elif args.kind == "unread":
         n = unread(args.address, args.peers, args.messages, hold=args.seconds)
     elif args.kind == "connections":
