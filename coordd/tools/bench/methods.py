@@ -40,8 +40,9 @@ FLOOR = "floor"
 ALL_METHODS = (COORDD_IPC, COORDD_TCP, HUB, FLOOR, GLOO, VLLM, VLLM_PLUGIN, DEVICE)
 #: Methods whose start() runs the whole exchange (nothing to overlap): not in the overlap phase.
 BLOCKING_METHODS = (VLLM, VLLM_PLUGIN)
-#: The plugin method's coordd group (beside coordd-ipc's default group, on the same coordd).
-PLUGIN_GROUP = "bench-vllm-plugin"
+#: The plugin method's coordd group (beside coordd-ipc's default group, on the same coordd):
+#: the name the plugin gives vLLM's worker DP group at TP=PP=1, which coordd admits by default.
+PLUGIN_GROUP = "dp-tp0-pp0"
 #: Model Runner V2's DP matrix: int32 [7 x dp], one column per rank (vllm/v1/worker/gpu/dp_utils).
 VLLM_ROWS = 7
 #: Longest a rank waits for one round before the run fails (no hang, ever).
