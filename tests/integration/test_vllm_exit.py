@@ -33,7 +33,7 @@ EXCHANGES = []  # the plugin holds its Exchange for the process's life (patches.
 def run(rank, address, how):
     ex = Exchange(PluginSettings(address, connect_timeout=60, sync_timeout=60))
     EXCHANGES.append(ex)
-    ident = GroupIdentity("g", rank, 2, "fp")
+    ident = GroupIdentity("dp-tp0-pp0", rank, 2, "fp")
     for _ in range(3):
         t = torch.zeros(2, 2, dtype=torch.int32)
         t[:, rank] = rank + 1
@@ -64,7 +64,7 @@ def _states(port: int) -> dict[str, str]:
 def _until(port: int, want: str, timeout: float = 15.0) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     states = _states(port)
-    while states.get("g") != want and time.monotonic() < deadline:
+    while states.get("dp-tp0-pp0") != want and time.monotonic() < deadline:
         time.sleep(0.1)
         states = _states(port)
     return states
@@ -96,12 +96,12 @@ def test_a_normal_exit_says_goodbye_and_a_kill_is_lost(tmp_path: Path, how: str)
         if how == "kill":
             # rank 0 said Goodbye first or rank 1 vanished first: either way a fault
             states = _until(port, "failed")
-            assert states == {"g": "failed"}, states
-            assert metric_value(port, 'coordd_group_stops_total{group="g"}') == 0
+            assert states == {"dp-tp0-pp0": "failed"}, states
+            assert metric_value(port, 'coordd_group_stops_total{group="dp-tp0-pp0"}') == 0
         else:
             states = _until(port, "stopped")
-            assert states == {"g": "stopped"}, states
-            assert metric_value(port, 'coordd_departures_total{group="g"}') == 2
-            assert metric_value(port, 'coordd_group_failed{group="g"}') == 0
+            assert states == {"dp-tp0-pp0": "stopped"}, states
+            assert metric_value(port, 'coordd_departures_total{group="dp-tp0-pp0"}') == 2
+            assert metric_value(port, 'coordd_group_failed{group="dp-tp0-pp0"}') == 0
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
-                assert 'coordd_faults_total{group="g"' not in page.read().decode()
+                assert 'coordd_faults_total{group="dp-tp0-pp0"' not in page.read().decode()
