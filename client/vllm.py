@@ -68,6 +68,7 @@ from typing import Any, NamedTuple, Protocol
 
 from coordd.proto.errors import InvalidReport
 from coordd.proto.messages import StepDecision, StepKind, StepReport
+from coordd.proto.policy import last_ubatch_empty
 
 CUDAGRAPH_NONE, CUDAGRAPH_PIECEWISE, CUDAGRAPH_FULL = 0, 1, 2
 
@@ -200,12 +201,6 @@ def wants_microbatching(
     return num_tokens_unpadded >= config.dbo_prefill_token_threshold
 
 
-def last_ubatch_empty(num_tokens_unpadded: int, num_tokens_padded: int, num_ubatches: int) -> bool:
-    """vllm/v1/worker/ubatch_utils.py, `is_last_ubatch_empty`: the padded split's last
-    micro-batch would hold none of the real tokens."""
-    return (num_tokens_padded // num_ubatches) * (num_ubatches - 1) >= num_tokens_unpadded
-
-
 def _count(rank: int, name: str, value: Any) -> int:
     try:
         return operator.index(value)
@@ -282,8 +277,11 @@ def local_result(
 ) -> VllmResult:
     """vLLM's answer under `skip_dp_coordination()` (dp_utils.py): this rank alone decides,
     every entry is its padded count, the mode comes back as passed."""
+    # vLLM's `is_last_ubatch_empty` on this rank alone: the one rule, proto's, by keyword
     should_ubatch = report.want_ubatch and not last_ubatch_empty(
-        report.num_tokens, report.num_tokens_padded, config.num_ubatches
+        max_padded=report.num_tokens_padded,
+        min_tokens=report.num_tokens,
+        num_ubatches=config.num_ubatches,
     )
     across = _counts([report.num_tokens_padded] * config.data_parallel_size, torch_module)
     return should_ubatch, across, cudagraph_mode

@@ -1,7 +1,7 @@
 """The patch points: where vLLM 0.32's and 0.33's DP syncs call their collective, via coordd.
 
 vLLM's own sync functions still build their tensors and compute every decision from the
-result; only the collective underneath becomes a gather round (`Exchange.all_reduce_`). Each
+result; only the collective underneath becomes a gather round (`Exchange.sync_`). Each
 point is one module or class attribute, so every importer of a sync function is covered
 without rebinding names, and syncs that vLLM answers locally (`should_skip_dp_coordination()`,
 a reused `DPSyncState`) never reach a patch point and make no round.
@@ -48,8 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
+from coordd.vllm import sites
 from coordd.vllm.enable import PluginSettings
-from coordd.vllm.exchange import Exchange, Layout, ReduceOp, can_gather, fits, own_column_only
+from coordd.vllm.exchange import Exchange, Layout, ReduceOp, can_gather
 from coordd.vllm.groups import GroupIdentity, engine_group, worker_group
 
 log = logging.getLogger("coordd.vllm")
@@ -59,17 +60,6 @@ SUPPORTED = ("0.32", "0.33")
 #: COORDD_VLLM_TRACE=1: print each sync's site label the first time this process makes it.
 _TRACE = os.environ.get("COORDD_VLLM_TRACE", "") == "1"
 _traced: set[str] = set()
-#: Hello.group and GatherReport.site are ShortStr.
-_MAX_SITE = 256
-
-#: Modules whose frames a site label looks through to find the sync function and its caller.
-_SYNC_MODULES = (
-    "vllm.v1.worker.dp_utils",
-    "vllm.v1.worker.gpu.dp_utils",
-    "vllm.config.parallel",
-    "vllm.distributed.",
-    "coordd.vllm.",
-)
 
 
 class PatchRefused(RuntimeError):
@@ -77,32 +67,13 @@ class PatchRefused(RuntimeError):
 
 
 def site_label(op: ReduceOp, tensor: torch.Tensor, layout: Layout, sync: str = "") -> str:
-    """What a sync is, the same on every rank that runs it: the vLLM sync function, the
-    first caller outside the sync modules (so a drafter's sync differs from the runner's),
-    the op, dtype, shape and layout. A rank that skipped or added a sync sends another label,
-    which coordd reports as a StepMismatch naming it. `sync`: the sync function's name when
-    a patch stands in for it (no frame of vLLM's sync module is on the stack then)."""
-    frame: types.FrameType | None = sys._getframe(1)
-    sync_fn, caller = sync, "?"
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        code = frame.f_code
-        qualname = getattr(code, "co_qualname", code.co_name)
-        if module.startswith(_SYNC_MODULES):
-            if not module.startswith(("coordd.vllm.", "vllm.distributed.")):
-                sync_fn = qualname  # the outermost sync function wins
-        else:
-            caller = f"{module}:{qualname}"
-            break
-        frame = frame.f_back
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    shape = ",".join(str(n) for n in tensor.shape)
-    tail = f"|{op.value}|{dtype}[{shape}]|{layout.value}"
-    head = f"{sync_fn}@"
-    room = _MAX_SITE - len(head) - len(tail)
-    if len(caller) > room:
-        caller = caller[len(caller) - room :]
-    return head + caller + tail
+    """What a sync is, the same on every rank that runs it (`coordd.vllm.sites`): the vLLM
+    sync function, its first caller outside the sync modules (so a drafter's sync differs
+    from the runner's), the op, dtype, shape and layout. A rank that skipped or added a sync
+    sends another label, which coordd reports as a StepMismatch naming it. `sync`: the sync
+    function's name when a patch stands in for it (no frame of vLLM's sync module is on the
+    stack then)."""
+    return sites.label(op, tensor, layout, depth=2, sync=sync)
 
 
 @dataclass
@@ -175,31 +146,33 @@ def _engine_route(process_group: Any) -> GroupIdentity:
     return known[1]
 
 
-def _gather_(
-    tensor: torch.Tensor, op: ReduceOp, identity: GroupIdentity, layout: Layout, sync: str = ""
+#: Frames `Exchange.sync_` skips before it looks for the call site: `_sync_` and the patch
+#: (at least those two stand between it and vLLM's frames on every patch's path).
+_SKIP = 2
+
+
+def _sync_(
+    tensor: torch.Tensor, op: ReduceOp, identity: GroupIdentity, column: bool, sync: str = ""
 ) -> bool:
-    """Run the collective as a gather round; False (nothing done) if the values do not fit
-    one round, so the caller takes vLLM's own path (decided by shape: every rank agrees)."""
-    if _state.exchange is None or not fits(tensor, layout, identity.dp_size):
-        return False
-    site = site_label(op, tensor, layout, sync)
-    if _TRACE and site not in _traced:
+    """Run the collective as a gather round; False (nothing done) if the tensor is not an
+    integer one or its values do not fit one round, so the caller takes vLLM's own path
+    (decided by dtype and shape: every rank agrees). vLLM's worker syncs (`column`) write
+    only their own column, which is all that goes; if one ever does not, the whole tensor
+    goes (and its label says so: ranks that disagree fail loudly, never add up wrongly).
+    `sync`: as `site_label`'s."""
+    exchange = _state.exchange
+    return exchange is not None and exchange.sync_(tensor, op, identity, column, _SKIP, sync)
+
+
+def _trace(identity: GroupIdentity, site: str) -> None:
+    """COORDD_VLLM_TRACE=1: print a sync's site label the first time this process makes it."""
+    if site not in _traced:
         _traced.add(site)
         print(
             f"coordd vLLM plugin: {identity.name} rank {identity.dp_rank}: sync {site}",
             file=sys.stderr,
             flush=True,
         )
-    _state.exchange.all_reduce_(tensor, op, identity, site, layout)
-    return True
-
-
-def _worker_layout(tensor: torch.Tensor, identity: GroupIdentity) -> Layout:
-    # vLLM's worker syncs write only their own column; if one ever does not, the whole tensor
-    # goes (and its label says so: ranks that disagree fail loudly, never add up wrongly).
-    if own_column_only(tensor, identity.dp_rank, identity.dp_size):
-        return Layout.COLUMN
-    return Layout.WHOLE
 
 
 _OPS = {
@@ -241,11 +214,7 @@ class DistShim(types.ModuleType):
         ours = _reduce_op(op)
         if ours is not None and not async_op and _state.exchange is not None:
             identity = _worker_route(group)
-            if (
-                identity is not None
-                and can_gather(tensor)
-                and _gather_(tensor, ours, identity, _worker_layout(tensor, identity))
-            ):
+            if identity is not None and _sync_(tensor, ours, identity, True):
                 return None
         return torch_dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -379,7 +348,7 @@ def install(settings: PluginSettings) -> bool:
             targets = _targets(line)
         except PatchRefused as exc:
             return _refuse(f"vLLM {version}: {exc}")
-        _state.exchange = Exchange(settings)
+        _state.exchange = Exchange(settings, trace=_trace if _TRACE else None)
         _patch_all(**targets)
     log.info(
         "coordd vLLM plugin installed for vLLM %s (coordd at %s): DP syncs are gather rounds",
@@ -405,8 +374,8 @@ def leave() -> None:
 
 def _engine_state_sum(dp_group: Any, has_unfinished: bool, pending_pause: bool) -> torch.Tensor:
     tensor = torch.tensor([int(has_unfinished), int(pending_pause)], dtype=torch.int32)
-    if not _gather_(
-        tensor, ReduceOp.SUM, _engine_route(dp_group), Layout.WHOLE, "ParallelConfig.sync_dp_state"
+    if not _sync_(
+        tensor, ReduceOp.SUM, _engine_route(dp_group), False, "ParallelConfig.sync_dp_state"
     ):
         torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=dp_group)
     return tensor
@@ -430,10 +399,11 @@ def _patch_all(
         original_cpu_all_reduce_ = coordinator.__dict__["cpu_all_reduce_"]
 
         def cpu_all_reduce_(self: Any, tensor: torch.Tensor) -> torch.Tensor:
-            if self is parallel_state._DP and can_gather(tensor) and _state.exchange is not None:
-                identity = _worker_identity(self)
-                if _gather_(tensor, ReduceOp.SUM, identity, _worker_layout(tensor, identity)):
-                    return tensor
+            # (`_sync_` refuses what `can_gather` would, on its first sight of a dtype and shape)
+            if self is parallel_state._DP and _sync_(
+                tensor, ReduceOp.SUM, _worker_identity(self), True
+            ):
+                return tensor
             return original_cpu_all_reduce_(self, tensor)
 
         cpu_all_reduce_.coordd_patch = True  # type: ignore[attr-defined]
@@ -449,7 +419,7 @@ def _patch_all(
                 isinstance(group, torch_dist.ProcessGroup)
                 and can_gather(tensor)
                 and _state.exchange is not None
-                and _gather_(tensor, ReduceOp.SUM, _engine_route(group), Layout.WHOLE)
+                and _sync_(tensor, ReduceOp.SUM, _engine_route(group), False)
             ):
                 return tensor
             return original_util(tensor, group, timeout)
@@ -483,12 +453,8 @@ def _patch_all(
         if not isinstance(dp_group, torch_dist.ProcessGroup) or _state.exchange is None:
             return bool(original_unfinished(dp_group, has_unfinished))
         tensor = torch.tensor([has_unfinished], dtype=torch.int32, device="cpu")
-        if not _gather_(
-            tensor,
-            ReduceOp.MAX,
-            _engine_route(dp_group),
-            Layout.WHOLE,
-            "ParallelConfig.has_unfinished_dp",
+        if not _sync_(
+            tensor, ReduceOp.MAX, _engine_route(dp_group), False, "ParallelConfig.has_unfinished_dp"
         ):
             return bool(original_unfinished(dp_group, has_unfinished))
         return bool(tensor.item())
@@ -504,11 +470,11 @@ def _patch_all(
         if kv_cache_memory == -1:  # vLLM's "no limit" before its MIN
             kv_cache_memory = torch.iinfo(torch.int64).max
         tensor = torch.tensor([kv_cache_memory], dtype=torch.int64, device="cpu")
-        if not _gather_(
+        if not _sync_(
             tensor,
             ReduceOp.MIN,
             _engine_route(dp_group),
-            Layout.WHOLE,
+            False,
             "ParallelConfig.sync_kv_cache_memory_size",
         ):
             return int(original_kv(dp_group, kv_cache_memory))

@@ -17,8 +17,14 @@ from pathlib import Path
 import pytest
 
 from coordd.tools.bench import crosshost
-from coordd.tools.bench.engine import COORDD_OVERLAP, COORDD_SYNC, GLOO_SYNC, VLLM_SYNC
-from coordd.tools.bench.methods import ALL_METHODS, BLOCKING_METHODS, HUB, VLLM
+from coordd.tools.bench.engine import (
+    COORDD_OVERLAP,
+    COORDD_SYNC,
+    GLOO_SYNC,
+    PLUGIN_SYNC,
+    VLLM_SYNC,
+)
+from coordd.tools.bench.methods import ALL_METHODS, BLOCKING_METHODS, HUB, VLLM, VLLM_PLUGIN
 
 ROUNDS = 20
 OVERLAP_ROUNDS = 10
@@ -87,8 +93,9 @@ def test_bench_smoke(tmp_path: Path) -> None:
     has_torch = importlib.util.find_spec("torch") is not None
     if has_torch:
         assert "gloo" in methods
-    if VLLM not in methods:  # skipped with the reason, printed
-        assert results["skipped"][VLLM] and f"{VLLM}: {results['skipped'][VLLM]}" in run.stdout
+    for name in (VLLM, VLLM_PLUGIN):
+        if name not in methods:  # skipped with the reason, printed
+            assert results["skipped"][name] and f"{name}: {results['skipped'][name]}" in run.stdout
 
     latency = {row["method"]: row for row in results["latency"]}
     assert set(latency) == set(methods)
@@ -123,6 +130,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     expected = {COORDD_SYNC, COORDD_OVERLAP}
     expected |= {GLOO_SYNC} if has_torch else set()
     expected |= {VLLM_SYNC} if VLLM in methods else set()
+    expected |= {PLUGIN_SYNC} if VLLM_PLUGIN in methods else set()
     assert set(engine) == expected
     for row in engine.values():
         assert row["dp"] == 2 and row["steps"] == ENGINE_STEPS, row

@@ -25,7 +25,8 @@ RANK = r"""
 import multiprocessing, os, sys, time
 import torch
 from coordd.vllm.enable import PluginSettings
-from coordd.vllm.exchange import Exchange, Layout, ReduceOp
+from coordd.vllm.exchange import Exchange
+import rank_sync
 from coordd.vllm.groups import GroupIdentity
 
 EXCHANGES = []  # the plugin holds its Exchange for the process's life (patches._state)
@@ -37,7 +38,7 @@ def run(rank, address, how):
     for _ in range(3):
         t = torch.zeros(2, 2, dtype=torch.int32)
         t[:, rank] = rank + 1
-        ex.all_reduce_(t, ReduceOp.SUM, ident, "site", Layout.COLUMN)
+        rank_sync.sync(ex, t, ident)
     assert t.tolist() == [[1, 2], [1, 2]], t
     print("synced", flush=True)
     if how == "kill":
@@ -52,6 +53,15 @@ if __name__ == "__main__":
         p.join(60)
         sys.exit(p.exitcode)
     run(rank, address, how)
+"""
+
+
+RANK_SYNC = """
+from coordd.vllm.exchange import ReduceOp
+
+
+def sync(ex, t, ident):
+    assert ex.sync_(t, ReduceOp.SUM, ident, True)
 """
 
 
@@ -74,6 +84,9 @@ def _until(port: int, want: str, timeout: float = 15.0) -> dict[str, str]:
 def test_a_normal_exit_says_goodbye_and_a_kill_is_lost(tmp_path: Path, how: str) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
+    # the sync's caller in a module of its own: its label is the same in a multiprocessing
+    # child (whose main script is __mp_main__) as in a plain process (__main__)
+    (tmp_path / "rank_sync.py").write_text(RANK_SYNC)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
     with CoorddProcess(2, f"ipc://{tmp_path}/c.sock", ["--metrics-port", str(port),

@@ -30,6 +30,7 @@ from coordd.client.vllm import (
     coordinate_batch_across_dp,
     dp_state,
     finish_dp_coordination,
+    local_result,
     should_skip_dp_coordination,
     skip_dp_coordination,
     start_dp_coordination_async,
@@ -505,3 +506,21 @@ def test_state_round_answers_sync_dp_state(bits: tuple[bool, ...]) -> None:
     assert decision.all_idle
     assert decision.any_unfinished == any(unfinished)
     assert (decision.any_pause, decision.should_pause) == (any(pending), all(pending))
+
+
+def test_the_ubatch_rule_is_defined_once_in_proto() -> None:
+    """client.vllm's skip path and proto's policy use one `last_ubatch_empty` (it was written
+    twice, with its first two arguments in opposite orders); by keyword, a swap cannot pass."""
+    from coordd.client import vllm as client_vllm
+    from coordd.proto import policy
+
+    assert client_vllm.last_ubatch_empty is policy.last_ubatch_empty
+    # 96 padded tokens in 2 micro-batches of 48: with 40 real tokens the last one is padding
+    assert policy.last_ubatch_empty(max_padded=96, min_tokens=40, num_ubatches=2)
+    assert not policy.last_ubatch_empty(max_padded=96, min_tokens=49, num_ubatches=2)
+    assert policy.last_ubatch_empty(96, 64, 3) and not policy.last_ubatch_empty(96, 65, 3)
+    report = build_report(DBO, 40, True, 96, uniform_decode=True)  # votes yes (40 >= 32)
+    assert report.want_ubatch
+    assert local_result(DBO, report, 0)[0] is False  # its own last micro-batch is empty
+    report = build_report(DBO, 60, True, 96, uniform_decode=True)
+    assert local_result(DBO, report, 0)[0] is True

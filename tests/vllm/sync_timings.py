@@ -1,16 +1,20 @@
-"""How long one DP sync takes through coordd vs. vLLM's own gloo path, side by side.
+"""What one DP sync costs through the coordd plugin, beside vLLM's own and a bare gather round.
 
-  VLLM_TARGET_DEVICE=cpu python -m tests.vllm.sync_timings --dp 2,4,8 --rounds 300
+  VLLM_TARGET_DEVICE=cpu python -m tests.vllm.sync_timings --dp 2,4,8 --rounds 600
 
 For each dp: a real coordd process and dp real rank processes in vLLM's distributed
-environment (CPU, gloo). Every rank times, round by round, the same int32 [7, dp] tensor
-holding only its own column (Model Runner V2's sync) three ways:
-  - vLLM's gloo path: `vllm.distributed.utils.cpu_all_reduce_` on the DP group's cpu_group
-    (what MRV2 and sync_dp_state use);
-  - torch.distributed.all_reduce on the same gloo group (the V1 runner's path);
-  - through coordd: `get_dp_group().cpu_all_reduce_` with the plugin installed (patch point B:
-    site label, column check, gather round, local reduce).
-Ranks line up on a gloo barrier before each way; p50/p99 pool every rank's rounds.
+environment (CPU, gloo). Every rank syncs Model Runner V2's int32 [7, dp] tensor, holding only
+its own column, three ways, in blocks of `--block` rounds interleaved A B C A B C (every rank
+runs the same block at the same time; a gloo barrier lines them up before each block):
+  - plugin: `get_dp_group().cpu_all_reduce_` with the plugin installed (patch point B: site
+    label, column check, gather round, local reduce, the tensor written in place);
+  - vllm: vLLM's own `vllm.distributed.utils.cpu_all_reduce_` on the DP group's cpu_group
+    (recursive doubling over gloo; what `GroupCoordinator.cpu_all_reduce_` runs unpatched);
+  - gather: a bare `CoordClient.gather` of the same 7 values over the plugin's own client
+    (the same connection and group: no tensor, no label).
+p50/p99 pool every rank's rounds; CPU is each rank's own per sync: its main thread's
+(`time.thread_time`) and its whole process's (ZeroMQ's I/O thread and gloo's threads too).
+`--profile FILE` writes rank 0's cProfile of its plugin blocks.
 """
 
 from __future__ import annotations
@@ -24,14 +28,21 @@ from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-WAYS = (
-    "vLLM cpu_all_reduce_ (gloo)",
-    "torch all_reduce (gloo, V1)",
-    "coordd gather (plugin)",
-)
+WAYS = ("plugin", "vllm", "gather")
+#: The bare round's site (any label: every rank sends the same one).
+_SITE = "bench.gather"
 
 
-def _rank(idx: int, cfg: Any, address: str, rounds: int, warmup: int, queue: Any) -> None:
+def _rank(
+    idx: int,
+    cfg: Any,
+    address: str,
+    rounds: int,
+    block: int,
+    warmup: int,
+    profile: str,
+    queue: Any,
+) -> None:
     try:
         import torch
 
@@ -42,6 +53,7 @@ def _rank(idx: int, cfg: Any, address: str, rounds: int, warmup: int, queue: Any
 
         from coordd.vllm import patches
         from coordd.vllm.enable import PluginSettings
+        from coordd.vllm.groups import worker_group
 
         pc = cfg.parallel_config
         pc.data_parallel_rank = pc.data_parallel_rank_local = idx
@@ -51,45 +63,84 @@ def _rank(idx: int, cfg: Any, address: str, rounds: int, warmup: int, queue: Any
             )
             ps.initialize_model_parallel(1, 1, backend="gloo")
             group = ps.get_dp_group()
-            size = group.world_size
+            size, cpu_group = group.world_size, group.cpu_group
+            assert patches.install(PluginSettings(address))
+            exchange = patches.exchange()
+            assert exchange is not None
+            client = exchange.link(worker_group()).client
+            column = [v + idx for v in range(7)]
 
             def fresh() -> torch.Tensor:
                 t = torch.zeros(7, size, dtype=torch.int32)
-                t[:, idx] = torch.arange(7, dtype=torch.int32) + idx
+                t[:, idx] = torch.tensor(column, dtype=torch.int32)
                 return t
 
             ways = {
-                WAYS[0]: lambda t: cpu_all_reduce_(t, group.cpu_group),
-                WAYS[1]: lambda t: torch.distributed.all_reduce(t, group=group.cpu_group),
-                WAYS[2]: lambda t: group.cpu_all_reduce_(t),
+                "plugin": group.cpu_all_reduce_,
+                "vllm": lambda t: cpu_all_reduce_(t, cpu_group),
             }
-            out: dict[str, list[float]] = {}
             want = None
-            for way, fn in ways.items():
-                if way == WAYS[2]:
-                    assert patches.install(PluginSettings(address))
+            for way, fn in ways.items():  # every way gives the same tensor
                 for _ in range(warmup):
-                    fn(fresh())
-                torch.distributed.barrier(group=group.cpu_group)
-                times = []
-                for _ in range(rounds):
                     t = fresh()
-                    began = time.perf_counter()
                     fn(t)
-                    times.append(time.perf_counter() - began)
-                got = t.tolist()
-                assert want is None or got == want, (way, got, want)  # all three agree
-                want = got
-                out[way] = times
-                if way == WAYS[2]:
-                    patches.uninstall()
-                torch.distributed.barrier(group=group.cpu_group)
-        queue.put((idx, out))
-    except BaseException as exc:
-        queue.put((idx, repr(exc)))
+                assert want is None or t.tolist() == want, (way, t.tolist(), want)
+                want = t.tolist()
+            rows_want = [[int(v) for v in want[i]] for i in range(7)]
+            for _ in range(warmup):
+                rows = client.gather(_SITE, column)
+            assert [[rows[r][i] for r in range(size)] for i in range(7)] == rows_want
+
+            profiler = None
+            if profile and idx == 0:
+                import cProfile
+
+                profiler = cProfile.Profile()
+            times: dict[str, list[float]] = {w: [] for w in WAYS}
+            cpu: dict[str, list[float]] = {w: [0.0, 0.0, 0] for w in WAYS}  # type: ignore[misc]
+            done = 0
+            while done < rounds:
+                n = min(block, rounds - done)
+                for way in WAYS:
+                    tensors = [fresh() for _ in range(n)] if way != "gather" else []
+                    torch.distributed.barrier(group=cpu_group)
+                    out = times[way]
+                    t0, p0 = time.thread_time(), time.process_time()
+                    if way == "gather":
+                        for _ in range(n):
+                            began = time.perf_counter()
+                            client.gather(_SITE, column)
+                            out.append(time.perf_counter() - began)
+                    else:
+                        fn = ways[way]
+                        if profiler is not None and way == "plugin":
+                            profiler.enable()
+                        for t in tensors:
+                            began = time.perf_counter()
+                            fn(t)
+                            out.append(time.perf_counter() - began)
+                        if profiler is not None and way == "plugin":
+                            profiler.disable()
+                        assert tensors[-1].tolist() == want, (way, tensors[-1].tolist())
+                    c = cpu[way]
+                    c[0] += time.thread_time() - t0
+                    c[1] += time.process_time() - p0
+                    c[2] += n
+                done += n
+            if profiler is not None:
+                profiler.dump_stats(profile)
+            torch.distributed.barrier(group=cpu_group)
+            patches.uninstall()
+        queue.put((idx, (times, cpu)))
+    except BaseException:
+        import traceback
+
+        queue.put((idx, traceback.format_exc()))
 
 
-def measure(dp: int, rounds: int, warmup: int) -> dict[str, list[float]]:
+def measure(dp: int, rounds: int, block: int, warmup: int, profile: str = "") -> dict[str, Any]:
+    """One dp: every way's per-round times (pooled over ranks) and CPU per sync (mean over
+    ranks), as {way: {"times": [...], "thread_us": x, "process_us": y}}."""
     from vllm.config import ParallelConfig, VllmConfig
 
     from coordd.testing import CoorddProcess
@@ -105,29 +156,35 @@ def measure(dp: int, rounds: int, warmup: int) -> dict[str, list[float]]:
     ):
         procs = [
             ctx.Process(
-                target=_rank, args=(i, cfg, coordd.address, rounds, warmup, queue), daemon=True
+                target=_rank,
+                args=(i, cfg, coordd.address, rounds, block, warmup, profile, queue),
+                daemon=True,
             )
             for i in range(dp)
         ]
         try:
             for p in procs:
                 p.start()
-            results = [queue.get(timeout=600) for _ in procs]
+            results = [queue.get(timeout=900) for _ in procs]
         finally:
             for p in procs:
                 p.join(timeout=20)
                 if p.is_alive():
                     p.kill()
-    pooled: dict[str, list[float]] = {w: [] for w in WAYS}
-    for idx, out in results:
-        if isinstance(out, str):
-            raise RuntimeError(f"rank {idx}: {out}")
-        for way, times in out.items():
-            pooled[way] += times
-    return pooled
+    out: dict[str, Any] = {w: {"times": [], "thread_us": 0.0, "process_us": 0.0} for w in WAYS}
+    for idx, got in results:
+        if isinstance(got, str):
+            raise RuntimeError(f"rank {idx}:\n{got}")
+        times, cpu = got
+        for way in WAYS:
+            out[way]["times"] += times[way]
+            thread_s, process_s, n = cpu[way]
+            out[way]["thread_us"] += thread_s / n * 1e6 / dp
+            out[way]["process_us"] += process_s / n * 1e6 / dp
+    return out
 
 
-def _pct(times: list[float], q: float) -> float:
+def pct(times: list[float], q: float) -> float:
     ordered = sorted(times)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
 
@@ -135,20 +192,31 @@ def _pct(times: list[float], q: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dp", default="2,4,8", help="comma-separated DP sizes (default 2,4,8)")
-    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=600, help="timed rounds per way and rank")
+    ap.add_argument("--block", type=int, default=50, help="rounds per interleaved block")
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--profile", default="", help="write rank 0's plugin cProfile here")
     args = ap.parse_args()
     sizes = [int(x) for x in args.dp.split(",")]
     print(
-        f"int32 [7, dp] own-column sync, {args.rounds} rounds after {args.warmup} warm-up, "
-        f"per-round times pooled over ranks; {os.cpu_count()} CPUs"
+        f"int32 [7, dp] own-column sync, {args.rounds} rounds per way and rank in blocks of "
+        f"{args.block} (A B C interleaved) after {args.warmup} warm-up; p50/p99 pooled over "
+        f"ranks; CPU per sync per rank; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
     )
-    print(f"{'dp':>3}  {'path':30} {'p50 us':>9} {'p99 us':>9}")
+    print(
+        f"{'dp':>3}  {'way':8} {'p50 us':>8} {'p99 us':>8} {'main CPU us':>12} "
+        f"{'proc CPU us':>12} {'p50 / vllm':>11} {'p50 / gather':>13}"
+    )
     for dp in sizes:
-        pooled = measure(dp, args.rounds, args.warmup)
+        got = measure(dp, args.rounds, args.block, args.warmup, args.profile)
+        p50 = {w: pct(got[w]["times"], 0.5) for w in WAYS}
         for way in WAYS:
-            times = pooled[way]
-            print(f"{dp:>3}  {way:30} {_pct(times, 0.5):9.0f} {_pct(times, 0.99):9.0f}")
+            g = got[way]
+            print(
+                f"{dp:>3}  {way:8} {p50[way]:8.0f} {pct(g['times'], 0.99):8.0f} "
+                f"{g['thread_us']:12.1f} {g['process_us']:12.1f} "
+                f"{p50[way] / p50['vllm']:10.2f}x {p50[way] / p50['gather']:12.2f}x"
+            )
 
 
 if __name__ == "__main__":

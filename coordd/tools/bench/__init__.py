@@ -63,34 +63,91 @@ def _names(text: str) -> list[str]:
     return names
 
 
+#: What `--quick` runs (under a minute on 2 cores): each is overridden by its own option.
+QUICK = dict(
+    dp=[2],
+    rounds=200,
+    blocks=4,
+    overlap_rounds=100,
+    work=[2.0],
+    variants=["sleep"],
+    engine_steps=30,
+    crosshost_dp=[],
+    scale_dp=[16],
+    scale_clients=["lean"],
+    scale_rounds=100,
+    scale_procs=2,
+)
+#: The full run's defaults of the options that otherwise follow --dp and --rounds.
+FULL = dict(
+    dp=[2, 4, 8],
+    rounds=2000,
+    blocks=10,
+    overlap_rounds=400,
+    work=[1.0, 2.0, 5.0],
+    variants=["sleep", "spin"],
+    engine_steps=200,
+    crosshost_dp=[2, 4, 8],
+    scale_dp=[16, 64, 256],
+    scale_clients=["lean", "aio"],
+    scale_rounds=300,
+    scale_procs=4,
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dp", type=_dps, default=[2, 4, 8], help="rank counts (2,4,8)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a first look in under a minute: dp=2, 300 rounds, one overlap case, a short "
+        "engine loop, scale at dp=16; any option given as well wins",
+    )
+    p.add_argument(
+        "--dp",
+        type=_dps,
+        default=None,
+        help="rank counts of every phase with rank processes (latency, overlap, engine loop, "
+        "across namespaces; default 2,4,8); given, the simulated-rank scale phase runs only "
+        "with --scale-dp",
+    )
     p.add_argument("--methods", type=_names, default=list(ALL_METHODS), help=", ".join(ALL_METHODS))
-    p.add_argument("--rounds", type=int, default=2000, help="timed rounds per method and dp")
-    p.add_argument("--blocks", type=int, default=10, help="interleaved blocks per phase")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds per method and dp (2000), and per case of every other phase unless "
+        "its own option says otherwise",
+    )
+    p.add_argument("--blocks", type=int, default=None, help="interleaved blocks per phase (10)")
     p.add_argument("--warmup", type=int, default=5, help="untimed rounds per method per block")
     p.add_argument(
-        "--overlap-rounds", type=int, default=400, help="timed rounds per overlap case (0: skip)"
+        "--overlap-rounds",
+        type=int,
+        default=None,
+        help="timed rounds per overlap case (400, or --rounds; 0: skip)",
     )
     p.add_argument(
         "--work",
         type=_numbers(float),
-        default=[1.0, 2.0, 5.0],
+        default=None,
         help="overlap work W as multiples of coordd-ipc's round p50 (1,2,5)",
     )
     p.add_argument(
         "--variants",
         type=lambda s: [v for v in s.split(",") if v],
-        default=["sleep", "spin"],
+        default=None,
         help="overlap work: sleep and/or spin",
     )
     p.add_argument(
-        "--scale-dp", type=_numbers(int), default=[16, 64, 256], help="simulated dp (none: skip)"
+        "--scale-dp",
+        type=_numbers(int),
+        default=None,
+        help="simulated dp (16,64,256 without --dp; none: skip)",
     )
     p.add_argument(
         "--scale-clients",
         type=lambda s: [v for v in s.split(",") if v],
-        default=["lean", "aio"],
+        default=None,
         help="simulated ranks: lean (least CPU per rank) and/or aio (AsyncCoordClient)",
     )
     p.add_argument(
@@ -99,7 +156,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="only the engine loop (no latency, overlap, across-host or scale sections)",
     )
     p.add_argument(
-        "--engine-steps", type=int, default=200, help="engine-loop steps per way to sync (0: skip)"
+        "--engine-steps",
+        type=int,
+        default=None,
+        help="engine-loop steps per way to sync (200; 0: skip)",
     )
     p.add_argument(
         "--engine-step-ms",
@@ -110,12 +170,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--crosshost-dp",
         type=_numbers(int),
-        default=[2, 4, 8],
-        help="dp measured across two network namespaces (none: skip)",
+        default=None,
+        help="dp measured across two network namespaces (default: --dp; none: skip)",
     )
-    p.add_argument("--crosshost-rounds", type=int, default=500)
-    p.add_argument("--scale-procs", type=int, default=4, help="simulator processes")
-    p.add_argument("--scale-rounds", type=int, default=300)
+    p.add_argument(
+        "--crosshost-rounds", type=int, default=None, help="rounds across namespaces (500)"
+    )
+    p.add_argument("--scale-procs", type=int, default=None, help="simulator processes (4)")
+    p.add_argument("--scale-rounds", type=int, default=None, help="rounds per scale case (300)")
     p.add_argument("--seed", type=int, default=0, help="seed of the reports")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs coordd[plot])")
@@ -171,6 +233,38 @@ def _crosshost_unavailable() -> str | None:
     return netns.unavailable()
 
 
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Fill in the options not given, from `--quick` or the full run's defaults: --dp is then
+    followed by the across-namespace phase (and the simulated-rank scale phase runs only with
+    --scale-dp), --rounds by the overlap, across-namespace and scale phases. Returns what the
+    run was asked for (the targets say "not asked" for the rest)."""
+    base = QUICK if args.quick else FULL
+    given = {name for name in (*base, "crosshost_rounds") if getattr(args, name) is not None}
+    for name, value in base.items():
+        if name not in given:
+            setattr(args, name, list(value) if isinstance(value, list) else value)
+    if "dp" in given:
+        if "crosshost_dp" not in given:
+            args.crosshost_dp = [] if args.quick else list(args.dp)
+        if "scale_dp" not in given:
+            args.scale_dp = []
+    for name in ("overlap_rounds", "crosshost_rounds", "scale_rounds"):
+        if name not in given:
+            setattr(args, name, args.rounds if "rounds" in given else getattr(args, name))
+    if args.crosshost_rounds is None:
+        args.crosshost_rounds = min(500, args.rounds)
+    if args.engine:
+        args.scale_dp, args.crosshost_dp = [], []
+    return {
+        "dp": list(args.dp),
+        "methods": list(args.methods),
+        "overlap": args.overlap_rounds > 0 and bool(args.work) and not args.engine,
+        "crosshost_dp": list(args.crosshost_dp),
+        "scale_dp": list(args.scale_dp),
+        "quick": bool(args.quick),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from coordd.tools.bench import crosshost, report
     from coordd.tools.bench.runner import (
@@ -185,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_json:
         return _replay(args)
 
+    asked = resolve(args)
     if args.rounds < 1 or args.blocks < 1 or args.warmup < 1:
         raise SystemExit("coordd bench: --rounds, --blocks and --warmup must be >= 1")
     if any(v not in ("sleep", "spin") for v in args.variants):
@@ -195,8 +290,6 @@ def run(args: argparse.Namespace) -> int:
         )
     if any(dp < 1 for dp in [*args.dp, *args.scale_dp, *args.crosshost_dp]):
         raise SystemExit("coordd bench: every dp must be >= 1")
-    if args.engine:
-        args.scale_dp, args.crosshost_dp = [], []
     methods, skipped = available_methods(args.methods)
     began = time.time()
     results: dict[str, Any] = {
@@ -207,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
             "kernel": platform.release(),
             "loadavg_start": list(os.getloadavg()),
             "argv": sys.argv[1:],
+            "asked": asked,
             "versions": _versions(),
         },
         "methods": methods,

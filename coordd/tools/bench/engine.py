@@ -34,6 +34,7 @@ from coordd.tools.bench.methods import (
     COORDD_IPC,
     GLOO,
     VLLM,
+    VLLM_PLUGIN,
     VLLM_ROWS,
     decision_from_vllm_matrix,
     import_cpu_all_reduce,
@@ -43,10 +44,17 @@ from coordd.tools.bench.workload import FIELDS, column, decision_from_matrix
 
 GLOO_SYNC = "gloo sync"
 VLLM_SYNC = "vLLM cpu_all_reduce_ sync"
+PLUGIN_SYNC = "vLLM plugin sync"
 COORDD_SYNC = "coordd sync"
 COORDD_OVERLAP = "coordd overlap"
 #: Every engine mode, in table order, with the bench method whose connection it uses.
-MODES = {GLOO_SYNC: GLOO, VLLM_SYNC: VLLM, COORDD_SYNC: COORDD_IPC, COORDD_OVERLAP: COORDD_IPC}
+MODES = {
+    GLOO_SYNC: GLOO,
+    VLLM_SYNC: VLLM,
+    PLUGIN_SYNC: VLLM_PLUGIN,
+    COORDD_SYNC: COORDD_IPC,
+    COORDD_OVERLAP: COORDD_IPC,
+}
 #: vLLM's `dp_sync_interval` default: the engine core's state round every 16 steps.
 STATE_EVERY = 16
 WARMUP_STEPS = 4
@@ -111,12 +119,14 @@ class AllReduceExchange(Exchange):
         rows: int,
         to_column: Callable[[StepReport], list[int]],
         to_decision: Callable[[Any], StepDecision],
+        reduce_state: Callable[[Any], Any] | None = None,
     ) -> None:
         import torch
 
         self.torch = torch
         self.rank, self.dp = rank, dp
         self.reduce, self.rows = reduce, rows
+        self.reduce_state = reduce if reduce_state is None else reduce_state
         self.to_column, self.to_decision = to_column, to_decision
 
     def start(self, report: StepReport, kind: StepKind) -> Any:
@@ -125,7 +135,7 @@ class AllReduceExchange(Exchange):
             state = torch.tensor(
                 [int(report.has_unfinished), int(report.want_pause)], dtype=torch.int32
             )
-            self.reduce(state)
+            self.reduce_state(state)
             return None
         matrix = torch.zeros(self.rows, self.dp, dtype=torch.int32)
         matrix[:, self.rank] = torch.tensor(self.to_column(report), dtype=torch.int32)
@@ -136,9 +146,20 @@ class AllReduceExchange(Exchange):
         return handle
 
 
-def exchange_for(mode: str, rank: int, dp: int, coordd_client: Any) -> Exchange:
+def exchange_for(mode: str, rank: int, dp: int, coordd_client: Any, plugin: Any = None) -> Exchange:
+    """`plugin`: the vLLM plugin method's `plugin_sync` (for PLUGIN_SYNC)."""
     if mode in (COORDD_SYNC, COORDD_OVERLAP):
         return CoorddExchange(coordd_client)
+    if mode == PLUGIN_SYNC:
+        return AllReduceExchange(
+            rank,
+            dp,
+            plugin,
+            VLLM_ROWS,
+            vllm_column,
+            decision_from_vllm_matrix,
+            reduce_state=lambda t: plugin(t, whole=True),  # sync_dp_state: the engine group
+        )
     import torch.distributed as dist
 
     if mode == GLOO_SYNC:
@@ -255,10 +276,17 @@ class EngineLoop:
 ENGINE_BLOCKS = 5
 
 
-def run_phase(phase: EnginePhase, rank: int, dp: int, coordd_client: Any) -> EngineResults:
+def run_phase(
+    phase: EnginePhase, rank: int, dp: int, coordd_client: Any, plugin: Any = None
+) -> EngineResults:
     loops = [
         EngineLoop(
-            exchange_for(mode, rank, dp, coordd_client), mode, rank, dp, phase.step_ms, phase.seed
+            exchange_for(mode, rank, dp, coordd_client, plugin),
+            mode,
+            rank,
+            dp,
+            phase.step_ms,
+            phase.seed,
         )
         for mode in phase.modes
     ]

@@ -33,12 +33,16 @@ COORDD_TCP = "coordd-tcp"
 HUB = "zmq-hub"
 GLOO = "gloo"
 VLLM = "vllm-cpu-all-reduce"
+VLLM_PLUGIN = "vllm-plugin"
 DEVICE = "device-gloo"
 FLOOR = "floor"
 #: Every method, in the order the tables list them.
-ALL_METHODS = (COORDD_IPC, COORDD_TCP, HUB, FLOOR, GLOO, VLLM, DEVICE)
+ALL_METHODS = (COORDD_IPC, COORDD_TCP, HUB, FLOOR, GLOO, VLLM, VLLM_PLUGIN, DEVICE)
 #: Methods whose start() runs the whole exchange (nothing to overlap): not in the overlap phase.
-BLOCKING_METHODS = (VLLM,)
+BLOCKING_METHODS = (VLLM, VLLM_PLUGIN)
+#: The plugin method's coordd group (beside coordd-ipc's default group, on the same coordd):
+#: the name the plugin gives vLLM's worker DP group at TP=PP=1, which coordd admits by default.
+PLUGIN_GROUP = "dp-tp0-pp0"
 #: Model Runner V2's DP matrix: int32 [7 x dp], one column per rank (vllm/v1/worker/gpu/dp_utils).
 VLLM_ROWS = 7
 #: Longest a rank waits for one round before the run fails (no hang, ever).
@@ -233,6 +237,51 @@ class VllmAllReduceMethod(_Checked):
 
     def close(self) -> None:
         pass
+
+
+def plugin_sync(address: str, rank: int, dp: int) -> Any:
+    """The coordd vLLM plugin's per-sync path as patch point B runs it (`Exchange.sync_`:
+    site label, own-column check, gather round, reduce into the tensor in place), on a group
+    of its own; returns `reduce(tensor)` for worker tensors and `reduce(tensor, whole=True)`
+    for the engine's state vector."""
+    from coordd.vllm.enable import PluginSettings
+    from coordd.vllm.exchange import Exchange, ReduceOp
+    from coordd.vllm.groups import GroupIdentity
+
+    exchange = Exchange(PluginSettings(address, connect_timeout=30, sync_timeout=ROUND_TIMEOUT))
+    identity = GroupIdentity(PLUGIN_GROUP, rank, dp, "coordd-bench")
+    exchange.link(identity)  # connected now, not in the first timed round
+    sync_, op = exchange.sync_, ReduceOp.SUM
+
+    def reduce(tensor: Any, whole: bool = False) -> Any:
+        sync_(tensor, op, identity, not whole)
+        return tensor
+
+    reduce.close = exchange.close  # type: ignore[attr-defined]
+    return reduce
+
+
+class VllmPluginMethod(VllmAllReduceMethod):
+    """The same MRV2 int32 [7 x dp] sync as `VllmAllReduceMethod`, through the coordd vLLM
+    plugin's per-sync path (`plugin_sync`) instead of vLLM's `cpu_all_reduce_`."""
+
+    name = VLLM_PLUGIN
+
+    def __init__(self, address: str, rank: int, tables: Sequence[Sequence[StepReport]]) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self._torch = torch
+        self._sync = plugin_sync(address, rank, len(tables))
+        self._reduce = lambda matrix, _group: self._sync(matrix)
+        self._group = None
+        self.tables = tables
+        self.rank = rank
+        self.dp = len(tables)
+        self.columns = [torch.tensor(vllm_column(r), dtype=torch.int32) for r in tables[rank]]
+
+    def close(self) -> None:
+        self._sync.close()
 
 
 class HubMethod(_Checked):

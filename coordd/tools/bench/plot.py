@@ -1,5 +1,6 @@
-"""`--plot FILE.png`: four panels: round latency against dp per method, exposed wait against
-work, the engine loop's share of step time blocked in DP sync, and the across-host model.
+"""`--plot FILE.png`: up to four panels, one for each part that ran: round latency against dp
+per method, exposed wait against work, the engine loop's share of step time blocked in DP sync,
+and the across-host model (on a linear axis, so the modelled network share is as wide as it is).
 
 matplotlib is an optional extra (`pip install 'coordd[plot]'`), imported only here.
 """
@@ -17,11 +18,13 @@ _STYLE = {
     "floor": ("tab:gray", "D"),
     "gloo": ("tab:red", "^"),
     "vllm-cpu-all-reduce": ("tab:brown", "*"),
+    "vllm-plugin": ("tab:pink", "p"),
     "device-gloo": ("tab:orange", "v"),
     "coordd-ipc (lean ranks)": ("tab:olive", "P"),
     "coordd-ipc (aio ranks)": ("tab:purple", "X"),
     "gloo sync": ("tab:red", "^"),
     "vLLM cpu_all_reduce_ sync": ("tab:brown", "*"),
+    "vLLM plugin sync": ("tab:pink", "p"),
     "coordd sync": ("tab:cyan", "s"),
     "coordd overlap": ("tab:blue", "o"),
 }
@@ -65,23 +68,30 @@ def _latency(ax: Any, results: dict[str, Any]) -> None:
     if dps:
         _plain_ticks(ax, sorted(dps))
     ax.set_yscale("log")
-    ax.set_xlabel("dp (rank processes; simulated ranks for dp >= 16)")
-    ax.set_ylabel("round latency, us")
-    ax.set_title("Round latency against dp: coordd vs pyzmq hub, floor, gloo, vLLM (measured)")
+    simulated = bool(results.get("scale"))
+    ax.set_xlabel("dp (rank processes" + ("; simulated ranks for dp >= 16)" if simulated else ")"))
+    ax.set_ylabel("round latency, us (solid p50, dotted p99)")
+    ax.set_title("Round latency against dp (measured)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    # one entry per method (its p99 is the dotted line of the same colour)
+    handles, labels = ax.get_legend_handles_labels()
+    keep = [(h, lb.removesuffix(" p50")) for h, lb in zip(handles, labels, strict=True)]
+    keep = [(h, lb) for h, lb in keep if not lb.endswith(" p99")]
+    ax.legend([h for h, _ in keep], [lb for _, lb in keep], fontsize=8, ncol=2)
 
 
 def _overlap(ax: Any, results: dict[str, Any]) -> None:
+    from matplotlib.lines import Line2D
+
     overlap = results.get("overlap", [])
-    if not overlap:
-        ax.set_axis_off()
-        return
     dp = max(r["dp"] for r in overlap)
     rows = [r for r in overlap if r["dp"] == dp]
-    for method in dict.fromkeys(r["method"] for r in rows):
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    variants = [v for v in ("sleep", "spin") if any(r["variant"] == v for r in rows)]
+    styles = {"sleep": "-", "spin": "--"}
+    for method in methods:
         color, marker = _STYLE.get(method, ("black", "x"))
-        for variant, ls in (("sleep", "-"), ("spin", "--")):
+        for variant in variants:
             pts = sorted(
                 (r["work_us"], r["exposed_p50_us"])
                 for r in rows
@@ -93,24 +103,32 @@ def _overlap(ax: Any, results: dict[str, Any]) -> None:
                     [p[1] for p in pts],
                     color=color,
                     marker=marker,
-                    ls=ls,
-                    label=f"{method}, {'sleeping' if variant == 'sleep' else 'spinning'} work",
+                    ls=styles[variant],
                 )
         sync = next(r["sync_p50_us"] for r in rows if r["method"] == method)
-        ax.axhline(sync, color=color, ls=":", alpha=0.5, label=f"{method} sync round p50")
+        ax.axhline(sync, color=color, ls=":", alpha=0.5)
+    # the legend: one entry per method (its colour), one per line style
+    handles = [
+        Line2D([], [], color=_STYLE.get(m, ("black", "x"))[0], marker=_STYLE.get(m, ("", "x"))[1])
+        for m in methods
+    ]
+    labels = list(methods)
+    for variant in variants:
+        handles.append(Line2D([], [], color="black", ls=styles[variant]))
+        labels.append("sleeping work" if variant == "sleep" else "spinning work")
+    handles.append(Line2D([], [], color="black", ls=":", alpha=0.5))
+    labels.append("the method's sync round p50")
     ax.set_yscale("log")
+    ax.set_xscale("log")
     ax.set_xlabel("work W between start and wait, us")
     ax.set_ylabel("exposed wait p50, us")
-    ax.set_title(f"Overlap at dp={dp}: wait left after W of work, per method (measured)")
+    ax.set_title(f"Overlap at dp={dp}: wait left after W of work (measured)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(handles, labels, fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.12))
 
 
 def _engine(ax: Any, results: dict[str, Any]) -> None:
     rows = results.get("engine", [])
-    if not rows:
-        ax.set_axis_off()
-        return
     dps = sorted({r["dp"] for r in rows})
     for mode in dict.fromkeys(r["mode"] for r in rows):
         color, marker = _STYLE.get(mode, ("black", "x"))
@@ -136,15 +154,19 @@ def _engine(ax: Any, results: dict[str, Any]) -> None:
         fontsize=9,
     )
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=8)
+
+
+def _model_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = results.get("crosshost_model") or crosshost.model(results)
+    return [r for r in rows if all(f"trips_{n}n" in r for n in crosshost.NODES)]
 
 
 def _model(ax: Any, results: dict[str, Any]) -> None:
-    rows = results.get("crosshost_model") or crosshost.model(results)
-    full = [r for r in rows if all(f"trips_{n}n" in r for n in crosshost.NODES)]
-    if not full:
-        ax.set_axis_off()
-        return
+    """Each method's modelled round as 100%: the measured local p50's share (solid) and the
+    network trips' (hatched), so the model's part is as visible for a 100 us round as for a
+    20 ms one; the modelled p50 itself is written above each bar."""
+    full = _model_rows(results)
     dp = max(r["dp"] for r in full)
     rows = [r for r in full if r["dp"] == dp]
     cases = [(n, rtt) for n in crosshost.NODES for rtt in crosshost.RTTS_US]
@@ -152,37 +174,33 @@ def _model(ax: Any, results: dict[str, Any]) -> None:
     for i, row in enumerate(rows):
         color, _marker = _STYLE.get(row["method"], ("black", "x"))
         xs = [c + (i - (len(rows) - 1) / 2) * width for c in range(len(cases))]
-        base = [row["base_p50_us"]] * len(cases)
+        base = row["base_p50_us"]
+        totals = [row[f"p50_{n}n_{rtt:g}us"] for n, rtt in cases]
+        local = [100 * base / total for total in totals]
+        ax.bar(xs, local, width, color=color, label=row["method"])
         ax.bar(
             xs,
-            base,
+            [100 - share for share in local],
             width,
-            color=color,
-            label=f"{row['method']}: measured p50 {row['base_p50_us']:.0f} us ({row['base_from']})",
+            bottom=local,
+            color="white",
+            edgecolor=color,
+            hatch="///",
         )
-        ax.bar(
-            xs,
-            [row[f"p50_{n}n_{rtt:g}us"] - row["base_p50_us"] for n, rtt in cases],
-            width,
-            bottom=base,
-            color=color,
-            alpha=0.35,
-            hatch="//",
-            label=f"{row['method']}: modelled network trips "
-            f"({', '.join(str(row[f'trips_{n}n']) for n in crosshost.NODES)} at "
-            f"{'/'.join(str(n) for n in crosshost.NODES)} nodes) x RTT/2",
-        )
+        for x, total in zip(xs, totals, strict=True):
+            ax.text(x, 101, f"{total:,.0f}", ha="center", va="bottom", fontsize=6, rotation=90)
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels([f"{n} nodes\nRTT {rtt:g} us" for n, rtt in cases])
-    ax.set_yscale("log")
-    ax.set_ylabel("modelled round p50, us")
+    ax.set_ylim(0, 125)
+    ax.set_yticks(range(0, 101, 20))
+    ax.set_ylabel("share of the modelled round p50, %")
     ax.set_title(
-        f"Across hosts at dp={dp}, MODELLED: measured local p50 (solid) + network trips x RTT/2 "
-        "(hatched)",
+        f"Across hosts at dp={dp}, MODELLED: measured local p50 (solid) + network trips x RTT/2"
+        " (hatched);\nthe modelled p50 in us above each bar",
         fontsize=9,
     )
-    ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=len(rows), loc="upper center", bbox_to_anchor=(0.5, -0.12))
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -195,11 +213,25 @@ def plot(results: dict[str, Any], path: str) -> None:
         raise SystemExit(
             "coordd bench --plot needs matplotlib: pip install 'coordd[plot]'"
         ) from None
-    fig, axes = plt.subplots(2, 2, figsize=(17, 11))
-    _latency(axes[0][0], results)
-    _overlap(axes[0][1], results)
-    _engine(axes[1][0], results)
-    _model(axes[1][1], results)
+    panels = [
+        draw
+        for draw, ran in (
+            (_latency, results.get("latency") or results.get("scale")),
+            (_overlap, results.get("overlap")),
+            (_engine, results.get("engine")),
+            (_model, _model_rows(results)),
+        )
+        if ran
+    ]
+    if not panels:
+        raise SystemExit("coordd bench --plot: nothing was measured, nothing to draw")
+    cols = 1 if len(panels) == 1 else 2
+    rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows, cols, figsize=(8.5 * cols, 5.5 * rows), squeeze=False)
+    for i, draw in enumerate(panels):
+        draw(axes[i // cols][i % cols], results)
+    if len(panels) % cols:
+        axes[-1][-1].set_axis_off()
     meta = results.get("meta", {})
     load = [f"{x[0]:.2f}" for x in (meta.get("loadavg_start"), meta.get("loadavg_end")) if x]
     fig.suptitle(

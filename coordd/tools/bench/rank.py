@@ -25,6 +25,7 @@ from coordd.tools.bench.methods import (
     GLOO,
     HUB,
     VLLM,
+    VLLM_PLUGIN,
     CoorddMethod,
     DeviceMethod,
     FloorMethod,
@@ -32,6 +33,7 @@ from coordd.tools.bench.methods import (
     HubMethod,
     Method,
     VllmAllReduceMethod,
+    VllmPluginMethod,
     init_gloo,
     shutdown_gloo,
 )
@@ -128,6 +130,8 @@ def _open(setup: RankSetup) -> dict[str, Method]:
             init_gloo(setup.gloo_store, setup.rank, setup.dp, setup.gloo_ifname)
             cls: Any = {GLOO: GlooMethod, DEVICE: DeviceMethod, VLLM: VllmAllReduceMethod}[name]
             methods[name] = cls(setup.rank, tables)
+        elif name == VLLM_PLUGIN:
+            methods[name] = VllmPluginMethod(setup.coordd_ipc, setup.rank, tables)
         elif name == FLOOR:
             methods[name] = FloorMethod(setup.floor_path, setup.rank, tables)
         elif name == HUB:
@@ -270,7 +274,9 @@ def rank_main(conn: Connection, setup_bytes: bytes) -> None:
             if isinstance(order, engine.EnginePhase):
                 coordd = methods.get(COORDD_IPC)
                 client = coordd.client if isinstance(coordd, CoorddMethod) else None
-                conn.send_bytes(encode(engine.run_phase(order, setup.rank, setup.dp, client)))
+                plugin = methods.get(VLLM_PLUGIN)
+                sync = plugin._sync if isinstance(plugin, VllmPluginMethod) else None
+                conn.send_bytes(encode(engine.run_phase(order, setup.rank, setup.dp, client, sync)))
                 continue
             conn.send_bytes(encode(_run_phase(setup, methods, order)))
     except Exception:

@@ -10,7 +10,15 @@ from typing import Any
 
 from coordd.tools.bench import crosshost
 from coordd.tools.bench.engine import STATE_EVERY
-from coordd.tools.bench.methods import COORDD_IPC, COORDD_TCP, FLOOR, GLOO, HUB, VLLM
+from coordd.tools.bench.methods import (
+    COORDD_IPC,
+    COORDD_TCP,
+    FLOOR,
+    GLOO,
+    HUB,
+    VLLM,
+    VLLM_PLUGIN,
+)
 
 TARGET_DP = 8
 SCALE_DP = 256
@@ -61,10 +69,13 @@ def ratios(latency: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for dp in sorted({r["dp"] for r in latency}):
         entry: dict[str, Any] = {"dp": dp}
         a = _row(latency, dp=dp, method=COORDD_IPC)
-        for other in (COORDD_TCP, HUB, FLOOR, GLOO, VLLM):
+        for other in (COORDD_TCP, HUB, FLOOR, GLOO, VLLM, VLLM_PLUGIN):
             b = _row(latency, dp=dp, method=other)
             if a and b:
                 entry[f"ipc/{other}"] = a["p50_us"] / b["p50_us"]
+        plugin, vllm = _row(latency, dp=dp, method=VLLM_PLUGIN), _row(latency, dp=dp, method=VLLM)
+        if plugin and vllm:
+            entry[f"{VLLM_PLUGIN}/{VLLM}"] = plugin["p50_us"] / vllm["p50_us"]
         out.append(entry)
     return out
 
@@ -76,8 +87,10 @@ def _target(
     unit: str,
     where: str,
     strict: bool = False,
+    asked: bool = True,
 ) -> dict[str, Any]:
-    """One target; `limit` None: a figure reported, not judged; `strict`: below, not at most."""
+    """One target; `limit` None: a figure reported, not judged; `strict`: below, not at most;
+    `asked`: whether the run was asked for what it needs (if not, unmeasured is "not asked")."""
     met = None
     if value is not None and limit is not None:
         met = value < limit if strict else value <= limit
@@ -89,6 +102,7 @@ def _target(
         "unit": unit,
         "where": where,
         "met": met,
+        "asked": asked,
     }
 
 
@@ -108,27 +122,35 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     latency = results.get("latency", [])
     overlap = results.get("overlap", [])
     scale = results.get("scale", [])
+    asked = results.get("meta", {}).get("asked")
+
+    def wanted(*methods: str, dp: int | None = None) -> bool:
+        """Whether the run was asked for these methods at this dp (for a run saved before
+        runs recorded what they were asked: the methods it ran or skipped, any dp)."""
+        if asked is None:
+            ran = [*results.get("methods", []), *results.get("skipped", {})]
+            return not ran or all(m in ran for m in methods)
+        if dp is not None and dp not in asked.get("dp", []):
+            return False
+        return all(m in asked.get("methods", []) for m in methods)
+
     out = []
     ipc = _row(latency, dp=TARGET_DP, method=COORDD_IPC)
     where = f"dp={TARGET_DP}"
-    out.append(
-        _target(
-            "coordd ipc round p50 / pyzmq hub p50",
-            _ratio(ipc, _row(latency, dp=TARGET_DP, method=HUB)),
-            1.0,
-            "x",
-            where,
+    for other, name, bound in (
+        (HUB, "coordd ipc round p50 / pyzmq hub p50", 1.0),
+        (FLOOR, "coordd ipc round p50 / raw-socket floor p50", 1.5),
+    ):
+        out.append(
+            _target(
+                name,
+                _ratio(ipc, _row(latency, dp=TARGET_DP, method=other)),
+                bound,
+                "x",
+                where,
+                asked=wanted(COORDD_IPC, other, dp=TARGET_DP),
+            )
         )
-    )
-    out.append(
-        _target(
-            "coordd ipc round p50 / raw-socket floor p50",
-            _ratio(ipc, _row(latency, dp=TARGET_DP, method=FLOOR)),
-            1.5,
-            "x",
-            where,
-        )
-    )
     for dp in (2, 4):
         out.append(
             _target(
@@ -138,6 +160,36 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "x",
                 f"dp={dp}",
                 strict=True,
+                asked=wanted(COORDD_IPC, VLLM, dp=dp),
+            )
+        )
+    for dp in (2, 4, 8):
+        plugin = _row(latency, dp=dp, method=VLLM_PLUGIN)
+        out.append(
+            _target(
+                "vLLM plugin sync p50 / vLLM cpu_all_reduce_ p50",
+                _ratio(plugin, _row(latency, dp=dp, method=VLLM)),
+                1.0,
+                "x",
+                f"dp={dp}",
+                asked=wanted(VLLM_PLUGIN, VLLM, dp=dp),
+            )
+        )
+    for dp in (2, 4, 8):
+        # reported, not judged: the plugin's sync makes and reads vLLM's tensor as vLLM's
+        # own does, a policy round does neither (the plugin against a bare gather of the
+        # same values: tests/vllm/sync_timings.py)
+        out.append(
+            _target(
+                "vLLM plugin sync p50 / coordd ipc policy round p50",
+                _ratio(
+                    _row(latency, dp=dp, method=VLLM_PLUGIN),
+                    _row(latency, dp=dp, method=COORDD_IPC),
+                ),
+                None,
+                "x",
+                f"dp={dp}",
+                asked=wanted(VLLM_PLUGIN, COORDD_IPC, dp=dp),
             )
         )
     for name, kind, limit in (
@@ -146,7 +198,16 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         ("rank ZeroMQ I/O thread CPU per rank per round", "ranks zmq-io", None),
         ("coordd ZeroMQ I/O thread CPU per rank per round", "server zmq-io", None),
     ):
-        out.append(_target(name, _thread_us(ipc, kind, TARGET_DP), limit, "us", where))
+        out.append(
+            _target(
+                name,
+                _thread_us(ipc, kind, TARGET_DP),
+                limit,
+                "us",
+                where,
+                asked=wanted(COORDD_IPC, dp=TARGET_DP),
+            )
+        )
     out.append(
         _target(
             "coordd ipc round p99 / its p50",
@@ -154,6 +215,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             3.0,
             "x",
             where,
+            asked=wanted(COORDD_IPC, dp=TARGET_DP),
         )
     )
     hidden = [
@@ -161,6 +223,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         for r in overlap
         if r["method"] == COORDD_IPC and r["variant"] == "sleep" and r["work_multiple"] >= 2
     ]
+    overlap_asked = asked is None or bool(asked.get("overlap"))
     for dp in sorted({r["dp"] for r in hidden}) or [TARGET_DP]:
         worst = max(
             (r for r in hidden if r["dp"] == dp),
@@ -174,11 +237,22 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 5.0,
                 "%",
                 f"dp={dp}, W={worst['work_multiple']:g}x" if worst else f"dp={dp}",
+                asked=overlap_asked and wanted(COORDD_IPC, dp=dp),
             )
         )
     big = _row(scale, dp=SCALE_DP, client="lean") or _row(scale, dp=SCALE_DP)
     where = f"dp={SCALE_DP}, {big['client']} ranks" if big else f"dp={SCALE_DP}"
-    out.append(_target("round p50", big["p50_us"] / 1000 if big else None, 10.0, "ms", where))
+    scale_asked = asked is None or SCALE_DP in asked.get("scale_dp", [])
+    out.append(
+        _target(
+            "round p50",
+            big["p50_us"] / 1000 if big else None,
+            10.0,
+            "ms",
+            where,
+            asked=scale_asked,
+        )
+    )
     out.append(
         _target(
             "coordd CPU per rank per round",
@@ -186,10 +260,18 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             20.0,
             "us",
             where,
+            asked=scale_asked,
         )
     )
     out.append(
-        _target("coordd resident memory", big["coordd_rss_mb"] if big else None, 60.0, "MB", where)
+        _target(
+            "coordd resident memory",
+            big["coordd_rss_mb"] if big else None,
+            60.0,
+            "MB",
+            where,
+            asked=scale_asked,
+        )
     )
     return out
 
@@ -211,6 +293,14 @@ def _summary(latency: Sequence[dict[str, Any]]) -> str:
     return table(["dp", *methods], rows)
 
 
+def _unmeasured(t: dict[str, Any]) -> str:
+    """A target without a figure: "not asked" where the run was not asked for what it needs
+    (a dp, a method, a phase), "not run" where it was and the figure is missing all the same."""
+    if t["value"] is not None or t["limit"] is None:
+        return "-"
+    return "not run" if t.get("asked", True) else "not asked"
+
+
 def _targets_table(tgts: Sequence[dict[str, Any]]) -> str:
     def limit(t: dict[str, Any]) -> str:
         if t["limit"] is None:
@@ -225,7 +315,7 @@ def _targets_table(tgts: Sequence[dict[str, Any]]) -> str:
                 t["where"],
                 "-" if t["value"] is None else f"{t['value']:.2f} {t['unit']}",
                 limit(t),
-                {True: "PASS", False: "MISS", None: "not run" if t["limit"] else "-"}[t["met"]],
+                {True: "PASS", False: "MISS", None: _unmeasured(t)}[t["met"]],
             ]
             for t in tgts
         ],

@@ -36,6 +36,7 @@ from coordd.tools.bench.methods import (
     GLOO,
     HUB,
     VLLM,
+    VLLM_PLUGIN,
     device_client_class,
     vllm_unavailable,
 )
@@ -89,7 +90,7 @@ def available_methods(requested: Sequence[str]) -> tuple[list[str], dict[str, st
             raise ValueError(f"unknown method {name!r}: choose from {', '.join(ALL_METHODS)}")
         if name in (GLOO, DEVICE) and not has_torch:
             skipped[name] = "torch is not installed (pip install 'coordd[device]')"
-        elif name == VLLM and vllm_unavailable():
+        elif name in (VLLM, VLLM_PLUGIN) and vllm_unavailable():
             skipped[name] = str(vllm_unavailable())
         elif name == DEVICE and device_client_class() is None:
             skipped[name] = "client/device.py (DeviceCoordClient) is not in this tree yet"
@@ -180,11 +181,12 @@ def _servers(
     fields: dict[str, Any] = {"rank": 0, "dp": dp, "methods": list(methods), "servers": {}}
     try:
         quiet = ["--log-level", "error"]
-        if COORDD_IPC in methods:
+        if COORDD_IPC in methods or VLLM_PLUGIN in methods:
             proc = CoorddProcess(dp, f"ipc://{tmp}/coordd.sock", quiet).start()
             procs.append(proc)
             fields["coordd_ipc"] = proc.address
             fields["servers"][COORDD_IPC] = proc.pid
+            fields["servers"][VLLM_PLUGIN] = proc.pid  # the plugin's group: the same coordd
         if COORDD_TCP in methods:
             bind = f"tcp://{tcp_host or '127.0.0.1'}:0"
             proc = CoorddProcess(dp, bind, quiet + coordd_tcp_args()).start()

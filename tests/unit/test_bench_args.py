@@ -1,0 +1,84 @@
+"""`coordd bench`'s options: what --quick, --dp and --rounds make every phase run, and which
+targets a run was not asked for (pure argparse and the report; nothing is measured)."""
+
+from __future__ import annotations
+
+import argparse
+
+from coordd.tools.bench import QUICK, add_arguments, report, resolve
+
+
+def _parse(*argv: str) -> tuple[argparse.Namespace, dict]:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(list(argv))
+    return args, resolve(args)
+
+
+def test_the_full_run_keeps_its_defaults() -> None:
+    args, asked = _parse()
+    assert args.dp == [2, 4, 8] and args.rounds == 2000 and args.overlap_rounds == 400
+    assert args.crosshost_dp == [2, 4, 8] and args.scale_dp == [16, 64, 256]
+    assert args.crosshost_rounds == 500 and args.scale_rounds == 300 and args.engine_steps == 200
+    assert asked["overlap"] and asked["scale_dp"] == [16, 64, 256]
+
+
+def test_dp_and_rounds_are_followed_by_every_phase() -> None:
+    args, asked = _parse("--dp", "2,4", "--rounds", "200")
+    assert args.dp == [2, 4] and args.crosshost_dp == [2, 4]
+    assert args.scale_dp == []  # simulated ranks only when asked for with --scale-dp
+    assert args.overlap_rounds == args.crosshost_rounds == args.scale_rounds == 200
+    assert asked["dp"] == [2, 4] and asked["scale_dp"] == []
+    # a phase's own option still wins
+    args, _ = _parse("--dp", "2", "--rounds", "200", "--overlap-rounds", "0", "--scale-dp", "16")
+    assert args.overlap_rounds == 0 and args.scale_dp == [16] and args.crosshost_rounds == 200
+
+
+def test_quick_is_small_and_any_option_given_wins() -> None:
+    args, asked = _parse("--quick")
+    assert args.dp == QUICK["dp"] and args.rounds == QUICK["rounds"]
+    assert args.variants == ["sleep"] and args.work == [2.0] and args.crosshost_dp == []
+    assert args.scale_dp == [16] and args.scale_clients == ["lean"] and asked["quick"]
+    args, _ = _parse("--quick", "--dp", "2,4", "--rounds", "100")
+    assert args.dp == [2, 4] and args.rounds == 100 and args.overlap_rounds == 100
+    assert args.crosshost_dp == []  # quick: no across-namespace runs unless asked
+
+
+def _latency(dp: int, method: str, p50: float) -> dict:
+    return {
+        "dp": dp,
+        "method": method,
+        "p50_us": p50,
+        "p90_us": p50,
+        "p99_us": 2 * p50,
+        "cpu_us_per_round": 1.0,
+        "ctx_switches_per_round": 1.0,
+        "completed": 1,
+        "rounds": 1,
+        "cpu_us_per_round_by_thread": {},
+    }
+
+
+def test_a_target_the_run_was_not_asked_for_says_so() -> None:
+    _, asked = _parse("--dp", "2", "--methods", "coordd-ipc,vllm-cpu-all-reduce,vllm-plugin")
+    results = {
+        "meta": {"asked": asked},
+        "latency": [
+            _latency(2, "coordd-ipc", 200.0),
+            _latency(2, "vllm-cpu-all-reduce", 250.0),
+            _latency(2, "vllm-plugin", 210.0),
+        ],
+    }
+    tgts = report.targets(results)
+    by = {(t["target"], t["where"]): t for t in tgts}
+    plugin = by[("vLLM plugin sync p50 / vLLM cpu_all_reduce_ p50", "dp=2")]
+    assert plugin["met"] is True and abs(plugin["value"] - 0.84) < 1e-9
+    reported = by[("vLLM plugin sync p50 / coordd ipc policy round p50", "dp=2")]
+    assert reported["met"] is None and abs(reported["value"] - 1.05) < 1e-9
+    text = report.render({**results, "targets": tgts})
+    # dp=4 and dp=8, the hub, the floor and the scale phase were not asked for: none "not run"
+    assert "not run" not in text and "not asked" in text
+    # asked for and missing all the same: "not run"
+    del results["latency"][2]
+    text = report.render({**results, "targets": report.targets(results)})
+    assert "not run" in text
