@@ -390,9 +390,18 @@ def test_with_coordd_same_tokens_counted_rounds_and_a_clean_exit(
     print(f"/readyz after the exit: {ready[0]} {ready[1]}")
 
 
+def _between_rounds(pair: Pair) -> None:
+    """Wait until both ranks finished round 1 and wait for round 2: a fault injected now is
+    met by round 2's first sync, however fast the steps go (at ~2 ms a step a whole round can
+    end between two looks at its progress)."""
+    for r, result in enumerate(pair.wait_round(1, START_TIMEOUT)):
+        assert result["tokens"] and not result["error"], (r, result)
+
+
 def _coordd_fault(pair: Pair, rank: int, timeout: float) -> tuple[dict[str, Any], str, str]:
-    """Rank `rank`'s failed result and the coordd error its engine logged (type, text)."""
-    result = pair.result(rank, 1, timeout)
+    """Rank `rank`'s failed result of round 2 and the coordd error its engine logged (type,
+    text)."""
+    result = pair.result(rank, 2, timeout)
     assert result is not None and result["error"], (
         f"rank {rank} did not fail within {timeout:.0f} s\n{pair.tails()}"
     )
@@ -406,10 +415,11 @@ def test_with_coordd_a_hung_rank_is_named_within_the_heartbeat_timeout(
     work: Path, model: Path, pairs: list[Pair]
 ) -> None:
     with coordd_for(work, "hung")[0] as coordd:
-        pair = Pair(work, model, "coordd-hung", address=coordd.address)
+        pair = Pair(work, model, "coordd-hung", address=coordd.address, jobs=2)
         pairs.append(pair)
-        pair.wait_progress(1, 1, 3, START_TIMEOUT)
+        _between_rounds(pair)
         stopped_at = pair.signal(1, signal.SIGSTOP)
+        pair.go(2)
         result, kind, text = _coordd_fault(pair, 0, HEARTBEAT_TIMEOUT + 60)
     took = result["error_at"] - stopped_at
     TABLE.append(
@@ -422,10 +432,11 @@ def test_with_coordd_a_hung_rank_is_named_within_the_heartbeat_timeout(
 
 def test_with_coordd_a_killed_rank_is_named(work: Path, model: Path, pairs: list[Pair]) -> None:
     with coordd_for(work, "killed")[0] as coordd:
-        pair = Pair(work, model, "coordd-killed", address=coordd.address)
+        pair = Pair(work, model, "coordd-killed", address=coordd.address, jobs=2)
         pairs.append(pair)
-        pair.wait_progress(1, 1, 3, START_TIMEOUT)
+        _between_rounds(pair)
         killed_at = pair.signal(1, signal.SIGKILL)
+        pair.go(2)
         result, kind, text = _coordd_fault(pair, 0, HEARTBEAT_TIMEOUT + 60)
     took = result["error_at"] - killed_at
     TABLE.append(
@@ -439,10 +450,16 @@ def test_with_coordd_a_rank_that_skips_one_sync_is_named(
     work: Path, model: Path, pairs: list[Pair]
 ) -> None:
     with coordd_for(work, "skip")[0] as coordd:
-        pair = Pair(work, model, "coordd-skip", address=coordd.address, skip_rank=1)
+        pair = Pair(work, model, "coordd-skip", address=coordd.address, jobs=2, skip_rank=1)
         pairs.append(pair)
-        pair.wait_progress(1, 1, 3, START_TIMEOUT)
+        _between_rounds(pair)
         pair.skip_file.touch()
+        armed = Path(str(pair.skip_file) + ".armed")
+        deadline = time.monotonic() + 30
+        while not armed.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert armed.exists(), "rank 1's skipper did not arm within 30 s"
+        pair.go(2)
         result, kind, text = _coordd_fault(pair, 0, STEP_TIMEOUT + 90)
     skipped = Path(str(pair.skip_file) + ".skipped")
     assert skipped.exists(), "rank 1 never skipped its sync"

@@ -2,11 +2,11 @@
 
 On the test's PYTHONPATH for one rank only (its dist-info beside it is what vLLM's plugin loader
 finds), so vLLM is patched in that rank's processes and nowhere else. Once the file named by
-COORDD_TEST_SKIP_FILE exists, the next all-reduce of the V1 runner's sync module
-(`vllm.v1.worker.dp_utils.dist`, stock torch.distributed or coordd's stand-in) is not made,
-once: this rank goes on with its own column only, as if it had skipped that sync;
-`<file>.skipped` records when. Until then nothing of this module is on the sync's call path (a
-thread watches for the file), so every other sync is exactly vLLM's own.
+COORDD_TEST_SKIP_FILE exists (`<file>.armed` says it was seen), the next all-reduce of the V1
+runner's sync module (`vllm.v1.worker.dp_utils.dist`, stock torch.distributed or coordd's
+stand-in) is not made, once: this rank goes on with its own column only, as if it had skipped
+that sync; `<file>.skipped` records when. Until then nothing of this module is on the sync's
+call path (a thread watches for the file), so every other sync is exactly vLLM's own.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def register() -> None:
         while time.monotonic() < deadline:
             if os.path.exists(flag):
                 dp_utils.dist = _SkipOnce(dp_utils, dp_utils.dist, flag)
+                with open(flag + ".armed", "w") as f:  # the test releases the next round now
+                    f.write(f"{time.time()}\n")
                 return
             time.sleep(0.01)
 
