@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from coordd.core.defaults import (
     DEFAULT_GROUPS,
+    DEFAULT_HANDSHAKE_IPV4_PREFIX,
     DEFAULT_HANDSHAKE_RATE,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_GROUPS,
@@ -304,6 +305,16 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         f"no Hello within {STRANGER_GRACE:g}s, it keeps a peer from making libzmq abort "
         f"coordd (see coordd/io/gate.py) (default {DEFAULT_HANDSHAKE_RATE:g}; 0: off)",
     )
+    p.add_argument(
+        "--handshake-ipv4-prefix",
+        type=int,
+        default=_env("handshake_ipv4_prefix", DEFAULT_HANDSHAKE_IPV4_PREFIX),
+        help="tcp peers' handshakes are also counted by group, and one group gets at most "
+        "half of --max-handshake-rate: an IPv4 address's group is its /N (8..32), an IPv6 "
+        "address's its /64, every loopback address one, and with CURVE a client key's its "
+        "key, so many addresses of one host count as one "
+        f"(default {DEFAULT_HANDSHAKE_IPV4_PREFIX})",
+    )
 
 
 def fit_limits(args: argparse.Namespace, log: logging.Logger) -> ConnectionCaps:
@@ -404,6 +415,7 @@ def serve(args: argparse.Namespace) -> int:
                 ipc_mode=IPC_MODES[args.ipc_mode],
                 max_rss_mb=args.max_rss_mb,
                 max_handshake_rate=args.max_handshake_rate,
+                handshake_ipv4_prefix=args.handshake_ipv4_prefix,
             )
         except BindError as exc:
             raise SystemExit(f"coordd: {exc}") from None

@@ -7,6 +7,7 @@ from coordd.proto.defaults import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, STEP_TI
 __all__ = [
     "BAN_SECONDS",
     "DEFAULT_GROUPS",
+    "DEFAULT_HANDSHAKE_IPV4_PREFIX",
     "DEFAULT_HANDSHAKE_RATE",
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_GROUPS",
@@ -49,6 +50,9 @@ SEND_QUEUE = 128
 BAN_SECONDS = 10.0
 #: Handshakes admitted a second, from all peers together (`--max-handshake-rate`).
 DEFAULT_HANDSHAKE_RATE = 20.0
+#: A tcp peer's IPv4 address is charged to its /N's group of the rate, which gets half of it
+#: (`--handshake-ipv4-prefix`; see coordd.core.handshake.source_group).
+DEFAULT_HANDSHAKE_IPV4_PREFIX = 24
 #: The memory budget, MB (`--max-rss-mb`). The target is 100 MB; a flood adds 5-20 MB between
 #: reaching the budget and the guard's action (a check, the monitor read, the handshakes
 #: refused) on 2 busy cores, and a quiet coordd holds ~35 MB: room on both sides.

@@ -4,9 +4,11 @@ handler."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from coordd.core.bounds import BoundedMap, TokenBucket
+from coordd.core.defaults import DEFAULT_HANDSHAKE_IPV4_PREFIX
 
 #: One source's share of that rate, and of the burst (at least MIN_SOURCE_BURST): one fresh
 #: source took the whole shared burst in its first second, leaving the others the refill.
@@ -19,10 +21,42 @@ MIN_SOURCE_BURST = 64
 #: and an honest connect() failed in 2-3 of 3 tries), a rank's first handshake finds a token.
 RESERVE_SHARE = 1 / 8
 #: Sources remembered (least recently seen forgotten first: a forgotten one starts afresh,
-#: which the shared budget still bounds).
+#: which the shared budget still bounds); as many groups.
 MAX_SOURCES = 4096
 #: The automatic routing ids a ROUTER can give: the `2^32` of the arithmetic above.
 ROUTING_ID_SPACE = 1 << 32
+#: A tcp source's group (`source_group`) gets this share of the rate, and the whole burst (a
+#: cluster's ranks may all sit in one /24 and connect together): an attacker with many
+#: addresses of one group (127.0.0.0/8 on the host, an IPv6 /64) took one share per address,
+#: and each fresh address counted as quiet, so it took the reserve too. A source is quiet only
+#: if its group is, and a group's handshakes leave the other half of the rate to the others.
+GROUP_SHARE = 1 / 2
+#: An IPv4 address's group is its /IPV4_PREFIX (`--handshake-ipv4-prefix`), an IPv6 one's its
+#: /IPV6_PREFIX (what one host is routed), every loopback address one group.
+IPV4_PREFIX = DEFAULT_HANDSHAKE_IPV4_PREFIX
+IPV6_PREFIX = 64
+#: The group of every loopback address: 127.0.0.0/8, ::1 and their IPv4-mapped forms.
+LOOPBACK = b"loopback"
+
+
+def source_group(address: bytes, key: bytes = b"", ipv4_prefix: int = IPV4_PREFIX) -> bytes | None:
+    """The group a handshake from ZAP address `address` is charged to besides its source:
+    with a CURVE client key (`key`, z85, one coordd admitted) the key, whatever the address
+    (a key cannot be made up; a leaked one from many addresses is one group); else, for an IP
+    address, loopback, its IPv4 /`ipv4_prefix` or its IPv6 /64. None for anything else (an
+    ipc peer's `localhost:uid:gid:pid`: its process is its source, alone)."""
+    if key:
+        return b"key:" + key
+    try:
+        ip = ipaddress.ip_address(address.decode("ascii").split("%", 1)[0])
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return LOOPBACK
+    prefix = ipv4_prefix if isinstance(ip, ipaddress.IPv4Address) else IPV6_PREFIX
+    return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False)).encode()
 
 
 def hits_per_second(rate: float, grace: float, cap: int | None = None) -> float:
@@ -55,8 +89,11 @@ class HandshakeRate:
     share: float = SOURCE_SHARE
     reserve: float = RESERVE_SHARE
     max_sources: int = MAX_SOURCES
-    #: refused: the source over its share, or all sources over the rate
+    group_share: float = GROUP_SHARE
+    ipv4_prefix: int = IPV4_PREFIX
+    #: refused: the source over its share, its group over the group's, or all over the rate
     refused_source: int = 0
+    refused_group: int = 0
     refused_total: int = 0
     #: admitted from the reserve (a quiet source while busy ones had spent the rest)
     reserved: int = 0
@@ -64,29 +101,56 @@ class HandshakeRate:
     _floor: float = field(init=False)
     _source_burst: float = field(init=False)
     _sources: BoundedMap[bytes, TokenBucket] = field(init=False)
+    _groups: BoundedMap[bytes, TokenBucket] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.burst < 1:
             raise ValueError(f"rate must be > 0 and burst >= 1, got {self.rate}, {self.burst}")
+        if not 0 <= self.ipv4_prefix <= 32:
+            raise ValueError(f"ipv4_prefix must be in 0..32, got {self.ipv4_prefix}")
         self._all = TokenBucket(self.rate, self.burst)
         self._source_burst = min(self.burst, max(MIN_SOURCE_BURST, self.burst * self.share))
         self._floor = min(self.burst - 1.0, max(1.0, self.burst * self.reserve))
         self._sources = BoundedMap(self.max_sources)
+        self._groups = BoundedMap(self.max_sources)
 
-    def admit(self, source: bytes, now: float) -> bool:
-        """One handshake from `source` at `now`: admitted (and counted) or not. A source over
-        its share spends nothing of the shared budget; a busy one (its own bucket not full)
-        only what is above the reserve."""
-        bucket = self._sources.get(source)
+    @staticmethod
+    def _bucket(
+        table: BoundedMap[bytes, TokenBucket], name: bytes, rate: float, burst: float, now: float
+    ) -> TokenBucket:
+        bucket = table.get(name)
         if bucket is None:
-            bucket = TokenBucket(self.rate * self.share, self._source_burst, now)
-            self._sources.put(source, bucket)
+            bucket = TokenBucket(rate, burst, now)
+            table.put(name, bucket)
         else:
-            self._sources.touch(source)
+            table.touch(name)
+        return bucket
+
+    def group_of(self, address: bytes, key: bytes = b"") -> bytes | None:
+        """`source_group` with this rate's IPv4 prefix."""
+        return source_group(address, key, self.ipv4_prefix)
+
+    def admit(self, source: bytes, now: float, group: bytes | None = None) -> bool:
+        """One handshake from `source` (of `group`: `source_group`) at `now`: admitted (and
+        counted) or not. A source over its share, or of a group over the group's, spends
+        nothing of the shared budget; a busy one (its own bucket or its group's not full)
+        only what is above the reserve."""
+        bucket = self._bucket(
+            self._sources, source, self.rate * self.share, self._source_burst, now
+        )
         if not bucket.ready(now):
             self.refused_source += 1
             return False
         quiet = bucket.tokens >= self._source_burst - 1.0
+        grouped = None
+        if group is not None and group != source:
+            grouped = self._bucket(
+                self._groups, group, self.rate * self.group_share, self.burst, now
+            )
+            if not grouped.ready(now):
+                self.refused_group += 1
+                return False
+            quiet = quiet and grouped.tokens >= self.burst - 1.0
         shared = self._all
         shared.ready(now)
         if shared.tokens - 1.0 < (0.0 if quiet else self._floor):
@@ -96,8 +160,10 @@ class HandshakeRate:
             self.reserved += 1
         shared.tokens -= 1.0
         bucket.tokens -= 1.0
+        if grouped is not None:
+            grouped.tokens -= 1.0
         return True
 
     @property
     def refused(self) -> int:
-        return self.refused_source + self.refused_total
+        return self.refused_source + self.refused_group + self.refused_total

@@ -122,6 +122,7 @@ def check_serve(args: argparse.Namespace) -> None:
     group_patterns(args.groups)
     rss_mb(args.max_rss_mb)
     handshake_rate(args.max_handshake_rate)
+    count("--handshake-ipv4-prefix", args.handshake_ipv4_prefix, low=8, high=32)
     if args.metrics_port is not None:
         count("--metrics-port", args.metrics_port, low=0, high=65535)
     if not str(args.metrics_host).strip():

@@ -35,7 +35,12 @@ count: no exempt connection holds a name the counter can reach.
 
 Sources are a tcp peer's IP address and an ipc peer's process (libzmq gives the ZAP handler
 `localhost:uid:gid:pid` there). A source over its share is refused without spending the shared
-budget, so one busy source does not keep the others out.
+budget, so one busy source does not keep the others out. A tcp source is also charged to its
+group (`coordd.core.handshake.source_group`), which gets half the rate: with CURVE its client
+key (checked first: an unknown key is refused 400 and spends nothing, so a known key's
+handshake never waits behind a stranger's), else every loopback address together, an IPv4
+address's /24 (`--handshake-ipv4-prefix`) or an IPv6 address's /64; so many addresses of one
+host (127.0.0.0/8, a /64) count as one, and a source of a busy group never takes the reserve.
 """
 
 from __future__ import annotations
@@ -193,8 +198,10 @@ class HandshakeGate:
             self.refused += 1
             return reply(b"300", REFUSAL)
         rate = self.rate
-        if rate is not None and not rate.admit(request[3], self.clock()):
-            return reply(b"300", RATE_REFUSAL)
+        if rate is not None:
+            address = request[3]
+            if not rate.admit(address, self.clock(), rate.group_of(address, user)):
+                return reply(b"300", RATE_REFUSAL)
         self.admitted += 1
         return reply(b"200", b"OK", user)
 

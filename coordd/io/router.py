@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import zmq
 
 from coordd.core import defaults
-from coordd.core.handshake import HandshakeRate
+from coordd.core.handshake import IPV4_PREFIX, HandshakeRate
 from coordd.io import limits
 from coordd.io.gate import ZAP_DOMAIN, HandshakeGate
 from coordd.io.identity import new_router
@@ -65,6 +65,7 @@ def open_router(
     ipc_mode: int = 0o600,
     gated: bool = False,
     max_handshake_rate: float = 0,
+    handshake_ipv4_prefix: int = IPV4_PREFIX,
     configure_socket: Callable[[zmq.Socket], None] | None = None,
 ) -> Router:
     """coordd's ROUTER bound to `address` with its monitor (ACCEPTED and DISCONNECTED), and
@@ -111,7 +112,9 @@ def open_router(
         sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         if max_handshake_rate:
             # burst: as many as may connect at once (a whole engine starts together)
-            gate.rate = HandshakeRate(max_handshake_rate, max(1, max_connections))
+            gate.rate = HandshakeRate(
+                max_handshake_rate, max(1, max_connections), ipv4_prefix=handshake_ipv4_prefix
+            )
     if configure_socket is not None:
         configure_socket(sock)
     try:

@@ -173,6 +173,7 @@ class CoordServer:
         ipc_mode: int = 0o600,
         max_rss_mb: float = 0,
         max_handshake_rate: float = 0,
+        handshake_ipv4_prefix: int = defaults.DEFAULT_HANDSHAKE_IPV4_PREFIX,
         stranger_grace: float = defaults.STRANGER_GRACE,
     ) -> None:
         _check_sizes(dp_size, max_groups, expect_groups)
@@ -211,6 +212,7 @@ class CoordServer:
             ipc_mode=ipc_mode,
             gated=bool(max_rss_mb or max_handshake_rate),
             max_handshake_rate=max_handshake_rate,
+            handshake_ipv4_prefix=handshake_ipv4_prefix,
             configure_socket=configure_socket,
         )
         self.bound_address = self._router.bound_address

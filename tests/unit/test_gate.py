@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from coordd.core import defaults
@@ -11,6 +13,7 @@ from coordd.core.handshake import (
     HandshakeRate,
     hits_per_second,
     mean_seconds_to_abort,
+    source_group,
 )
 
 IPC = b"localhost:1000:1000:4242"
@@ -101,3 +104,103 @@ def test_the_arithmetic_before_and_at_the_defaults() -> None:
     for names_share in (0.1, 0.3, 0.7, 0.9):
         held = 50 * names_share * 10
         assert held * 50 * (1 - names_share) <= best + 1e-9
+
+
+# -- tcp sources grouped (issue 21, 5 over tcp) ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "group"),
+    [
+        (b"127.0.0.1", b"loopback"),
+        (b"127.203.4.5", b"loopback"),
+        (b"::1", b"loopback"),
+        (b"::ffff:127.9.9.9", b"loopback"),
+        (b"10.0.0.7", b"10.0.0.0/24"),
+        (b"::ffff:10.0.0.7", b"10.0.0.0/24"),
+        (b"2001:db8:1:2:aaaa:bbbb:cccc:dddd", b"2001:db8:1:2::/64"),
+        (b"fe80::1%eth0", b"fe80::/64"),
+        (b"localhost:1000:1000:4242", None),  # ipc: the process alone
+        (b"", None),
+    ],
+)
+def test_a_tcp_source_is_grouped_by_its_prefix(address: bytes, group: bytes | None) -> None:
+    assert source_group(address) == group
+
+
+def test_a_known_key_groups_by_the_key_and_the_prefix_is_configurable() -> None:
+    assert source_group(b"127.0.0.1", key=b"K" * 40) == b"key:" + b"K" * 40
+    assert source_group(b"10.1.2.3", ipv4_prefix=16) == b"10.1.0.0/16"
+    assert source_group(b"10.1.2.3", ipv4_prefix=32) == b"10.1.2.3/32"
+    assert HandshakeRate(rate=20, burst=64, ipv4_prefix=8).group_of(b"10.1.2.3") == b"10.0.0.0/8"
+    with pytest.raises(ValueError):
+        HandshakeRate(rate=20, burst=64, ipv4_prefix=33)
+
+
+def _attack(rate: HandshakeRate, attackers: list[bytes], honest: Callable[[int], bytes]) -> int:
+    """Every attacker address retries every 10 ms for 10 s, and one more fresh attacker
+    address joins every 10 ms (each is quiet when it first comes); now and then an honest
+    handshake from `honest(step)`: how many of those were admitted (of 10)."""
+    admitted = 0
+    for step in range(1, 1001):
+        now = step / 100
+        fresh = f"127.{step // 250 + 100}.{step % 250}.1".encode()
+        for source in [*attackers, fresh]:
+            rate.admit(source, now, rate.group_of(source))
+        if step % 97 == 0:
+            source = honest(step)
+            admitted += rate.admit(source, now, rate.group_of(source))
+    return admitted
+
+
+def test_many_loopback_addresses_cannot_keep_a_rank_out() -> None:
+    """An attacker on the host handshakes from many 127.0.0.0/8 addresses, each its own
+    source: together they took the whole shared rate, and each fresh one was quiet and took
+    the reserve too: an honest connect from another host got 0 of 10 in. Now 127.0.0.0/8 is
+    one group, held to half the rate, and none of its sources is quiet once it is busy. (A
+    rank on the same host, from 127.0.0.1 and without a key, is in the attacker's group: with
+    CURVE its key is its group, `test_a_leaked_key_from_many_addresses_is_one_group`.)"""
+    attackers = [f"127.0.{n}.1".encode() for n in range(64)]
+    rate = HandshakeRate(rate=20, burst=1024)
+    # ranks of other hosts (a new address of 10.0.0.0/24 each time): the reserve is theirs
+    assert _attack(rate, attackers, lambda s: b"10.0.0.%d" % s) == 1000 // 97
+    assert rate.refused_total > 0
+
+
+def test_many_ipv6_addresses_of_one_host_are_one_group() -> None:
+    rate = HandshakeRate(rate=20, burst=64)
+    base = "2001:db8:0:7:"
+    admitted = sum(
+        rate.admit(a, t / 100, rate.group_of(a))
+        for t in range(300)
+        for a in [f"{base}{t:x}:{n:x}::1".encode() for n in range(32)]
+    )
+    # the burst, then half of 20 a second for 3 s (before: each address its own source, and
+    # together the shared rate: 123)
+    assert admitted <= 64 + 30 + 1
+    other = b"2001:db8:0:8::1"  # another /64: quiet, the reserve is there
+    assert rate.admit(other, 3.0, rate.group_of(other))
+
+
+def test_a_whole_cluster_in_one_slash_24_connects_at_once() -> None:
+    """256 ranks in one /24, 3 connections each, all at once at start: grouping must not
+    starve them (the group may take the whole burst but the reserve, which is for quiet
+    sources of quiet groups: 896 of 1024)."""
+    rate = HandshakeRate(rate=20, burst=1024)
+    ranks = [f"10.0.0.{n}".encode() for n in range(256)]
+    assert sum(rate.admit(a, 0.0, rate.group_of(a)) for a in ranks for _ in range(3)) == 768
+    # and another /24's ranks beside them
+    assert all(rate.admit(b"10.0.1.%d" % n, 0.0, rate.group_of(b"10.0.1.%d" % n)) for n in range(8))
+
+
+def test_a_leaked_key_from_many_addresses_is_one_group() -> None:
+    rate = HandshakeRate(rate=20, burst=64)
+    key = b"L" * 40
+    got = sum(
+        rate.admit(b"127.0.%d.%d" % (t, n), t / 100, rate.group_of(b"127.0.0.1", key))
+        for t in range(300)
+        for n in range(16)
+    )
+    assert got <= 64 + 30 + 1  # before: 123, the shared rate
+    honest = b"R" * 40  # another key from the same host: its own, quiet group
+    assert rate.admit(b"127.0.0.1", 3.0, rate.group_of(b"127.0.0.1", honest))
