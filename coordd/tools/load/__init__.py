@@ -11,6 +11,9 @@ process's interpreter lock):
     python -m coordd.tools.load connections ADDRESS --count 1000 --seconds 5   (raw sockets)
     python -m coordd.tools.load http HOST:PORT --count 1000 --seconds 5
     python -m coordd.tools.load claims ADDRESS --count 900 --peers 20 --seconds 5   (id claims)
+    python -m coordd.tools.load handshakes tcp://127.0.0.1:PORT --peers 20 --count 200
+        (handshakes kept in flight, over tcp from --count loopback addresses; with a leaked
+        rank key from $COORDD_CURVE_*)
 
 or all of them with figures: `python -m coordd.tools.load measure --dp 4`.
 `LOADS` names them; `start_load(kind, address, ...)` starts one as a child process;
@@ -51,6 +54,7 @@ LOADS = (
     "claims",
     "member",
     "storm",
+    "handshakes",
 )
 
 
@@ -203,6 +207,60 @@ def storm(address: str, processes: int = 10, sockets: int = 192, seconds: float 
     for kid in kids:
         os.waitpid(kid, 0)
     return processes * sockets
+
+
+def handshakes(address: str, in_flight: int = 20, seconds: float = 5.0, sources: int = 0) -> int:
+    """Keep `in_flight` handshakes going for `seconds` (libzmq DEALERs; a CURVE client with a
+    leaked rank key if $COORDD_CURVE_* say so, see `_dealer`): each is closed once admitted,
+    or 0.5 s after it began if not (a CURVE handshake takes several round trips), and another
+    begins. Over tcp with `sources`, each comes
+    from the next of that many loopback addresses (127.x.y.z: each its own source to
+    coordd's rate before sources were grouped). Returns handshakes admitted."""
+    context = zmq.Context()
+    context.setsockopt(zmq.MAX_SOCKETS, 4 * in_flight + 64)
+    rng = random.Random(os.getpid())
+    base = rng.randrange(1, 200)
+    flying: list[tuple[zmq.Socket, zmq.Socket, float]] = []
+    admitted = made = 0
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            while len(flying) < in_flight:
+                target = address
+                if sources and address.startswith("tcp://"):
+                    n = made % sources
+                    source = f"127.{base}.{n // 250 % 250}.{n % 250 + 1}"
+                    target = f"tcp://{source}:0;{address.removeprefix('tcp://')}"
+                made += 1
+                sock = context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                curve = curve_keys_from_env()
+                if curve is not None:
+                    sock.curve_serverkey = curve.server_public
+                    sock.curve_publickey = curve.public
+                    sock.curve_secretkey = curve.secret
+                monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                sock.connect(target)
+                flying.append((sock, monitor, time.monotonic()))
+            time.sleep(0.005)
+            now = time.monotonic()
+            kept = []
+            for sock, monitor, began in flying:
+                done = bool(monitor.poll(0))
+                admitted += done
+                if done or now - began > 0.5:
+                    sock.disable_monitor()
+                    monitor.close(linger=0)
+                    sock.close(linger=0)
+                else:
+                    kept.append((sock, monitor, began))
+            flying = kept
+    finally:
+        for sock, monitor, _ in flying:
+            monitor.close(linger=0)
+            sock.close(linger=0)
+        _term_soon(context)
+    return admitted
 
 
 def multipart(address: str, parts: int = 2_000_000) -> int:
@@ -562,6 +620,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         n = multipart(args.address, args.parts)
     elif args.kind == "storm":
         n = storm(args.address, args.peers, args.count, args.seconds)
+    elif args.kind == "handshakes":
+        n = handshakes(args.address, args.peers, args.seconds, sources=args.count)
     elif args.kind == "member":
         n = member(args.address, args.seconds, dp=args.dp)
     elif args.kind == "unread":
@@ -577,6 +637,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         n = http(args.address, args.count, args.seconds)
     print(n, flush=True)
-    if args.kind == "garbage":
+    if args.kind in ("garbage", "handshakes"):
         os._exit(0)  # a context left terming (see _term_soon) would hold the exit
     return 0

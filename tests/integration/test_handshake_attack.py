@@ -1,0 +1,122 @@
+"""Issue 21, 5 with real processes: attackers that keep handshakes in flight do not keep an
+honest rank out. A real `coordd serve` with a low --max-handshake-rate, attacker processes
+(`coordd.tools.load`), and a rank whose `connect(timeout=10)` must succeed meanwhile. The full
+attack (16 processes) is `python -m coordd.tools.load measure --only handshakes`."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from coordd.client.sync import CoordClient
+from coordd.io.curve import write_keypair
+from coordd.testing import CoorddProcess
+from coordd.tools.load import start_load, wait_load
+from tests.integration.scrape import free_port, metric_value
+
+pytestmark = pytest.mark.timeout(60)
+
+RATE = ["--max-handshake-rate", "8", "--max-connections", "64", "--log-level", "error"]
+ATTACKERS = 3
+SECONDS = 12.0
+
+
+def _connect_during(address: str, loads: list, env: dict[str, str] | None = None) -> float:
+    """Once the attackers have spent the burst, a rank connects: the seconds it took."""
+    time.sleep(2.0)
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        for load in loads:
+            assert load.poll() is None, "an attacker ended early"
+        t0 = time.monotonic()
+        with CoordClient(address, dp_rank=0, dp_size=1) as rank:
+            rank.connect(timeout=10)
+            return time.monotonic() - t0
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for load in loads:
+            load.kill()
+            wait_load(load, 10)
+
+
+def test_attackers_over_ipc_do_not_keep_a_rank_out(tmp_path: Path) -> None:
+    """3 processes (3 sources) keep 20 raw handshakes in flight each."""
+    port = free_port()
+    args = [*RATE, "--metrics-port", str(port)]
+    with CoorddProcess(1, f"ipc://{tmp_path}/c.sock", args) as coordd:
+        loads = [
+            start_load(
+                "claims", coordd.address, "--count", "0", "--peers", "20", "--seconds", str(SECONDS)
+            )
+            for _ in range(ATTACKERS)
+        ]
+        took = _connect_during(coordd.address, loads)
+        refused = metric_value(port, "coordd_handshakes_rate_refused_total")
+        assert coordd.proc is not None and coordd.proc.poll() is None
+    print(f"ipc: connected in {took:.2f} s; {refused:.0f} handshakes refused over the rate")
+    assert refused > 100  # the attack was on: the rate held it
+
+
+def test_a_leaked_key_from_many_loopback_addresses_does_not_keep_a_rank_out(
+    tmp_path: Path,
+) -> None:
+    """tcp+CURVE: 3 processes with a leaked key keep 20 handshakes in flight each, every one
+    from the next of 200 addresses of 127.0.0.0/8. Before sources were grouped each address
+    was its own fresh (quiet) source, which took the shared rate and its reserve; the rank's
+    connect() timed out. Now the key is one group, held to half the rate, and the rank's own
+    key is a quiet group of its own."""
+    keys = tmp_path / "keys"
+    for name in ("coordd", "leaked", "rank"):
+        write_keypair(str(keys), name)
+    port = free_port()
+    curve = [
+        "--curve-secret-key",
+        str(keys / "coordd.key_secret"),
+        "--curve-client-keys",
+        f"{keys / 'leaked.key'},{keys / 'rank.key'}",
+    ]
+    args = [*RATE, *curve, "--metrics-port", str(port)]
+    leaked = {
+        "COORDD_CURVE_SERVER_KEY": str(keys / "coordd.key"),
+        "COORDD_CURVE_CLIENT_KEY": str(keys / "leaked.key_secret"),
+    }
+    honest = {
+        "COORDD_CURVE_SERVER_KEY": str(keys / "coordd.key"),
+        "COORDD_CURVE_CLIENT_KEY": str(keys / "rank.key_secret"),
+    }
+    with CoorddProcess(1, "tcp://127.0.0.1:0", args) as coordd:
+        old = {k: os.environ.get(k) for k in leaked}
+        os.environ.update(leaked)  # the attackers' environment
+        try:
+            loads = [
+                start_load(
+                    "handshakes",
+                    coordd.address,
+                    "--peers",
+                    "20",
+                    "--count",
+                    "200",
+                    "--seconds",
+                    str(SECONDS),
+                )
+                for _ in range(ATTACKERS)
+            ]
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        took = _connect_during(coordd.address, loads, honest)
+        refused = metric_value(port, "coordd_handshakes_rate_refused_total")
+        assert coordd.proc is not None and coordd.proc.poll() is None
+    print(f"tcp: connected in {took:.2f} s; {refused:.0f} handshakes refused over the rate")
+    assert refused > 100
