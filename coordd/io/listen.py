@@ -19,13 +19,15 @@ An ipc socket is coordd's only while coordd runs, and only one coordd may own a 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
 import os
 import socket
 import stat
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from coordd.proto.address import AddressError, Endpoint, check_address, runtime_dir
 
@@ -137,6 +139,120 @@ class IpcSocket:
                 os.unlink(self.lock_path)
         os.close(self.lock_fd)
         self.lock_fd = -1
+
+
+#: Linux's SO_ATTACH_FILTER / SO_DETACH_FILTER (Python names neither).
+_SO_ATTACH_FILTER = 26
+_SO_DETACH_FILTER = 27
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _drop_all_program() -> tuple[bytes, object]:
+    """A classic BPF program of one instruction, `ret #0` (keep no byte of any packet), as
+    SO_ATTACH_FILTER takes it, and the array it points to (alive until the call is made)."""
+    program = (_SockFilter * 1)(_SockFilter(0x06, 0, 0, 0))  # BPF_RET | BPF_K, 0
+    prog = _SockFprog(1, ctypes.cast(program, ctypes.POINTER(_SockFilter)))
+    return bytes(prog), program
+
+
+@dataclass
+class TcpListeners:
+    """libzmq's listening tcp socket(s) for coordd's port, paused without a ZeroMQ call.
+
+    libzmq gives no way to stop one listener from accepting short of `unbind`, a call on the
+    ROUTER that only the event loop's thread may make (and that can lose the port to another
+    process before coordd binds it again). Instead `pause` attaches a socket filter that drops
+    every packet to the listening socket: the kernel then completes no new connection (a SYN
+    is dropped and the client sends it again after its retransmission timeout, 1 s, 3 s, ...),
+    so at most what is already in the accept queue (ZMQ_BACKLOG, 100) is accepted after it.
+    Connections already open have sockets of their own, untouched. `resume` detaches it. Safe
+    from any thread; each descriptor is used only while it still names the socket found."""
+
+    sockets: list[tuple[int, int]] = field(default_factory=list)
+    paused: bool = False
+
+    @classmethod
+    def find(cls, port: int) -> TcpListeners:
+        """This process's listening tcp sockets on `port` (Linux /proc; none elsewhere)."""
+        found: list[tuple[int, int]] = []
+        with contextlib.suppress(OSError):
+            for name in os.listdir("/proc/self/fd"):
+                fd = int(name)
+                with _dup_socket(fd) as sock:
+                    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                        continue
+                    try:
+                        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                        bound = sock.getsockname()[1]
+                    except OSError:
+                        continue
+                    if listening and bound == port:
+                        found.append((fd, os.fstat(fd).st_ino))
+        return cls(found)
+
+    def _each(self, option: int, value: bytes | int) -> bool:
+        done = False
+        for fd, ident in self.sockets:
+            with _dup_socket(fd) as sock:
+                if sock is None or os.fstat(sock.fileno()).st_ino != ident:
+                    continue
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, option, value)
+                except OSError:
+                    continue
+                done = True
+        return done
+
+    def pause(self) -> bool:
+        """Complete no new connection (True if paused now)."""
+        if self.paused or not self.sockets:
+            return False
+        program, keep = _drop_all_program()
+        self.paused = self._each(_SO_ATTACH_FILTER, program)
+        del keep
+        return self.paused
+
+    def resume(self) -> bool:
+        """Undo `pause` (True if resumed now)."""
+        if not self.paused:
+            return False
+        self._each(_SO_DETACH_FILTER, 0)
+        self.paused = False
+        return True
+
+
+@contextlib.contextmanager
+def _dup_socket(fd: int) -> Iterator[socket.socket | None]:
+    """A socket object over a duplicate of `fd` (closed on exit; `fd` itself never), or None
+    if `fd` is no socket."""
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            yield None
+            return
+        dup = os.dup(fd)
+    except OSError:
+        yield None
+        return
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        yield None
+        return
+    with contextlib.closing(sock):
+        yield sock
 
 
 def _file_identity(info: os.stat_result) -> tuple[int, int, int]:

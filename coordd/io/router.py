@@ -16,7 +16,13 @@ from coordd.core.handshake import IPV4_PREFIX, HandshakeRate
 from coordd.io import limits
 from coordd.io.gate import ZAP_DOMAIN, HandshakeGate
 from coordd.io.identity import new_router
-from coordd.io.listen import BindError, IpcSocket, check_bind, explain_bind_failure
+from coordd.io.listen import (
+    BindError,
+    IpcSocket,
+    TcpListeners,
+    check_bind,
+    explain_bind_failure,
+)
 from coordd.proto.messages import MAX_MESSAGE_BYTES
 
 _NOBLOCK_INT = int(zmq.NOBLOCK)
@@ -134,10 +140,20 @@ def open_router(
     bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
     watch = None
-    if ipc is not None and limits.open_descriptors() is not None:
-        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if nofile != resource.RLIM_INFINITY:
-            watch = limits.DescriptorWatch(nofile, ipc.pause, ipc.resume).start()
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if limits.open_descriptors() is not None and nofile != resource.RLIM_INFINITY:
+        # past 1/2 of NOFILE new connections are refused at the listener: the ipc socket's
+        # file moved aside, or a filter on the tcp listener (libzmq aborts on EMFILE in its
+        # ipc accept, and its tcp listener spins on it)
+        pause: Callable[[], bool] | None = None
+        if ipc is not None:
+            pause, resume = ipc.pause, ipc.resume
+        elif endpoint.scheme == "tcp":
+            listeners = TcpListeners.find(int(bound.rsplit(":", 1)[1]))
+            if listeners.sockets:
+                pause, resume = listeners.pause, listeners.resume
+        if pause is not None:
+            watch = limits.DescriptorWatch(nofile, pause, resume).start()
             if gate is not None:
                 gate.on_handshake = watch.poke
     return Router(sock, monitor, bound, gate, ipc, watch)

@@ -7,10 +7,12 @@ rank connects once the storm is over."""
 
 from __future__ import annotations
 
+import resource
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,10 @@ from coordd.client import CoordClient
 from coordd.testing.process import READY
 from coordd.tools.load import start_load
 
-pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit")
+needs_prlimit = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit")
 
 
+@needs_prlimit
 def test_a_reconnect_storm_at_a_low_nofile_does_not_abort_coordd(tmp_path: Path) -> None:
     address = f"ipc://{tmp_path}/c.sock"
     proc = subprocess.Popen(
@@ -46,4 +49,48 @@ def test_a_reconnect_storm_at_a_low_nofile_does_not_abort_coordd(tmp_path: Path)
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert "Too many open files" not in err, err[-500:]
+    assert "new connections refused at the listener" in err, err[-500:]
+
+
+def _nofile(limit: int) -> Callable[[], None]:
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    return preexec
+
+
+@pytest.mark.timeout(60)
+def test_a_reconnect_storm_over_tcp_at_a_low_nofile_stays_under_it() -> None:
+    """Over tcp libzmq's listener accepted until EMFILE too (then spins on it, and what else
+    coordd opens fails): before, at NOFILE 256, 3 x 120 DEALERs took coordd to the limit.
+    Now the watch filters the listener past 1/2 (no new connection completes) until below
+    1/4; the descriptors stay under the limit and a rank connects after."""
+    from coordd.tools.load import ProcessGauge
+    from tests.integration.scrape import free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordd", "serve", "--dp", "1", "--bind", address, "--insecure",
+         "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_nofile(256),
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith(READY), line
+        with ProcessGauge(proc.pid, interval=0.005) as gauge:
+            storm = start_load("storm", address, "--peers", "3", "--count", "120",
+                               "--seconds", "5")
+            deadline = time.monotonic() + 7
+            while time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.1)
+            storm.terminate()
+            storm.wait(10)
+        assert proc.poll() is None, f"coordd exited with {proc.returncode}"
+        with CoordClient(address, dp_rank=0, dp_size=1) as client:
+            client.connect(timeout=15)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert gauge.peak_fds < 256 - 8, f"peak {gauge.peak_fds} descriptors of 256"
     assert "new connections refused at the listener" in err, err[-500:]

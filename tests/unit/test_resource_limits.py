@@ -241,3 +241,39 @@ def test_an_ipc_socket_paused_refuses_new_connections_and_keeps_the_open_ones(
         ipc.release()  # paused: put back, then removed
         ctx.term()
     assert not Path(ipc.path).exists() and not Path(ipc.paused_path).exists()
+
+
+def test_a_tcp_listener_paused_completes_no_new_connection_and_keeps_the_open_ones() -> None:
+    """Over tcp the watch pauses libzmq's listener with a socket filter (no ZeroMQ call, so
+    from any thread): a new connection is not completed while paused (its SYN is dropped and
+    sent again after the retransmission timeout), the open one works, and after the resume
+    the new one gets in."""
+    import zmq
+
+    from coordd.io.listen import TcpListeners
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    listeners = TcpListeners.find(int(address.rsplit(":", 1)[1]))
+    assert len(listeners.sockets) == 1
+    assert TcpListeners.find(1).sockets == []  # nothing of ours listens there
+    old = ctx.socket(zmq.DEALER)
+    old.connect(address)
+    old.send(b"before")
+    new = ctx.socket(zmq.DEALER)
+    try:
+        assert router.poll(5000) and router.recv_multipart()[1] == b"before"
+        assert listeners.pause() and not listeners.pause()
+        new.connect(address)
+        new.send(b"paused")
+        old.send(b"still")
+        assert router.poll(5000) and router.recv_multipart()[1] == b"still"
+        assert not router.poll(500), "no connection while paused"
+        assert listeners.resume() and not listeners.resume()
+        assert router.poll(15_000) and router.recv_multipart()[1] == b"paused"
+    finally:
+        for sock in (router, old, new):
+            sock.close(0)
+        ctx.term()
