@@ -47,6 +47,8 @@ def source_group(address: bytes, key: bytes = b"", ipv4_prefix: int = IPV4_PREFI
     ipc peer's `localhost:uid:gid:pid`: its process is its source, alone)."""
     if key:
         return b"key:" + key
+    if address.startswith(b"localhost:"):
+        return None
     try:
         ip = ipaddress.ip_address(address.decode("ascii").split("%", 1)[0])
     except (UnicodeDecodeError, ValueError):
@@ -102,6 +104,8 @@ class HandshakeRate:
     _source_burst: float = field(init=False)
     _sources: BoundedMap[bytes, TokenBucket] = field(init=False)
     _groups: BoundedMap[bytes, TokenBucket] = field(init=False)
+    #: each address's group, once worked out (an address keeps coming back)
+    _group_of: BoundedMap[tuple[bytes, bytes], bytes | None] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.burst < 1:
@@ -113,6 +117,7 @@ class HandshakeRate:
         self._floor = min(self.burst - 1.0, max(1.0, self.burst * self.reserve))
         self._sources = BoundedMap(self.max_sources)
         self._groups = BoundedMap(self.max_sources)
+        self._group_of = BoundedMap(self.max_sources)
 
     @staticmethod
     def _bucket(
@@ -128,7 +133,12 @@ class HandshakeRate:
 
     def group_of(self, address: bytes, key: bytes = b"") -> bytes | None:
         """`source_group` with this rate's IPv4 prefix."""
-        return source_group(address, key, self.ipv4_prefix)
+        try:
+            return self._group_of[address, key]
+        except KeyError:
+            group = source_group(address, key, self.ipv4_prefix)
+            self._group_of.put((address, key), group)
+            return group
 
     def admit(self, source: bytes, now: float, group: bytes | None = None) -> bool:
         """One handshake from `source` (of `group`: `source_group`) at `now`: admitted (and

@@ -204,3 +204,10 @@ def test_a_leaked_key_from_many_addresses_is_one_group() -> None:
     assert got <= 64 + 30 + 1  # before: 123, the shared rate
     honest = b"R" * 40  # another key from the same host: its own, quiet group
     assert rate.admit(b"127.0.0.1", 3.0, rate.group_of(b"127.0.0.1", honest))
+
+
+def test_groups_worked_out_are_bounded() -> None:
+    rate = HandshakeRate(rate=10, burst=4, max_sources=8)
+    for n in range(100):
+        assert rate.group_of(b"10.0.%d.1" % n) == b"10.0.%d.0/24" % n
+    assert len(rate._group_of) == 8 and len(rate._groups) == 0
