@@ -70,9 +70,13 @@ _GLOB = frozenset("*?[")
 
 class GroupRules:
     """The groups a deployment expects: exact names and fnmatch patterns (`--groups`).
-    `"*"` admits any valid name (the explicit rule for a deployment that names its own)."""
+    `"*"` admits any valid name (the explicit rule for a deployment that names its own).
+    `always`: names the patterns admit that also get a slot each (`--expect-groups` names: a
+    peer's pattern-admitted junk groups cannot take the slots of the groups /readyz waits for)."""
 
-    def __init__(self, patterns: Iterable[str] = DEFAULT_GROUPS) -> None:
+    def __init__(
+        self, patterns: Iterable[str] = DEFAULT_GROUPS, always: Iterable[str] = ()
+    ) -> None:
         self.patterns = tuple(patterns)
         if not self.patterns:
             raise ValueError("at least one group name or pattern is needed")
@@ -80,9 +84,13 @@ class GroupRules:
             problem = group_name_problem(pattern)
             if problem is not None:
                 raise ValueError(f"group pattern {shown(pattern)}: {problem}")
-        #: names without a wildcard: each always gets a group slot
-        self.exact = frozenset(p for p in self.patterns if _GLOB.isdisjoint(p))
         self._globs = tuple(p for p in self.patterns if not _GLOB.isdisjoint(p))
+        #: names without a wildcard, and the `always` names: each always gets a group slot
+        self.exact = frozenset(p for p in self.patterns if _GLOB.isdisjoint(p))
+        for name in always:
+            if group_name_problem(name) is not None or not self.admits(name):
+                raise ValueError(f"group {shown(name)} is not one --groups {self} admits")
+        self.exact |= frozenset(always)
 
     def admits(self, name: str) -> bool:
         """Whether `name` (a valid group name) is one the deployment expects."""

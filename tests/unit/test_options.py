@@ -52,6 +52,10 @@ def refusal(argv: list[str]) -> str:
         (["--dp", "2", "--max-groups", "0"], "--max-groups must be"),
         (["--dp", "2", "--expect-groups", "100"],
          "--expect-groups must be in 0..--max-groups (64)"),
+        (["--dp", "2", "--expect-groups", "dp-tp0-pp0,junk"],
+         "--expect-groups names 'junk', which --groups (dp-tp0-pp0,enginecore,default,"
+         "dp-tp*-pp*) does not admit"),
+        (["--dp", "2", "--expect-groups", ","], "--expect-groups"),
         (["--dp", "2", "--metrics-port", "70000"], "--metrics-port must be 0..65535"),
         (["--dp", "2", "--max-handshake-rate", "0.5"], "--max-handshake-rate must be 0 (off) or"),
         (["--dp", "2", "--max-handshake-rate", "-1"], "--max-handshake-rate must be 0 (off) or"),

@@ -306,6 +306,21 @@ def test_exact_names_always_get_a_slot_and_patterns_share_the_limit() -> None:
     assert len(reg.groups) == 3
 
 
+def test_expected_names_a_pattern_admits_always_get_a_slot() -> None:
+    """`--expect-groups dp-tp1-pp0`: junk that the pattern admits fills the limit, and the
+    expected worker group of TP rank 1 still gets its slot."""
+    reg = Registry(2, G, max_groups=2, step_timeout=10.0, on_rank_loss=OnRankLoss.FAIL,
+                   rules=GroupRules(("dp-tp*-pp*",), always=("dp-tp1-pp0",)))
+    for t in (5, 6):
+        reg.hello(b"j%d" % t, hello(0, group=f"dp-tp{t}-pp0"), fd=10 + t, now=1.0, wall=WALL)
+    refused = refusal(reg.hello(b"x", hello(0, group="dp-tp7-pp0"), fd=20, now=1.0, wall=WALL))
+    assert refused.error.reason == RejectReason.GROUP_LIMIT.value
+    actions = reg.hello(b"w", hello(0, group="dp-tp1-pp0"), fd=21, now=1.0, wall=WALL)
+    assert isinstance(actions[0], GroupCreated) and "dp-tp1-pp0" in reg.groups
+    with pytest.raises(ValueError, match="not one --groups dp-tp\\*-pp\\* admits"):
+        GroupRules(("dp-tp*-pp*",), always=("enginecore",))
+
+
 def test_rules_refuse_bad_patterns() -> None:
     with pytest.raises(ValueError):
         GroupRules(())
