@@ -268,7 +268,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         default=_env("curve_client_keys", []),
         help="comma list of client public key files (NAME.key) or directories of them: "
         "coordd admits only these; a file named rank<N>.key, or an entry N=PATH, admits its "
-        "key(s) for dp_rank N only (default: none)",
+        "key(s) for dp_rank N only, an entry @GROUP=PATH (GROUP: a name or pattern) for that "
+        "group only, N@GROUP=PATH for rank N of it (default: none)",
     )
     p.add_argument(
         "--insecure",
@@ -423,8 +424,8 @@ def serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"coordd: {exc}") from None
         if gate is not None:
             server.curve_refused = lambda: gate.refused
-            if any(bound is not None for bound in gate.ranks.values()):
-                server.registry.rank_keys = gate.rank_refusal
+            if gate.binds:
+                server.registry.key_refusal = gate.key_refusal
 
         async def main() -> None:
             stop = asyncio.Event()

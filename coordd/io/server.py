@@ -574,7 +574,7 @@ class CoordServer:
         the monitor read first: a closed connection's descriptor may be this one's now."""
         self._current()
         key = ""
-        if self.registry.rank_keys is not None:
+        if self.registry.key_refusal is not None:
             try:
                 key = str(frame.get("User-Id"))
             except zmq.ZMQError:
