@@ -164,7 +164,7 @@ class RankKilled(Scenario):
 
     def run(self, run: ScenarioRun) -> None:
         name = run.culprit_name = f"rank{run.culprit}"
-        run.start_ranks()
+        run.start_ranks(until_file=run.until_file)  # on until the fault is in (release_end)
         run.wait_seq(name, run.inject_seq)
         time.sleep(run.rng.uniform(0.0, 0.004))
         t = time.monotonic()
@@ -173,7 +173,9 @@ class RankKilled(Scenario):
         )
         run.signal_worker(name, signal.SIGKILL)
         run.wait_detected(run.honest_names(), t)
-        run.start_worker(run.spec(f"rank{run.culprit}b", "rank", run.culprit))
+        spec = run.spec(f"rank{run.culprit}b", "rank", run.culprit, until_file=run.until_file)
+        run.start_worker(spec)
+        release_end(run)
 
 
 class RankPaused(Scenario):
@@ -238,10 +240,11 @@ class CoorddRestart(Scenario):
         observed = f"rank{run.culprit}"
         run.culprit = -1
         run.culprit_name = "coordd"
-        run.start_ranks()
+        run.start_ranks(until_file=run.until_file)  # on until coordd is back (release_end)
         run.wait_seq(observed, run.inject_seq)
         time.sleep(run.rng.uniform(0.0, 0.004))
         run.restart_coordd(run.rng.choice([signal.SIGKILL, signal.SIGTERM]))
+        release_end(run)
 
 
 class GarbageFrames(Scenario):
@@ -465,9 +468,10 @@ def release_end(run: ScenarioRun) -> None:
     """Let ranks started with `until_file` end: 10 rounds past the furthest one begun (at
     least `end_seq`), the seq they agree on through the rounds (see the worker). A fault
     injected once a rank reached `inject_seq` must land while the group runs: with a fixed
-    end, ranks on 2 busy cores finished all their rounds before the runner's SIGSTOP or link
-    cut took effect (rank_paused: "no rank was running when the fault was injected";
-    network_cut: "the failure never reached" the others)."""
+    end, ranks on 2 busy cores finished all their rounds before the runner's SIGSTOP, SIGKILL,
+    link cut or coordd kill took effect (rank_paused: "no rank was running when the fault was
+    injected"; network_cut: "the failure never reached" the others; rank_killed and
+    coordd_restart had the same fixed end)."""
     ranks = [p for name, p in run.processes.items() if name.startswith("rank")]
     for p in ranks:
         p.poll_log()
