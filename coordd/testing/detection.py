@@ -41,7 +41,7 @@ def check_detection(
                 f"the culprit {info.culprit_name} never got a typed error after the fault"
             )
     if expect.refusal:
-        ok, t = _refusal(info, culprit_log, t_inject, coordd_log, found)
+        ok, t = _refusal(info, culprit_log, t_inject, coordd_log, found, logs)
         detected.append(ok)
         if t is not None and not expect.failure:
             times.append(t)
@@ -106,6 +106,7 @@ def _refusal(
     t_inject: float,
     coordd_log: str,
     found: Findings,
+    logs: list[ProcessLog],
 ) -> tuple[bool, float | None]:
     """The culprit was turned away, with the right typed error, and never let in."""
     want = info.expect.refusal
@@ -124,6 +125,8 @@ def _refusal(
         return _takeover_refused(culprit, refused, coordd_log, found), None
     if want == "id_claims":
         return _claims_refused(culprit, refused, coordd_log, found), None
+    if want == "junk_groups":
+        return _junk_refused(culprit, refused, coordd_log, logs, found), None
     kind, _, reason = want.partition(":")
     for r in refused:
         if r.error.type != kind or (reason and r.error.reason != reason):
@@ -237,5 +240,75 @@ def _claims_refused(
         f"claimer: {notes.get(('admitted', 'id-less'), 0)} id-less handshakes admitted, "
         f"{notes.get(('refused', 'id-less'), 0)} refused; "
         f"{notes.get(('held', 'names, most at once'), 0)} names held at most"
+    )
+    return ok
+
+
+def _junk_refused(
+    squatter: ProcessLog,
+    refused: list[Refused],
+    coordd_log: str,
+    logs: list[ProcessLog],
+    found: Findings,
+) -> bool:
+    """Membership is earned: every Hello for a group the deployment does not expect refused
+    `group_unexpected`, every one past --max-groups refused `group_limit` (the squatter's junk
+    held every slot), the group (named exactly) registered at that limit all the same, and the
+    junk member that sent far more than one report a round cut off (coordd logged it), with
+    nothing else: the squatter's other members still answered pings. A Hello coordd had to
+    refuse and welcomed is the "admitted" violation (`_refusal`); the group's own rounds are
+    judged as any group's (every one decided by the policy, no error)."""
+    notes = [r for r in squatter.records if isinstance(r, Note)]
+    asked = {n.detail: n.count for n in notes if n.what == "asked"}
+    ok = True
+
+    def refusals(what: str, reason: str, want: int | None) -> int:
+        nonlocal ok
+        mine = [r for r in refused if r.what == what]
+        right = [r for r in mine if r.error.type == "Rejected" and r.error.reason == reason]
+        if not want or len(right) != want:
+            got = [f"{r.error.type}:{r.error.reason}" for r in mine]
+            found.violations.append(
+                f"{len(right)} of {want or 0} Hellos ({what}) were refused {reason} (got {got})"
+            )
+            ok = False
+        return len(right)
+
+    unexpected = refusals("unexpected group", "group_unexpected", asked.get("unexpected"))
+    limited = refusals("over the limit", "group_limit", asked.get("over the limit"))
+    filled = [n for n in notes if n.what == "filled"]
+    if not filled or not filled[0].count:
+        found.violations.append("the squatter never held the group slots")
+        ok = False
+    else:
+        for log in logs:
+            if log.role not in PARTICIPANTS:
+                continue
+            first = next((r.t for r in log.records if isinstance(r, Registered)), None)
+            if first is not None and first < filled[0].t:
+                found.violations.append(
+                    f"{log.name} registered before the junk groups held every slot"
+                )
+                ok = False
+    cut = [n for n in notes if n.what == "cut"]
+    if not cut:
+        why = [f"{n.what}: {n.detail}" for n in notes if n.what in ("not cut", "no member")]
+        found.violations.append(f"the flooding junk member was not cut off {why}")
+        ok = False
+    elif "member cut off" not in coordd_log:
+        found.violations.append("coordd did not log the member it cut off")
+        ok = False
+    pongs = sum(n.what == "pong" for n in notes)
+    if pongs != asked.get("pings", 0):
+        lost = [n.detail for n in notes if n.what == "no pong"]
+        found.violations.append(
+            f"{pongs} of the squatter's {asked.get('pings', 0)} other members answered a ping "
+            f"after the cut: coordd cut more than the flooding member {lost}"
+        )
+        ok = False
+    found.notes.append(
+        f"squatter: {filled[0].count if filled else 0} junk groups held, {unexpected} Hellos "
+        f"refused group_unexpected, {limited} group_limit; "
+        + (cut[0].detail if cut else "the flood was not cut")
     )
     return ok

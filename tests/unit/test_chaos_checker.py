@@ -512,3 +512,93 @@ def test_a_hello_from_a_zero_led_routing_id_must_be_refused_routing_id_and_logge
     died: list[Record] = [Note(t=T_INJECT + 2.0, what="coordd died", count=-6)]
     aborted = check_history(scenario, [*ranks, claimer(*attacked, refused)], died, logged)
     assert any("coordd died" in v for v in aborted.violations)
+
+
+def rejected(reason: str, text: str) -> ErrorInfo:
+    return ErrorInfo(type="Rejected", reason=reason, culprits=[], text=text)
+
+
+UNEXPECTED = rejected("group_unexpected", "group 'junk' is not one this deployment expects")
+LIMIT = rejected("group_limit", "coordd serves 3 groups, its limit (--max-groups 3)")
+CUT = "WARNING coordd: member cut off peer=conn-1 detail=\"protocol violation: 2048 messages\""
+
+
+def squatter(*changed: Record, drop: tuple[str, ...] = ()) -> ProcessLog:
+    """junk_groups' culprit: the slots filled before the group registers (t 9), two Hellos for
+    unexpected groups and one over the limit while it runs, its member's flood cut off, its
+    two other members answering pings; `changed` records replace those of their `what` (or
+    are added), `drop` leaves records of those `what`s out."""
+    t = T_INJECT
+    records: list[Record] = [
+        Note(t=8.1, what="welcomed", detail="dp-tp1-pp4"),
+        Note(t=8.2, what="welcomed", detail="dp-tp2-pp4"),
+        Note(t=8.3, what="welcomed", detail="dp-tp3-pp4"),
+        Refused(t=8.4, error=LIMIT, what="over the limit"),
+        Note(t=8.5, what="filled", detail="junk groups held", count=3),
+        Inject(t=t, fault="junk_groups", detail="2 unexpected groups, then a member's flood"),
+        Refused(t=t + 0.1, error=UNEXPECTED, what="unexpected group"),
+        Refused(t=t + 0.2, error=UNEXPECTED, what="unexpected group"),
+        Refused(t=t + 0.3, error=LIMIT, what="over the limit"),
+        Note(t=t + 0.3, what="asked", detail="unexpected", count=2),
+        Note(t=t + 0.3, what="asked", detail="over the limit", count=2),
+        Note(t=t + 0.4, what="cut", detail="after 5999 copies of one report", count=5999),
+        Note(t=t + 0.4, what="asked", detail="pings", count=2),
+        Note(t=t + 0.5, what="pong", detail="dp-tp1-pp4"),
+        Note(t=t + 0.5, what="pong", detail="dp-tp2-pp4"),
+    ]
+    records = [r for r in records if getattr(r, "what", "") not in drop]
+    records += changed
+    records.append(Done(t=t + 1.0, next_seq=0, reason="squatter"))
+    return ProcessLog("squatter", Header(t=8.0, role="squatter", rank=0, pid=5, name="squatter"),
+                      records)
+
+
+def test_junk_groups_must_be_refused_the_slot_kept_and_only_the_flooder_cut() -> None:
+    """junk_groups: every Hello for an unexpected group refused group_unexpected, every one
+    past the limit group_limit, the group registered at the limit, the flooding member cut
+    off (and logged) and nothing else; each broken, it is reported."""
+    scenario = info(Fault.JUNK_GROUPS, culprit=-1, culprit_name="squatter")
+    ranks = logs(clean_history(0), clean_history(1))
+    good = check_history(scenario, [*ranks, squatter()], [], CUT)
+    assert good.ok, good.violations
+    assert good.ttd is None
+    assert any("3 junk groups held, 2 Hellos refused group_unexpected" in n for n in good.notes)
+
+    def violations(*logs_: ProcessLog, coordd_log: str = CUT) -> list[str]:
+        result = check_history(scenario, [*ranks, *logs_], [], coordd_log)
+        assert not result.ok
+        return result.violations
+
+    admitted = Registered(t=T_INJECT + 0.25, epoch=E1 + 9, next_seq=0)
+    assert any("admitted squatter" in v for v in violations(squatter(admitted)))
+    wrong = squatter(
+        Refused(t=T_INJECT + 0.1, error=UNEXPECTED, what="unexpected group"),
+        Refused(t=T_INJECT + 0.2, error=LIMIT, what="unexpected group"),
+        drop=("unexpected group",),
+    )
+    assert any(
+        "1 of 2 Hellos (unexpected group) were refused group_unexpected" in v
+        for v in violations(wrong)
+    )
+    unanswered = squatter(drop=("over the limit",))
+    assert any("0 of 2 Hellos (over the limit)" in v for v in violations(unanswered))
+    not_cut = squatter(Note(t=T_INJECT + 8, what="not cut", count=90000), drop=("cut",))
+    assert any("flooding junk member was not cut off" in v for v in violations(not_cut))
+    assert any("did not log the member" in v for v in violations(squatter(), coordd_log=""))
+    lost = squatter(
+        Note(t=T_INJECT + 0.5, what="pong", detail="dp-tp1-pp4"),
+        Note(t=T_INJECT + 0.5, what="no pong", detail="dp-tp2-pp4: connection dropped"),
+        drop=("pong",),
+    )
+    assert any("cut more than the flooding member" in v for v in violations(lost))
+    early = logs(rank_history_registered_at(0, 8.2), clean_history(1))
+    result = check_history(scenario, [*early, squatter()], [], CUT)
+    assert any("registered before the junk groups held every slot" in v for v in result.violations)
+    failed = replace_end(clean_history(1), 6, decision=None, error=MISMATCH)
+    result = check_history(scenario, [*logs(clean_history(0), failed), squatter()], [], CUT)
+    assert any("junk_groups does not explain" in v for v in result.violations)
+
+
+def rank_history_registered_at(rank: int, t: float) -> list[Record]:
+    return [Registered(t=t, epoch=E1, next_seq=0), *clean_history(rank)[1:]]
+

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from coordd.core.defaults import DEFAULT_GROUPS
+from coordd.core.registry import GroupRules
 from coordd.proto.messages import PROTOCOL_VERSION, StepKind
 from coordd.testing.history import Begin, Inject, Note
 from coordd.testing.scenario import Expect
@@ -455,6 +457,72 @@ class IdClaims(Scenario):
         run_on_until_done(run, claimer, lambda: run.start_ranks(until_file=run.until_file))
 
 
+#: Group names no rule of coordd's default --groups admits (GroupRules: its exact names and
+#: `dp-tp*-pp*`), near misses of them among others: each Hello for one is refused
+#: group_unexpected.
+_UNEXPECTED = [
+    "junk",
+    "Default",
+    "dp-tp0",
+    "dp_tp0_pp0",
+    "dp-pp0-tp0",
+    "enginecore2",
+    "engine-core",
+    "vllm",
+]
+assert not any(GroupRules().admits(name) for name in _UNEXPECTED)
+
+
+class JunkGroups(Scenario):
+    """Membership is earned (issue 21), against coordd run as deployed (its default --groups,
+    --max-groups small enough to fill): the slots filled with names its patterns admit, the
+    group, whose name is one --groups gives exactly, still registers; while it runs, Hellos for
+    groups the deployment does not expect are refused group_unexpected, one more pattern name
+    group_limit, and a member of a junk group that sends far more than one report a round has
+    its connection cut off, and nothing else (its other members still answer pings)."""
+
+    fault = Fault.JUNK_GROUPS
+    summary = "junk Hellos refused, junk filling --max-groups, a junk member's flood cut off"
+    expect = Expect(culprit_view="refused", refusal="junk_groups")
+    max_groups = 3
+
+    def prepare(self, run: ScenarioRun) -> None:
+        run.coordd_args = [
+            "--groups",
+            ",".join(DEFAULT_GROUPS),
+            "--max-groups",
+            str(self.max_groups),
+        ]
+
+    def run(self, run: ScenarioRun) -> None:
+        run.culprit = -1
+        run.culprit_name = "squatter"
+        pp = run.seed % 8 + 1  # names `dp-tp*-pp*` admits, none of them the group's
+        names = [f"dp-tp{t}-pp{pp}" for t in range(1, self.max_groups + 3)]
+        junk = [*run.rng.sample(_UNEXPECTED, 3), f"junk-{run.rng.getrandbits(16):04x}"]
+        squatter = run.start_observer(
+            run.spec(
+                "squatter",
+                "squatter",
+                0,
+                fill_groups=names[: self.max_groups],
+                over_groups=names[self.max_groups :],
+                junk_names=junk,
+                trigger_log=run.log_path("rank0"),
+                trigger_seq=run.inject_seq,
+            )
+        )
+
+        def filled() -> bool:
+            squatter.poll_log()
+            done = squatter.popen.poll() is not None
+            return done or any(isinstance(r, Note) and r.what == "filled" for r in squatter.records)
+
+        # the group registers once the junk holds every slot: its exact name must get one
+        run.wait_until(filled, "the squatter to fill the group slots")
+        run_on_until_done(run, squatter, lambda: run.start_ranks(until_file=run.until_file))
+
+
 def run_on_until_done(run: ScenarioRun, culprit: Process, start: Callable[[], None]) -> None:
     """Start the group (`start`), which rounds on past its end until `culprit` has exited, then
     10 rounds more (the end seq written into `until_file`): the culprit acts while the group
@@ -532,6 +600,7 @@ SCENARIOS: dict[Fault, Scenario] = {
         StrangerNoise(),
         TakeoverAttempt(),
         IdClaims(),
+        JunkGroups(),
     ]
 }
 assert set(SCENARIOS) == set(Fault), "one scenario per fault kind"

@@ -30,6 +30,7 @@ class Fault(str, enum.Enum):
     STRANGER_NOISE = "stranger_noise"
     TAKEOVER_ATTEMPT = "takeover_attempt"
     ID_CLAIMS = "id_claims"
+    JUNK_GROUPS = "junk_groups"
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,7 +65,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything one chaos process needs; the runner writes it as JSON for the worker to read."""
 
-    role: str  # rank | raw | joiner | impostor | garbage | stranger | taker | claimer
+    #: rank | raw | joiner | impostor | garbage | stranger | taker | claimer | squatter
+    role: str
     name: str
     address: str
     dp_size: int
@@ -113,6 +115,14 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     claims: int = 0
     in_flight: int = 0
     claim_seconds: float = 0.0
+    #: junk_groups: Hellos for groups coordd's --groups does not admit (each refused
+    #: group_unexpected), and names its patterns admit: `fill_groups` take the --max-groups
+    #: slots before the group starts (the last one, a raw member, floods later), and
+    #: `over_groups` are asked for at the limit (refused group_limit), one before the group
+    #: starts and one while it runs
+    junk_names: list[str] = []
+    fill_groups: list[str] = []
+    over_groups: list[str] = []
     #: Start only once the process logging to `trigger_log` has begun round `trigger_seq`
     #: (the process is already up then, so the fault lands while the group is running).
     trigger_log: str = ""
