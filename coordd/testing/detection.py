@@ -3,7 +3,7 @@ turned away where it had to be, and the group went on."""
 
 from __future__ import annotations
 
-from coordd.testing.history import Done, Note, Refused, Registered
+from coordd.testing.history import Done, End, Inject, Note, Refused, Registered
 from coordd.testing.rogue import APP_LEVEL
 from coordd.testing.scenario import ScenarioInfo
 from coordd.testing.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
@@ -40,7 +40,12 @@ def check_detection(
             found.violations.append(
                 f"the culprit {info.culprit_name} never got a typed error after the fault"
             )
-    if expect.refusal:
+    if expect.refusal == "forged_answer":
+        ok, t = _forged_answers(info, logs, culprit_log, found)
+        detected.append(ok)
+        if t is not None:
+            times.append(t)
+    elif expect.refusal:
         ok, t = _refusal(info, culprit_log, t_inject, coordd_log, found, logs)
         detected.append(ok)
         if t is not None and not expect.failure:
@@ -312,3 +317,79 @@ def _junk_refused(
         + (cut[0].detail if cut else "the flood was not cut")
     )
     return ok
+
+
+def _forged_answers(
+    info: ScenarioInfo, logs: list[ProcessLog], victim: ProcessLog | None, found: Findings
+) -> tuple[bool, float | None]:
+    """forged_answers: the rank handed a misfit of its round's decision (the proxy's Inject
+    naming it) raised a typed `InvalidAnswer` naming coordd and the misfit field, at once and
+    as its only error (a decision it returned instead is a wrong decision: the rounds' rule),
+    then registered again and decided rounds on; the rank sent an answer for no round it had
+    open dropped and counted it ("dropped answers"), with no error. The time to detect is from
+    the misfit's injection to the victim's error."""
+    proxy = next((log for log in logs if log.role == "proxy"), None)
+    if proxy is None or victim is None:
+        found.violations.append("no history from the proxy or the rank it forged answers to")
+        return False, None
+    injects = [r for r in proxy.records if isinstance(r, Inject)]
+    misfit = next((r for r in injects if r.rank == info.culprit), None)
+    extra = next((r for r in injects if r.rank != info.culprit), None)
+    ok = True
+    ttd: float | None = None
+    if misfit is None:
+        found.violations.append(f"the proxy never forged {info.culprit_name}'s decision")
+        ok = False
+    else:
+        errors = [r for r in victim.records if isinstance(r, End) and r.error is not None]
+        first = errors[0].error if errors else None
+        if first is None:
+            found.violations.append(
+                f"{info.culprit_name} raised nothing for the misfit answer ({misfit.detail})"
+            )
+            ok = False
+        elif errors[0].t < misfit.t:
+            found.violations.append(
+                f"{info.culprit_name} got {first.type} ({first.text}) before the misfit answer"
+            )
+            ok = False
+        elif (
+            first.type != "InvalidAnswer"
+            or first.fields.get("field") != info.culprit_field
+            or not first.text.startswith("coordd answered")
+        ):
+            found.violations.append(
+                f"{info.culprit_name} raised {first.type} ({first.text}) for a misfit of "
+                f"{info.culprit_field}, not an InvalidAnswer naming coordd and that field"
+            )
+            ok = False
+        else:
+            ttd = errors[0].t - misfit.t
+        for r in errors[1:]:
+            assert r.error is not None
+            found.violations.append(
+                f"{info.culprit_name} got a second error, {r.error.type} ({r.error.text})"
+            )
+            ok = False
+        if errors and not any(
+            isinstance(r, End) and r.decision is not None and r.t > errors[0].t
+            for r in victim.records
+        ):
+            found.violations.append(f"{info.culprit_name} decided no round after its error")
+            ok = False
+    if extra is None:
+        found.violations.append("the proxy never sent its unsolicited answer")
+        ok = False
+    else:
+        target = next((log for log in logs if log.name == f"rank{extra.rank}"), None)
+        dropped = [
+            n.count
+            for n in (target.records if target else [])
+            if isinstance(n, Note) and n.what == "dropped answers"
+        ]
+        if not dropped or dropped[-1] < 1:
+            found.violations.append(
+                f"rank{extra.rank} did not count the unsolicited answer as dropped ({extra.detail})"
+            )
+            ok = False
+    return ok, ttd

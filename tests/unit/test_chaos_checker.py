@@ -602,3 +602,92 @@ def test_junk_groups_must_be_refused_the_slot_kept_and_only_the_flooder_cut() ->
 def rank_history_registered_at(rank: int, t: float) -> list[Record]:
     return [Registered(t=t, epoch=E1, next_seq=0), *clean_history(rank)[1:]]
 
+
+def invalid_answer(field: str) -> ErrorInfo:
+    return ErrorInfo(
+        type="InvalidAnswer",
+        reason="protocol",
+        culprits=[],
+        text=f"coordd answered round seq={FAIL_SEQ} with {field}=[1] (expected 2 values)",
+        fields={"seq": FAIL_SEQ, "field": field, "expected": "2 values, one per rank"},
+    )
+
+
+def proxy(*injects: Inject) -> ProcessLog:
+    return ProcessLog(
+        "proxy",
+        Header(t=8.0, role="proxy", rank=1, pid=6, name="proxy"),
+        [*injects, Done(t=T_INJECT + 5, next_seq=0, reason="proxy")],
+    )
+
+
+MISFIT = Inject(t=T_INJECT, fault="forged_answers", rank=1, detail="num_tokens_across_dp")
+EXTRA = Inject(t=T_INJECT, fault="forged_answers", rank=0, detail="unsolicited (again)")
+
+
+def victim(error: ErrorInfo | None, *, registered: bool = True) -> list[Record]:
+    """rank1, handed the misfit at FAIL_SEQ: its error (None: it took the decision), then
+    registered again in the same epoch, on with the rounds."""
+    out = clean_history(1)
+    if error is not None:
+        out = replace_end(out, FAIL_SEQ, t=T_INJECT + 0.002, decision=None, error=error)
+    if registered:
+        at = next(i for i, r in enumerate(out) if isinstance(r, Begin) and r.seq == FAIL_SEQ + 1)
+        out.insert(at, Registered(t=T_INJECT + 0.5, epoch=E1, next_seq=FAIL_SEQ + 1))
+    return out
+
+
+def dropping(count: int) -> list[Record]:
+    out = clean_history(0)
+    return [*out[:-1], Note(t=19.5, what="dropped answers", count=count), out[-1]]
+
+
+def test_a_forged_answer_must_raise_invalid_answer_and_an_unsolicited_one_be_dropped() -> None:
+    """forged_answers: the rank handed a misfit raises InvalidAnswer naming coordd and the
+    field, once, and goes on; the other counts the unsolicited answer as dropped. A rank that
+    took the misfit, raised something else or for another field, stopped, or did not count the
+    extra answer: each is reported."""
+    scenario = info(
+        Fault.FORGED_ANSWERS, culprit=1, culprit_field="num_tokens_across_dp"
+    )
+    error = invalid_answer("num_tokens_across_dp")
+
+    def check(h0: list[Record], h1: list[Record], *injects: Inject) -> list[str]:
+        result = check_history(scenario, [*logs(h0, h1), proxy(*injects)], [])
+        return result.violations
+
+    good = check_history(scenario, [*logs(dropping(1), victim(error)), proxy(EXTRA, MISFIT)], [])
+    assert good.ok, good.violations
+    assert good.detected and good.ttd == pytest.approx(0.002)
+
+    # the misfit handed over as the round's decision: a wrong decision, and nothing raised
+    forged = decision(E1, FAIL_SEQ)
+    forged["num_tokens_across_dp"] = forged["num_tokens_across_dp"][:-1]
+    took = replace_end(clean_history(1), FAIL_SEQ, decision=forged)
+    result = check_history(scenario, [*logs(dropping(1), took), proxy(EXTRA, MISFIT)], [])
+    assert result.wrong_decisions == 1
+    assert any("raised nothing for the misfit" in v for v in result.violations)
+    other = invalid_answer("cudagraph_mode")
+    assert any(
+        "not an InvalidAnswer naming coordd and that field" in v
+        for v in check(dropping(1), victim(other), EXTRA, MISFIT)
+    )
+    timeout = ErrorInfo(type="StepTimeout", reason="timeout", culprits=[], text="no answer")
+    assert any(
+        "raised StepTimeout" in v for v in check(dropping(1), victim(timeout), EXTRA, MISFIT)
+    )
+    twice = replace_end(victim(error), FAIL_SEQ + 1, decision=None, error=error)
+    assert any("a second error" in v for v in check(dropping(1), twice, EXTRA, MISFIT))
+    assert any(
+        "did not count the unsolicited answer" in v
+        for v in check(dropping(0), victim(error), EXTRA, MISFIT)
+    )
+    assert any("never forged" in v for v in check(dropping(1), victim(None), EXTRA))
+    assert any("never sent its unsolicited" in v for v in check(dropping(1), victim(error), MISFIT))
+    # the other rank failing too is no part of a forged answer to one rank
+    failed = replace_end(dropping(1), FAIL_SEQ + 1, decision=None, error=MISMATCH)
+    twice_failed = replace_end(victim(error), FAIL_SEQ + 1, decision=None, error=MISMATCH)
+    assert any(
+        "forged_answers does not explain" in v
+        for v in check(failed, twice_failed, EXTRA, MISFIT)
+    )

@@ -523,6 +523,65 @@ class JunkGroups(Scenario):
         run_on_until_done(run, squatter, lambda: run.start_ranks(until_file=run.until_file))
 
 
+#: The answers a client must refuse (the field its `InvalidAnswer` names), one per seed in
+#: turn: a decision for a round not yet reported, num_tokens_across_dp of another length
+#: than dp, dead_ranks out of 0..dp-1, cudagraph_mode out of 0..2, another kind.
+_MISFITS = ["seq", "num_tokens_across_dp", "dead_ranks", "cudagraph_mode", "kind"]
+
+
+class ForgedAnswers(Scenario):
+    """Trust runs both ways: a proxy between the ranks and the real coordd forwards every
+    frame as it is, but at `inject_seq` replaces one rank's decision with a misfit (one per
+    seed, `_MISFITS`) and adds, after another rank's decision of that round, an answer for no
+    round it has open (that decision again, or one of the epoch before). The first must raise
+    a typed `InvalidAnswer` naming coordd and the field, never hand the value over, and the
+    rank register again and go on; the second is dropped and counted, and is no error."""
+
+    fault = Fault.FORGED_ANSWERS
+    summary = "a proxy before coordd alters one rank's decision and adds an unsolicited one"
+    expect = Expect(culprit_view="any", refusal="forged_answer")
+
+    def run(self, run: ScenarioRun) -> None:
+        victim = run.culprit
+        run.culprit_name = f"rank{victim}"
+        run.culprit_field = _MISFITS[run.seed % len(_MISFITS)]
+        other = (victim + 1 + run.rng.randrange(run.dp - 1)) % run.dp
+        bind = (
+            f"ipc://{run.dir}/proxy.sock" if run.transport == "ipc" else f"tcp://{run.bind_host}:*"
+        )
+        stop = os.path.join(run.dir, "stop")
+        proxy = run.start_observer(
+            run.spec(
+                "proxy",
+                "proxy",
+                victim,
+                address=bind,
+                upstream=run.address,
+                fault_seq=run.inject_seq,
+                forge=run.culprit_field,
+                extra=("again", "old_epoch")[run.seed % 2],
+                extra_rank=other,
+                stop_file=stop,
+            )
+        )
+
+        def listening() -> str:
+            proxy.poll_log()
+            for r in proxy.records:
+                if isinstance(r, Note) and r.what == "listening":
+                    return r.detail
+            return ""
+
+        run.wait_until(lambda: bool(listening()) or proxy.popen.poll() is not None, "the proxy")
+        run.start_ranks(address=listening())
+        ranks = [run.processes[f"rank{r}"] for r in range(run.dp)]
+        try:
+            run.wait_until(lambda: all(p.popen.poll() is not None for p in ranks), "the ranks")
+        finally:
+            with open(stop, "w"):
+                pass
+
+
 def run_on_until_done(run: ScenarioRun, culprit: Process, start: Callable[[], None]) -> None:
     """Start the group (`start`), which rounds on past its end until `culprit` has exited, then
     10 rounds more (the end seq written into `until_file`): the culprit acts while the group
@@ -601,6 +660,7 @@ SCENARIOS: dict[Fault, Scenario] = {
         TakeoverAttempt(),
         IdClaims(),
         JunkGroups(),
+        ForgedAnswers(),
     ]
 }
 assert set(SCENARIOS) == set(Fault), "one scenario per fault kind"
