@@ -99,6 +99,8 @@ def _takes(action: argparse.Action) -> str:
         return "a number"
     if kind is _paths:
         return "a comma list"
+    if kind is _count_or_names:
+        return "a whole number or a comma list of group names"
     return "a string"
 
 
@@ -142,6 +144,14 @@ def _flag(raw: str) -> bool:
 
 def _paths(raw: str) -> list[str]:
     return [p for p in (part.strip() for part in raw.split(",")) if p]
+
+
+def _count_or_names(raw: str) -> int | list[str]:
+    """`--expect-groups`: a count (`2`), or the groups' names (`dp-tp0-pp0,enginecore`)."""
+    text = raw.strip()
+    if text.isdigit():
+        return int(text)
+    return _paths(text)
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
@@ -213,10 +223,14 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--expect-groups",
-        type=int,
+        type=_count_or_names,
         default=_env("expect_groups", 0),
-        help="/readyz turns ready once this many groups are formed (default 0: once any one "
-        "is); a failed group always makes it not ready",
+        metavar="N|NAMES",
+        help="/readyz turns ready once this many groups are formed, or once each group of a "
+        "comma list of names is (names: only they count, a failed other group does not hold "
+        "readiness back, and each always gets a slot under --max-groups; the strict setting, "
+        "as no peer can make coordd ready by forming groups of its own) (default 0: once any "
+        "one is; a failed group makes it not ready)",
     )
     p.add_argument(
         "--log-level",
@@ -255,7 +269,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         default=_env("curve_client_keys", []),
         help="comma list of client public key files (NAME.key) or directories of them: "
         "coordd admits only these; a file named rank<N>.key, or an entry N=PATH, admits its "
-        "key(s) for dp_rank N only (default: none)",
+        "key(s) for dp_rank N only, an entry @GROUP=PATH (GROUP: a name or pattern) for that "
+        "group only, N@GROUP=PATH for rank N of it (default: none)",
     )
     p.add_argument(
         "--insecure",
@@ -421,8 +436,8 @@ def serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"coordd: {exc}") from None
         if gate is not None:
             server.curve_refused = lambda: gate.refused
-            if any(bound is not None for bound in gate.ranks.values()):
-                server.registry.rank_keys = gate.rank_refusal
+            if gate.binds:
+                server.registry.key_refusal = gate.key_refusal
 
         async def main() -> None:
             stop = asyncio.Event()

@@ -193,6 +193,12 @@ def rank_footnote(window: int) -> str:
     return "(" + "; ".join(parts) + ")"
 
 
+def expecting(info: dict[str, Any]) -> str:
+    """The groups /readyz waits for: their names, or their count."""
+    names = info.get("expected_groups") or []
+    return " ".join(str(n) for n in names) if names else str(info["expect_groups"])
+
+
 def render(doc: dict[str, Any]) -> str:
     """The status document as a terminal table: coordd, then one block per group (every
     string escaped: `escaped`)."""
@@ -203,7 +209,7 @@ def render(doc: dict[str, Any]) -> str:
         f"coordd {info['version']} (protocol {info['protocol_version']}) at {info['address']}"
         f", pid {info['pid']}, up {_seconds(info['uptime_s'])}",
         f"dp {info['dp_size']}  groups {len(doc['groups'])} (at most {info['max_groups']}"
-        + (f", expecting {info['expect_groups']}" if info["expect_groups"] else "")
+        + (f", expecting {expecting(info)}" if info["expect_groups"] else "")
         + f")  frames in {frames['received']}, out {frames['sent']}, bad {frames['bad']}; "
         f"disconnects {doc['disconnects']}",
         f"ready: {'yes' if doc['ready'] else 'NO'} ({doc['ready_detail']})",

@@ -108,18 +108,39 @@ def group_patterns(patterns: list[str]) -> list[str]:
     return patterns
 
 
+def expected_groups(value: object, groups: list[str], max_groups: int) -> None:
+    """`--expect-groups`: a count in 0..--max-groups, or names --groups admits."""
+    from coordd.core.registry import GroupRules, group_name_problem, shown
+
+    if type(value) is int:
+        if not 0 <= value <= max_groups:
+            raise OptionError(
+                f"--expect-groups must be in 0..--max-groups ({max_groups}), got {value}"
+            )
+        return
+    if not isinstance(value, list) or not value:
+        raise OptionError("--expect-groups takes a count or a comma list of group names, got none")
+    rules = GroupRules(groups)
+    for name in value:
+        problem = group_name_problem(name)
+        if problem is not None:
+            raise OptionError(
+                f"--expect-groups entry {shown(name)} cannot name a group ({problem})"
+            )
+        if not rules.admits(name):
+            raise OptionError(
+                f"--expect-groups names {name!r}, which --groups ({rules}) does not admit"
+            )
+
+
 def check_serve(args: argparse.Namespace) -> None:
     """Every range of `coordd serve`'s options (`OptionError` for the first one out)."""
     dp_size("--dp", args.dp)
     seconds("--step-timeout", args.step_timeout, low=0.001)
     heartbeats(args.heartbeat_interval, args.heartbeat_timeout)
     count("--max-groups", args.max_groups, low=1, high=1_000_000)
-    if type(args.expect_groups) is not int or not 0 <= args.expect_groups <= args.max_groups:
-        raise OptionError(
-            f"--expect-groups must be in 0..--max-groups ({args.max_groups}), "
-            f"got {args.expect_groups}"
-        )
     group_patterns(args.groups)
+    expected_groups(args.expect_groups, args.groups, args.max_groups)
     rss_mb(args.max_rss_mb)
     handshake_rate(args.max_handshake_rate)
     count("--handshake-ipv4-prefix", args.handshake_ipv4_prefix, low=8, high=32)

@@ -21,8 +21,8 @@ The rules:
 - a message from a routing id counts only if it came over the descriptor its Hello came in
   on, while that connection is open (`speaks_for`; a rank is the connection that registered
   it);
-- with CURVE keys bound to ranks, a connection may register only as a rank its key is bound
-  to (`rank_keys`);
+- with CURVE keys bound to ranks or groups, a connection may register only as a rank of a
+  group its key is bound to (`key_refusal`; `coordd.core.grants`);
 - a client belongs to one group: a member of one cannot register with another;
 - the peer map is bounded: a peer that left (and holds no rank, and no round of its group is
   open) is forgotten past 2 * dp * groups + 256 entries.
@@ -70,9 +70,13 @@ _GLOB = frozenset("*?[")
 
 class GroupRules:
     """The groups a deployment expects: exact names and fnmatch patterns (`--groups`).
-    `"*"` admits any valid name (the explicit rule for a deployment that names its own)."""
+    `"*"` admits any valid name (the explicit rule for a deployment that names its own).
+    `always`: names the patterns admit that also get a slot each (`--expect-groups` names: a
+    peer's pattern-admitted junk groups cannot take the slots of the groups /readyz waits for)."""
 
-    def __init__(self, patterns: Iterable[str] = DEFAULT_GROUPS) -> None:
+    def __init__(
+        self, patterns: Iterable[str] = DEFAULT_GROUPS, always: Iterable[str] = ()
+    ) -> None:
         self.patterns = tuple(patterns)
         if not self.patterns:
             raise ValueError("at least one group name or pattern is needed")
@@ -80,9 +84,13 @@ class GroupRules:
             problem = group_name_problem(pattern)
             if problem is not None:
                 raise ValueError(f"group pattern {shown(pattern)}: {problem}")
-        #: names without a wildcard: each always gets a group slot
-        self.exact = frozenset(p for p in self.patterns if _GLOB.isdisjoint(p))
         self._globs = tuple(p for p in self.patterns if not _GLOB.isdisjoint(p))
+        #: names without a wildcard, and the `always` names: each always gets a group slot
+        self.exact = frozenset(p for p in self.patterns if _GLOB.isdisjoint(p))
+        for name in always:
+            if group_name_problem(name) is not None or not self.admits(name):
+                raise ValueError(f"group {shown(name)} is not one --groups {self} admits")
+        self.exact |= frozenset(always)
 
     def admits(self, name: str) -> bool:
         """Whether `name` (a valid group name) is one the deployment expects."""
@@ -194,9 +202,9 @@ class Registry(Generic[G]):
         self.rules = rules or GroupRules()
         #: Attempts to speak for a rank over a connection that did not register it.
         self.takeovers = takeovers or Takeovers()
-        #: With CURVE keys bound to ranks: why a connection's key may not register as a rank,
-        #: or None (`coordd.io.curve.CurveGate.rank_refusal`).
-        self.rank_keys: Callable[[str, int], str | None] | None = None
+        #: With CURVE keys bound to ranks or groups: why a connection's key may not register as
+        #: a rank of a group, or None (`coordd.io.curve.CurveGate.key_refusal`).
+        self.key_refusal: Callable[[str, str, int], str | None] | None = None
         self.groups: dict[str, G] = {}
         # The maps below are changed in place, never replaced: the shell's drain holds them.
         #: The group each peer registered with (its reports go there).
@@ -303,8 +311,8 @@ class Registry(Generic[G]):
         refused = self._name_refused(peer, hello)
         if refused is not None:
             return [refused]
-        if self.rank_keys is not None:
-            why = self.rank_keys(key, hello.dp_rank)
+        if self.key_refusal is not None:
+            why = self.key_refusal(key, hello.group, hello.dp_rank)
             if why is not None:
                 return [self._key_refused(peer, hello, why, address, now)]
         actions: list[Action[G]] = []
@@ -388,13 +396,14 @@ class Registry(Generic[G]):
         return None
 
     def _key_refused(self, peer: bytes, hello: Hello, why: str, address: str, now: float) -> Refuse:
-        """A Hello over a connection whose CURVE key is bound to other ranks: refused (one
-        leaked rank key cannot speak for another rank), counted and logged."""
+        """A Hello over a connection whose CURVE key is bound to other ranks or groups: refused
+        (one leaked key cannot speak for another rank, or create groups), counted and logged."""
         error = Rejected(
             RejectReason.CURVE_KEY.value,
-            f"this connection may not register as dp_rank {hello.dp_rank}: {why}",
-            expected="a dp_rank its CURVE key is bound to",
-            got=str(hello.dp_rank),
+            f"this connection may not register as dp_rank {hello.dp_rank} of group "
+            f"{hello.group}: {why}",
+            expected="a dp_rank and group its CURVE key is bound to",
+            got=f"dp_rank {hello.dp_rank} of group {hello.group}",
         )
         # counted under the group only once it exists (bounded by --max-groups): a name
         # per Hello would be a record, a log line and a metric series per name

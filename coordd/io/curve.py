@@ -28,6 +28,7 @@ import zmq
 
 from coordd.core import logs
 from coordd.core.bounds import Throttle
+from coordd.core.grants import ANY, Grant, refusal, split_entry
 from coordd.proto.keyfile import KeyFileError, read_key_file
 
 log = logging.getLogger("coordd")
@@ -180,15 +181,6 @@ def load_secret_key(path: str) -> tuple[bytes, bytes]:
 _RANK_KEY_FILE = re.compile(r"rank(\d+)" + re.escape(PUBLIC_SUFFIX))
 
 
-def split_rank_entry(entry: str) -> tuple[int | None, str]:
-    """A `--curve-client-keys` entry: `N=PATH` binds PATH's keys to dp_rank N; `PATH` alone
-    binds a file named `rank<N>.key` to rank N and any other key to no rank (any rank)."""
-    head, sep, tail = entry.partition("=")
-    if sep and head.strip().isdigit():
-        return int(head), tail.strip()
-    return None, entry
-
-
 def _key_files(path: str) -> list[str]:
     if os.path.isdir(path):
         files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(PUBLIC_SUFFIX))
@@ -198,30 +190,30 @@ def _key_files(path: str) -> list[str]:
     return [path]
 
 
-def load_rank_bindings(entries: Sequence[str]) -> dict[bytes, frozenset[int] | None]:
-    """Each admitted client key (z85) -> the dp_ranks it may register as, None for any: with
-    one key per rank, a leaked key speaks for its own rank only. A key given once unbound
-    (a shared `rank.key`) may register as any rank."""
-    ranks: dict[bytes, frozenset[int] | None] = {}
+def load_grants(entries: Sequence[str]) -> dict[bytes, frozenset[Grant]]:
+    """Each admitted client key (z85) -> what it may register as (`coordd.core.grants`): with
+    one key per rank (and group), a leaked key speaks for its own rank (of its own group) only.
+    A key given once without a binding may register as anything."""
+    grants: dict[bytes, frozenset[Grant]] = {}
     for entry in entries:
-        rank, path = split_rank_entry(entry)
+        given, path = split_entry(entry)
         for file in _key_files(path):
             public, _ = read_key_file(file)
             named = _RANK_KEY_FILE.fullmatch(os.path.basename(file))
-            bound = rank if rank is not None else (int(named.group(1)) if named else None)
-            if bound is None or (public in ranks and ranks[public] is None):
-                ranks[public] = None
-            else:
-                ranks[public] = (ranks.get(public) or frozenset()) | {bound}
-    return ranks
+            rank = given.rank if given is not None else None
+            if rank is None and named:
+                rank = int(named.group(1))
+            grant = Grant(given.group if given is not None else None, rank)
+            grants[public] = grants.get(public, frozenset()) | {grant}
+    return grants
 
 
 def load_client_keys(paths: Sequence[str]) -> dict[bytes, str]:
     """Admitted client public keys (z85) -> the file each came from: each path is a key file
-    or a directory whose *.key files are read (an `N=PATH` entry: see `split_rank_entry`)."""
+    or a directory whose *.key files are read (an entry's binding head: `coordd.core.grants`)."""
     keys: dict[bytes, str] = {}
     for entry in paths:
-        path = split_rank_entry(entry)[1]
+        path = split_entry(entry)[1]
         if os.path.isdir(path):
             files = sorted(
                 os.path.join(path, n) for n in os.listdir(path) if n.endswith(PUBLIC_SUFFIX)
@@ -249,8 +241,8 @@ class CurveGate:
     secret: bytes
     allowed: dict[bytes, str]
     refused: int = 0
-    #: Keys bound to ranks (`load_rank_bindings`); a key not here, or None, may be any rank.
-    ranks: dict[bytes, frozenset[int] | None] = field(default_factory=dict)
+    #: What each key may register as (`load_grants`); a key not here may be anything.
+    grants: dict[bytes, frozenset[Grant]] = field(default_factory=dict)
     _auth: Any = None
     #: The group's fields for the refusal's log line (set by `coordd serve`; read from the
     #: authenticator's thread, which only reads).
@@ -272,7 +264,7 @@ class CurveGate:
 
         public, secret = load_secret_key(secret_key)
         gate = cls(public, secret, load_client_keys(client_keys))
-        gate.ranks = load_rank_bindings(client_keys)
+        gate.grants = load_grants(client_keys)
         # coordd's own ZAP handler (not pyzmq's authenticator): the same one refuses
         # handshakes while coordd is over its memory budget (status 300; an unknown key 400)
         auth = HandshakeGate.start(context, curve=gate.callback)
@@ -309,15 +301,19 @@ class CurveGate:
         )
         return False
 
-    def rank_refusal(self, user_id: str, rank: int) -> str | None:
+    @property
+    def binds(self) -> bool:
+        """Whether some key is bound (to a rank or a group): Hellos are then checked."""
+        return any(ANY not in held for held in self.grants.values())
+
+    def key_refusal(self, user_id: str, group: str, rank: int) -> str | None:
         """Why a connection authenticated with key `user_id` (z85, the ZAP User-Id) may not
-        register as `rank`, or None if it may (checked at its Hello)."""
-        bound = self.ranks.get(user_id.encode("ascii", "replace"))
-        if bound is None or rank in bound:
+        register as `rank` of `group`, or None if it may (checked at its Hello)."""
+        key = user_id.encode("ascii", "replace")
+        why = refusal(self.grants.get(key, (ANY,)), group, rank)
+        if why is None:
             return None
-        named = self.allowed.get(user_id.encode("ascii", "replace"), "?")
-        shown = ", ".join(str(r) for r in sorted(bound))
-        return f"its CURVE key ({os.path.basename(named)}) is bound to dp_rank {shown}"
+        return f"its CURVE key ({os.path.basename(self.allowed.get(key, '?'))}) is {why}"
 
     def configure(self, sock: zmq.Socket) -> None:
         """Make `sock` a CURVE server that asks this gate (call before bind)."""

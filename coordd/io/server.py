@@ -132,12 +132,12 @@ class ServerStats:
     parts_dropped: int = 0
 
 
-def _check_sizes(dp_size: int, max_groups: int, expect_groups: int) -> None:
+def _check_sizes(dp_size: int, max_groups: int, expect_groups: int | Sequence[str]) -> None:
     if not 1 <= dp_size <= MAX_DP_SIZE:
         raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
     if max_groups < 1:
         raise ValueError(f"max_groups must be >= 1, got {max_groups}")
-    if not 0 <= expect_groups <= max_groups:
+    if isinstance(expect_groups, int) and not 0 <= expect_groups <= max_groups:
         raise ValueError(f"expect_groups must be in 0..max_groups ({max_groups})")
 
 
@@ -151,7 +151,7 @@ class CoordServer:
     exist (a Hello for another one is refused with `group_limit`, unless a group without
     members can make room, or `groups` names it exactly), `groups` (names and fnmatch
     patterns) which groups are admitted at all, and `expect_groups` how many must be formed
-    for /readyz."""
+    for /readyz, or which (names: each always gets a slot, and only they count)."""
 
     def __init__(
         self,
@@ -161,7 +161,7 @@ class CoordServer:
         step_timeout: float = defaults.STEP_TIMEOUT,
         on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
         max_groups: int = defaults.DEFAULT_MAX_GROUPS,
-        expect_groups: int = 0,
+        expect_groups: int | Sequence[str] = 0,
         groups: Sequence[str] = defaults.DEFAULT_GROUPS,
         heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT,
@@ -182,7 +182,13 @@ class CoordServer:
         self.step_timeout = step_timeout
         self.on_rank_loss = on_rank_loss
         self.max_groups = max_groups
-        self.expect_groups = expect_groups
+        #: The groups /readyz waits for by name (empty: `expect_groups` counts any).
+        self.expected_groups: tuple[str, ...] = (
+            () if isinstance(expect_groups, int) else tuple(expect_groups)
+        )
+        self.expect_groups = (
+            expect_groups if isinstance(expect_groups, int) else len(self.expected_groups)
+        )
         self.clock = clock
         self.wall = wall
         self.started_wall = wall()
@@ -192,7 +198,7 @@ class CoordServer:
             max_groups=max_groups,
             step_timeout=step_timeout,
             on_rank_loss=on_rank_loss,
-            rules=GroupRules(groups),
+            rules=GroupRules(groups, always=self.expected_groups),
         )
         #: The groups by name, in the order they were created.
         self.groups = self.registry.groups
@@ -570,7 +576,7 @@ class CoordServer:
         the monitor read first: a closed connection's descriptor may be this one's now."""
         self._current()
         key = ""
-        if self.registry.rank_keys is not None:
+        if self.registry.key_refusal is not None:
             try:
                 key = str(frame.get("User-Id"))
             except zmq.ZMQError:

@@ -11,7 +11,7 @@ fetches it over HTTP and prints it as a table.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from coordd.core.defaults import STATUS_RANK_ROWS
@@ -75,12 +75,19 @@ def holds_back(snap: GroupSnapshot) -> bool:
     return len(snap.members) + lost >= snap.dp_size
 
 
-def readiness(groups: Mapping[str, GroupSnapshot], expect_groups: int = 0) -> tuple[bool, str]:
+def readiness(
+    groups: Mapping[str, GroupSnapshot], expect_groups: int | Collection[str] = 0
+) -> tuple[bool, str]:
     """coordd is ready (/readyz 200) when no group holds it back (`holds_back`: failed, with
     ranks still connected) and at least `expect_groups` groups (at least one when 0) are
     formed or stopped (every rank left cleanly: an orderly end, after which coordd serves the
     next registration as before); a group still forming, or empty because its ranks left,
-    holds nothing back once enough others are formed. The reason names the group."""
+    holds nothing back once enough others are formed. `expect_groups` as names (`--expect-groups
+    dp-tp0-pp0,enginecore`): ready when each of those is formed or stopped, and no other group
+    counts or holds it back (a peer's junk group cannot make coordd ready, nor keep it out of
+    service). The reason names the group."""
+    if not isinstance(expect_groups, int):
+        return _named_readiness(groups, expect_groups)
     want = max(1, expect_groups)
     formed = stopped = 0
     waiting: tuple[str, str] | None = None
@@ -112,10 +119,40 @@ def readiness(groups: Mapping[str, GroupSnapshot], expect_groups: int = 0) -> tu
     return False, f"{formed}/{want} groups formed: group {waiting[0]} has {waiting[1]}"
 
 
+def _named_readiness(
+    groups: Mapping[str, GroupSnapshot], names: Collection[str]
+) -> tuple[bool, str]:
+    """`readiness` when the expected groups are named: only those count, in the given order."""
+    formed = stopped = 0
+    for name in names:
+        snap = groups.get(name)
+        if snap is None:
+            return (
+                False,
+                f"{formed}/{len(names)} expected groups formed: group {name} has not registered",
+            )
+        ready, why = group_readiness(snap)
+        if ready:
+            formed += 1
+        elif snap.stopped:
+            stopped += 1
+        elif holds_back(snap):
+            return False, f"group {name} {why}"
+        else:
+            return False, f"{formed}/{len(names)} expected groups formed: group {name} has {why}"
+    others = len(groups) - sum(1 for name in names if name in groups)
+    what = f"{formed}/{len(names)} expected groups formed"
+    if stopped:
+        what += f", {stopped} stopped ({LEFT_CLEANLY})"
+    if others:
+        what += f"; {others} other group(s) not counted"
+    return True, what
+
+
 def server_readiness(server: ServerView) -> tuple[bool, str]:
     """`readiness` of a running coordd's groups."""
     snaps = {name: group.coordinator.snapshot() for name, group in server.groups.items()}
-    return readiness(snaps, server.expect_groups)
+    return readiness(snaps, server.expected_groups or server.expect_groups)
 
 
 def group_document(group: GroupView, now: float, rank_rows: int | None = None) -> dict[str, Any]:
@@ -242,6 +279,7 @@ def status_document(
             "dp_size": server.dp_size,
             "max_groups": server.max_groups,
             "expect_groups": server.expect_groups,
+            "expected_groups": list(server.expected_groups),
         },
         "ready": ready,
         "ready_detail": why,

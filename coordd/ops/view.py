@@ -63,6 +63,9 @@ class ServerView(Protocol):
     def expect_groups(self) -> int: ...
 
     @property
+    def expected_groups(self) -> tuple[str, ...]: ...
+
+    @property
     def bound_address(self) -> str: ...
 
     @property

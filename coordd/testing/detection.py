@@ -3,7 +3,7 @@ turned away where it had to be, and the group went on."""
 
 from __future__ import annotations
 
-from coordd.testing.history import Done, Note, Refused, Registered
+from coordd.testing.history import Done, End, Inject, Note, Refused, Registered
 from coordd.testing.rogue import APP_LEVEL
 from coordd.testing.scenario import ScenarioInfo
 from coordd.testing.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
@@ -40,8 +40,13 @@ def check_detection(
             found.violations.append(
                 f"the culprit {info.culprit_name} never got a typed error after the fault"
             )
-    if expect.refusal:
-        ok, t = _refusal(info, culprit_log, t_inject, coordd_log, found)
+    if expect.refusal == "forged_answer":
+        ok, t = _forged_answers(info, logs, culprit_log, found)
+        detected.append(ok)
+        if t is not None:
+            times.append(t)
+    elif expect.refusal:
+        ok, t = _refusal(info, culprit_log, t_inject, coordd_log, found, logs)
         detected.append(ok)
         if t is not None and not expect.failure:
             times.append(t)
@@ -106,6 +111,7 @@ def _refusal(
     t_inject: float,
     coordd_log: str,
     found: Findings,
+    logs: list[ProcessLog],
 ) -> tuple[bool, float | None]:
     """The culprit was turned away, with the right typed error, and never let in."""
     want = info.expect.refusal
@@ -124,6 +130,8 @@ def _refusal(
         return _takeover_refused(culprit, refused, coordd_log, found), None
     if want == "id_claims":
         return _claims_refused(culprit, refused, coordd_log, found), None
+    if want == "junk_groups":
+        return _junk_refused(culprit, refused, coordd_log, logs, found), None
     kind, _, reason = want.partition(":")
     for r in refused:
         if r.error.type != kind or (reason and r.error.reason != reason):
@@ -239,3 +247,149 @@ def _claims_refused(
         f"{notes.get(('held', 'names, most at once'), 0)} names held at most"
     )
     return ok
+
+
+def _junk_refused(
+    squatter: ProcessLog,
+    refused: list[Refused],
+    coordd_log: str,
+    logs: list[ProcessLog],
+    found: Findings,
+) -> bool:
+    """Membership is earned: every Hello for a group the deployment does not expect refused
+    `group_unexpected`, every one past --max-groups refused `group_limit` (the squatter's junk
+    held every slot), the group (named exactly) registered at that limit all the same, and the
+    junk member that sent far more than one report a round cut off (coordd logged it), with
+    nothing else: the squatter's other members still answered pings. A Hello coordd had to
+    refuse and welcomed is the "admitted" violation (`_refusal`); the group's own rounds are
+    judged as any group's (every one decided by the policy, no error)."""
+    notes = [r for r in squatter.records if isinstance(r, Note)]
+    asked = {n.detail: n.count for n in notes if n.what == "asked"}
+    ok = True
+
+    def refusals(what: str, reason: str, want: int | None) -> int:
+        nonlocal ok
+        mine = [r for r in refused if r.what == what]
+        right = [r for r in mine if r.error.type == "Rejected" and r.error.reason == reason]
+        if not want or len(right) != want:
+            got = [f"{r.error.type}:{r.error.reason}" for r in mine]
+            found.violations.append(
+                f"{len(right)} of {want or 0} Hellos ({what}) were refused {reason} (got {got})"
+            )
+            ok = False
+        return len(right)
+
+    unexpected = refusals("unexpected group", "group_unexpected", asked.get("unexpected"))
+    limited = refusals("over the limit", "group_limit", asked.get("over the limit"))
+    filled = [n for n in notes if n.what == "filled"]
+    if not filled or not filled[0].count:
+        found.violations.append("the squatter never held the group slots")
+        ok = False
+    else:
+        for log in logs:
+            if log.role not in PARTICIPANTS:
+                continue
+            first = next((r.t for r in log.records if isinstance(r, Registered)), None)
+            if first is not None and first < filled[0].t:
+                found.violations.append(
+                    f"{log.name} registered before the junk groups held every slot"
+                )
+                ok = False
+    cut = [n for n in notes if n.what == "cut"]
+    if not cut:
+        why = [f"{n.what}: {n.detail}" for n in notes if n.what in ("not cut", "no member")]
+        found.violations.append(f"the flooding junk member was not cut off {why}")
+        ok = False
+    elif "member cut off" not in coordd_log:
+        found.violations.append("coordd did not log the member it cut off")
+        ok = False
+    pongs = sum(n.what == "pong" for n in notes)
+    if pongs != asked.get("pings", 0):
+        lost = [n.detail for n in notes if n.what == "no pong"]
+        found.violations.append(
+            f"{pongs} of the squatter's {asked.get('pings', 0)} other members answered a ping "
+            f"after the cut: coordd cut more than the flooding member {lost}"
+        )
+        ok = False
+    found.notes.append(
+        f"squatter: {filled[0].count if filled else 0} junk groups held, {unexpected} Hellos "
+        f"refused group_unexpected, {limited} group_limit; "
+        + (cut[0].detail if cut else "the flood was not cut")
+    )
+    return ok
+
+
+def _forged_answers(
+    info: ScenarioInfo, logs: list[ProcessLog], victim: ProcessLog | None, found: Findings
+) -> tuple[bool, float | None]:
+    """forged_answers: the rank handed a misfit of its round's decision (the proxy's Inject
+    naming it) raised a typed `InvalidAnswer` naming coordd and the misfit field, at once and
+    as its only error (a decision it returned instead is a wrong decision: the rounds' rule),
+    then registered again and decided rounds on; the rank sent an answer for no round it had
+    open dropped and counted it ("dropped answers"), with no error. The time to detect is from
+    the misfit's injection to the victim's error."""
+    proxy = next((log for log in logs if log.role == "proxy"), None)
+    if proxy is None or victim is None:
+        found.violations.append("no history from the proxy or the rank it forged answers to")
+        return False, None
+    injects = [r for r in proxy.records if isinstance(r, Inject)]
+    misfit = next((r for r in injects if r.rank == info.culprit), None)
+    extra = next((r for r in injects if r.rank != info.culprit), None)
+    ok = True
+    ttd: float | None = None
+    if misfit is None:
+        found.violations.append(f"the proxy never forged {info.culprit_name}'s decision")
+        ok = False
+    else:
+        errors = [r for r in victim.records if isinstance(r, End) and r.error is not None]
+        first = errors[0].error if errors else None
+        if first is None:
+            found.violations.append(
+                f"{info.culprit_name} raised nothing for the misfit answer ({misfit.detail})"
+            )
+            ok = False
+        elif errors[0].t < misfit.t:
+            found.violations.append(
+                f"{info.culprit_name} got {first.type} ({first.text}) before the misfit answer"
+            )
+            ok = False
+        elif (
+            first.type != "InvalidAnswer"
+            or first.fields.get("field") != info.culprit_field
+            or not first.text.startswith("coordd answered")
+        ):
+            found.violations.append(
+                f"{info.culprit_name} raised {first.type} ({first.text}) for a misfit of "
+                f"{info.culprit_field}, not an InvalidAnswer naming coordd and that field"
+            )
+            ok = False
+        else:
+            ttd = errors[0].t - misfit.t
+        for r in errors[1:]:
+            assert r.error is not None
+            found.violations.append(
+                f"{info.culprit_name} got a second error, {r.error.type} ({r.error.text})"
+            )
+            ok = False
+        if errors and not any(
+            isinstance(r, End) and r.decision is not None and r.t > errors[0].t
+            for r in victim.records
+        ):
+            found.violations.append(f"{info.culprit_name} decided no round after its error")
+            ok = False
+    if extra is None:
+        found.violations.append("the proxy never sent its unsolicited answer")
+        ok = False
+    else:
+        target = next((log for log in logs if log.name == f"rank{extra.rank}"), None)
+        dropped = [
+            n.count
+            for n in (target.records if target else [])
+            if isinstance(n, Note) and n.what == "dropped answers"
+        ]
+        if not dropped or dropped[-1] < 1:
+            found.violations.append(
+                f"rank{extra.rank} did not count the unsolicited answer as dropped ({extra.detail})"
+            )
+            ok = False
+    return ok, ttd

@@ -22,7 +22,9 @@ class Expect(msgspec.Struct, frozen=True, kw_only=True):
     culprit_view: str = "same"
     #: The culprit process must itself get a typed error after the injection.
     culprit_must_fail: bool = False
-    #: The culprit process must be refused with this error ("Rejected:dp_size", "ProtocolError").
+    #: The culprit process must be refused with this error ("Rejected:dp_size", "ProtocolError"),
+    #: or pass the named hostile peer's checks ("rogue", "stranger", "takeover", "id_claims",
+    #: "junk_groups"; "forged_answer": the culprit rank is the one handed a forged answer).
     refusal: str = ""
     #: coordd crashed (SIGKILL): a round's broadcast may reach some ranks and not others.
     split_allowed: bool = False

@@ -58,4 +58,5 @@ NO_DETECTION_TIME = {
     Fault.STRANGER_NOISE,
     Fault.TAKEOVER_ATTEMPT,
     Fault.ID_CLAIMS,
+    Fault.JUNK_GROUPS,
 }

@@ -328,6 +328,43 @@ def test_expect_groups_readiness(coordd: Callable[..., Coordd], tmp_path: Path) 
     assert bad.returncode == 1 and "--expect-groups must be in 0..--max-groups" in bad.stderr
 
 
+def test_expected_group_names_hold_against_junk_groups(
+    coordd: Callable[..., Coordd], tmp_path: Path
+) -> None:
+    """Issue 21: with `--expect-groups` names, junk groups a pattern admits fill the pattern
+    slots but cannot take an expected group's slot, make /readyz ready, or hold it at 503."""
+    c = serve(coordd, tmp_path, 2, "--max-groups", "2", "--expect-groups",
+              f"{WORKERS[0]},{ENGINE}")
+    junk = join(c.address, "dp-tp7-pp0", 2) + join(c.address, "dp-tp8-pp0", 2)
+    real: list[CoordClient] = []
+    try:
+        code, body = fetch(c.url + "/readyz", 5)
+        assert (code, body) == (
+            503, f"0/2 expected groups formed: group {WORKERS[0]} has not registered\n".encode()
+        ), "two formed junk groups do not make coordd ready"
+        third = CoordClient(c.address, dp_rank=0, dp_size=2, group="dp-tp9-pp0")
+        try:
+            with pytest.raises(Rejected) as refused:
+                third.connect(timeout=10)
+            assert refused.value.reason == "group_limit", "the pattern slots are full"
+        finally:
+            third.close()
+        real = join(c.address, WORKERS[0], 2) + join(c.address, ENGINE, 2)
+        round_of(real[:2], 0)
+        # a junk group fails (its ranks' kinds differ) with its ranks connected: nothing held
+        # back
+        pending = [junk[0].start(report(0, 0), "forward"), junk[1].start(report(1, 0), "draft")]
+        for p in pending:
+            with pytest.raises(StepMismatch):
+                p.wait(timeout=15)
+        assert fetch(c.url + "/readyz", 5) == (
+            200, b"2/2 expected groups formed; 2 other group(s) not counted\n"
+        )
+        assert f"expecting {WORKERS[0]} {ENGINE}" in coordd_cli("status", "--url", c.url).stdout
+    finally:
+        close(junk, real)
+
+
 def test_group_names_and_one_group_per_connection(
     coordd: Callable[..., Coordd], tmp_path: Path
 ) -> None:

@@ -202,3 +202,44 @@ def test_curve_keys_bound_to_ranks(coordd: Callable[..., Coordd], tmp_path: Path
     assert metric(m, "coordd_rank_takeovers_refused_total", group="-",
                   kind="key_bound") == 4
     assert metric(m, "coordd_registrations_total", group="default") == 3
+
+
+def test_curve_keys_bound_to_groups(coordd: Callable[..., Coordd], tmp_path: Path,  # noqa: F811
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 21: a leaked key of rank 1 of dp-tp0-pp0 (`1@dp-tp0-pp0=PATH`) registers there
+    only: Hellos under 8 new names a pattern admits create no group (before: 64 of 64)."""
+    keys = tmp_path / "keys"
+    made = coordd_cli("keygen", "--dir", str(keys), "coordd", "r0", "r1")
+    assert made.returncode == 0, made.stderr
+    monkeypatch.delenv("COORDD_CURVE_SERVER_KEY", raising=False)
+    monkeypatch.delenv("COORDD_CURVE_CLIENT_KEY", raising=False)
+    c = coordd("serve", "--dp", "2", "--bind", "tcp://127.0.0.1:*",
+               "--curve-secret-key", str(keys / "coordd.key_secret"),
+               "--curve-client-keys",
+               f"0@dp-tp0-pp0={keys / 'r0.key'},1@dp-tp0-pp0={keys / 'r1.key'}",
+               "--metrics-port", "0", stderr=tmp_path / "coordd.log")
+
+    def client(rank: int, group: str) -> CoordClient:
+        curve = CurveKeys.from_files(str(keys / "coordd.key"), str(keys / f"r{rank}.key_secret"))
+        return CoordClient(c.address, dp_rank=rank, dp_size=2, config_fingerprint="fp",
+                           group=group, curve=curve)
+
+    for t in range(1, 9):
+        with client(1, f"dp-tp{t}-pp0") as leaked, pytest.raises(Rejected) as info:
+            leaked.connect(timeout=10)
+        assert info.value.reason == "curve_key", info.value
+        assert info.value.detail.endswith(
+            "its CURVE key (r1.key) is bound to dp_rank 1 of group dp-tp0-pp0"), info.value
+    ranks = [client(0, "dp-tp0-pp0"), client(1, "dp-tp0-pp0")]
+    try:
+        for r in ranks:
+            r.connect(timeout=10)
+        decisions = [p.wait(timeout=10) for p in [r.start(HONEST[0]) for r in ranks]]
+        assert len({d.seq for d in decisions}) == 1
+    finally:
+        for r in ranks:
+            r.close()
+    doc = status(c.url)
+    assert [g["name"] for g in doc["groups"]] == ["dp-tp0-pp0"], "no junk group was created"
+    assert metric(samples(c.url), "coordd_rank_takeovers_refused_total", group="-",
+                  kind="key_bound") == 8

@@ -29,6 +29,9 @@ from tests.integration.scrape import free_port
 #: wide. The garbage burst of 3M messages from Python overran 120 s (and the test's timeout)
 #: beside 6 busy loops on 2 cores (load ~20); the file's timeout matches.
 LOAD_BOUND = 300.0
+#: Slowest /livez answer under a load: a liveness probe's window (the Containerfile's
+#: HEALTHCHECK waits 3 s, then retries), with room for load 10 on 2 cores.
+LIVEZ_BOUND = 5.0
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
@@ -142,8 +145,10 @@ def test_one_fast_peer_does_not_hold_the_loop(coordd, tmp_path: Path) -> None:
         finally:
             wait_load(load, LOAD_BOUND)
     print(f"step timeout 0.5 s fired after {fired:.2f} s; /livez in {answered:.3f} s")
-    assert fired < 3.0, f"the 0.5 s step timeout fired after {fired:.2f} s (flood held the loop)"
-    assert answered < 3.0
+    # a loop held by the flood fires the timeout only once the 6 s flood is over (load 10 on 2
+    # cores stretches an honest 0.5 s to ~1-2 s: the bound is the flood's length, not a speed)
+    assert fired < 5.0, f"the 0.5 s step timeout fired after {fired:.2f} s (flood held the loop)"
+    assert answered < 5.0
     # libzmq's inbound queue is unbounded (RCVHWM 0, against the abort): the flooding
     # stranger is cut off after STRANGER_MESSAGES_PER_S messages (it was +300 MB uncut)
     grew = gauge.peak_rss_mb - base
@@ -179,7 +184,7 @@ def test_a_two_million_part_message_is_dropped_without_stalling(coordd, tmp_path
         f"rss {base:.0f} MB -> peak {gauge.peak_rss_mb:.0f} MB, {after:.0f} MB after; slowest "
         f"/livez {slowest:.2f} s"
     )
-    assert slowest < 3.0
+    assert slowest < LIVEZ_BOUND, "a liveness probe would have failed"
     # over the memory budget (default 64 MB) the sender's connection is shut down before its
     # message is whole, libzmq frees the parts, and the memory is given back (without the
     # guard: 158 MB at the peak, ~100 MB kept)
@@ -222,7 +227,7 @@ def test_half_open_http_connections_cannot_exhaust_descriptors(coordd, tmp_path:
         try:
             with HonestRounds(proc.address, 2) as ranks:
                 assert len(ranks.run(3)) == 3
-            assert livez(url) < 3.0
+            assert livez(url) < LIVEZ_BOUND
         finally:
             wait_load(load, LOAD_BOUND)
         assert proc.proc is not None and proc.proc.poll() is None

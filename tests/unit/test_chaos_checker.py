@@ -512,3 +512,182 @@ def test_a_hello_from_a_zero_led_routing_id_must_be_refused_routing_id_and_logge
     died: list[Record] = [Note(t=T_INJECT + 2.0, what="coordd died", count=-6)]
     aborted = check_history(scenario, [*ranks, claimer(*attacked, refused)], died, logged)
     assert any("coordd died" in v for v in aborted.violations)
+
+
+def rejected(reason: str, text: str) -> ErrorInfo:
+    return ErrorInfo(type="Rejected", reason=reason, culprits=[], text=text)
+
+
+UNEXPECTED = rejected("group_unexpected", "group 'junk' is not one this deployment expects")
+LIMIT = rejected("group_limit", "coordd serves 3 groups, its limit (--max-groups 3)")
+CUT = "WARNING coordd: member cut off peer=conn-1 detail=\"protocol violation: 2048 messages\""
+
+
+def squatter(*changed: Record, drop: tuple[str, ...] = ()) -> ProcessLog:
+    """junk_groups' culprit: the slots filled before the group registers (t 9), two Hellos for
+    unexpected groups and one over the limit while it runs, its member's flood cut off, its
+    two other members answering pings; `changed` records replace those of their `what` (or
+    are added), `drop` leaves records of those `what`s out."""
+    t = T_INJECT
+    records: list[Record] = [
+        Note(t=8.1, what="welcomed", detail="dp-tp1-pp4"),
+        Note(t=8.2, what="welcomed", detail="dp-tp2-pp4"),
+        Note(t=8.3, what="welcomed", detail="dp-tp3-pp4"),
+        Refused(t=8.4, error=LIMIT, what="over the limit"),
+        Note(t=8.5, what="filled", detail="junk groups held", count=3),
+        Inject(t=t, fault="junk_groups", detail="2 unexpected groups, then a member's flood"),
+        Refused(t=t + 0.1, error=UNEXPECTED, what="unexpected group"),
+        Refused(t=t + 0.2, error=UNEXPECTED, what="unexpected group"),
+        Refused(t=t + 0.3, error=LIMIT, what="over the limit"),
+        Note(t=t + 0.3, what="asked", detail="unexpected", count=2),
+        Note(t=t + 0.3, what="asked", detail="over the limit", count=2),
+        Note(t=t + 0.4, what="cut", detail="after 5999 copies of one report", count=5999),
+        Note(t=t + 0.4, what="asked", detail="pings", count=2),
+        Note(t=t + 0.5, what="pong", detail="dp-tp1-pp4"),
+        Note(t=t + 0.5, what="pong", detail="dp-tp2-pp4"),
+    ]
+    records = [r for r in records if getattr(r, "what", "") not in drop]
+    records += changed
+    records.append(Done(t=t + 1.0, next_seq=0, reason="squatter"))
+    return ProcessLog("squatter", Header(t=8.0, role="squatter", rank=0, pid=5, name="squatter"),
+                      records)
+
+
+def test_junk_groups_must_be_refused_the_slot_kept_and_only_the_flooder_cut() -> None:
+    """junk_groups: every Hello for an unexpected group refused group_unexpected, every one
+    past the limit group_limit, the group registered at the limit, the flooding member cut
+    off (and logged) and nothing else; each broken, it is reported."""
+    scenario = info(Fault.JUNK_GROUPS, culprit=-1, culprit_name="squatter")
+    ranks = logs(clean_history(0), clean_history(1))
+    good = check_history(scenario, [*ranks, squatter()], [], CUT)
+    assert good.ok, good.violations
+    assert good.ttd is None
+    assert any("3 junk groups held, 2 Hellos refused group_unexpected" in n for n in good.notes)
+
+    def violations(*logs_: ProcessLog, coordd_log: str = CUT) -> list[str]:
+        result = check_history(scenario, [*ranks, *logs_], [], coordd_log)
+        assert not result.ok
+        return result.violations
+
+    admitted = Registered(t=T_INJECT + 0.25, epoch=E1 + 9, next_seq=0)
+    assert any("admitted squatter" in v for v in violations(squatter(admitted)))
+    wrong = squatter(
+        Refused(t=T_INJECT + 0.1, error=UNEXPECTED, what="unexpected group"),
+        Refused(t=T_INJECT + 0.2, error=LIMIT, what="unexpected group"),
+        drop=("unexpected group",),
+    )
+    assert any(
+        "1 of 2 Hellos (unexpected group) were refused group_unexpected" in v
+        for v in violations(wrong)
+    )
+    unanswered = squatter(drop=("over the limit",))
+    assert any("0 of 2 Hellos (over the limit)" in v for v in violations(unanswered))
+    not_cut = squatter(Note(t=T_INJECT + 8, what="not cut", count=90000), drop=("cut",))
+    assert any("flooding junk member was not cut off" in v for v in violations(not_cut))
+    assert any("did not log the member" in v for v in violations(squatter(), coordd_log=""))
+    lost = squatter(
+        Note(t=T_INJECT + 0.5, what="pong", detail="dp-tp1-pp4"),
+        Note(t=T_INJECT + 0.5, what="no pong", detail="dp-tp2-pp4: connection dropped"),
+        drop=("pong",),
+    )
+    assert any("cut more than the flooding member" in v for v in violations(lost))
+    early = logs(rank_history_registered_at(0, 8.2), clean_history(1))
+    result = check_history(scenario, [*early, squatter()], [], CUT)
+    assert any("registered before the junk groups held every slot" in v for v in result.violations)
+    failed = replace_end(clean_history(1), 6, decision=None, error=MISMATCH)
+    result = check_history(scenario, [*logs(clean_history(0), failed), squatter()], [], CUT)
+    assert any("junk_groups does not explain" in v for v in result.violations)
+
+
+def rank_history_registered_at(rank: int, t: float) -> list[Record]:
+    return [Registered(t=t, epoch=E1, next_seq=0), *clean_history(rank)[1:]]
+
+
+def invalid_answer(field: str) -> ErrorInfo:
+    return ErrorInfo(
+        type="InvalidAnswer",
+        reason="protocol",
+        culprits=[],
+        text=f"coordd answered round seq={FAIL_SEQ} with {field}=[1] (expected 2 values)",
+        fields={"seq": FAIL_SEQ, "field": field, "expected": "2 values, one per rank"},
+    )
+
+
+def proxy(*injects: Inject) -> ProcessLog:
+    return ProcessLog(
+        "proxy",
+        Header(t=8.0, role="proxy", rank=1, pid=6, name="proxy"),
+        [*injects, Done(t=T_INJECT + 5, next_seq=0, reason="proxy")],
+    )
+
+
+MISFIT = Inject(t=T_INJECT, fault="forged_answers", rank=1, detail="num_tokens_across_dp")
+EXTRA = Inject(t=T_INJECT, fault="forged_answers", rank=0, detail="unsolicited (again)")
+
+
+def victim(error: ErrorInfo | None, *, registered: bool = True) -> list[Record]:
+    """rank1, handed the misfit at FAIL_SEQ: its error (None: it took the decision), then
+    registered again in the same epoch, on with the rounds."""
+    out = clean_history(1)
+    if error is not None:
+        out = replace_end(out, FAIL_SEQ, t=T_INJECT + 0.002, decision=None, error=error)
+    if registered:
+        at = next(i for i, r in enumerate(out) if isinstance(r, Begin) and r.seq == FAIL_SEQ + 1)
+        out.insert(at, Registered(t=T_INJECT + 0.5, epoch=E1, next_seq=FAIL_SEQ + 1))
+    return out
+
+
+def dropping(count: int) -> list[Record]:
+    out = clean_history(0)
+    return [*out[:-1], Note(t=19.5, what="dropped answers", count=count), out[-1]]
+
+
+def test_a_forged_answer_must_raise_invalid_answer_and_an_unsolicited_one_be_dropped() -> None:
+    """forged_answers: the rank handed a misfit raises InvalidAnswer naming coordd and the
+    field, once, and goes on; the other counts the unsolicited answer as dropped. A rank that
+    took the misfit, raised something else or for another field, stopped, or did not count the
+    extra answer: each is reported."""
+    scenario = info(
+        Fault.FORGED_ANSWERS, culprit=1, culprit_field="num_tokens_across_dp"
+    )
+    error = invalid_answer("num_tokens_across_dp")
+
+    def check(h0: list[Record], h1: list[Record], *injects: Inject) -> list[str]:
+        result = check_history(scenario, [*logs(h0, h1), proxy(*injects)], [])
+        return result.violations
+
+    good = check_history(scenario, [*logs(dropping(1), victim(error)), proxy(EXTRA, MISFIT)], [])
+    assert good.ok, good.violations
+    assert good.detected and good.ttd == pytest.approx(0.002)
+
+    # the misfit handed over as the round's decision: a wrong decision, and nothing raised
+    forged = decision(E1, FAIL_SEQ)
+    forged["num_tokens_across_dp"] = forged["num_tokens_across_dp"][:-1]
+    took = replace_end(clean_history(1), FAIL_SEQ, decision=forged)
+    result = check_history(scenario, [*logs(dropping(1), took), proxy(EXTRA, MISFIT)], [])
+    assert result.wrong_decisions == 1
+    assert any("raised nothing for the misfit" in v for v in result.violations)
+    other = invalid_answer("cudagraph_mode")
+    assert any(
+        "not an InvalidAnswer naming coordd and that field" in v
+        for v in check(dropping(1), victim(other), EXTRA, MISFIT)
+    )
+    timeout = ErrorInfo(type="StepTimeout", reason="timeout", culprits=[], text="no answer")
+    assert any(
+        "raised StepTimeout" in v for v in check(dropping(1), victim(timeout), EXTRA, MISFIT)
+    )
+    twice = replace_end(victim(error), FAIL_SEQ + 1, decision=None, error=error)
+    assert any("a second error" in v for v in check(dropping(1), twice, EXTRA, MISFIT))
+    assert any(
+        "did not count the unsolicited answer" in v
+        for v in check(dropping(0), victim(error), EXTRA, MISFIT)
+    )
+    assert any("never forged" in v for v in check(dropping(1), victim(None), EXTRA))
+    assert any("never sent its unsolicited" in v for v in check(dropping(1), victim(error), MISFIT))
+    # the other rank failing too is no part of a forged answer to one rank
+    failed = replace_end(dropping(1), FAIL_SEQ + 1, decision=None, error=MISMATCH)
+    twice_failed = replace_end(victim(error), FAIL_SEQ + 1, decision=None, error=MISMATCH)
+    assert any(
+        "forged_answers does not explain" in v
+        for v in check(failed, twice_failed, EXTRA, MISFIT)
+    )

@@ -515,7 +515,7 @@ def test_single_node_vllm_runs_the_plugin_with_one_gpu_per_rank(
     flags = vllm_flags(ran["argv"])
     assert ran["COORDD_ADDRESS"] == args.bind, "the plugin is on and finds coordd"
     assert int(str(flags["--data-parallel-size"])) == args.dp == gpus(vllm)
-    assert args.expect_groups == 2, "ready once dp-tp0-pp0 and enginecore are formed"
+    assert args.expect_groups == ["dp-tp0-pp0", "enginecore"], "ready once both are formed"
 
 
 def test_multi_node_ranks_come_from_vllms_flags_and_the_worker_index(
@@ -527,7 +527,7 @@ def test_multi_node_ranks_come_from_vllms_flags_and_the_worker_index(
     coordd = next(c for c, _ in containers(leader) if is_coordd(c))
     args, _ = parse_coordd(coordd_argv(coordd), {**image_env(), **container_env(coordd)},
                            monkeypatch)
-    assert args.expect_groups == 2
+    assert args.expect_groups == ["dp-tp0-pp0", "enginecore"]
     port = int(args.bind.rsplit(":", 1)[1])
     ranks: list[int] = []
     for index in range(size):
@@ -589,7 +589,7 @@ def test_the_env_files_tcp_switch_takes_effect(monkeypatch: pytest.MonkeyPatch) 
     assert switched != text
     args, _ = parse_coordd(argv, systemd_env(switched), monkeypatch)
     assert args.bind.startswith("tcp://") and args.curve_secret_key
-    assert args.expect_groups == 2
+    assert args.expect_groups == ["dp-tp0-pp0", "enginecore"]
     args, _ = parse_coordd(argv, systemd_env(text), monkeypatch)
     assert args.bind == "ipc:///run/coordd/coordd.sock"
     assert (args.metrics_port, args.log_format) == (DEFAULT_METRICS_PORT, "json")

@@ -136,7 +136,8 @@ def test_once_no_connection_holds_a_rank_new_settings_are_accepted() -> None:
 
 
 def test_curve_keys_bound_to_ranks_by_file_name_or_entry(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from coordd.io.curve import CurveGate, load_client_keys, load_rank_bindings, write_keypair
+    from coordd.core.grants import ANY, Grant
+    from coordd.io.curve import CurveGate, load_client_keys, load_grants, write_keypair
     from coordd.proto.keyfile import read_key_file
 
     for name in ("rank3", "rank", "node", "both"):
@@ -148,12 +149,56 @@ def test_curve_keys_bound_to_ranks_by_file_name_or_entry(tmp_path) -> None:  # t
     entries = [str(tmp_path / "rank3.key"), str(tmp_path / "rank.key"),
                f"5={tmp_path / 'node.key'}", f"6={tmp_path / 'both.key'}",
                str(tmp_path / "both.key")]
-    ranks = load_rank_bindings(entries)
-    assert ranks == {pub("rank3"): frozenset({3}), pub("rank"): None,
-                     pub("node"): frozenset({5}), pub("both"): None}
-    assert set(load_client_keys(entries)) == set(ranks)
-    gate = CurveGate(b"", b"", load_client_keys(entries), ranks=ranks)
-    assert gate.rank_refusal(pub("rank3").decode(), 3) is None
-    assert "bound to dp_rank 3" in str(gate.rank_refusal(pub("rank3").decode(), 4))
-    assert gate.rank_refusal(pub("rank").decode(), 7) is None
-    assert gate.rank_refusal(pub("both").decode(), 1) is None
+    grants = load_grants(entries)
+    assert grants == {pub("rank3"): {Grant(rank=3)}, pub("rank"): {ANY},
+                      pub("node"): {Grant(rank=5)}, pub("both"): {Grant(rank=6), ANY}}
+    assert set(load_client_keys(entries)) == set(grants)
+    gate = CurveGate(b"", b"", load_client_keys(entries), grants=grants)
+    assert gate.binds
+    assert gate.key_refusal(pub("rank3").decode(), "g", 3) is None
+    assert gate.key_refusal(pub("rank3").decode(), "g", 4) == (
+        "its CURVE key (rank3.key) is bound to dp_rank 3"
+    )
+    assert gate.key_refusal(pub("rank").decode(), "g", 7) is None
+    assert gate.key_refusal(pub("both").decode(), "g", 1) is None
+
+
+def test_curve_keys_bound_to_groups(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 21: a leaked key of one group's rank cannot create groups, nor register in
+    another group: `@GROUP=PATH` and `N@GROUP=PATH` (GROUP a name or pattern)."""
+    from coordd.core.grants import Grant, split_entry
+    from coordd.io.curve import CurveGate, load_client_keys, load_grants, write_keypair
+    from coordd.proto.keyfile import read_key_file
+
+    (tmp_path / "tp0").mkdir()
+    for name in ("rank0", "rank1"):
+        write_keypair(str(tmp_path / "tp0"), name)
+    write_keypair(str(tmp_path), "engine")
+    write_keypair(str(tmp_path), "w")
+
+    def pub(path: str) -> bytes:
+        return read_key_file(str(tmp_path / path))[0]
+
+    assert split_entry("2@dp-tp*-pp0=/k/a=b.key") == (Grant("dp-tp*-pp0", 2), "/k/a=b.key")
+    assert split_entry("/k/plain.key") == (None, "/k/plain.key")
+    assert split_entry("x y=/k/odd.key") == (None, "x y=/k/odd.key"), "not a head: a path"
+    entries = [f"@dp-tp0-pp0={tmp_path / 'tp0'}", f"@enginecore={tmp_path / 'engine.key'}",
+               f"1@dp-tp*-pp1={tmp_path / 'w.key'}"]
+    grants = load_grants(entries)
+    assert grants == {pub("tp0/rank0.key"): {Grant("dp-tp0-pp0", 0)},
+                      pub("tp0/rank1.key"): {Grant("dp-tp0-pp0", 1)},
+                      pub("engine.key"): {Grant("enginecore")},
+                      pub("w.key"): {Grant("dp-tp*-pp1", 1)}}
+    gate = CurveGate(b"", b"", load_client_keys(entries), grants=grants)
+    rank0 = pub("tp0/rank0.key").decode()
+    assert gate.key_refusal(rank0, "dp-tp0-pp0", 0) is None
+    assert gate.key_refusal(rank0, "dp-tp7-pp0", 0) == (
+        "its CURVE key (rank0.key) is bound to dp_rank 0 of group dp-tp0-pp0"
+    )
+    engine = pub("engine.key").decode()
+    assert gate.key_refusal(engine, "enginecore", 5) is None
+    assert "any dp_rank of group enginecore" in str(gate.key_refusal(engine, "dp-tp0-pp0", 5))
+    w = pub("w.key").decode()
+    assert gate.key_refusal(w, "dp-tp3-pp1", 1) is None
+    assert gate.key_refusal(w, "dp-tp3-pp1", 0) is not None
+    assert gate.key_refusal(w, "dp-tp3-pp0", 1) is not None

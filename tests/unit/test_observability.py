@@ -53,6 +53,7 @@ class Daemon:
         self.bound_address = "ipc:///run/coordd/coordd.sock"
         self.max_groups = 64
         self.expect_groups = expect_groups
+        self.expected_groups: tuple[str, ...] = ()
         self.curve_refused = None
         self.memory = None
         self.gate = None
@@ -363,6 +364,42 @@ def test_a_group_that_failed_and_was_left_or_never_formed_does_not_hold_readines
     d.lose(1, 103.0, group="dp-tp0-pp0")  # every rank of it left: it serves nobody
     assert ready() == (False, "0/1 groups formed: group dp-tp0-pp0 has failed at seq 0: rank 1 "
                               "reported seq=3 kind=forward, the round expects seq=0 kind=forward")
+
+
+def test_readiness_by_expected_names_ignores_other_groups() -> None:
+    """Issue 21: with `--expect-groups` names, a peer's pattern-admitted junk groups neither
+    make coordd ready (formed) nor keep it out of service (failed, ranks connected)."""
+    d = Daemon(2)
+    names = ("dp-tp0-pp0", "enginecore")
+
+    def ready() -> tuple[bool, str]:
+        return readiness({name: g.coordinator.snapshot() for name, g in d.groups.items()}, names)
+
+    for junk in ("dp-tp7-pp0", "dp-tp8-pp0"):  # two formed junk groups
+        d.hello(0, 100.0, junk)
+        d.hello(1, 100.0, junk)
+    assert readiness({n: g.coordinator.snapshot() for n, g in d.groups.items()}, 2)[0], (
+        "a count is met by any groups (the weaker setting)"
+    )
+    assert ready() == (
+        False, "0/2 expected groups formed: group dp-tp0-pp0 has not registered"
+    )
+    d.hello(0, 100.0, "dp-tp0-pp0")
+    assert ready() == (
+        False, "0/2 expected groups formed: group dp-tp0-pp0 has 1/2 ranks registered"
+    )
+    d.hello(1, 100.0, "dp-tp0-pp0")
+    d.hello(0, 100.0, "enginecore")
+    d.hello(1, 100.0, "enginecore")
+    assert ready() == (True, "2/2 expected groups formed; 2 other group(s) not counted")
+    d.report(0, 0, 101.0, group="dp-tp7-pp0")
+    d.report(1, 4, 101.0, group="dp-tp7-pp0")  # a junk group fails, its ranks connected
+    assert d.snapshot("dp-tp7-pp0").failure is not None
+    assert ready()[0], "a failed group not expected holds nothing back"
+    d.report(0, 0, 102.0, group="enginecore")
+    d.report(1, 3, 102.0, group="enginecore")  # an expected group fails: not ready
+    ok, why = ready()
+    assert not ok and why.startswith("group enginecore failed at seq 0")
 
 
 def test_every_series_of_a_group_carries_its_label() -> None:

@@ -43,21 +43,19 @@ def refusal(argv: list[str]) -> str:
         (["--dp", "2", "--step-timeout", "0"], "--step-timeout must be in"),
         (["--dp", "2", "--step-timeout", "nan"], "--step-timeout must be a number of seconds"),
         (["--dp", "2", "--step-timeout", "inf"], "--step-timeout must be a number of seconds"),
-        (
-            ["--dp", "2", "--heartbeat-interval", "0", "--heartbeat-timeout", "0"],
-            "--heartbeat-interval must be in 0.001..",
-        ),
+        (["--dp", "2", "--heartbeat-interval", "0", "--heartbeat-timeout", "0"],
+         "--heartbeat-interval must be in 0.001.."),
         (["--dp", "2", "--heartbeat-timeout", "0"], "--heartbeat-timeout must be in"),
-        (
-            ["--dp", "2", "--heartbeat-interval", "5", "--heartbeat-timeout", "1"],
-            "--heartbeat-timeout (1s) must be at least --heartbeat-interval (5s)",
-        ),
+        (["--dp", "2", "--heartbeat-interval", "5", "--heartbeat-timeout", "1"],
+         "--heartbeat-timeout (1s) must be at least --heartbeat-interval (5s)"),
         (["--dp", "2", "--heartbeat-interval", "1e9"], "--heartbeat-interval must be in"),
         (["--dp", "2", "--max-groups", "0"], "--max-groups must be"),
-        (
-            ["--dp", "2", "--expect-groups", "100"],
-            "--expect-groups must be in 0..--max-groups (64)",
-        ),
+        (["--dp", "2", "--expect-groups", "100"],
+         "--expect-groups must be in 0..--max-groups (64)"),
+        (["--dp", "2", "--expect-groups", "dp-tp0-pp0,junk"],
+         "--expect-groups names 'junk', which --groups (dp-tp0-pp0,enginecore,default,"
+         "dp-tp*-pp*) does not admit"),
+        (["--dp", "2", "--expect-groups", ","], "--expect-groups"),
         (["--dp", "2", "--metrics-port", "70000"], "--metrics-port must be 0..65535"),
         (["--dp", "2", "--max-handshake-rate", "0.5"], "--max-handshake-rate must be 0 (off) or"),
         (["--dp", "2", "--max-handshake-rate", "-1"], "--max-handshake-rate must be 0 (off) or"),
@@ -74,10 +72,8 @@ def refusal(argv: list[str]) -> str:
         (["demo", "--seconds", "-2"], "--seconds must be in"),
         (["demo", "--rounds", "0"], "--rounds must be"),
         (["chaos", "--step-timeout", "-1"], "--step-timeout must be in"),
-        (
-            ["chaos", "--heartbeat-interval", "0", "--heartbeat-timeout", "0"],
-            "--heartbeat-interval must be in",
-        ),
+        (["chaos", "--heartbeat-interval", "0", "--heartbeat-timeout", "0"],
+         "--heartbeat-interval must be in"),
         (["chaos", "--seeds", "0"], "--seeds must be"),
         (["chaos", "--parallel", "0"], "--parallel must be"),
         (["chaos", "--max-dp", "5000"], "--max-dp must be 2..4096"),
@@ -100,11 +96,8 @@ def test_the_environment_is_checked_the_same(monkeypatch: pytest.MonkeyPatch) ->
         ("COORDD_LOG_FORMAT", "xml", "COORDD_LOG_FORMAT='xml': --log-format takes one of text"),
         ("COORDD_LOG_LEVEL", "loud", "COORDD_LOG_LEVEL='loud': --log-level takes one of debug"),
         ("COORDD_ON_RANK_LOSS", "ignore", "--on-rank-loss takes one of fail, neutralize"),
-        (
-            "COORDD_STEP_TIMEOUT",
-            "soon",
-            "COORDD_STEP_TIMEOUT='soon': --step-timeout takes a number",
-        ),
+        ("COORDD_STEP_TIMEOUT", "soon", "COORDD_STEP_TIMEOUT='soon': --step-timeout takes a "
+         "number"),
         ("COORDD_INSECURE", "maybe", "COORDD_INSECURE='maybe': --insecure takes 1/0"),
         ("COORDD_METRICS_PORT", "http", "--metrics-port takes a whole number"),
         ("COORDD_HANDSHAKE_IPV4_PREFIX", "/24", "--handshake-ipv4-prefix takes a whole number"),
@@ -140,11 +133,8 @@ def test_the_environment_gives_values_and_a_flag_wins(monkeypatch: pytest.Monkey
     args, _ = cli.parse(["--step-timeout", "4"])
     assert (args.dp, args.step_timeout, args.insecure) == (8, 4.0, True)
     assert args.curve_client_keys == ["a.key", "b.key"]
-    assert args.from_env == {
-        "--dp": "COORDD_DP",
-        "--insecure": "COORDD_INSECURE",
-        "--curve-client-keys": "COORDD_CURVE_CLIENT_KEYS",
-    }
+    assert args.from_env == {"--dp": "COORDD_DP", "--insecure": "COORDD_INSECURE",
+                             "--curve-client-keys": "COORDD_CURVE_CLIENT_KEYS"}
     args, _ = cli.parse(["--dp", "2"])
     assert args.max_groups == 64 and args.log_level == "info" and args.bind is None
 
@@ -183,29 +173,16 @@ def test_the_stop_line_is_key_value(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_good_options_pass() -> None:
-    args, _ = cli.parse(
-        [
-            "--dp",
-            str(MAX_DP_SIZE),
-            "--step-timeout",
-            "0.5",
-            "--heartbeat-interval",
-            "0.2",
-            "--heartbeat-timeout",
-            "0.2",
-            "--bind",
-            "tcp://[::1]:*",
-            "--insecure",
-        ]
-    )
+    args, _ = cli.parse(["--dp", str(MAX_DP_SIZE), "--step-timeout", "0.5",
+                         "--heartbeat-interval", "0.2", "--heartbeat-timeout", "0.2",
+                         "--bind", "tcp://[::1]:*", "--insecure"])
     assert cli.check_server_args(args) is False
 
 
 def test_coordd_serve_exits_1_with_one_line() -> None:
     """The whole command, as a user runs it: exit code 1, one line, no traceback."""
-    done = subprocess.run(
-        [sys.executable, "-m", "coordd", "--dp", "5000"], capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run([sys.executable, "-m", "coordd", "--dp", "5000"], capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.strip() == (
         f"coordd: --dp must be 1..{MAX_DP_SIZE} (the most ranks coordd's messages carry), got 5000"

@@ -212,11 +212,13 @@ def test_a_refused_peer_stays_a_stranger() -> None:
 
 def test_a_key_bound_to_other_ranks_cannot_register() -> None:
     reg = registry()
-    reg.rank_keys = lambda key, rank: None if (key, rank) == ("K0", 0) else "bound to dp_rank 0"
+    reg.key_refusal = lambda key, group, rank: (
+        None if (key, rank) == ("K0", 0) else "bound to dp_rank 0"
+    )
     refused = refusal(reg.hello(b"r1", hello(1), fd=7, now=1.0, wall=WALL, key="K0"))
     assert refused.error.reason == RejectReason.CURVE_KEY.value
     assert refused.error.detail == (
-        "this connection may not register as dp_rank 1: bound to dp_rank 0"
+        "this connection may not register as dp_rank 1 of group g: bound to dp_rank 0"
     )
     # no group g yet: counted outside any group (a record per unvalidated name would grow)
     assert reg.takeovers.refused == {("-", Takeovers.KEY_BOUND): 1}
@@ -287,7 +289,7 @@ def test_an_unexpected_name_is_refused_before_the_key_check_and_leaves_no_record
     """Over CURVE with keys bound to ranks, Hellos for another rank under new names: refused
     as unexpected first, with no takeover record (or log line, or series) per name."""
     reg = registry(groups=("g",))
-    reg.rank_keys = lambda key, rank: "bound to dp_rank 0" if rank else None
+    reg.key_refusal = lambda key, group, rank: "bound to dp_rank 0" if rank else None
     for n in range(100):
         refused = refusal(reg.hello(b"r%d" % n, hello(1, group=f"n{n}"), fd=7, now=1.0,
                                     wall=WALL, key="K0"))
@@ -304,6 +306,21 @@ def test_exact_names_always_get_a_slot_and_patterns_share_the_limit() -> None:
     actions = reg.hello(b"e", hello(0, group="enginecore"), fd=21, now=1.0, wall=WALL)
     assert isinstance(actions[0], GroupCreated) and "enginecore" in reg.groups
     assert len(reg.groups) == 3
+
+
+def test_expected_names_a_pattern_admits_always_get_a_slot() -> None:
+    """`--expect-groups dp-tp1-pp0`: junk that the pattern admits fills the limit, and the
+    expected worker group of TP rank 1 still gets its slot."""
+    reg = Registry(2, G, max_groups=2, step_timeout=10.0, on_rank_loss=OnRankLoss.FAIL,
+                   rules=GroupRules(("dp-tp*-pp*",), always=("dp-tp1-pp0",)))
+    for t in (5, 6):
+        reg.hello(b"j%d" % t, hello(0, group=f"dp-tp{t}-pp0"), fd=10 + t, now=1.0, wall=WALL)
+    refused = refusal(reg.hello(b"x", hello(0, group="dp-tp7-pp0"), fd=20, now=1.0, wall=WALL))
+    assert refused.error.reason == RejectReason.GROUP_LIMIT.value
+    actions = reg.hello(b"w", hello(0, group="dp-tp1-pp0"), fd=21, now=1.0, wall=WALL)
+    assert isinstance(actions[0], GroupCreated) and "dp-tp1-pp0" in reg.groups
+    with pytest.raises(ValueError, match="not one --groups dp-tp\\*-pp\\* admits"):
+        GroupRules(("dp-tp*-pp*",), always=("enginecore",))
 
 
 def test_rules_refuse_bad_patterns() -> None:
@@ -351,7 +368,7 @@ def test_key_bound_refusals_under_many_admitted_names_keep_one_record() -> None:
     record outside any group, not one per name (before: a record, a WARNING line and a
     /metrics series per name; 60,000 Hellos, +16 MB)."""
     reg = registry(groups=("dp-tp*-pp*",))
-    reg.rank_keys = lambda key, rank: None if rank == 0 else "bound to dp_rank 0"
+    reg.key_refusal = lambda key, group, rank: None if rank == 0 else "bound to dp_rank 0"
     for n in range(2000):
         refused = refusal(reg.hello(b"p%d" % n, hello(1, group=f"dp-tp{n}-pp0"), fd=7, now=1.0,
                                     wall=WALL, key="K0"))

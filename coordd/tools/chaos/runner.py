@@ -62,7 +62,9 @@ class ChaosCoordd(CoorddProcess):
 
     starter_outlives_child = True  # a scenario's thread ends only after its processes
 
-    def __init__(self, dp: int, bind: str, settings: Settings, log_path: str) -> None:
+    def __init__(
+        self, dp: int, bind: str, settings: Settings, log_path: str, extra: Iterable[str] = ()
+    ) -> None:
         super().__init__(
             dp,
             bind,
@@ -76,6 +78,7 @@ class ChaosCoordd(CoorddProcess):
                 str(settings.heartbeat_timeout),
                 "--log-level",
                 "debug",
+                *extra,
             ],
         )
         assert self.argv[1:4] == ["-m", "coordd", "serve"]
@@ -126,6 +129,8 @@ class ScenarioRun:
         self.harness_kills: set[str] = set()
         self.deadline_kills: set[str] = set()
         self.resources: dict[str, Any] = {}
+        #: More `coordd serve` flags, from the scenario's `prepare` (junk_groups: --max-groups)
+        self.coordd_args: list[str] = []
         os.makedirs(directory, exist_ok=True)
         self.events = HistoryWriter(
             os.path.join(directory, "runner.jsonl"), role="runner", rank=-1, name="runner"
@@ -143,7 +148,7 @@ class ScenarioRun:
                 if self.transport == "ipc"
                 else f"tcp://{self.bind_host}:*"
             )
-        coordd = ChaosCoordd(self.dp, bind, self.settings, self.coordd_log)
+        coordd = ChaosCoordd(self.dp, bind, self.settings, self.coordd_log, self.coordd_args)
         coordd.start(timeout=max(5.0, self.deadline - time.monotonic()))
         self.coordd = coordd
         self.address = coordd.address

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from coordd.core.defaults import DEFAULT_GROUPS
+from coordd.core.registry import GroupRules
 from coordd.proto.messages import PROTOCOL_VERSION, StepKind
 from coordd.testing.history import Begin, Inject, Note
 from coordd.testing.scenario import Expect
@@ -164,7 +166,7 @@ class RankKilled(Scenario):
 
     def run(self, run: ScenarioRun) -> None:
         name = run.culprit_name = f"rank{run.culprit}"
-        run.start_ranks()
+        run.start_ranks(until_file=run.until_file)  # on until the fault is in (release_end)
         run.wait_seq(name, run.inject_seq)
         time.sleep(run.rng.uniform(0.0, 0.004))
         t = time.monotonic()
@@ -173,7 +175,9 @@ class RankKilled(Scenario):
         )
         run.signal_worker(name, signal.SIGKILL)
         run.wait_detected(run.honest_names(), t)
-        run.start_worker(run.spec(f"rank{run.culprit}b", "rank", run.culprit))
+        spec = run.spec(f"rank{run.culprit}b", "rank", run.culprit, until_file=run.until_file)
+        run.start_worker(spec)
+        release_end(run)
 
 
 class RankPaused(Scenario):
@@ -238,10 +242,11 @@ class CoorddRestart(Scenario):
         observed = f"rank{run.culprit}"
         run.culprit = -1
         run.culprit_name = "coordd"
-        run.start_ranks()
+        run.start_ranks(until_file=run.until_file)  # on until coordd is back (release_end)
         run.wait_seq(observed, run.inject_seq)
         time.sleep(run.rng.uniform(0.0, 0.004))
         run.restart_coordd(run.rng.choice([signal.SIGKILL, signal.SIGTERM]))
+        release_end(run)
 
 
 class GarbageFrames(Scenario):
@@ -452,6 +457,131 @@ class IdClaims(Scenario):
         run_on_until_done(run, claimer, lambda: run.start_ranks(until_file=run.until_file))
 
 
+#: Group names no rule of coordd's default --groups admits (GroupRules: its exact names and
+#: `dp-tp*-pp*`), near misses of them among others: each Hello for one is refused
+#: group_unexpected.
+_UNEXPECTED = [
+    "junk",
+    "Default",
+    "dp-tp0",
+    "dp_tp0_pp0",
+    "dp-pp0-tp0",
+    "enginecore2",
+    "engine-core",
+    "vllm",
+]
+assert not any(GroupRules().admits(name) for name in _UNEXPECTED)
+
+
+class JunkGroups(Scenario):
+    """Membership is earned (issue 21), against coordd run as deployed (its default --groups,
+    --max-groups small enough to fill): the slots filled with names its patterns admit, the
+    group, whose name is one --groups gives exactly, still registers; while it runs, Hellos for
+    groups the deployment does not expect are refused group_unexpected, one more pattern name
+    group_limit, and a member of a junk group that sends far more than one report a round has
+    its connection cut off, and nothing else (its other members still answer pings)."""
+
+    fault = Fault.JUNK_GROUPS
+    summary = "junk Hellos refused, junk filling --max-groups, a junk member's flood cut off"
+    expect = Expect(culprit_view="refused", refusal="junk_groups")
+    max_groups = 3
+
+    def prepare(self, run: ScenarioRun) -> None:
+        run.coordd_args = [
+            "--groups",
+            ",".join(DEFAULT_GROUPS),
+            "--max-groups",
+            str(self.max_groups),
+        ]
+
+    def run(self, run: ScenarioRun) -> None:
+        run.culprit = -1
+        run.culprit_name = "squatter"
+        pp = run.seed % 8 + 1  # names `dp-tp*-pp*` admits, none of them the group's
+        names = [f"dp-tp{t}-pp{pp}" for t in range(1, self.max_groups + 3)]
+        junk = [*run.rng.sample(_UNEXPECTED, 3), f"junk-{run.rng.getrandbits(16):04x}"]
+        squatter = run.start_observer(
+            run.spec(
+                "squatter",
+                "squatter",
+                0,
+                fill_groups=names[: self.max_groups],
+                over_groups=names[self.max_groups :],
+                junk_names=junk,
+                trigger_log=run.log_path("rank0"),
+                trigger_seq=run.inject_seq,
+            )
+        )
+
+        def filled() -> bool:
+            squatter.poll_log()
+            done = squatter.popen.poll() is not None
+            return done or any(isinstance(r, Note) and r.what == "filled" for r in squatter.records)
+
+        # the group registers once the junk holds every slot: its exact name must get one
+        run.wait_until(filled, "the squatter to fill the group slots")
+        run_on_until_done(run, squatter, lambda: run.start_ranks(until_file=run.until_file))
+
+
+#: The answers a client must refuse (the field its `InvalidAnswer` names), one per seed in
+#: turn: a decision for a round not yet reported, num_tokens_across_dp of another length
+#: than dp, dead_ranks out of 0..dp-1, cudagraph_mode out of 0..2, another kind.
+_MISFITS = ["seq", "num_tokens_across_dp", "dead_ranks", "cudagraph_mode", "kind"]
+
+
+class ForgedAnswers(Scenario):
+    """Trust runs both ways: a proxy between the ranks and the real coordd forwards every
+    frame as it is, but at `inject_seq` replaces one rank's decision with a misfit (one per
+    seed, `_MISFITS`) and adds, after another rank's decision of that round, an answer for no
+    round it has open (that decision again, or one of the epoch before). The first must raise
+    a typed `InvalidAnswer` naming coordd and the field, never hand the value over, and the
+    rank register again and go on; the second is dropped and counted, and is no error."""
+
+    fault = Fault.FORGED_ANSWERS
+    summary = "a proxy before coordd alters one rank's decision and adds an unsolicited one"
+    expect = Expect(culprit_view="any", refusal="forged_answer")
+
+    def run(self, run: ScenarioRun) -> None:
+        victim = run.culprit
+        run.culprit_name = f"rank{victim}"
+        run.culprit_field = _MISFITS[run.seed % len(_MISFITS)]
+        other = (victim + 1 + run.rng.randrange(run.dp - 1)) % run.dp
+        bind = (
+            f"ipc://{run.dir}/proxy.sock" if run.transport == "ipc" else f"tcp://{run.bind_host}:*"
+        )
+        stop = os.path.join(run.dir, "stop")
+        proxy = run.start_observer(
+            run.spec(
+                "proxy",
+                "proxy",
+                victim,
+                address=bind,
+                upstream=run.address,
+                fault_seq=run.inject_seq,
+                forge=run.culprit_field,
+                extra=("again", "old_epoch")[run.seed % 2],
+                extra_rank=other,
+                stop_file=stop,
+            )
+        )
+
+        def listening() -> str:
+            proxy.poll_log()
+            for r in proxy.records:
+                if isinstance(r, Note) and r.what == "listening":
+                    return r.detail
+            return ""
+
+        run.wait_until(lambda: bool(listening()) or proxy.popen.poll() is not None, "the proxy")
+        run.start_ranks(address=listening())
+        ranks = [run.processes[f"rank{r}"] for r in range(run.dp)]
+        try:
+            run.wait_until(lambda: all(p.popen.poll() is not None for p in ranks), "the ranks")
+        finally:
+            with open(stop, "w"):
+                pass
+
+
 def run_on_until_done(run: ScenarioRun, culprit: Process, start: Callable[[], None]) -> None:
     """Start the group (`start`), which rounds on past its end until `culprit` has exited, then
     10 rounds more (the end seq written into `until_file`): the culprit acts while the group
@@ -465,9 +595,10 @@ def release_end(run: ScenarioRun) -> None:
     """Let ranks started with `until_file` end: 10 rounds past the furthest one begun (at
     least `end_seq`), the seq they agree on through the rounds (see the worker). A fault
     injected once a rank reached `inject_seq` must land while the group runs: with a fixed
-    end, ranks on 2 busy cores finished all their rounds before the runner's SIGSTOP or link
-    cut took effect (rank_paused: "no rank was running when the fault was injected";
-    network_cut: "the failure never reached" the others)."""
+    end, ranks on 2 busy cores finished all their rounds before the runner's SIGSTOP, SIGKILL,
+    link cut or coordd kill took effect (rank_paused: "no rank was running when the fault was
+    injected"; network_cut: "the failure never reached" the others; rank_killed and
+    coordd_restart had the same fixed end)."""
     ranks = [p for name, p in run.processes.items() if name.startswith("rank")]
     for p in ranks:
         p.poll_log()
@@ -528,6 +659,8 @@ SCENARIOS: dict[Fault, Scenario] = {
         StrangerNoise(),
         TakeoverAttempt(),
         IdClaims(),
+        JunkGroups(),
+        ForgedAnswers(),
     ]
 }
 assert set(SCENARIOS) == set(Fault), "one scenario per fault kind"

@@ -30,6 +30,8 @@ class Fault(str, enum.Enum):
     STRANGER_NOISE = "stranger_noise"
     TAKEOVER_ATTEMPT = "takeover_attempt"
     ID_CLAIMS = "id_claims"
+    JUNK_GROUPS = "junk_groups"
+    FORGED_ANSWERS = "forged_answers"
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,7 +66,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything one chaos process needs; the runner writes it as JSON for the worker to read."""
 
-    role: str  # rank | raw | joiner | impostor | garbage | stranger | taker | claimer
+    #: rank | raw | joiner | impostor | garbage | stranger | taker | claimer | squatter | proxy
+    role: str
     name: str
     address: str
     dp_size: int
@@ -113,6 +116,23 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     claims: int = 0
     in_flight: int = 0
     claim_seconds: float = 0.0
+    #: junk_groups: Hellos for groups coordd's --groups does not admit (each refused
+    #: group_unexpected), and names its patterns admit: `fill_groups` take the --max-groups
+    #: slots before the group starts (the last one, a raw member, floods later), and
+    #: `over_groups` are asked for at the limit (refused group_limit), one before the group
+    #: starts and one while it runs
+    junk_names: list[str] = []
+    fill_groups: list[str] = []
+    over_groups: list[str] = []
+    #: forged_answers (the proxy): where coordd really is (ranks get the proxy's address), the
+    #: misfit made of the victim's (`dp_rank`) decision of round `fault_seq` (`forge`: the
+    #: field it breaks), and the answer added unsolicited after `extra_rank`'s decision of
+    #: that round (`extra`: "again" or "old_epoch"); the proxy ends once `stop_file` exists
+    upstream: str = ""
+    forge: str = ""
+    extra: str = ""
+    extra_rank: int = -1
+    stop_file: str = ""
     #: Start only once the process logging to `trigger_log` has begun round `trigger_seq`
     #: (the process is already up then, so the fault lands while the group is running).
     trigger_log: str = ""

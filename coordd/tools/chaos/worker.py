@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from coordd.client.config import ClientConfig
 from coordd.client.session import RankSession, RoundStillOpen
@@ -30,6 +31,7 @@ from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, St
 from coordd.proto.messages import (
     Goodbye,
     Heartbeat,
+    Hello,
     Reject,
     StepDecision,
     StepFailed,
@@ -37,6 +39,7 @@ from coordd.proto.messages import (
     StepReport,
     Welcome,
     decode_from_coordinator,
+    decode_to_coordinator,
     encode,
     error_from_failure,
     error_from_reject,
@@ -181,6 +184,9 @@ class Worker:
         while True:
             seq = driver.next_seq
             if seq >= self._end_seq():
+                if isinstance(driver, ClientDriver):  # answers for no round it asked
+                    dropped = driver.client.dropped_answers
+                    self.log.write(Note(t=now(), what="dropped answers", count=dropped))
                 self.log.write(Done(t=now(), next_seq=seq))
                 return 0
             if now() >= spec.deadline:
@@ -766,6 +772,271 @@ def run_claimer(spec: WorkerSpec, log: HistoryWriter) -> int:
     return 0
 
 
+#: The longest the squatter's member floods before it gives up on being cut off: coordd cuts
+#: a member past ~2k messages in its one-second window (MEMBER_SLACK), which takes well under
+#: a second of sending even on 2 busy cores.
+FLOOD_SECONDS = 8.0
+
+
+def _ask(spec: WorkerSpec, log: HistoryWriter, group: str, what: str) -> CoordClient | None:
+    """A real client's Hello for rank 0 of `group`, waiting for its own answer: a `Rejected`
+    is logged as `Refused` (`what`), a Welcome as `Registered` where `what` is a question coordd
+    must refuse (the checker's "admitted"), else as a "welcomed" note; the welcomed client is
+    returned, held (its slot with it)."""
+    client = CoordClient(config=client_config(spec, dp_rank=0, group=group))
+    try:
+        welcome = client.connect(timeout=min(PROBE_TIMEOUT, max(0.1, spec.deadline - now())))
+    except Rejected as error:
+        client.close()
+        log.write(Refused(t=now(), error=error_info(error), what=what))
+        return None
+    except CoordError as error:
+        client.close()
+        log.write(Note(t=now(), what="no answer", detail=f"{what} {group}: {error}"))
+        return None
+    if what == "fill":
+        log.write(Note(t=now(), what="welcomed", detail=group))
+    else:
+        log.write(Registered(t=now(), epoch=welcome.epoch, next_seq=welcome.next_seq))
+    return client
+
+
+def _raw_member(spec: WorkerSpec, group: str) -> tuple[zmq.Socket, zmq.Socket, object]:
+    """A DEALER that says Hello for rank 0 of `group` and never reconnects (a cut is final),
+    the monitor that sees its connection end, and coordd's answer (None: none in time)."""
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, f"squat-{os.getpid()}".encode())
+    sock.setsockopt(zmq.RECONNECT_IVL, -1)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(spec.address)
+    hello = Hello(
+        dp_size=spec.dp_size,
+        dp_rank=0,
+        config_fingerprint=spec.fingerprint,
+        incarnation=f"squatter-{os.getpid()}",
+        group=group,
+    )
+    sock.send(encode(hello))
+    answers = [a for a in _answers(sock, PROBE_TIMEOUT) if not isinstance(a, Heartbeat)]
+    return sock, monitor, answers[0] if answers else None
+
+
+def _flood(sock: zmq.Socket, monitor: zmq.Socket, report: bytes, until: float) -> tuple[int, bool]:
+    """Send `report` again and again (one report a round is a member's share) until the
+    monitor sees the connection end, or `until`; what coordd sends back is read and dropped.
+    How many went, and whether it was cut off."""
+    sent = 0
+    while now() < until:
+        for _ in range(256):
+            try:
+                sock.send(report, zmq.NOBLOCK)
+            except zmq.Again:
+                time.sleep(0.001)
+                break
+            sent += 1
+        while sock.poll(0, zmq.POLLIN):
+            sock.recv(zmq.NOBLOCK)
+        if monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                return sent, True
+    return sent, False
+
+
+def run_squatter(spec: WorkerSpec, log: HistoryWriter) -> int:
+    """junk_groups' culprit. Before the group starts, it takes every --max-groups slot with
+    names coordd's patterns admit (`fill_groups`, rank 0 of each; the last over a raw DEALER)
+    and asks for one more (refused group_limit): the group, named exactly, then registers at
+    the limit. Once the group's rounds are live: Hellos for groups the deployment does not
+    expect (`junk_names`, each refused group_unexpected), one more over the limit, then its
+    raw member sends its report again and again until coordd cuts that connection off; the
+    members it still holds must then answer pings (nothing else was cut)."""
+    held: list[tuple[str, CoordClient]] = []
+    sock = monitor = None
+    try:
+        for group in spec.fill_groups[:-1]:
+            client = _ask(spec, log, group, "fill")
+            if client is not None:
+                held.append((group, client))
+        sock, monitor, answer = _raw_member(spec, spec.fill_groups[-1])
+        if isinstance(answer, Welcome):
+            log.write(Note(t=now(), what="welcomed", detail=spec.fill_groups[-1]))
+        else:
+            detail = f"the flooding member's Hello for {spec.fill_groups[-1]} got {answer}"
+            log.write(Note(t=now(), what="no member", detail=detail))
+        over = list(spec.over_groups)
+        _ask(spec, log, over.pop(0), "over the limit")
+        filled = len(held) + isinstance(answer, Welcome)
+        log.write(Note(t=now(), what="filled", detail="junk groups held", count=filled))
+        wait_for_trigger(spec)
+        detail = f"{len(spec.junk_names)} unexpected groups, then a member's flood"
+        log.write(Inject(t=now(), fault=spec.fault, detail=detail))
+        for name in spec.junk_names:
+            _ask(spec, log, name, "unexpected group")
+        for name in over:
+            _ask(spec, log, name, "over the limit")
+        log.write(Note(t=now(), what="asked", detail="unexpected", count=len(spec.junk_names)))
+        log.write(Note(t=now(), what="asked", detail="over the limit", count=len(over) + 1))
+        if isinstance(answer, Welcome):
+            report = StepReport(
+                num_tokens=1,
+                num_tokens_padded=1,
+                dp_rank=0,
+                epoch=answer.epoch,
+                seq=answer.next_seq,
+                kind=kind_for(spec.seed, answer.next_seq),
+            )
+            began = now()
+            sent, cut = _flood(
+                sock, monitor, encode(report), min(spec.deadline, began + FLOOD_SECONDS)
+            )
+            detail = f"after {sent} copies of one report in {now() - began:.2f}s"
+            log.write(Note(t=now(), what="cut" if cut else "not cut", detail=detail, count=sent))
+        log.write(Note(t=now(), what="asked", detail="pings", count=len(held)))
+        for group, client in held:
+            try:
+                client.ping(timeout=PROBE_TIMEOUT)
+            except CoordError as error:
+                log.write(Note(t=now(), what="no pong", detail=f"{group}: {error}"))
+            else:
+                log.write(Note(t=now(), what="pong", detail=group))
+    finally:
+        for _, client in held:
+            client.close()
+        if monitor is not None:
+            monitor.close(linger=0)
+        if sock is not None:
+            sock.close(linger=0)
+    log.write(Done(t=now(), next_seq=0, reason="squatter"))
+    return 0
+
+
+def _forged(decision: StepDecision, forge: str, dp_size: int, rng: random.Random) -> StepDecision:
+    """`decision` with the one misfit `forge` names: an answer the rank must refuse."""
+    replace = msgspec.structs.replace
+    if forge == "seq":  # a round this rank has not reported yet
+        return replace(decision, seq=decision.seq + rng.choice([1, 2]))
+    if forge == "num_tokens_across_dp":
+        across = list(decision.num_tokens_across_dp)
+        return replace(decision, num_tokens_across_dp=rng.choice([across[:-1], [*across, 1]]))
+    if forge == "dead_ranks":
+        return replace(decision, dead_ranks=[rng.choice([dp_size, -1])])
+    if forge == "cudagraph_mode":
+        return replace(decision, cudagraph_mode=rng.choice([3, -1]))
+    if forge == "kind":
+        kinds = [
+            k for k in (StepKind.FORWARD, StepKind.DRAFT, StepKind.STATE) if k != decision.kind
+        ]
+        return replace(decision, kind=rng.choice(kinds))
+    raise ValueError(f"no such misfit: {forge}")
+
+
+def _unsolicited(decision: StepDecision, extra: str) -> StepDecision:
+    """An answer for no round the rank has open: `decision` again (its round is answered),
+    or one of the epoch before."""
+    if extra == "again":
+        return decision
+    if extra == "old_epoch":
+        return msgspec.structs.replace(decision, epoch=decision.epoch - 1)
+    raise ValueError(f"no such unsolicited answer: {extra}")
+
+
+def run_proxy(spec: WorkerSpec, log: HistoryWriter) -> int:
+    """forged_answers' culprit: a man in the middle between the ranks and the real coordd
+    (`upstream`). It binds `address` (a ROUTER; the ranks are given it), opens one DEALER to
+    coordd per rank connection, under that connection's routing id, and forwards every frame
+    both ways as it is, but two: the victim's (`dp_rank`) decision of round `fault_seq` is
+    replaced by a misfit (`forge`), and after `extra_rank`'s decision of that round comes one
+    more that answers no round it has open (`extra`). It ends once `stop_file` exists.
+
+    (A rank that reconnects under a new routing id would get a second DEALER while the first
+    still holds its rank at coordd: nothing in this scenario drops a connection.)"""
+    rng = random.Random(f"proxy:{spec.seed}")
+    ctx: zmq.Context = zmq.Context.instance()
+    front: zmq.Socket = ctx.socket(zmq.ROUTER)
+    front.setsockopt(zmq.LINGER, 0)
+    front.bind(spec.address)
+    log.write(Note(t=now(), what="listening", detail=front.getsockopt_string(zmq.LAST_ENDPOINT)))
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    backs: dict[bytes, zmq.Socket] = {}
+    owners: dict[zmq.Socket, bytes] = {}
+    ranks: dict[bytes, int] = {}
+    forged = added = False
+    up = down = 0
+
+    def back_for(identity: bytes) -> zmq.Socket:
+        back = backs.get(identity)
+        if back is None:
+            back = backs[identity] = ctx.socket(zmq.DEALER)
+            back.setsockopt(zmq.LINGER, 0)
+            back.setsockopt(zmq.ROUTING_ID, identity)
+            back.connect(spec.upstream)
+            owners[back] = identity
+            poller.register(back, zmq.POLLIN)
+        return back
+
+    def answers(identity: bytes, frames: list[bytes]) -> list[bytes]:
+        """What goes to the rank behind `identity` for coordd's `frames`."""
+        nonlocal forged, added
+        rank = ranks.get(identity)
+        if (forged and added) or rank not in (spec.dp_rank, spec.extra_rank):
+            return frames
+        try:
+            message = decode_from_coordinator(frames[-1])
+        except CoordError:
+            return frames
+        if not isinstance(message, StepDecision) or message.seq < spec.fault_seq:
+            return frames
+        if rank == spec.dp_rank and not forged:
+            forged = True
+            misfit = _forged(message, spec.forge, spec.dp_size, rng)
+            detail = f"{spec.forge} of seq {message.seq} to rank {rank}: {misfit}"
+            log.write(Inject(t=now(), fault=spec.fault, rank=rank, detail=detail))
+            log.write(Note(t=now(), what="misfit", detail=spec.forge, count=message.seq))
+            return [encode(misfit)]
+        if rank == spec.extra_rank and not added:
+            added = True
+            extra = _unsolicited(message, spec.extra)
+            detail = f"unsolicited ({spec.extra}) after seq {message.seq} to rank {rank}: {extra}"
+            log.write(Inject(t=now(), fault=spec.fault, rank=rank, detail=detail))
+            log.write(Note(t=now(), what="unsolicited", detail=spec.extra, count=rank))
+            return [*frames, encode(extra)]
+        return frames
+
+    try:
+        while now() < spec.deadline and not os.path.exists(spec.stop_file):
+            for sock, _ in poller.poll(50):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if sock is front:
+                        identity, payload = frames[0], frames[1:]
+                        if identity not in ranks and payload:
+                            with contextlib.suppress(CoordError):
+                                hello = decode_to_coordinator(payload[-1])
+                                if isinstance(hello, Hello):
+                                    ranks[identity] = hello.dp_rank
+                        back_for(identity).send_multipart(payload)
+                        up += 1
+                    else:
+                        identity = owners[sock]
+                        for frame in answers(identity, frames):
+                            front.send_multipart([identity, frame])
+                            down += 1
+    finally:
+        for back in backs.values():
+            back.close(linger=0)
+        front.close(linger=0)
+    log.write(Note(t=now(), what="forwarded", detail="to coordd", count=up))
+    log.write(Note(t=now(), what="forwarded", detail="to the ranks", count=down))
+    log.write(Done(t=now(), next_seq=0, reason="proxy"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     with open(args[0], "rb") as f:
@@ -783,6 +1054,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_taker(spec, log)
     if spec.role == "claimer":
         return run_claimer(spec, log)
+    if spec.role == "squatter":
+        return run_squatter(spec, log)
+    if spec.role == "proxy":
+        return run_proxy(spec, log)
     worker = Worker(spec, log)
     driver: ClientDriver | RawRank
     driver = RawRank(config=client_config(spec)) if spec.role == "raw" else ClientDriver(spec)
