@@ -10,7 +10,12 @@ The rules (`coordd.io.limits` says why each exists):
   when its ACCEPTED event was read; over `cap`, the oldest that holds no registered rank is
   shut (`enforce`). A registered rank's connection is never chosen by any rule here.
 - Under memory pressure (`pressure`, one flag, which the ZAP gate reads too) every new
-  connection is shut as soon as it is accepted, and `shed` shuts every stranger.
+  connection is shut as soon as it is accepted, and `shed` shuts every stranger; but over ipc
+  a connection from a quiet process (none of its connections accepted in the last
+  QUIET_PROCESS seconds: a rank's, not an attacker's that reconnects all the time) is kept,
+  and spared by `shed` for SPARED seconds, time for its Hello (the ZAP gate lets in a quiet
+  source under pressure too): the 16-process attack's handshakes in flight kept coordd over
+  its budget with no stranger to close, and every rank's connection was shut.
 - A connection that said no Hello within the stranger grace is shut (`expire`).
 - A peer that holds no rank and sends more than `flood` messages in a one-second window has
   its connection shut (`stranger_message`, then `cut`), and over ipc its process's other
@@ -64,6 +69,10 @@ MEMBER_SLACK = 1024
 MEMBER_CHECK = 1024
 #: Most entries of each table a peer can grow here (first sockets, cut connections).
 MAX_TRACKED = 4096
+#: Under memory pressure, an ipc process none of whose connections was accepted for this long
+#: is quiet: its new connection is kept (a rank connecting), and spared by `shed` this long.
+QUIET_PROCESS = 5.0
+SPARED = 2.0
 #: Most processes banned at once (the expired ones are dropped first).
 MAX_BANNED = 1024
 
@@ -153,6 +162,11 @@ class Admission:
         self._cut: BoundedMap[tuple[bytes, int], None] = BoundedMap(MAX_TRACKED)
         self._answers = TokenBucket(answers_per_s, answers_per_s, now)
         self.answers_dropped = 0
+        #: under memory pressure: when each ipc process last had a connection accepted
+        self._process_seen: BoundedMap[int, tuple[int | None, float]] = BoundedMap(MAX_TRACKED)
+        #: connections of quiet processes kept under pressure -> until when `shed` spares them
+        self.spared: dict[int, float] = {}
+        self.kept_quiet = 0
 
     # -- the connections ----------------------------------------------------------------------
 
@@ -160,9 +174,13 @@ class Admission:
         """A connection was accepted (its ACCEPTED event); one under memory pressure, or from a
         process cut off for flooding within BAN_SECONDS, is shut at once."""
         ident = self._ident(fd)
+        if ident is not None and self.open.get(fd) == ident:
+            # this socket was taken already: a closed connection's late event, read once the
+            # number named this one (deciding twice made a rank's process busy under pressure)
+            return []
         # a new connection under this number: its messages are read again
         self.shut.pop(fd, None)
-        if self.pressure.on:
+        if self.pressure.on and not self._quiet_process(fd, ident, now):
             self.refused_memory += 1
             return _shut(fd, ident, PRESSURE)
         if self.banned:
@@ -179,10 +197,28 @@ class Admission:
         self.peak = max(self.peak, len(self.open))
         return []
 
+    def _quiet_process(self, fd: int, ident: int | None, now: float) -> bool:
+        """Under pressure: whether `fd` is an ipc connection of a process that had none
+        accepted for QUIET_PROCESS seconds (then it is kept, and spared by `shed` a while)."""
+        pid = self._pid(fd, ident)
+        if pid is None:
+            return False
+        last = self._process_seen.get(pid)
+        self._process_seen.put(pid, (ident, now))
+        # the same socket again is no second connection: events are read late, and a
+        # closed connection's ACCEPTED and DISCONNECTED may be read once its number names
+        # the rank's new socket (taken for it, then dropped, then its own event)
+        if last is not None and last[0] != ident and now - last[1] < QUIET_PROCESS:
+            return False
+        self.kept_quiet += 1
+        self.spared[fd] = now + SPARED
+        return True
+
     def closed_fd(self, fd: int) -> None:
         """The connection on `fd` was closed (its DISCONNECTED event)."""
         self.open.pop(fd, None)
         self.accepted_at.pop(fd, None)
+        self.spared.pop(fd, None)
 
     def done(self, shut: Shut) -> None:
         """`shut` was carried out: the connection is down."""
@@ -220,9 +256,15 @@ class Admission:
         victims = [fd for fd in self.open if fd not in keep][:excess]
         return [s for fd in victims for s in _shut(fd, self.open.pop(fd), CAP)]
 
-    def shed(self) -> list[Shut]:
-        """Every connection that holds no rank, newest first (memory pressure)."""
+    def shed(self, now: float = float("inf")) -> list[Shut]:
+        """Every connection that holds no rank, newest first (memory pressure), but a quiet
+        process's spared one (`accepted`) until its time is up."""
         keep = set(self._registered())
+        for fd, until in list(self.spared.items()):
+            if until > now and fd in self.open:
+                keep.add(fd)
+            else:
+                del self.spared[fd]
         victims = [fd for fd in reversed(self.open) if fd not in keep]
         return [s for fd in victims for s in _shut(fd, self.open.pop(fd), SHED)]
 

@@ -97,12 +97,16 @@ class HandshakeRate:
     refused_source: int = 0
     refused_group: int = 0
     refused_total: int = 0
+    #: refused as busy while only quiet sources are admitted (memory pressure)
+    refused_busy: int = 0
     #: admitted from the reserve (a quiet source while busy ones had spent the rest)
     reserved: int = 0
     _all: TokenBucket = field(init=False)
     _floor: float = field(init=False)
     _source_burst: float = field(init=False)
     _sources: BoundedMap[bytes, TokenBucket] = field(init=False)
+    #: each source's tries, admitted or not (whether it is quiet)
+    _tries: BoundedMap[bytes, TokenBucket] = field(init=False)
     _groups: BoundedMap[bytes, TokenBucket] = field(init=False)
     #: each address's group, once worked out (an address keeps coming back)
     _group_of: BoundedMap[tuple[bytes, bytes], bytes | None] = field(init=False)
@@ -116,6 +120,7 @@ class HandshakeRate:
         self._source_burst = min(self.burst, max(MIN_SOURCE_BURST, self.burst * self.share))
         self._floor = min(self.burst - 1.0, max(1.0, self.burst * self.reserve))
         self._sources = BoundedMap(self.max_sources)
+        self._tries = BoundedMap(self.max_sources)
         self._groups = BoundedMap(self.max_sources)
         self._group_of = BoundedMap(self.max_sources)
 
@@ -140,18 +145,31 @@ class HandshakeRate:
             self._group_of.put((address, key), group)
             return group
 
-    def admit(self, source: bytes, now: float, group: bytes | None = None) -> bool:
+    def admit(
+        self, source: bytes, now: float, group: bytes | None = None, *, quiet_only: bool = False
+    ) -> bool:
         """One handshake from `source` (of `group`: `source_group`) at `now`: admitted (and
         counted) or not. A source over its share, or of a group over the group's, spends
         nothing of the shared budget; a busy one (its own bucket or its group's not full)
-        only what is above the reserve."""
+        only what is above the reserve. `quiet_only` (coordd over its memory budget): only a
+        quiet source is admitted, within the rate, and it takes its whole share (one
+        handshake, then busy until its bucket is full again); a busy one is refused
+        (`refused_busy`), spending nothing: the handshakes in flight that grew coordd keep no
+        rank out."""
         bucket = self._bucket(
             self._sources, source, self.rate * self.share, self._source_burst, now
         )
+        # every try counts for whether a source is quiet, admitted or not: 16 attackers
+        # refused at the shared limit spent nothing of their own share, counted as quiet and
+        # took the reserve (a rank's connect() failed in 1 of 10 tries)
+        tries = self._bucket(self._tries, source, self.rate * self.share, self._source_burst, now)
+        tries.ready(now)
+        tried = tries.tokens >= self._source_burst - 1.0
+        tries.tokens = max(0.0, tries.tokens - 1.0)
         if not bucket.ready(now):
             self.refused_source += 1
             return False
-        quiet = bucket.tokens >= self._source_burst - 1.0
+        quiet = tried and bucket.tokens >= self._source_burst - 1.0
         grouped = None
         if group is not None and group != source:
             grouped = self._bucket(
@@ -161,6 +179,9 @@ class HandshakeRate:
                 self.refused_group += 1
                 return False
             quiet = quiet and grouped.tokens >= self.burst - 1.0
+        if quiet_only and not quiet:
+            self.refused_busy += 1
+            return False
         shared = self._all
         shared.ready(now)
         if shared.tokens - 1.0 < (0.0 if quiet else self._floor):
@@ -169,7 +190,8 @@ class HandshakeRate:
         if shared.tokens - 1.0 < self._floor:
             self.reserved += 1
         shared.tokens -= 1.0
-        bucket.tokens -= 1.0
+        # under pressure a source gets one handshake, then is busy until its share refills
+        bucket.tokens = 0.0 if quiet_only else bucket.tokens - 1.0
         if grouped is not None:
             grouped.tokens -= 1.0
         return True

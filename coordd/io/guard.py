@@ -189,7 +189,8 @@ class Guard:
         self.admission.pressure.on = on
         if not on:
             return 0
-        return self.act(self.admission.shed) or 0
+        now = self.clock()
+        return self.act(lambda: self.admission.shed(now)) or 0
 
     def _grace_period(self) -> float:
         """How often silent connections are looked for: a quarter of the grace, at most 1 s."""

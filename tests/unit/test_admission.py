@@ -12,8 +12,10 @@ from coordd.core.admission import (
     FLOOD_PROCESS,
     MEMBER_SLACK,
     PRESSURE,
+    QUIET_PROCESS,
     SHED,
     SILENT,
+    SPARED,
     STRANGER_ANSWERS_PER_S,
     STRANGER_SOCKET_TTL,
     VIOLATION,
@@ -110,6 +112,37 @@ def test_under_memory_pressure_strangers_are_shed_newest_first_and_new_ones_shut
     assert 23 not in guard.open and guard.refused_memory == 1
     guard.pressure.on = False
     assert guard.accepted(24, 0.0) == [] and 24 in guard.open
+
+
+def test_under_pressure_a_quiet_processs_connection_is_kept_for_its_hello() -> None:
+    """Issue 21, 5: the attack's handshakes in flight held coordd over its budget with no
+    stranger to close, and a rank's connection was shut as accepted (connect() failed 5 in
+    10). Over ipc a process with no connection accepted for QUIET_PROCESS seconds is kept, and
+    spared by `shed` for SPARED; an attacker's process, reconnecting, is shut."""
+    host = Host()
+    guard = host.admission()
+    guard.pressure.on = True
+    host.pids.update({30: 500, 31: 500, 32: 500, 40: 900, 41: 700})
+    assert guard.accepted(30, 0.0) == [], "the attacker's first: its process was quiet"
+    assert guard.accepted(31, 0.1) == [Shut(31, 31, PRESSURE)], "then it is busy"
+    assert guard.accepted(32, 0.1 + QUIET_PROCESS - 0.01) == [Shut(32, 32, PRESSURE)]
+    assert guard.accepted(40, 3.0) == [], "a rank's process: kept"
+    assert carried(guard, guard.shed(3.5)) == [30], "spared while its Hello may come"
+    host.ranks.add(40)  # it said Hello: a rank now
+    assert carried(guard, guard.shed(3.0 + SPARED + 0.1)) == []
+    host.ranks.clear()
+    assert guard.accepted(41, 4.0) == []
+    assert carried(guard, guard.shed(4.0 + SPARED + 0.1)) == [41, 40], "no Hello: shed"
+    host.pids[42] = 800  # a closed connection's late ACCEPTED, read once 42 named the
+    assert guard.accepted(42, 8.0) == []  # rank's new socket: kept for it...
+    assert guard.accepted(42, 8.01) == [], "...and its own event is the same socket's"
+    guard.closed_fd(42)  # the old connection's late DISCONNECTED drops the record
+    assert guard.accepted(42, 8.02) == [], "its own ACCEPTED: the same socket, still quiet"
+    host.idents[42] = 4242  # a second socket of that process: busy
+    assert guard.accepted(42, 8.03) == [Shut(42, 4242, PRESSURE)]
+    # tcp: no process to tell
+    assert guard.accepted(50, 20.0) == [Shut(50, 50, PRESSURE)]
+    assert guard.kept_quiet == 5
 
 
 def test_a_connection_that_says_no_hello_within_the_grace_is_shut() -> None:

@@ -76,6 +76,54 @@ def test_many_busy_sources_cannot_keep_a_quiet_one_out() -> None:
     assert rate.refused_total > 0  # the attackers were held to what is above the reserve
 
 
+def test_attackers_refused_at_the_shared_limit_are_busy_not_quiet() -> None:
+    """64 attacking processes: the burst serves 8 of them, the other 56 are refused at the
+    shared limit with their own share untouched. Counted by admissions they were quiet and
+    took the reserve from a rank's process (a connect() failed 1 in 10); every try counts."""
+    rate = HandshakeRate(rate=20, burst=1024)
+    attackers = [f"localhost:1000:1000:{pid}".encode() for pid in range(100, 164)]
+    admitted_quiet = 0
+    for step in range(1, 1001):
+        now = step / 100
+        for source in attackers:
+            rate.admit(source, now)
+        if step % 97 == 0:
+            admitted_quiet += rate.admit(f"localhost:1000:1000:{9000 + step}".encode(), now)
+    assert admitted_quiet == 1000 // 97
+
+
+def test_under_memory_pressure_only_a_quiet_source_gets_in() -> None:
+    """Issue 21, 5: the 16-process attack's handshakes in flight took coordd over its memory
+    budget (65 MB, no stranger to close), which refused every handshake: a rank's connect()
+    failed in 5 of 10 tries. Under pressure a quiet source is still let in, within the rate;
+    a busy one spends nothing."""
+    rate = HandshakeRate(rate=20, burst=1024)
+    attackers = [f"localhost:1000:1000:{pid}".encode() for pid in range(100, 116)]
+    for source in attackers:  # each keeps handshakes in flight: busy
+        for _ in range(64):
+            rate.admit(source, 0.0)
+    admitted_busy = dict.fromkeys(attackers, 0)
+    admitted_quiet = 0
+    for step in range(1, 1001):  # 10 s under pressure
+        now = step / 100
+        for source in attackers:
+            admitted_busy[source] += rate.admit(source, now, quiet_only=True)
+        if step % 97 == 0:
+            rank = f"localhost:1000:1000:{9000 + step}".encode()
+            admitted_quiet += rate.admit(rank, now, quiet_only=True)
+    # the attackers the burst left quiet (it ran out) get one each, then are busy
+    assert max(admitted_busy.values()) <= 1 and sum(admitted_busy.values()) <= 2
+    assert rate.refused_busy > 10_000
+    assert admitted_quiet == 1000 // 97
+    again = b"localhost:1000:1000:9097"  # a source let in under pressure is busy after it
+    assert not rate.admit(again, 9.71, quiet_only=True)
+    assert rate.admit(again, 9.71 + 128 / 2.5)
+    flood = HandshakeRate(rate=20, burst=1024)  # fresh sources are quiet, but the rate holds
+    got = sum(flood.admit(f"localhost:0:0:{pid}".encode(), pid / 1000, quiet_only=True)
+              for pid in range(10_000))  # 10 s of a new process every ms
+    assert got <= 1024 + 20 * 10
+
+
 def test_sources_are_bounded() -> None:
     rate = HandshakeRate(rate=10, burst=4, max_sources=8)
     for n in range(100):
