@@ -145,6 +145,15 @@ class HandshakeRate:
             self._group_of.put((address, key), group)
             return group
 
+    def quiet(self, source: bytes, now: float) -> bool:
+        """Whether `source` has tried no handshake for a while (its tries' bucket is full):
+        the gate answers such sources first (a rank's process, not one that keeps trying)."""
+        tries = self._tries.get(source)
+        if tries is None:
+            return True
+        tries.ready(now)
+        return tries.tokens >= self._source_burst - 1.0
+
     def admit(
         self, source: bytes, now: float, group: bytes | None = None, *, quiet_only: bool = False
     ) -> bool:

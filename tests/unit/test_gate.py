@@ -124,6 +124,21 @@ def test_under_memory_pressure_only_a_quiet_source_gets_in() -> None:
     assert got <= 1024 + 20 * 10
 
 
+def test_a_source_is_quiet_until_it_keeps_trying() -> None:
+    """What the ZAP thread answers first: a source that has tried at most once lately (a
+    rank's process connecting), not one that keeps trying, admitted or refused."""
+    rate = HandshakeRate(rate=20, burst=1024)  # a source's share: 2.5 a second, 128 at once
+    assert rate.quiet(IPC, 0.0)  # never seen
+    rate.admit(IPC, 0.0)
+    assert rate.quiet(IPC, 0.0)  # one try: a rank's first connection
+    rate.admit(IPC, 0.0)
+    assert not rate.quiet(IPC, 0.0) and rate.quiet(OTHER, 0.0)
+    assert not rate.quiet(IPC, 0.3) and rate.quiet(IPC, 0.4)  # its share refilled one try
+    for _ in range(500):  # refused over its share: the tries count all the same
+        rate.admit(IPC, 1.0)
+    assert not rate.quiet(IPC, 1.0 + 126 / 2.5) and rate.quiet(IPC, 1.0 + 127 / 2.5)
+
+
 def test_sources_are_bounded() -> None:
     rate = HandshakeRate(rate=10, burst=4, max_sources=8)
     for n in range(100):
