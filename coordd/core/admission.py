@@ -13,9 +13,10 @@ The rules (`coordd.io.limits` says why each exists):
   connection is shut as soon as it is accepted, and `shed` shuts every stranger; but over ipc
   a connection from a quiet process (none of its connections accepted in the last
   QUIET_PROCESS seconds: a rank's, not an attacker's that reconnects all the time) is kept,
-  and spared by `shed` for SPARED seconds, time for its Hello (the ZAP gate lets in a quiet
-  source under pressure too): the 16-process attack's handshakes in flight kept coordd over
-  its budget with no stranger to close, and every rank's connection was shut.
+  and one accepted so, under pressure or just before it, is spared by `shed` for SPARED
+  seconds, time for its Hello (the ZAP gate lets in a quiet source under pressure too): the
+  16-process attack's handshakes in flight kept coordd over its budget with no stranger to
+  close, and every rank's connection was shut.
 - A connection that said no Hello within the stranger grace is shut (`expire`).
 - A peer that holds no rank and sends more than `flood` messages in a one-second window has
   its connection shut (`stranger_message`, then `cut`), and over ipc its process's other
@@ -162,7 +163,7 @@ class Admission:
         self._cut: BoundedMap[tuple[bytes, int], None] = BoundedMap(MAX_TRACKED)
         self._answers = TokenBucket(answers_per_s, answers_per_s, now)
         self.answers_dropped = 0
-        #: under memory pressure: when each ipc process last had a connection accepted
+        #: when each ipc process last had a connection accepted
         self._process_seen: BoundedMap[int, tuple[int | None, float]] = BoundedMap(MAX_TRACKED)
         #: connections of quiet processes kept under pressure -> until when `shed` spares them
         self.spared: dict[int, float] = {}
@@ -180,9 +181,15 @@ class Admission:
             return []
         # a new connection under this number: its messages are read again
         self.shut.pop(fd, None)
-        if self.pressure.on and not self._quiet_process(fd, ident, now):
-            self.refused_memory += 1
-            return _shut(fd, ident, PRESSURE)
+        # every accept counts, under pressure or not: a rank's connection accepted just
+        # before the pressure came on was shed before its handshake was answered, and its
+        # process was busy from then on (a connect() failed in 1 of 10 tries)
+        quiet = self._quiet_process(fd, ident, now)
+        if self.pressure.on:
+            if not quiet:
+                self.refused_memory += 1
+                return _shut(fd, ident, PRESSURE)
+            self.kept_quiet += 1
         if self.banned:
             pid = self._pid(fd, ident)
             until = self.banned.get(pid) if pid is not None else None
@@ -198,8 +205,8 @@ class Admission:
         return []
 
     def _quiet_process(self, fd: int, ident: int | None, now: float) -> bool:
-        """Under pressure: whether `fd` is an ipc connection of a process that had none
-        accepted for QUIET_PROCESS seconds (then it is kept, and spared by `shed` a while)."""
+        """Whether `fd` is an ipc connection of a process that had none accepted for
+        QUIET_PROCESS seconds (then `shed` spares it a while, and under pressure it is kept)."""
         pid = self._pid(fd, ident)
         if pid is None:
             return False
@@ -210,7 +217,6 @@ class Admission:
         # the rank's new socket (taken for it, then dropped, then its own event)
         if last is not None and last[0] != ident and now - last[1] < QUIET_PROCESS:
             return False
-        self.kept_quiet += 1
         self.spared[fd] = now + SPARED
         return True
 

@@ -145,6 +145,25 @@ def test_under_pressure_a_quiet_processs_connection_is_kept_for_its_hello() -> N
     assert guard.kept_quiet == 5
 
 
+def test_a_quiet_processs_connection_accepted_before_the_pressure_is_spared_too() -> None:
+    """Traced under the 16-process attack: a rank's connection was accepted just before the
+    pressure came on and shed 70 ms later, before its handshake was answered; its process had
+    a connection accepted then, so it was busy, every reconnect was shut, and its connect()
+    ran out its 10 s. Every accept counts: one from a quiet process is spared either way."""
+    host = Host()
+    guard = host.admission()
+    host.pids.update({30: 500, 31: 500, 40: 900})
+    assert guard.accepted(30, 0.0) == [] and guard.accepted(31, 0.05) == []  # an attacker
+    assert guard.accepted(40, 0.1) == []  # a rank, a moment before the pressure
+    guard.pressure.on = True
+    # the rank's is spared, and so is the attacker's first (its process was quiet then)
+    assert carried(guard, guard.shed(0.2)) == [31]
+    assert carried(guard, guard.shed(0.1 + SPARED + 0.01)) == [40, 30], "no Hello in time"
+    host.pids[32] = 500
+    assert guard.accepted(32, 1.0) == [Shut(32, 32, PRESSURE)], "counted before: still busy"
+    assert guard.kept_quiet == 0  # none was kept under pressure
+
+
 def test_a_connection_that_says_no_hello_within_the_grace_is_shut() -> None:
     guard = Host().admission()
     for fd, at in ((10, 0.0), (11, 1.0), (12, 2.0), (13, 9.5)):
