@@ -42,7 +42,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from coordd.core.bounds import BoundedMap, TokenBucket
-from coordd.core.defaults import BAN_SECONDS
+from coordd.core.defaults import BAN_SECONDS, HANDSHAKE_TIMEOUT
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError
 from coordd.proto.messages import (
     Goodbye,
@@ -71,9 +71,12 @@ MEMBER_CHECK = 1024
 #: Most entries of each table a peer can grow here (first sockets, cut connections).
 MAX_TRACKED = 4096
 #: Under memory pressure, an ipc process none of whose connections was accepted for this long
-#: is quiet: its new connection is kept (a rank connecting), and spared by `shed` this long.
+#: is quiet: its new connection is kept (a rank connecting), and spared by `shed` until its
+#: handshake must be over (libzmq closes it at HANDSHAKE_TIMEOUT) and its Hello in: spared
+#: 2 s, a rank's connection was shed while the 16-process attack's ZAP queue held its
+#: handshake 2-5 s, and its connect() failed.
 QUIET_PROCESS = 5.0
-SPARED = 2.0
+SPARED = HANDSHAKE_TIMEOUT + 2.0
 #: Most processes banned at once (the expired ones are dropped first).
 MAX_BANNED = 1024
 

@@ -127,7 +127,7 @@ def test_under_pressure_a_quiet_processs_connection_is_kept_for_its_hello() -> N
     assert guard.accepted(31, 0.1) == [Shut(31, 31, PRESSURE)], "then it is busy"
     assert guard.accepted(32, 0.1 + QUIET_PROCESS - 0.01) == [Shut(32, 32, PRESSURE)]
     assert guard.accepted(40, 3.0) == [], "a rank's process: kept"
-    assert carried(guard, guard.shed(3.5)) == [30], "spared while its Hello may come"
+    assert carried(guard, guard.shed(SPARED + 0.5)) == [30], "spared while its Hello may come"
     host.ranks.add(40)  # it said Hello: a rank now
     assert carried(guard, guard.shed(3.0 + SPARED + 0.1)) == []
     host.ranks.clear()
