@@ -71,6 +71,13 @@ def _states(port: int) -> dict[str, str]:
     return {g["name"]: g["state"] for g in doc["groups"]}
 
 
+def _failure(port: int) -> object:
+    """The group's failure as /status gives it (why, which ranks), for an assertion's text."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as response:
+        doc = json.loads(response.read().decode())
+    return [g.get("failure") for g in doc["groups"]]
+
+
 def _until(port: int, want: str, timeout: float = 15.0) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     states = _states(port)
@@ -113,7 +120,7 @@ def test_a_normal_exit_says_goodbye_and_a_kill_is_lost(tmp_path: Path, how: str)
             assert metric_value(port, 'coordd_group_stops_total{group="dp-tp0-pp0"}') == 0
         else:
             states = _until(port, "stopped")
-            assert states == {"dp-tp0-pp0": "stopped"}, states
+            assert states == {"dp-tp0-pp0": "stopped"}, (states, _failure(port), outs)
             assert metric_value(port, 'coordd_departures_total{group="dp-tp0-pp0"}') == 2
             assert metric_value(port, 'coordd_group_failed{group="dp-tp0-pp0"}') == 0
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
