@@ -394,6 +394,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from coordd.core.logs import setup_logging
     from coordd.io.curve import CurveGate, SecurityConfigError
+    from coordd.io.gate import SWITCH_INTERVAL
     from coordd.io.listen import IPC_MODES, BindError
     from coordd.io.server import CoordServer
     from coordd.proto.keyfile import KeyFileError
@@ -405,6 +406,7 @@ def serve(args: argparse.Namespace) -> int:
     caps = fit_limits(args, log)
     if args.insecure and bind.startswith("tcp://"):
         log.warning("tcp without CURVE (--insecure): any host that reaches %s can join", bind)
+    sys.setswitchinterval(SWITCH_INTERVAL)  # the ZAP thread's turn comes sooner
     context = zmq.Context()
     gate = None
     try:
