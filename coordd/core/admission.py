@@ -13,10 +13,11 @@ The rules (`coordd.io.limits` says why each exists):
   connection is shut as soon as it is accepted, and `shed` shuts every stranger; but over ipc
   a connection from a quiet process (none of its connections accepted in the last
   QUIET_PROCESS seconds: a rank's, not an attacker's that reconnects all the time) is kept,
-  and one accepted so, under pressure or just before it, is spared by `shed` for SPARED
-  seconds, time for its Hello (the ZAP gate lets in a quiet source under pressure too): the
-  16-process attack's handshakes in flight kept coordd over its budget with no stranger to
-  close, and every rank's connection was shut.
+  and one accepted so (under pressure or before it) is spared by `shed` for SPARED seconds,
+  time for its handshake and Hello: HELLO_GRACE after the ZAP gate admitted that process's
+  handshake (`handshakes`), or until its first message (the ZAP gate lets in a quiet source
+  under pressure too): the 16-process attack's handshakes in flight kept coordd over its
+  budget with no stranger to close, and every rank's connection was shut.
 - A connection that said no Hello within the stranger grace is shut (`expire`).
 - A peer that holds no rank and sends more than `flood` messages in a one-second window has
   its connection shut (`stranger_message`, then `cut`), and over ipc its process's other
@@ -37,7 +38,7 @@ descriptor in `open` is then one libzmq holds): the shell makes sure of it where
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -77,6 +78,12 @@ MAX_TRACKED = 4096
 #: handshake 2-5 s, and its connect() failed.
 QUIET_PROCESS = 5.0
 SPARED = HANDSHAKE_TIMEOUT + 2.0
+#: A spared connection's spare after the ZAP gate admitted its process's handshake: a client
+#: sends its Hello as its handshake ends.
+HELLO_GRACE = 1.0
+#: How much earlier than its ACCEPTED event was read a connection's handshake may be admitted
+#: (libzmq accepts, the gate answers, the loop reads the event late).
+MONITOR_LAG = 1.0
 #: Most processes banned at once (the expired ones are dropped first).
 MAX_BANNED = 1024
 
@@ -170,6 +177,10 @@ class Admission:
         self._process_seen: BoundedMap[int, tuple[int | None, float]] = BoundedMap(MAX_TRACKED)
         #: connections of quiet processes kept under pressure -> until when `shed` spares them
         self.spared: dict[int, float] = {}
+        self._spared_pid: dict[int, int] = {}
+        #: (process id, when): handshakes the ZAP gate admitted over ipc (its thread appends;
+        #: `shed` reads): a spared connection's spare ends HELLO_GRACE after its handshake
+        self.handshakes: deque[tuple[int, float]] = deque(maxlen=MAX_TRACKED)
         self.kept_quiet = 0
 
     # -- the connections ----------------------------------------------------------------------
@@ -186,7 +197,7 @@ class Admission:
         self.shut.pop(fd, None)
         # every accept counts, under pressure or not: a rank's connection accepted just
         # before the pressure came on was shed before its handshake was answered, and its
-        # process was busy from then on (a connect() failed in 1 of 10 tries)
+        # process was busy from then on (a connect() failed in 1 to 4 of 40 tries)
         quiet = self._quiet_process(fd, ident, now)
         if self.pressure.on:
             if not quiet:
@@ -221,6 +232,7 @@ class Admission:
         if last is not None and last[0] != ident and now - last[1] < QUIET_PROCESS:
             return False
         self.spared[fd] = now + SPARED
+        self._spared_pid[fd] = pid
         return True
 
     def closed_fd(self, fd: int) -> None:
@@ -228,6 +240,7 @@ class Admission:
         self.open.pop(fd, None)
         self.accepted_at.pop(fd, None)
         self.spared.pop(fd, None)
+        self._spared_pid.pop(fd, None)
 
     def done(self, shut: Shut) -> None:
         """`shut` was carried out: the connection is down."""
@@ -269,13 +282,34 @@ class Admission:
         """Every connection that holds no rank, newest first (memory pressure), but a quiet
         process's spared one (`accepted`) until its time is up."""
         keep = set(self._registered())
+        self._handshakes_done()
         for fd, until in list(self.spared.items()):
             if until > now and fd in self.open:
                 keep.add(fd)
             else:
                 del self.spared[fd]
+                self._spared_pid.pop(fd, None)
         victims = [fd for fd in reversed(self.open) if fd not in keep]
         return [s for fd in victims for s in _shut(fd, self.open.pop(fd), SHED)]
+
+    def _handshakes_done(self) -> None:
+        """A spared connection whose process's handshake the gate admitted is spared only
+        HELLO_GRACE more: time for its Hello, not for what a flood sends after it (the one
+        connection of a multipart flood, spared 7 s, grew coordd to 160 MB; 65 MB shed)."""
+        done = self.handshakes
+        if not done:
+            return
+        admitted: dict[int, float] = {}
+        while done:
+            pid, when = done.popleft()
+            admitted[pid] = max(when, admitted.get(pid, when))
+        for fd, pid in self._spared_pid.items():
+            through = admitted.get(pid)
+            # not an earlier connection's handshake (its ACCEPTED may be read a little late)
+            if through is None or through < self.accepted_at.get(fd, float("inf")) - MONITOR_LAG:
+                continue
+            if fd in self.spared:
+                self.spared[fd] = min(self.spared[fd], through + HELLO_GRACE)
 
     def expire(self, before: float, introduced: Collection[int]) -> list[Shut]:
         """The connections accepted before `before` that are not in `introduced` (they said no
@@ -321,6 +355,11 @@ class Admission:
     def stranger_message(self, peer: bytes, fd: int, now: float) -> bool:
         """Count one message from `peer`, which holds no rank, over descriptor `fd`; True when
         the count reaches `flood` (then `cut`, with the monitor read)."""
+        # spared for its handshake and Hello, not what follows: a multipart flood from one
+        # process's only connection (a quiet process) was spared 7 s and grew coordd to 160 MB
+        if self.spared:
+            self.spared.pop(fd, None)
+            self._spared_pid.pop(fd, None)
         count = self.counts.get(peer, 0) + 1
         self.counts[peer] = count
         if count == 1:

@@ -96,6 +96,8 @@ ZAP_BATCH = 4096
 #: honest connects, at most 2.9 s (6.3 s at 5 ms); round p50 unchanged (0.27-0.34 ms at dp=4),
 #: as only one thread wants the lock when no handshakes come.
 SWITCH_INTERVAL = 0.0005
+#: How libzmq names an ipc peer to ZAP: `localhost:UID:GID:PID`.
+IPC_SOURCE = b"localhost:"
 #: The ZAP status texts of the temporary refusals (status 300).
 REFUSAL = b"coordd is over its memory budget (--max-rss-mb): try again"
 RATE_REFUSAL = b"coordd admits at most --max-handshake-rate handshakes a second: try again"
@@ -154,6 +156,9 @@ class HandshakeGate:
         #: refusals answered at once, with MAX_STALLED already held (`max_stalled`)
         self.hurried = 0
         self.max_stalled = MAX_STALLED
+        #: ipc handshakes admitted, (process id, when), for admission's spares
+        #: (`coordd.core.admission.Admission.handshakes`; deque appends are thread-safe)
+        self.handshakes: deque[tuple[int, float]] | None = None
         #: told of every handshake (the descriptor watch: `coordd.io.limits.DescriptorWatch`)
         self.on_handshake: Callable[[], None] | None = None
         self._context_id = id(context)
@@ -241,6 +246,11 @@ class HandshakeGate:
                     return reply(b"300", REFUSAL)
                 return reply(b"300", RATE_REFUSAL)
         self.admitted += 1
+        handshakes = self.handshakes
+        if handshakes is not None and request[3].startswith(IPC_SOURCE):
+            pid = request[3].rsplit(b":", 1)[-1]
+            if pid.isdigit():
+                handshakes.append((int(pid), self.clock()))
         return reply(b"200", b"OK", user)
 
     def _run(self) -> None:

@@ -57,6 +57,7 @@ class Guard:
         self._loop: asyncio.AbstractEventLoop | None = None
         if gate is not None:
             gate.pressure = admission.pressure  # one flag, read by both
+            gate.handshakes = admission.handshakes  # which spared connections are through
         #: Over `max_rss_mb` (0: off, the default in-process: the host's memory is not
         #: coordd's; `coordd serve` sets it), connections that hold no rank are closed.
         self.memory: memory.MemoryWatch | None = None

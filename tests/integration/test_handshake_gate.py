@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -198,6 +199,7 @@ def test_a_quiet_source_is_answered_ahead_of_the_queue() -> None:
         gate.clock = lambda: 0.0  # nothing refills: the busy source stays busy
         gate.rate = rate = HandshakeRate(rate=20, burst=1024)
         gate.max_stalled = 0  # every refusal answered at once: the order shows
+        gate.handshakes = admitted = deque()  # what admission's spares read
         busy, quiet = b"localhost:0:0:1001", b"localhost:0:0:1002"
         while rate.admit(busy, 0.0):
             pass
@@ -229,6 +231,7 @@ def test_a_quiet_source_is_answered_ahead_of_the_queue() -> None:
             answers.append((request_id, status))
         assert answers[:2] == [(b"first", b"300"), (b"quiet", b"200")], answers[:4]
         assert {status for _, status in answers[2:]} == {b"300"}
+        assert list(admitted) == [(1002, 0.0)], "the quiet process's handshake is through"
     finally:
         client.close(linger=0)
         gate.stop()
