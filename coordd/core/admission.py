@@ -175,7 +175,7 @@ class Admission:
         self.answers_dropped = 0
         #: when each ipc process last had a connection accepted
         self._process_seen: BoundedMap[int, tuple[int | None, float]] = BoundedMap(MAX_TRACKED)
-        #: connections of quiet processes kept under pressure -> until when `shed` spares them
+        #: connections of quiet processes -> until when `shed` spares them (and their pids)
         self.spared: dict[int, float] = {}
         self._spared_pid: dict[int, int] = {}
         #: (process id, when): handshakes the ZAP gate admitted over ipc (its thread appends;
