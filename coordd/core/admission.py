@@ -175,9 +175,8 @@ class Admission:
         self.answers_dropped = 0
         #: when each ipc process last had a connection accepted
         self._process_seen: BoundedMap[int, tuple[int | None, float]] = BoundedMap(MAX_TRACKED)
-        #: connections of quiet processes -> until when `shed` spares them (and their pids)
-        self.spared: dict[int, float] = {}
-        self._spared_pid: dict[int, int] = {}
+        #: connections of quiet processes -> (until when `shed` spares them, their process)
+        self.spared: dict[int, tuple[float, int]] = {}
         #: (process id, when): handshakes the ZAP gate admitted over ipc (its thread appends;
         #: `shed` reads): a spared connection's spare ends HELLO_GRACE after its handshake
         self.handshakes: deque[tuple[int, float]] = deque(maxlen=MAX_TRACKED)
@@ -198,14 +197,14 @@ class Admission:
         # every accept counts, under pressure or not: a rank's connection accepted just
         # before the pressure came on was shed before its handshake was answered, and its
         # process was busy from then on (a connect() failed in 1 to 4 of 40 tries)
-        quiet = self._quiet_process(fd, ident, now)
+        pid = self._pid(fd, ident)
+        quiet = self._quiet_process(fd, ident, pid, now)
         if self.pressure.on:
             if not quiet:
                 self.refused_memory += 1
                 return _shut(fd, ident, PRESSURE)
             self.kept_quiet += 1
         if self.banned:
-            pid = self._pid(fd, ident)
             until = self.banned.get(pid) if pid is not None else None
             if until is not None and now < until:
                 self.refused += 1
@@ -218,10 +217,9 @@ class Admission:
         self.peak = max(self.peak, len(self.open))
         return []
 
-    def _quiet_process(self, fd: int, ident: int | None, now: float) -> bool:
-        """Whether `fd` is an ipc connection of a process that had none accepted for
+    def _quiet_process(self, fd: int, ident: int | None, pid: int | None, now: float) -> bool:
+        """Whether `fd` is an ipc connection of a process (`pid`) that had none accepted for
         QUIET_PROCESS seconds (then `shed` spares it a while, and under pressure it is kept)."""
-        pid = self._pid(fd, ident)
         if pid is None:
             return False
         last = self._process_seen.get(pid)
@@ -231,8 +229,7 @@ class Admission:
         # the rank's new socket (taken for it, then dropped, then its own event)
         if last is not None and last[0] != ident and now - last[1] < QUIET_PROCESS:
             return False
-        self.spared[fd] = now + SPARED
-        self._spared_pid[fd] = pid
+        self.spared[fd] = (now + SPARED, pid)
         return True
 
     def closed_fd(self, fd: int) -> None:
@@ -240,7 +237,6 @@ class Admission:
         self.open.pop(fd, None)
         self.accepted_at.pop(fd, None)
         self.spared.pop(fd, None)
-        self._spared_pid.pop(fd, None)
 
     def done(self, shut: Shut) -> None:
         """`shut` was carried out: the connection is down."""
@@ -283,12 +279,11 @@ class Admission:
         process's spared one (`accepted`) until its time is up."""
         keep = set(self._registered())
         self._handshakes_done()
-        for fd, until in list(self.spared.items()):
+        for fd, (until, _) in list(self.spared.items()):
             if until > now and fd in self.open:
                 keep.add(fd)
             else:
                 del self.spared[fd]
-                self._spared_pid.pop(fd, None)
         victims = [fd for fd in reversed(self.open) if fd not in keep]
         return [s for fd in victims for s in _shut(fd, self.open.pop(fd), SHED)]
 
@@ -303,13 +298,12 @@ class Admission:
         while done:
             pid, when = done.popleft()
             admitted[pid] = max(when, admitted.get(pid, when))
-        for fd, pid in self._spared_pid.items():
+        for fd, (until, pid) in self.spared.items():
             through = admitted.get(pid)
             # not an earlier connection's handshake (its ACCEPTED may be read a little late)
             if through is None or through < self.accepted_at.get(fd, float("inf")) - MONITOR_LAG:
                 continue
-            if fd in self.spared:
-                self.spared[fd] = min(self.spared[fd], through + HELLO_GRACE)
+            self.spared[fd] = (min(until, through + HELLO_GRACE), pid)
 
     def expire(self, before: float, introduced: Collection[int]) -> list[Shut]:
         """The connections accepted before `before` that are not in `introduced` (they said no
@@ -359,7 +353,6 @@ class Admission:
         # process's only connection (a quiet process) was spared 7 s and grew coordd to 160 MB
         if self.spared:
             self.spared.pop(fd, None)
-            self._spared_pid.pop(fd, None)
         count = self.counts.get(peer, 0) + 1
         self.counts[peer] = count
         if count == 1:

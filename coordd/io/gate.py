@@ -91,10 +91,10 @@ MAX_STALLED = 256
 ZAP_BATCH = 4096
 #: The interpreter's switch interval in `coordd serve` (Python's default is 5 ms). pyzmq lets
 #: the interpreter lock go around every frame it reads or sends, so the ZAP thread takes it
-#: back ~14 times a request; while the loop thread is busy with an attack's accepts, each
-#: take waited up to the interval. At 0.5 ms, 16-process ipc attacks beside a CI run: 50/50
-#: honest connects, at most 2.9 s (6.3 s at 5 ms); round p50 unchanged (0.27-0.34 ms at dp=4),
-#: as only one thread wants the lock when no handshakes come.
+#: back once a frame, 16 times a request (8 read, 8 sent); while the loop thread is busy with
+#: an attack's accepts, each take waited up to the interval. At 0.5 ms, 16-process ipc
+#: attacks beside a CI run: 50/50 honest connects, at most 2.9 s (6.3 s at 5 ms); round p50
+#: unchanged (0.27-0.34 ms at dp=4), as only one thread wants the lock when no handshakes come.
 SWITCH_INTERVAL = 0.0005
 #: How libzmq names an ipc peer to ZAP: `localhost:UID:GID:PID`.
 IPC_SOURCE = b"localhost:"

@@ -104,28 +104,21 @@ def test_a_leaked_key_from_many_loopback_addresses_does_not_keep_a_rank_out(
         "COORDD_CURVE_CLIENT_KEY": str(keys / "rank.key_secret"),
     }
     with CoorddProcess(1, "tcp://127.0.0.1:0", args) as coordd:
-        old = {k: os.environ.get(k) for k in leaked}
-        os.environ.update(leaked)  # the attackers' environment
-        try:
-            loads = [
-                start_load(
-                    "handshakes",
-                    coordd.address,
-                    "--peers",
-                    "20",
-                    "--count",
-                    "200",
-                    "--seconds",
-                    str(SECONDS),
-                )
-                for _ in range(ATTACKERS)
-            ]
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        attackers = {**os.environ, **leaked}
+        loads = [
+            start_load(
+                "handshakes",
+                coordd.address,
+                "--peers",
+                "20",
+                "--count",
+                "200",
+                "--seconds",
+                str(SECONDS),
+                env=attackers,
+            )
+            for _ in range(ATTACKERS)
+        ]
         took = _connect_during(coordd.address, port, loads, honest)
         refused = metric_value(port, "coordd_handshakes_rate_refused_total")
         assert coordd.proc is not None and coordd.proc.poll() is None

@@ -65,17 +65,18 @@ def sync(ex, t, ident):
 """
 
 
-def _states(port: int) -> dict[str, str]:
+def _groups(port: int) -> list[dict[str, object]]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as response:
-        doc = json.loads(response.read().decode())
-    return {g["name"]: g["state"] for g in doc["groups"]}
+        return json.loads(response.read().decode())["groups"]  # type: ignore[no-any-return]
+
+
+def _states(port: int) -> dict[str, str]:
+    return {str(g["name"]): str(g["state"]) for g in _groups(port)}
 
 
 def _failure(port: int) -> object:
     """The group's failure as /status gives it (why, which ranks), for an assertion's text."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as response:
-        doc = json.loads(response.read().decode())
-    return [g.get("failure") for g in doc["groups"]]
+    return [g.get("failure") for g in _groups(port)]
 
 
 def _until(port: int, want: str, timeout: float = 15.0) -> dict[str, str]:

@@ -350,12 +350,15 @@ def _hold(open_one: Callable[[], socket.socket], count: int, seconds: float) -> 
     return len(held)
 
 
-def start_load(kind: str, address: str, *args: str) -> subprocess.Popen[bytes]:
-    """Start load `kind` (one of LOADS) against `address` as a child process."""
+def start_load(
+    kind: str, address: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start load `kind` (one of LOADS) against `address` as a child process (with `env`, that
+    environment instead of this process's: a leaked key's, say)."""
     if kind not in LOADS:
         raise ValueError(f"load kind must be one of {LOADS}, got {kind!r}")
     argv = [sys.executable, "-m", "coordd.tools.load", kind, address, *args]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent())
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent())
 
 
 def wait_load(load: subprocess.Popen[bytes], timeout: float) -> None:

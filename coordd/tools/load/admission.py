@@ -74,7 +74,11 @@ def run(transport: str, attackers: int, tries: int, timeout: float = 10.0) -> li
             )
         seconds = WARMUP + tries * (timeout + PAUSE + 2) + 5
         with coordd:
-            loads = _start(attack, coordd.address, attackers, seconds, attack_env)
+            kind, *args = attack
+            loads = [
+                start_load(kind, coordd.address, *args, "--seconds", str(seconds), env=attack_env)
+                for _ in range(attackers)
+            ]
             try:
                 time.sleep(WARMUP)
                 lines = []
@@ -94,19 +98,6 @@ def run(transport: str, attackers: int, tries: int, timeout: float = 10.0) -> li
         if not alive:
             raise RuntimeError("coordd died under the attack")
         return lines
-
-
-def _start(
-    attack: tuple[str, ...], address: str, count: int, seconds: float, env: dict[str, str]
-) -> list[subprocess.Popen[bytes]]:
-    saved = dict(os.environ)
-    os.environ.update(env)  # start_load passes this process's environment on
-    try:
-        kind, *args = attack
-        return [start_load(kind, address, *args, "--seconds", str(seconds)) for _ in range(count)]
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def _try(address: str, timeout: float, env: dict[str, str]) -> str:
