@@ -16,7 +16,7 @@ import zmq
 
 from coordd.client.config import ClientConfig
 from coordd.client.edge import drain, send_and_look
-from coordd.client.registration import Step
+from coordd.client.registration import Step, check_unsent
 from coordd.client.session import (
     GroupFailed,
     Pong,
@@ -259,11 +259,10 @@ class AsyncCoordClient(ClientShell):
         return loop
 
     async def _send_before(self, data: bytes, deadline: float) -> None:
+        """Queue `data` once the DEALER has a pipe (the monitor's reader keeps the
+        connection's findings current meanwhile), or give up."""
         while not self.connection.writable():
-            if time.monotonic() >= deadline:
-                raise CoordinatorUnavailable(
-                    f"cannot reach coordd at {self.address}" + self.connection.why_unreachable()
-                )
+            check_unsent(self.connection, self.address, deadline, time.monotonic())
             await asyncio.sleep(0.01)
         send_and_look(self.connection.socket, data, self._on_frame)
 

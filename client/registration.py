@@ -103,6 +103,8 @@ class Registration:
         ends the registration (pass it to `abort`)."""
         queued = self._queued
         if queued is None:  # the first step
+            if connection.handshake_refused:  # seen before connect(): no new connection helps
+                raise _refused(connection)
             self._queued = queued = [Step.REOPEN, Step.SEND] if connection.dropped else [Step.SEND]
         if queued:
             return queued.pop(0)
@@ -113,11 +115,7 @@ class Registration:
             self.welcome = session.welcome
             return Step.DONE
         if connection.handshake_refused:  # it fails the same way every retry: say so now
-            raise CoordinatorUnavailable(
-                f"coordd refused the connection ({connection.where()}): "
-                f"{connection.handshake_failure}",
-                hint=connection.handshake_hint,  # what to do about that refusal
-            )
+            raise _refused(connection)
         if now >= self.deadline:
             raise self.no_answer(connection)
         if connection.lost_after_handshake and self.resends_left > 0:
@@ -146,3 +144,23 @@ class Registration:
         if isinstance(error, CoordinatorUnavailable):
             return self.session.registration_failed(error)
         return None
+
+
+def check_unsent(connection: ConnectionState, address: str, deadline: float, now: float) -> None:
+    """While a frame waits for a pipe to coordd (the shell read the monitor first): raise if
+    none will come in time. libzmq ends a connection's pipe at a protocol error (no CURVE at a
+    CURVE coordd), so a refused handshake is said at once, not at the deadline."""
+    if connection.handshake_refused:
+        raise _refused(connection)
+    if now >= deadline:
+        raise CoordinatorUnavailable(
+            f"cannot reach coordd at {address}" + connection.why_unreachable()
+        )
+
+
+def _refused(connection: ConnectionState) -> CoordinatorUnavailable:
+    """A handshake refusal that every retry would repeat, with what to do about it."""
+    return CoordinatorUnavailable(
+        f"coordd refused the connection ({connection.where()}): {connection.handshake_failure}",
+        hint=connection.handshake_hint,
+    )

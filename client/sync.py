@@ -18,7 +18,7 @@ import zmq
 
 from coordd.client.config import ClientConfig
 from coordd.client.edge import drain
-from coordd.client.registration import Step
+from coordd.client.registration import Step, check_unsent
 from coordd.client.session import Pong, RegistrationFailed, Resolved, RoundStillOpen
 from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
@@ -340,13 +340,15 @@ class CoordClient(ClientShell):
             raise
 
     def _send_before(self, data: bytes, deadline: float) -> None:
-        """Send (queued until the connection is up, IMMEDIATE is off), or give up."""
-        remaining_ms = max(0.0, deadline - time.monotonic()) * 1000
-        if not self.connection.socket.poll(int(remaining_ms), zmq.POLLOUT):
-            raise CoordinatorUnavailable(
-                f"cannot reach coordd at {self.address}" + self.connection.why_unreachable()
-            )
-        self.connection.send(data)
+        """Queue `data` once the DEALER has a pipe (IMMEDIATE is off: queued until the
+        connection is up), reading the monitor every slice of the wait, or give up."""
+        connection = self.connection
+        while not connection.socket.poll(_POLL_SLICE_MS, zmq.POLLOUT):
+            if self._closed:
+                raise CoordinatorUnavailable(_CLOSED)
+            connection.disconnected()  # nothing to do about a drop: this frame is not out yet
+            check_unsent(connection, self.address, deadline, time.monotonic())
+        connection.send(data)
 
     def _send_report(self, stamped: StepReport | GatherReport) -> None:
         try:

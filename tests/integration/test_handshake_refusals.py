@@ -213,3 +213,38 @@ def test_a_real_mismatch_still_fails_fast(
     took = time.monotonic() - began
     assert re.search(says, str(info.value)), info.value
     assert took < 3, f"a mismatch took {took:.2f}s to fail"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("client", ["sync", "aio"])
+def test_a_mismatch_found_before_connect_fails_fast_too(
+    fake_coordd: type[FakeCoordd], client: str
+) -> None:
+    """The client's DEALER connects when it is made; on a busy host its handshake has failed
+    before connect() reads the monitor. libzmq may end a connection's pipe at such a failure
+    (19 of 60 tries here), and then a Hello waiting for the pipe waited out the whole timeout
+    ("cannot reach coordd" after 15 s; CI, 2026-12-02): the wait reads the monitor now, and a
+    refusal seen before connect() is said before any new connection is tried."""
+    _, server_secret = zmq.curve_keypair()
+    coordd = fake_coordd("tcp://127.0.0.1:0", refusals=0, curve_secret=server_secret)
+
+    async def connect_aio_later() -> None:
+        made = AsyncCoordClient(coordd.address, dp_rank=0, dp_size=1)
+        try:
+            await asyncio.sleep(0.3)  # the handshake fails meanwhile
+            await made.connect(timeout=15.0)
+        finally:
+            await made.close()
+
+    for _ in range(5):
+        began = time.monotonic()
+        with pytest.raises(CoordinatorUnavailable, match="coordd refused the connection") as info:
+            if client == "aio":
+                asyncio.run(connect_aio_later())
+            else:
+                with CoordClient(coordd.address, dp_rank=0, dp_size=1) as made:
+                    time.sleep(0.3)
+                    made.connect(timeout=15.0)
+        took = time.monotonic() - began
+        assert re.search("one side uses CURVE|coordd may require CURVE", str(info.value))
+        assert took < 3.3, f"a mismatch took {took:.2f}s to fail"

@@ -12,7 +12,7 @@ import pytest
 
 from coordd.client import aio, sync
 from coordd.client.config import ClientConfig
-from coordd.client.registration import HELLO_RESENDS, Registration, Step
+from coordd.client.registration import HELLO_RESENDS, Registration, Step, check_unsent
 from coordd.client.session import RankSession
 from coordd.proto.errors import CoordinatorUnavailable, Rejected
 from coordd.proto.messages import Welcome, decode_to_coordinator, reject_message
@@ -107,6 +107,28 @@ def test_a_refused_handshake_fails_at_once() -> None:
             as caught:
         reg.next_step(refused, 0.1)
     assert caught.value.hint == "add the key to --curve-client-keys"  # the cause's, not the class's
+
+
+def test_a_refusal_seen_before_connect_is_said_before_any_new_connection() -> None:
+    """The monitor read at the registration's start found a protocol failure and its drop:
+    a new connection would be refused the same way. (It did REOPEN, and the new DEALER lost
+    its pipe to the same failure: the Hello waited out connect()'s 15 s.)"""
+    reg = Registration(RankSession(CONFIG), timeout=15.0, now=0.0)
+    seen = FakeConnection(dropped=True, handshake_refused=True, handshake_failure="no CURVE")
+    with pytest.raises(CoordinatorUnavailable, match=r"refused the connection .*no CURVE"):
+        reg.next_step(seen, 0.0)
+
+
+def test_a_frame_waiting_for_its_pipe_gives_up_at_a_refusal_or_the_deadline() -> None:
+    check_unsent(FakeConnection(), "ipc:///x.sock", deadline=5.0, now=4.9)  # wait on
+    refused = FakeConnection(handshake_refused=True, handshake_failure="one side uses CURVE",
+                             handshake_hint="set the keys")
+    with pytest.raises(CoordinatorUnavailable, match="refused the connection") as caught:
+        check_unsent(refused, "ipc:///x.sock", deadline=5.0, now=0.1)
+    assert caught.value.hint == "set the keys"
+    with pytest.raises(CoordinatorUnavailable, match=r"cannot reach coordd at ipc:///x.sock: "
+                       "nothing listens"):
+        check_unsent(FakeConnection(), "ipc:///x.sock", deadline=5.0, now=5.0)
 
 
 def test_a_reject_raises_its_error() -> None:
