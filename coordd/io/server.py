@@ -253,6 +253,8 @@ class CoordServer:
         self._dropping = False
         self._again_pending = False
         self._monitor_waited = 0
+        #: Set while frames are handled (a close read meanwhile, by `_current`, waits for none).
+        self._in_frames = False
         #: Groups with an open round, and the one timer for their deadlines.
         self._deadlines = Deadlines(clock, self._send, self._drain)
         #: Groups that got input since the last drain ended (failures and deadlines to check).
@@ -353,6 +355,13 @@ class CoordServer:
 
     def _drain_frames(self) -> bool:
         """Handle up to DRAIN_BUDGET queued messages; True if some may be left."""
+        self._in_frames = True
+        try:
+            return self._handle_frames()
+        finally:
+            self._in_frames = False
+
+    def _handle_frames(self) -> bool:
         admission = self.connections
         if admission.pressure.on:
             self._current()  # memory pressure: new connections are shut at once
@@ -457,6 +466,7 @@ class CoordServer:
         """Accepted and closed connections (a rank that registered over a closed one is lost,
         in its own group only). True if any event."""
         monitor = self._monitor
+        fd_peer = self.registry.fd_peer
         seen = False
         budget = 4 * DRAIN_BUDGET
         while budget and int(monitor.getsockopt(_EVENTS)) & _POLLIN:
@@ -467,6 +477,10 @@ class CoordServer:
             if event == _ACCEPTED:
                 self.guard.accepted(fd)
             elif event == _DISCONNECTED:
+                if fd in fd_peer and not self._in_frames:
+                    # what that rank sent just before it closed (a Goodbye, a last report)
+                    # can come after the frames' drain, with its close: it counts first
+                    self._drain_frames()
                 self.connections.closed_fd(fd)
                 self._carry_out(self.registry.closed(fd, self.clock()))
         return seen

@@ -8,6 +8,7 @@ descriptors (SRCFD) the test chooses."""
 
 from __future__ import annotations
 
+import struct
 from collections import deque
 from pathlib import Path
 
@@ -17,8 +18,10 @@ import zmq
 from coordd.core.peers import Takeovers
 from coordd.io import server as server_module
 from coordd.io.server import CoordServer
+from coordd.proto.group_state import GroupState
 from coordd.proto.messages import (
     FromCoordinator,
+    Goodbye,
     Hello,
     StepDecision,
     StepFailed,
@@ -125,3 +128,44 @@ def test_a_strangers_report_is_answered_not_counted(shell) -> None:  # type: ign
     (failed,) = sock.out[b"nobody"]
     assert isinstance(failed, StepFailed) and "epoch 1" in failed.text
     assert server.connections.counts == {b"nobody": 1}
+
+
+class FakeMonitor:
+    """Monitor events queued by the test (the DISCONNECTED of a descriptor)."""
+
+    def __init__(self) -> None:
+        self.events: deque[list[bytes]] = deque()
+
+    def closed(self, fd: int) -> None:
+        self.events.append([struct.pack("=HI", zmq.EVENT_DISCONNECTED, fd), b"ipc://c.sock"])
+
+    def getsockopt(self, option: int) -> int:
+        return int(zmq.POLLIN) if self.events else 0
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        if not self.events:
+            raise zmq.Again()
+        return self.events.popleft()
+
+
+def test_a_goodbye_queued_with_its_close_counts_before_the_close(shell) -> None:  # type: ignore[no-untyped-def]
+    """A rank's Goodbye and its connection's close both came after the frames' drain and
+    before the monitor's: the close was read first, and a clean exit counted as a lost rank
+    (here the group went back to empty, not stopped; CI flaked on test_misuse's clean stop
+    and test_vllm_exit's)."""
+    server, sock = shell
+    monitor, real = FakeMonitor(), server._monitor
+    server._monitor = monitor
+    try:
+        sock.put(b"rank0", Hello(dp_size=1, dp_rank=0, config_fingerprint="", incarnation="x"), 5)
+        server._drain_frames()
+        (welcome,) = sock.out.pop(b"rank0")
+        assert isinstance(welcome, Welcome)
+        sock.put(b"rank0", Goodbye(), 5)
+        monitor.closed(5)
+        assert server._drain_monitor()
+        coordinator = server.groups["default"].coordinator
+        assert coordinator.state is GroupState.STOPPED, coordinator.state
+        assert not sock.queue
+    finally:
+        server._monitor = real
