@@ -161,6 +161,7 @@ class CoordClient(ClientShell):
         #: socket to it), and whether the sockets are closed.
         self._busy: int | None = None
         self._sockets_closed = False
+        self._goodbye = True
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -247,13 +248,16 @@ class CoordClient(ClientShell):
             self._leave()
         return time.perf_counter() - began
 
-    def close(self) -> None:
+    def close(self, goodbye: bool = True) -> None:
         """Say goodbye (if registered), fail what is pending, close; idempotent. Safe from
         another thread: a wait() in progress there raises `CoordinatorUnavailable("client
-        closed")` within 50 ms, and that thread closes the sockets as it leaves."""
+        closed")` within 50 ms, and that thread closes the sockets as it leaves.
+        `goodbye=False`: leave without one, so coordd counts this rank lost, not gone cleanly
+        (a rank that knows it broke its group's order)."""
         if self._closed:
             return
         self._closed = True
+        self._goodbye = goodbye
         self.session.fail(CoordinatorUnavailable(_CLOSED))
         busy = self._busy
         if busy is None or busy == threading.get_ident():
@@ -263,7 +267,8 @@ class CoordClient(ClientShell):
         if self._sockets_closed:
             return
         self._sockets_closed = True
-        self.connection.close(_GOODBYE if self.session.epoch is not None else None)
+        registered = self.session.epoch is not None
+        self.connection.close(_GOODBYE if registered and self._goodbye else None)
 
     def __enter__(self) -> CoordClient:
         return self

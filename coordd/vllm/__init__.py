@@ -66,6 +66,10 @@ collectives. Supported: the 0.32 and 0.33 lines (``coordd[vllm]`` requires
 
 from __future__ import annotations
 
+import os
+
+from coordd.vllm.enable import TIMINGS_ENV
+
 
 def register() -> None:
     """vLLM's general-plugin entry point: install the patches if the environment enables the
@@ -75,6 +79,10 @@ def register() -> None:
 
     settings = settings_from_env()
     if settings is None:
+        if os.environ.get(TIMINGS_ENV, "").strip():
+            from coordd.vllm.patches import install_stock_timings
+
+            install_stock_timings()
         return
     from coordd.vllm.patches import install
 

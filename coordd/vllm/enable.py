@@ -21,6 +21,12 @@ CONNECT_TIMEOUT_ENV = "COORDD_VLLM_CONNECT_TIMEOUT"
 #: --step-timeout, so that coordd's StepTimeout naming the late rank arrives first.
 SYNC_TIMEOUT_ENV = "COORDD_VLLM_SYNC_TIMEOUT"
 
+#: "0" makes every sync start its round at vLLM's sync; on by default: the V1 runner's sync
+#: starts its round before `_prepare_inputs` and collects it at the sync (coordd.vllm.early).
+OVERLAP_ENV = "COORDD_VLLM_OVERLAP"
+#: A directory: each process appends its per-step sync timings there (coordd.vllm.timings).
+TIMINGS_ENV = "COORDD_VLLM_TIMINGS"
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -36,6 +42,8 @@ class PluginSettings:
     address: str | None = None
     connect_timeout: float = 60.0
     sync_timeout: float = 120.0
+    #: Start the V1 runner's sync round early (COORDD_VLLM_OVERLAP, default on).
+    overlap: bool = True
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
@@ -67,4 +75,16 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings | 
         address=address,
         connect_timeout=_seconds(env, CONNECT_TIMEOUT_ENV, 60.0),
         sync_timeout=_seconds(env, SYNC_TIMEOUT_ENV, 120.0),
+        overlap=_switch(env, OVERLAP_ENV, True),
     )
+
+
+def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    text = env.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise SettingsError(f"{name}={text!r}: use 1 (on) or 0 (off)")

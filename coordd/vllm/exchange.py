@@ -36,7 +36,8 @@ import zmq
 
 from coordd.client import CoordClient
 from coordd.proto.messages import max_gather_values
-from coordd.vllm import sites
+from coordd.vllm import early, sites
+from coordd.vllm.early import EarlyRound
 from coordd.vllm.enable import PluginSettings
 from coordd.vllm.groups import GroupIdentity
 
@@ -258,6 +259,21 @@ _forks = [0]
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
 
+@dataclass(slots=True)
+class _Prepared:
+    """One sync's values as `Exchange._prepare` read them: the plan, the tensor's values
+    (`flat`, written over with the result), what this rank sends, its layout, whether the
+    result goes straight into the tensor's memory (`direct`, at `memory`), and the site."""
+
+    plan: _Plan
+    flat: list[int]
+    own: list[int]
+    layout: Layout
+    direct: bool
+    memory: memoryview | bytearray
+    site: str
+
+
 @dataclass
 class GroupLink:
     """This process's client for one coordd group, and how many rounds it has run."""
@@ -294,6 +310,11 @@ class Exchange:
         self._plans: dict[tuple[torch.dtype, torch.Size, str, int], _Plan] = {}
         self._views: dict[tuple[int, int], memoryview] = {}
         self._exit_hook_pid: int | None = None
+        #: Rounds `start_` began, by group, for the group's next `sync_` to collect.
+        self._early: dict[str, EarlyRound] = {}
+        #: Called after each sync with its group, site, window (seconds from the early start
+        #: to the sync; 0 for a round started at the sync) and wait (seconds blocked there).
+        self.on_sync: Callable[[GroupIdentity, str, float, float], None] | None = None
 
     def _hook_exit(self) -> None:
         """Say Goodbye when this process exits normally (the caller holds `_lock`): atexit for
@@ -313,37 +334,31 @@ class Exchange:
         atexit.register(close)
         multiprocessing.util.Finalize(None, close, exitpriority=100)
 
-    def sync_(
+    def _prepare(
         self,
         tensor: torch.Tensor,
         op: ReduceOp,
         identity: GroupIdentity,
         column: bool,
-        skip: int = 0,
-        sync: str = "",
-    ) -> bool:
-        """The collective on `tensor`, in place, as one gather round: its own column if
-        `column` (a worker sync) and the tensor is zero outside it, else the whole tensor,
-        labelled with the vLLM call site it was called from (`sites.label_of`, which looks
-        from `skip` frames above this method's caller: the plugin's own frames, known to be
-        there, skipped without being looked at; `sync`: the sync function's name where a
-        patch stands in for it). False, with nothing sent and `tensor`
-        untouched, if the tensor is not an integer one (`can_gather`) or its values do not
-        fit one round (the caller then takes vLLM's path; decided by dtype and shape alone,
-        so every rank decides the same)."""
+        skip: int,
+        sync: str,
+    ) -> _Prepared | None:
+        """What a sync of `tensor` sends and where its result goes; None if the tensor is not
+        an integer one (`can_gather`) or its values do not fit one round (decided by dtype and
+        shape alone, so every rank decides the same)."""
         dp_size, dp_rank = identity.dp_size, identity.dp_rank
         shape, dtype = tensor.shape, tensor.dtype
         key = (dtype, shape, identity.name, dp_size)
         plan = self._plans.get(key)
         if plan is None:
             if not can_gather(tensor):
-                return False
+                return None
             if len(self._plans) >= _MAX_PLANS:
                 self._plans = {}
             plan = self._plans[key] = _Plan(shape, dtype, dp_size)
         # one host list, no torch call past the tensor's attributes: a CPU tensor's bytes are
         # read where they are and unpacked (torch's tolist cost more than the rest together)
-        direct = plan.numel and tensor.is_cpu and tensor.is_contiguous()
+        direct = bool(plan.numel and tensor.is_cpu and tensor.is_contiguous())
         memory: memoryview | bytearray = plan.buf  # where the result is packed
         if direct:
             # A view of the tensor's memory, by address and size: used only now, while this
@@ -371,23 +386,116 @@ class Exchange:
                 layout = Layout.COLUMN
         if layout is Layout.COLUMN:
             if not plan.column_fits:
-                return False
+                return None
         else:
             if not plan.whole_fits:
-                return False
+                return None
             own = flat
         if dtype is torch.bool:  # True/False go over the wire as ints
             own = [int(v) for v in own]
-        site = sites.label_of(op, dtype, shape, layout, plan, 2 + skip, sync)
+        # label_of looks from its caller's caller's caller: past this method and sync_/start_
+        site = sites.label_of(op, dtype, shape, layout, plan, 3 + skip, sync)
         if self.trace is not None:
             self.trace(identity, site)
+        return _Prepared(plan, flat, own, layout, direct, memory, site)
+
+    def start_(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        identity: GroupIdentity,
+        column: bool,
+        skip: int = 0,
+        sync: str = "",
+    ) -> bool:
+        """Send this rank's values of the sync on `tensor` now, and leave the round for the
+        group's next `sync_` to collect (`coordd.vllm.early`); `tensor` is not touched. False,
+        with nothing sent, where `sync_` would take vLLM's path, or where the tensor is not in
+        host memory (reading a device tensor here would wait for the device). A round started
+        earlier and never collected is vLLM's sync skipped: `SkippedSync`."""
+        if not tensor.is_cpu:
+            return False
+        prepared = self._prepare(tensor, op, identity, column, skip, sync)
+        if prepared is None:
+            return False
+        link = self.link(identity)
+        with link.lock:
+            self._check_collected(identity, prepared.site)
+            pending = link.client.start_gather(prepared.site, prepared.own)
+            self._early[identity.name] = EarlyRound(
+                prepared.site, prepared.own, pending, early.now()
+            )
+        return True
+
+    def _check_collected(self, identity: GroupIdentity, then: str) -> None:
+        """Raise `SkippedSync` (the link closed without Goodbye) if the group's early round
+        is still uncollected: its sync was never made."""
+        left = self._early.pop(identity.name, None)
+        if left is not None:
+            self._abort(identity)
+            raise early.SkippedSync(
+                identity.dp_rank, identity.name, left.pending.seq, left.site, then
+            )
+
+    def abandon(self, identity: GroupIdentity) -> None:
+        """The sync of the group's early round will not come (the step raised before it): end
+        the round on this rank and leave the group without Goodbye (`_abort`)."""
+        if self._early.pop(identity.name, None) is not None:
+            self._abort(identity)
+
+    def _abort(self, identity: GroupIdentity) -> None:
+        """Close the group's link without a Goodbye: coordd counts this rank lost (its sync
+        went wrong), so every peer is told at once, naming it."""
+        link = self._links.pop(identity.name, None)
+        if link is not None:
+            link.client.close(goodbye=False)
+
+    def sync_(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        identity: GroupIdentity,
+        column: bool,
+        skip: int = 0,
+        sync: str = "",
+    ) -> bool:
+        """The collective on `tensor`, in place, as one gather round: its own column if
+        `column` (a worker sync) and the tensor is zero outside it, else the whole tensor,
+        labelled with the vLLM call site it was called from (`sites.label_of`, which looks
+        from `skip` frames above this method's caller: the plugin's own frames, known to be
+        there, skipped without being looked at; `sync`: the sync function's name where a
+        patch stands in for it). The round is the one `start_` began for this sync if there
+        is one (its values and site checked against this sync's: `EarlyStartMismatch`), else
+        a new one. False, with nothing sent and `tensor` untouched, if the tensor is not an
+        integer one (`can_gather`) or its values do not fit one round (the caller then takes
+        vLLM's path; decided by dtype and shape alone, so every rank decides the same)."""
+        prepared = self._prepare(tensor, op, identity, column, skip, sync)
+        if prepared is None:
+            return False
+        plan, flat, own, layout = prepared.plan, prepared.flat, prepared.own, prepared.layout
+        dp_size = identity.dp_size
         link = self.link(identity)
         with link.lock:
             # The client checks the answer against the round it asked (seq, site, dp rows, this
             # rank's own row as sent, every row's length, an empty row only for a dead rank): a
             # misfit raises its InvalidAnswer (a ProtocolError naming coordd) here, before the
             # tensor is touched.
-            rows = link.client.gather(site, own, timeout=self.settings.sync_timeout)
+            started = self._early.pop(identity.name, None) if self._early else None
+            if started is None:
+                began = early.now() if self.on_sync is not None else 0.0
+                rows = link.client.gather(prepared.site, own, timeout=self.settings.sync_timeout)
+                window = 0.0
+            else:
+                try:
+                    started.check(identity.dp_rank, identity.name, prepared.site, own)
+                except early.EarlyStartMismatch:
+                    self._abort(identity)
+                    raise
+                began = early.now()
+                window = began - started.began
+                rows = started.pending.wait(self.settings.sync_timeout)
+            if self.on_sync is not None:
+                self.on_sync(identity, prepared.site, window, early.now() - began)
             link.rounds += 1
             if layout is Layout.COLUMN and op is ReduceOp.SUM:
                 # vLLM's worker syncs: the sum is the columns side by side, value i of rank r
@@ -410,11 +518,11 @@ class Exchange:
             try:
                 # straight into the tensor's memory (torch's copy_ was the path's costliest
                 # call, ~15 us of CPU a sync in vLLM's rank processes), else via the plan's
-                plan.pack(memory, 0, *flat)
+                plan.pack(prepared.memory, 0, *flat)
             except struct.error:  # past the dtype's range: wrapped, as the collective does
                 tensor.copy_(reduce_rows(rows, tensor, layout, op))
                 return True
-            if not direct:
+            if not prepared.direct:
                 tensor.copy_(plan.view)
         return True
 
@@ -431,12 +539,14 @@ class Exchange:
         with self._lock:
             if self._pid != os.getpid():  # forked: the parent's sockets are not ours
                 self._links, self._context, self._pid = {}, None, os.getpid()
+                self._early = {}
             self._forks = _forks[0]
             link = self._links.get(identity.name)
             if link is not None and link.identity == identity:
                 return link
             if link is not None:  # vLLM rebuilt the group (elastic EP): a new registration
                 link.client.close()
+                self._early.pop(identity.name, None)
             if self._context is None:
                 self._context = zmq.Context()
             self._hook_exit()
@@ -470,6 +580,7 @@ class Exchange:
             for link in self._links.values():
                 link.client.close()
             self._links = {}
+            self._early = {}
             context, self._context = self._context, None
             if context is not None and self._pid == os.getpid():
                 ending = threading.Thread(target=context.term, name="coordd-term", daemon=True)

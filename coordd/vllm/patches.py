@@ -48,12 +48,14 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from coordd.vllm import sites
-from coordd.vllm.enable import PluginSettings
+from coordd.proto.errors import CoordError
+from coordd.vllm import early, runner, sites, timings
+from coordd.vllm.enable import TIMINGS_ENV, PluginSettings
 from coordd.vllm.exchange import Exchange, Layout, ReduceOp, can_gather
 from coordd.vllm.groups import GroupIdentity, engine_group, worker_group
 
-log = logging.getLogger("coordd.vllm")
+#: A child of vLLM's own logger, so its lines show in vLLM's output, in vLLM's format.
+log = logging.getLogger("vllm.coordd")
 
 #: The vLLM release lines whose patch points were read from their sources.
 SUPPORTED = ("0.32", "0.33")
@@ -88,6 +90,13 @@ class _State:
     #: id(process group) -> (process group, identity or None until its first sync)
     engine: dict[int, tuple[Any, GroupIdentity | None]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Why the V1 runner's round does not start early ("" when it does).
+    no_overlap: str = "not installed"
+    #: The per-step timings (COORDD_VLLM_TIMINGS), if any, and the attributes they replaced.
+    clock: Any = None
+    timed: list[tuple[Any, str, Any]] = field(default_factory=list)
+    #: Faults this process logged, by error (each is logged once).
+    said: set[str] = field(default_factory=set)
 
 
 _state = _State()
@@ -161,7 +170,36 @@ def _sync_(
     goes (and its label says so: ranks that disagree fail loudly, never add up wrongly).
     `sync`: as `site_label`'s."""
     exchange = _state.exchange
-    return exchange is not None and exchange.sync_(tensor, op, identity, column, _SKIP, sync)
+    try:
+        return exchange is not None and exchange.sync_(tensor, op, identity, column, _SKIP, sync)
+    except CoordError as error:
+        _say_fault(identity, error)
+        raise
+
+
+def _start_(tensor: torch.Tensor, op: ReduceOp, identity: GroupIdentity) -> bool:
+    """Start the round of the V1 runner's sync now (`coordd.vllm.early`); False if it cannot
+    start early (it then runs at the sync)."""
+    exchange = _state.exchange
+    try:
+        return exchange is not None and exchange.start_(tensor, op, identity, True, _SKIP)
+    except CoordError as error:
+        _say_fault(identity, error)
+        raise
+
+
+def _say_fault(identity: GroupIdentity, error: CoordError) -> None:
+    """One ERROR line in vLLM's log for a sync's fault, naming the culprit (the error's text);
+    the error itself goes on up through vLLM's step."""
+    text = f"{type(error).__name__}: {error}"
+    if text not in _state.said and len(_state.said) < 64:
+        _state.said.add(text)
+        log.error(
+            "coordd: DP sync of group %s (rank %d) failed: %s",
+            identity.name,
+            identity.dp_rank,
+            text,
+        )
 
 
 def _trace(identity: GroupIdentity, site: str) -> None:
@@ -212,6 +250,11 @@ class DistShim(types.ModuleType):
         async_op: bool = False,
     ) -> Any:
         ours = _reduce_op(op)
+        if early.starting():  # the early start's run of the sync: never vLLM's collective
+            identity = _worker_route(group) if ours is not None and not async_op else None
+            if ours is not None and identity is not None and _start_(tensor, ours, identity):
+                raise early.Started
+            raise early.NotStarted
         if ours is not None and not async_op and _state.exchange is not None:
             identity = _worker_route(group)
             if identity is not None and _sync_(tensor, ours, identity, True):
@@ -350,12 +393,89 @@ def install(settings: PluginSettings) -> bool:
             return _refuse(f"vLLM {version}: {exc}")
         _state.exchange = Exchange(settings, trace=_trace if _TRACE else None)
         _patch_all(**targets)
+        runner_class, why = _runner_window(settings)
+        if runner_class is not None:
+            _patch_runner(runner_class)
+        _state.no_overlap = why
+        clock = _clock("on" if runner_class is not None else "off")
+        if clock is not None:
+            _state.exchange.on_sync = clock.on_sync
     log.info(
-        "coordd vLLM plugin installed for vLLM %s (coordd at %s): DP syncs are gather rounds",
+        "coordd vLLM plugin installed for vLLM %s, coordd at %s: every DP sync (V1 runner, "
+        "drafters, Model Runner V2, engine cores) is a coordd round; %s",
         version,
         settings.address or "the default ipc path",
+        "the V1 runner's round starts before _prepare_inputs and is collected at its sync "
+        "(COORDD_VLLM_OVERLAP=0 turns that off)"
+        if not why
+        else f"every round starts at vLLM's sync ({why})",
     )
     return True
+
+
+def overlapping() -> bool:
+    """True if the V1 runner's round starts early in this process."""
+    return installed() and not _state.no_overlap
+
+
+def _runner_window(settings: PluginSettings) -> tuple[type | None, str]:
+    """The V1 runner class whose sync starts early, or None and why not."""
+    if not settings.overlap:
+        return None, "COORDD_VLLM_OVERLAP=0"
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception as exc:  # a vLLM without the V1 runner's module here
+        return None, f"cannot import vLLM's V1 runner: {exc}"
+    why = runner.window_in(GPUModelRunner)
+    return (None, why) if why else (GPUModelRunner, "")
+
+
+def _patch_runner(runner_class: type) -> None:
+    """G: the V1 runner's `_prepare_inputs`, preceded by its sync's early start."""
+
+    def start(model_runner: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> None:
+        if _state.exchange is not None:
+            runner.start_sync(model_runner, scheduler_output, num_scheduled_tokens)
+
+    def abandon() -> None:
+        exchange, worker = _state.exchange, _state.worker
+        if exchange is not None and worker is not None:
+            exchange.abandon(worker[1])
+
+    original = runner_class.__dict__["_prepare_inputs"]
+    _replace(
+        runner_class,
+        "_prepare_inputs",
+        runner.prepare_inputs_starting_early(original, runner_class, start, abandon),
+    )
+
+
+def _clock(mode: str) -> timings.StepClock | None:
+    """COORDD_VLLM_TIMINGS=DIR: time the V1 runner's steps and their sync in this process
+    (`coordd.vllm.timings`); None when unset or the runner is not here."""
+    directory = os.environ.get(TIMINGS_ENV, "").strip()
+    if not directory or _state.clock is not None:
+        return _state.clock
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception:
+        return None
+    clock = timings.make_clock(directory, mode)
+    sync = "_determine_batch_execution_and_padding"
+    for name, timer in (
+        (sync, timings.timed(clock, GPUModelRunner.__dict__[sync], "sync")),
+        ("execute_model", timings.stepped(clock, GPUModelRunner.__dict__["execute_model"])),
+    ):
+        _state.timed.append((GPUModelRunner, name, GPUModelRunner.__dict__[name]))
+        setattr(GPUModelRunner, name, timer)
+    _state.clock = clock
+    return clock
+
+
+def install_stock_timings() -> None:
+    """COORDD_VLLM_TIMINGS with the plugin off: stock vLLM's steps timed the same way."""
+    with _state.lock:
+        _clock("stock")
 
 
 def _replace(obj: Any, name: str, value: Any) -> None:
@@ -511,14 +631,17 @@ def _patch_all(
 def uninstall() -> None:
     """Put vLLM's own attributes back and close the clients (tests; a process that is done)."""
     with _state.lock:
-        for obj, name, value in reversed(_state.saved):
+        for obj, name, value in reversed(_state.timed + _state.saved):
             setattr(obj, name, value)
         _state.saved.clear()
+        _state.timed.clear()
         if _state.exchange is not None:
             _state.exchange.close()
         _state.exchange = None
         _state.worker = None
         _state.engine.clear()
+        _state.no_overlap = "not installed"
+        _state.clock = None
 
 
 def wrapped(fn: Callable[..., Any]) -> bool:
