@@ -53,6 +53,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from coordd.tools import vllm_steps
+
 #: Exit codes: 0 all equal, 1 a mismatch (or a run failed), 2 cannot run on this machine.
 OK, MISMATCH, UNAVAILABLE = 0, 1, 2
 
@@ -356,6 +358,9 @@ class Options:
     json_path: str | None = None
     #: "auto" (a GPU if there is one, else CPU), "cuda" or "cpu"
     device: str = "auto"
+    #: > 0: instead of the check, this many interleaved sets of stock / overlap off / on runs,
+    #: and the table of the runner's sync per step (coordd.tools.vllm_steps)
+    overlap_sets: int = 0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Options:
@@ -401,7 +406,19 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         default="auto",
         help="where the engines run (auto: a GPU if there is one, else the CPU)",
     )
+    p.add_argument(
+        "--overlap",
+        dest="overlap_sets",
+        type=int,
+        default=0,
+        metavar="SETS",
+        help="measure instead: SETS interleaved sets of three runs (stock vLLM, the plugin "
+        "with overlap off, on; the order rotates), the same tokens in all, and the V1 "
+        "runner's sync per step side by side (p10/p50/p90)",
+    )
     a = p.parse_args(argv)
+    if a.overlap_sets < 0:
+        p.error("--overlap must be >= 0")
     if a.dp < 2:
         p.error("--dp must be at least 2 (DP syncs need two ranks)")
     if a.gpus < 1 or a.dp % a.gpus:
@@ -425,6 +442,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         a.keep,
         a.json_path,
         a.device,
+        a.overlap_sets,
     )
 
 
@@ -459,9 +477,12 @@ def rank_env(
     *,
     address: str | None,
     base: Mapping[str, str] | None = None,
+    overlap: bool = True,
+    timings: Path | None = None,
 ) -> dict[str, str]:
     """The environment of one rank process: vLLM's offline DP variables, the GPU it runs on,
-    and the coordd plugin switched on (with `address`) or off."""
+    the coordd plugin switched on (with `address`) or off, its early start on or off
+    (`overlap`), and where the processes write their per-step sync timings (`timings`)."""
     env = dict(os.environ if base is None else base)
     per_gpu = options.dp // options.gpus
     cpu = options.device == "cpu"
@@ -489,13 +510,16 @@ def rank_env(
         env["VLLM_DISABLE_PYNCCL"] = "1"
     if options.runner != "default":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if options.runner == "v2" else "0"
-    for key in ("COORDD_ADDRESS", "COORDD_VLLM"):
+    for key in ("COORDD_ADDRESS", "COORDD_VLLM", "COORDD_VLLM_OVERLAP", "COORDD_VLLM_TIMINGS"):
         env.pop(key, None)
     if address is None:
         env["COORDD_VLLM"] = "0"
     else:
         env["COORDD_VLLM"] = "1"
         env["COORDD_ADDRESS"] = address
+        env["COORDD_VLLM_OVERLAP"] = "1" if overlap else "0"
+    if timings is not None:
+        env["COORDD_VLLM_TIMINGS"] = str(timings)
     return env
 
 
@@ -580,9 +604,11 @@ def run_once(
     name: str,
     address: str | None,
     alive: Callable[[], None] | None = None,
+    overlap: bool = True,
 ) -> list[RankResult]:
-    """One run of all ranks (plugin on when `address` is given); their results, in rank order.
-    `alive` is called once every rank has written its result and before any exits."""
+    """One run of all ranks (plugin on when `address` is given, its early start as `overlap`
+    says); their results, in rank order. `alive` is called once every rank has written its
+    result and before any exits. The ranks' per-step sync timings go to `work/name/timings`."""
     run_dir = work / name
     barrier = run_dir / "barrier"
     barrier.mkdir(parents=True)
@@ -609,7 +635,14 @@ def run_once(
             (
                 subprocess.Popen(
                     argv,
-                    env=rank_env(options, rank, port, address=address),
+                    env=rank_env(
+                        options,
+                        rank,
+                        port,
+                        address=address,
+                        overlap=overlap,
+                        timings=run_dir / "timings",
+                    ),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -685,6 +718,51 @@ def wait_stopped(url: str, groups: Sequence[str], timeout: float = 20.0) -> dict
         time.sleep(0.2)
 
 
+#: The check's two runs: stock vLLM, then the plugin (overlap as by default: on).
+RUNS = ("plain", "coordd")
+#: The measured modes of `--overlap`, in the order of its first set.
+OVERLAP_MODES = ("stock", "off", "on")
+
+
+def compare_overlap(options: Options, model: Path, work: Path) -> int:
+    """`--overlap SETS`: SETS sets of one run per mode (the order rotating from set to set, so
+    no mode always runs first or last), each plugin run with its own coordd; every run must
+    give the first run's tokens. Prints the sync table; 1 if a run failed or differed."""
+    from coordd.testing import CoorddProcess
+
+    problems: list[str] = []
+    reference: list[RankResult] | None = None
+    dirs: list[Path] = []
+    for k in range(options.overlap_sets):
+        order = OVERLAP_MODES[k % 3 :] + OVERLAP_MODES[: k % 3]
+        for mode in order:
+            name = f"set{k + 1}-{mode}"
+            t0 = time.monotonic()
+            if mode == "stock":
+                results = run_once(options, model, work, name, None)
+            else:
+                with CoorddProcess(
+                    options.dp, f"ipc://{work}/{name}.sock", ["--log-level", "warning"]
+                ) as coordd:
+                    results = run_once(
+                        options, model, work, name, coordd.address, overlap=mode == "on"
+                    )
+            print(f"vllm_e2e: {name} done in {time.monotonic() - t0:.0f}s", flush=True)
+            dirs.append(work / name / "timings")
+            if reference is None:
+                reference = results
+                problems += [f"{name}: rank {r.rank}: {r.error}" for r in results if r.error]
+            else:
+                problems += [f"{name}: {p}" for p in compare(reference, results)]
+    print("the V1 runner's DP sync per step (coordd.tools.vllm_steps), all sets:")
+    print(vllm_steps.table(vllm_steps.read_steps(dirs)))
+    if problems:
+        print("vllm_e2e: FAILED", *problems, sep="\n  ")
+        return MISMATCH
+    print(f"vllm_e2e: OK: the same tokens in all {len(dirs)} runs")
+    return OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--_rank"]:  # a rank process started by run_once
@@ -712,8 +790,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = write_tiny_model(work / "model", moe=options.moe)
     where = f"{options.gpus} GPU(s)" if options.device == "cuda" else "CPU, one core each"
     print(f"vllm_e2e: model and logs in {work}; dp={options.dp} on {where}")
+    if options.overlap_sets:
+        return compare_overlap(options, model, work)
     t0 = time.monotonic()
-    plain = run_once(options, model, work, "plain", None)
+    plain = run_once(options, model, work, RUNS[0], None)
     print(f"vllm_e2e: run without coordd done in {time.monotonic() - t0:.0f}s")
     metrics_port = free_port()
     sock = work / "coordd.sock"
@@ -734,7 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     states: dict[str, str] = {}
     with coordd:
         t0 = time.monotonic()
-        plugin = run_once(options, model, work, "coordd", coordd.address, alive=read_metrics)
+        plugin = run_once(options, model, work, RUNS[1], coordd.address, alive=read_metrics)
         print(f"vllm_e2e: run with coordd done in {time.monotonic() - t0:.0f}s")
         states = wait_stopped(url, (WORKER_GROUP, ENGINE_GROUP))
         try:
@@ -756,6 +836,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "exit, not 'stopped' (every rank says Goodbye)"
             )
     print(side_by_side(plain, plugin))
+    print("the V1 runner's DP sync per step (coordd.tools.vllm_steps):")
+    print(vllm_steps.table(vllm_steps.read_steps([work / n / "timings" for n in RUNS])))
     print("coordd rounds by group (ranks alive):", json.dumps(rounds, sort_keys=True))
     print("coordd groups after the exit:", json.dumps(states, sort_keys=True))
     for r in plugin:

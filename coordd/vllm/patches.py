@@ -95,6 +95,8 @@ class _State:
     #: The per-step timings (COORDD_VLLM_TIMINGS), if any, and the attributes they replaced.
     clock: Any = None
     timed: list[tuple[Any, str, Any]] = field(default_factory=list)
+    #: The start-up line, until vLLM's log can show it.
+    line: str = ""
     #: Faults this process logged, by error (each is logged once).
     said: set[str] = field(default_factory=set)
 
@@ -170,6 +172,8 @@ def _sync_(
     goes (and its label says so: ranks that disagree fail loudly, never add up wrongly).
     `sync`: as `site_label`'s."""
     exchange = _state.exchange
+    if _state.line:
+        _say_installed()
     try:
         return exchange is not None and exchange.sync_(tensor, op, identity, column, _SKIP, sync)
     except CoordError as error:
@@ -181,6 +185,8 @@ def _start_(tensor: torch.Tensor, op: ReduceOp, identity: GroupIdentity) -> bool
     """Start the round of the V1 runner's sync now (`coordd.vllm.early`); False if it cannot
     start early (it then runs at the sync)."""
     exchange = _state.exchange
+    if _state.line:
+        _say_installed()
     try:
         return exchange is not None and exchange.start_(tensor, op, identity, True, _SKIP)
     except CoordError as error:
@@ -400,17 +406,28 @@ def install(settings: PluginSettings) -> bool:
         clock = _clock("on" if runner_class is not None else "off")
         if clock is not None:
             _state.exchange.on_sync = clock.on_sync
-    log.info(
-        "coordd vLLM plugin installed for vLLM %s, coordd at %s: every DP sync (V1 runner, "
-        "drafters, Model Runner V2, engine cores) is a coordd round; %s",
-        version,
-        settings.address or "the default ipc path",
-        "the V1 runner's round starts before _prepare_inputs and is collected at its sync "
-        "(COORDD_VLLM_OVERLAP=0 turns that off)"
-        if not why
-        else f"every round starts at vLLM's sync ({why})",
+    _state.line = (
+        f"coordd vLLM plugin installed for vLLM {version}, coordd at "
+        f"{settings.address or 'the default ipc path'}: every DP sync (V1 runner, drafters, "
+        "Model Runner V2, engine cores) is a coordd round; "
+        + (
+            "the V1 runner's round starts before _prepare_inputs and is collected at its sync "
+            "(COORDD_VLLM_OVERLAP=0 turns that off)"
+            if not why
+            else f"every round starts at vLLM's sync ({why})"
+        )
     )
+    _say_installed()
     return True
+
+
+def _say_installed() -> None:
+    """The start-up line, in vLLM's log: now if vLLM's logging shows it already, else at the
+    process's first sync (a process may load plugins before vLLM configures its logging)."""
+    line = _state.line
+    if line and log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        _state.line = ""
+        log.info("%s", line)
 
 
 def overlapping() -> bool:
@@ -642,6 +659,7 @@ def uninstall() -> None:
         _state.engine.clear()
         _state.no_overlap = "not installed"
         _state.clock = None
+        _state.line = ""
 
 
 def wrapped(fn: Callable[..., Any]) -> bool:

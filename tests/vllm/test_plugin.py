@@ -24,9 +24,10 @@ import vllm.v1.worker.dp_utils as v1
 import vllm.v1.worker.gpu.dp_utils as v2
 from vllm.config import ParallelConfig
 from vllm.distributed import parallel_state as ps
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 import coordd.vllm
-from coordd.vllm import patches
+from coordd.vllm import patches, runner
 from coordd.vllm.enable import PluginSettings
 
 #: Nothing listens here: any round the plugin tried to make would fail to connect.
@@ -62,6 +63,7 @@ def _originals() -> dict[str, object]:
         "D2": ParallelConfig.__dict__["sync_kv_cache_memory_size"],
         "E": ParallelConfig.__dict__["stateless_init_dp_group"],
         "F": engine_core.DPEngineCoreProc.__dict__["shutdown"],
+        "G": GPUModelRunner.__dict__["_prepare_inputs"],
     }
 
 
@@ -205,3 +207,82 @@ def test_a_reused_dp_sync_state_makes_no_round(plugin: None) -> None:
     assert again is state and desc.num_tokens == 16
     exchange = patches.exchange()
     assert exchange is not None and exchange.rounds() == {}
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def plugin_log() -> Iterator[list[str]]:
+    """What the plugin says in vLLM's log (its logger is a child of vLLM's `vllm`)."""
+    handler = _Lines()
+    logger = logging.getLogger(patches.log.name)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_the_v1_runners_window_is_read_from_this_vllm() -> None:
+    """This vLLM's execute_model computes the sync's inputs, calls _prepare_inputs, then the
+    sync with exactly the arguments the early start passes."""
+    assert patches.log.name.startswith("vllm.")
+    assert runner.window_in(GPUModelRunner) == ""
+
+
+def test_the_runner_starts_early_by_default_and_says_so(plugin_log: list[str]) -> None:
+    before = GPUModelRunner.__dict__["_prepare_inputs"]
+    assert patches.install(NOWHERE)
+    try:
+        assert patches.overlapping()
+        assert patches.wrapped(GPUModelRunner.__dict__["_prepare_inputs"])
+    finally:
+        patches.uninstall()
+    assert GPUModelRunner.__dict__["_prepare_inputs"] is before
+    [line] = [line for line in plugin_log if "installed" in line]
+    assert f"vLLM {vllm.__version__}" in line and NOWHERE.address in line
+    assert "starts before _prepare_inputs" in line and "COORDD_VLLM_OVERLAP=0" in line
+
+
+def test_overlap_off_leaves_the_runner_as_vllm_has_it(
+    monkeypatch: pytest.MonkeyPatch, plugin_log: list[str]
+) -> None:
+    monkeypatch.setenv("COORDD_ADDRESS", NOWHERE.address or "")
+    monkeypatch.setenv("COORDD_VLLM_OVERLAP", "0")
+    before = GPUModelRunner.__dict__["_prepare_inputs"]
+    try:
+        coordd.vllm.register()
+        assert patches.installed() and not patches.overlapping()
+        assert GPUModelRunner.__dict__["_prepare_inputs"] is before
+    finally:
+        patches.uninstall()
+    [line] = [line for line in plugin_log if "installed" in line]
+    assert "every round starts at vLLM's sync (COORDD_VLLM_OVERLAP=0)" in line
+
+
+def test_stock_timings_wrap_the_runner_without_the_plugin(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """COORDD_VLLM_TIMINGS with the plugin off times stock vLLM's steps; nothing else."""
+    monkeypatch.delenv("COORDD_ADDRESS", raising=False)
+    monkeypatch.setenv("COORDD_VLLM", "0")
+    monkeypatch.setenv("COORDD_VLLM_TIMINGS", str(tmp_path))
+    before = _originals()
+    step = GPUModelRunner.__dict__["execute_model"]
+    try:
+        coordd.vllm.register()
+        assert not patches.installed() and _originals() == before
+        assert patches.wrapped(GPUModelRunner.__dict__["execute_model"])
+    finally:
+        patches.uninstall()
+    assert GPUModelRunner.__dict__["execute_model"] is step
