@@ -13,26 +13,20 @@ step to DIR/steps-<pid>.jsonl:
   wait    seconds the plugin blocked for the round's answer at the sync (0 for stock vLLM)
 
 A step that made no sync (a rank with nothing scheduled returns before it) has sync = 0 and
-is written too: readers keep the steps with a sync. The records are buffered and written every
-`FLUSH` steps and at the process's exit.
+is written too: readers keep the steps with a sync. Each line is written when its step ends.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import json
-import multiprocessing.util
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from coordd.vllm import early
-
-#: Steps buffered before a write.
-FLUSH = 64
 
 
 class StepClock:
@@ -42,7 +36,8 @@ class StepClock:
         self.directory = directory
         self.mode = mode
         self._lock = threading.Lock()
-        self._lines: list[str] = []
+        self._out: TextIO | None = None
+        self._pid = 0
         self._step: dict[str, float] | None = None
 
     # -- what the wrappers and the exchange report ---------------------------------------------
@@ -51,15 +46,19 @@ class StepClock:
         self._step = {"sync": 0.0, "start": 0.0, "window": 0.0, "wait": 0.0}
 
     def end_step(self, seconds: float) -> None:
+        """Write the step's line at once (after its timing: the write is in no measured
+        span), so a rank that is killed still leaves every step it finished."""
         step, self._step = self._step, None
         if step is None:
             return
         step["step"] = seconds
         line = json.dumps({"mode": self.mode, **{k: round(v, 7) for k, v in step.items()}})
         with self._lock:
-            self._lines.append(line)
-            if len(self._lines) >= FLUSH:
-                self._write()
+            if self._out is None or self._pid != os.getpid():  # a forked child: its own file
+                self._pid = os.getpid()
+                self._out = (self.directory / f"steps-{self._pid}.jsonl").open("a")
+            self._out.write(line + "\n")
+            self._out.flush()
 
     def add(self, key: str, seconds: float) -> None:
         if self._step is not None:
@@ -71,18 +70,6 @@ class StepClock:
         if self._step is not None and site.startswith("coordinate_batch_across_dp@"):
             self._step["window"] += window
             self._step["wait"] += wait
-
-    def flush(self) -> None:
-        with self._lock:
-            self._write()
-
-    def _write(self) -> None:
-        if not self._lines:
-            return
-        # named by the writing process: a forked child writes its own steps to its own file
-        with (self.directory / f"steps-{os.getpid()}.jsonl").open("a") as out:
-            out.write("\n".join(self._lines) + "\n")
-        self._lines.clear()
 
 
 def timed(clock: StepClock, original: Callable[..., Any], key: str) -> Callable[..., Any]:
@@ -118,12 +105,7 @@ def stepped(clock: StepClock, original: Callable[..., Any]) -> Callable[..., Any
 
 
 def make_clock(directory: str, mode: str) -> StepClock:
-    """A clock writing under `directory`, flushed at the process's exit (atexit, and the
-    multiprocessing exit finalizers that vLLM's worker processes run instead)."""
+    """A clock writing under `directory`."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    clock = StepClock(path, mode)
-    os.register_at_fork(after_in_child=clock._lines.clear)
-    atexit.register(clock.flush)
-    multiprocessing.util.Finalize(None, clock.flush, exitpriority=100)
-    return clock
+    return StepClock(path, mode)

@@ -204,6 +204,8 @@ def worker_cases(ctx: dict[str, Any], rounds: int, seed: int, counts: dict[str, 
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from coordd.vllm import early, patches
+
     rank, dp, group = ctx["dp_rank"], ctx["dp"], ctx["worker_group"]
     out: list = []
 
@@ -246,14 +248,19 @@ def worker_cases(ctx: dict[str, Any], rounds: int, seed: int, counts: dict[str, 
         # V1 call sites, each through its own module's bound name
         runner = ctx["runner"]
         runner.parallel_config = pc
-        r = GPUModelRunner._determine_batch_execution_and_padding(
-            runner,
+        args = dict(
             num_tokens=n,
             num_reqs=max(1, n // mine.randint(1, 4)),
             num_scheduled_tokens_np=np.zeros(1),
             max_num_scheduled_tokens=mine.choice([1, 2, 4]),
             allow_microbatching=mine.random() < 0.5,
         )
+        if mine.random() < 0.6 and patches.overlapping():
+            # the plugin's early start (coordd.vllm.runner.start_sync): the same function with
+            # the same arguments in starting mode; the call below collects its round
+            with contextlib.suppress(early.Started, early.NotStarted), early.StartingMode():
+                GPUModelRunner._determine_batch_execution_and_padding(runner, **args)
+        r = GPUModelRunner._determine_batch_execution_and_padding(runner, **args)
         made()
         out.append(("GPUModelRunner._determine_batch_execution_and_padding", i, canon(r)))
         for name in ("SpecDecodeBaseProposer", "ExtractHiddenStatesProposer"):
