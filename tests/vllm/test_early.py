@@ -15,6 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from coordd.proto.coordinator import LEFT_THE_GROUP  # noqa: E402
 from coordd.proto.errors import CoordError, RankLost  # noqa: E402
 from coordd.testing import CoorddProcess  # noqa: E402
 from coordd.vllm.early import EarlyStartMismatch, SkippedSync  # noqa: E402
@@ -149,6 +150,7 @@ def _peer_told(wait: Callable[[float], Any], culprit: int, since: float) -> floa
     with pytest.raises(RankLost) as lost:
         wait(HEARTBEAT)
     assert lost.value.ranks == (culprit,), lost.value
+    assert LEFT_THE_GROUP not in str(lost.value), f"a fault counted as a clean leave: {lost.value}"
     took = time.monotonic() - since
     assert took < HEARTBEAT / 2, f"the peer was told after {took:.1f} s (not at once)"
     return took
