@@ -374,6 +374,25 @@ class ClientMisuse(Scenario):
         run.release([f"rank{r}" for r in range(run.dp)])
 
 
+class AbandonedRound(Scenario):
+    """The vLLM plugin's early start, when the step raises between the start and the sync: the
+    culprit (the real client) starts its round and leaves without Goodbye before waiting for
+    it. coordd must fail the group with `RankLost` naming it (never a decision built without
+    it, never a clean leave), and the rank registers again and goes on."""
+
+    fault = Fault.ABANDONED_ROUND
+    summary = "a rank starts a round early, then leaves without Goodbye before its sync"
+    expect = Expect(failure=True, errors=["RankLost"], culprit_view="any")
+
+    def run(self, run: ScenarioRun) -> None:
+        c = run.culprit
+        run.culprit_name = f"rank{c}"
+        for rank in range(run.dp):
+            extra: dict[str, object] = dict(abandon_seq=run.inject_seq) if rank == c else {}
+            run.start_worker(run.spec(f"rank{rank}", "rank", rank, **extra))
+        run.release([f"rank{r}" for r in range(run.dp)])
+
+
 class StrangerNoise(Scenario):
     fault = Fault.STRANGER_NOISE
     summary = "a stranger forges reports for the live rounds amid garbage, then bursts"
@@ -661,6 +680,7 @@ SCENARIOS: dict[Fault, Scenario] = {
         IdClaims(),
         JunkGroups(),
         ForgedAnswers(),
+        AbandonedRound(),
     ]
 }
 assert set(SCENARIOS) == set(Fault), "one scenario per fault kind"

@@ -32,6 +32,7 @@ class Fault(str, enum.Enum):
     ID_CLAIMS = "id_claims"
     JUNK_GROUPS = "junk_groups"
     FORGED_ANSWERS = "forged_answers"
+    ABANDONED_ROUND = "abandoned_round"
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,6 +108,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: how long after its start() the close comes
     misuse_seqs: dict[str, int] = {}
     close_delay: float = 0.0
+    #: abandoned_round: the round this rank starts early and then abandons before it waits
+    #: (the vLLM plugin's path when a step raises between its early start and its sync)
+    abandon_seq: int = -1
     #: takeover_attempt: the victim writes its connection's routing id into its log (the
     #: worst case: it leaked), and the taker reads it there
     leak_identity: bool = False

@@ -199,6 +199,8 @@ class Worker:
                     self._misbehave(driver, seq)
                 elif isinstance(driver, ClientDriver) and misuse:
                     self._misuse(driver, seq, misuse)
+                elif isinstance(driver, ClientDriver) and self._abandon_due(seq):
+                    self._abandon(driver, seq)
                 else:
                     self._round(driver, seq)
             except CoordError as error:
@@ -358,6 +360,29 @@ class Worker:
             timer.join(5.0)
             note = "the decision came before the close"
             self.log.write(Note(t=now(), what="misuse", detail=note))
+
+    # -- a round started early and abandoned (abandoned_round) ---------------------------------
+
+    def _abandon_due(self, seq: int) -> bool:
+        return not self.injected and seq >= self.spec.abandon_seq >= 0
+
+    def _abandon(self, driver: ClientDriver, seq: int) -> None:
+        """Start round `seq` early, then abandon it as the vLLM plugin does when the step
+        raises between its early start and its sync: leave without Goodbye (coordd must count
+        the rank lost and fail the round for everyone, naming it), and the round's wait ends
+        with the closed client's typed error; the rank then registers with a new client."""
+        spec = self.spec
+        kind = kind_for(spec.seed, seq)
+        report = report_for(spec.seed, spec.dp_rank, seq)
+        self._begin(driver.epoch or 0, seq, kind, [driver.stamped(report, kind)])
+        pending = driver.client.start(report, kind)
+        self.injected = True
+        detail = "started the round, then left without Goodbye before waiting for it"
+        self.log.write(Inject(t=now(), fault=spec.fault, rank=spec.dp_rank, detail=detail))
+        self._work()
+        driver.client.close(goodbye=False)
+        driver.closed = True
+        pending.wait(spec.wait_timeout)
 
     # -- the injected misbehaviour --------------------------------------------------------------
 
