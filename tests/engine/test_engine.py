@@ -51,6 +51,7 @@ pytest.importorskip(
 import contextlib
 
 from coordd.testing import CoorddProcess
+from coordd.tools import vllm_steps
 from coordd.tools.vllm_e2e import (
     ENGINE_GROUP,
     WORKER_GROUP,
@@ -77,10 +78,12 @@ START_TIMEOUT = 420.0
 #: How long stock vLLM's hung rank is watched before the test moves on.
 STOCK_HANG_WAIT = 20.0
 #: The coordd errors a failed rank's log may name (the engine core logs the root cause).
-COORDD_ERROR = re.compile(r"coordd\.proto\.errors\.(\w+): (.*)")
+COORDD_ERROR = re.compile(r"coordd\.(?:proto\.errors|vllm\.early)\.(\w+): (.*)")
 #: The rows of the fault table and the step times, printed at the end.
 TABLE: list[str] = []
 STEPS: dict[str, list[float]] = {}
+#: The timing directories of the runs whose first round the sync table shows.
+TIMED: list[Path] = []
 
 
 def _cpu_platform() -> str | None:
@@ -110,6 +113,8 @@ class Pair:
         address: str | None,
         jobs: int = 1,
         skip_rank: int | None = None,
+        overlap: bool = True,
+        raising: bool = False,
     ) -> None:
         self.name = name
         self.dir = work / name
@@ -118,11 +123,15 @@ class Pair:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.logs = []
         for rank in range(OPTIONS.dp):
-            env = rank_env(OPTIONS, rank, port, address=address)
+            env = rank_env(
+                OPTIONS, rank, port, address=address, overlap=overlap, timings=self.timings
+            )
             paths = [str(REPO)]
             if rank == skip_rank:
                 paths.append(str(SKIPPER))
                 env["COORDD_TEST_SKIP_FILE"] = str(self.skip_file)
+                if raising:
+                    env["COORDD_TEST_RAISE"] = "1"
             env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
             log = (self.dir / f"rank{rank}.log").open("wb")
             self.logs.append(log)
@@ -155,6 +164,11 @@ class Pair:
     @property
     def skip_file(self) -> Path:
         return self.dir / "skip"
+
+    @property
+    def timings(self) -> Path:
+        """Where the ranks' processes write their per-step sync timings."""
+        return self.dir / "timings"
 
     def results(self, rank: int) -> list[dict[str, Any]]:
         path = self.dir / f"rank{rank}.json"
@@ -315,6 +329,7 @@ def test_stock_vllm_tokens_then_a_hung_and_a_killed_rank(
         assert result["tokens"] and not result["error"], result
         stock_tokens[r] = result["tokens"]
     STEPS["vLLM (gloo)"] = [s for result in first for s in result["step_seconds"]]
+    TIMED.append(pair.timings)
     pair.go(2)
     pair.wait_progress(1, 2, 3, 120)
     stopped_at = pair.signal(1, signal.SIGSTOP)
@@ -371,6 +386,9 @@ def test_with_coordd_same_tokens_counted_rounds_and_a_clean_exit(
             check=False,
         )
     STEPS["vLLM + coordd"] = [s for result in results for s in result["step_seconds"]]
+    TIMED.append(pair.timings)
+    said = [line for line in pair.log(0).splitlines() if "coordd vLLM plugin installed" in line]
+    assert said and "starts before _prepare_inputs" in said[-1], pair.tails()
     for r, result in enumerate(results):
         assert not result["error"], result
         if stock_tokens:
@@ -388,6 +406,28 @@ def test_with_coordd_same_tokens_counted_rounds_and_a_clean_exit(
     assert status.stdout.count("STOPPED: every rank left cleanly") == 2, status.stdout
     assert "FAILED" not in status.stdout
     print(f"/readyz after the exit: {ready[0]} {ready[1]}")
+
+
+def test_with_coordd_overlap_off_same_tokens(
+    work: Path, model: Path, stock_tokens: dict[int, list[list[int]]], pairs: list[Pair]
+) -> None:
+    """COORDD_VLLM_OVERLAP=0: every round starts at vLLM's sync; the same tokens, and the
+    plugin says so in vLLM's log (this run is the sync table's "overlap off" row)."""
+    with coordd_for(work, "off")[0] as coordd:
+        pair = Pair(work, model, "coordd-overlap-off", address=coordd.address, overlap=False)
+        pairs.append(pair)
+        results = pair.wait_round(1, START_TIMEOUT)
+        pair.release()
+        codes = pair.wait_exit(90)
+    assert codes == [0, 0], f"{codes}\n{pair.tails()}"
+    for r, result in enumerate(results):
+        assert not result["error"], result
+        if stock_tokens:
+            assert result["tokens"] == stock_tokens[r], f"rank {r}: tokens differ from stock"
+    STEPS["coordd, overlap off"] = [s for result in results for s in result["step_seconds"]]
+    TIMED.append(pair.timings)
+    said = [line for line in pair.log(0).splitlines() if "coordd vLLM plugin installed" in line]
+    assert said and "COORDD_VLLM_OVERLAP=0" in said[-1], pair.tails()
 
 
 def _between_rounds(pair: Pair) -> None:
@@ -469,9 +509,45 @@ def test_with_coordd_a_rank_that_skips_one_sync_is_named(
         f"{result['error'][:60]} after {took:.1f} s; rank 1: "
         f"{[k for k, _ in pair.coordd_errors(1)][:2]}"
     )
-    assert kind in ("StepMismatch", "StepTimeout"), (kind, text)
-    assert re.search(r"\[1\]|rank 1\b", text), (kind, text)
+    # The early start sent rank 1's values before it skipped the sync, so the round it skipped
+    # completed; its next start finds that round uncollected: SkippedSync naming itself, and
+    # its link closes without Goodbye, so rank 0 is told RankLost [1] at once.
+    assert kind == "RankLost" and "[1]" in text, (kind, text)
+    assert "SkippedSync" in [k for k, _ in pair.coordd_errors(1)], pair.tails()
     assert took <= STEP_TIMEOUT + 15, f"named after {took:.1f} s"
+
+
+def test_with_coordd_a_step_that_raises_after_its_early_start_is_named(
+    work: Path, model: Path, pairs: list[Pair]
+) -> None:
+    """Rank 1's `_prepare_inputs` raises after its round was started: its engine fails with
+    the error, the started round is abandoned (its link closed without Goodbye, no round left
+    open) and rank 0 is told RankLost [1] at once, not after a timeout."""
+    with coordd_for(work, "raise")[0] as coordd:
+        pair = Pair(
+            work, model, "coordd-raise", address=coordd.address, jobs=2, skip_rank=1, raising=True
+        )
+        pairs.append(pair)
+        _between_rounds(pair)
+        pair.skip_file.touch()
+        armed = Path(str(pair.skip_file) + ".armed")
+        deadline = time.monotonic() + 30
+        while not armed.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert armed.exists(), "rank 1's fault did not arm within 30 s"
+        pair.go(2)
+        result, kind, text = _coordd_fault(pair, 0, STEP_TIMEOUT + 90)
+    raised = Path(str(pair.skip_file) + ".skipped")
+    assert raised.exists(), "rank 1 never raised"
+    took = result["error_at"] - float(raised.read_text())
+    mine = pair.result(1, 2, 30)
+    TABLE.append(
+        f"raise after early start: rank 0 {kind}: {text[:100]} after {took:.1f} s; rank 1: "
+        f"{(mine or {}).get('error', '?')[:80]}"
+    )
+    assert "InjectedFault" in pair.log(1), pair.tails()
+    assert kind == "RankLost" and "[1]" in text, (kind, text)
+    assert took < STEP_TIMEOUT, f"named after {took:.1f} s (a timeout, not the loss)"
 
 
 @pytest.mark.skipif(
@@ -504,6 +580,10 @@ def test_zz_fault_table_and_step_times() -> None:
     print("\n== fault table (stock vLLM vs coordd) ==")
     for row in TABLE:
         print(row)
+    print("== the V1 runner's DP sync per step, both ranks (coordd.tools.vllm_steps) ==")
+    steps = vllm_steps.read_steps(TIMED)
+    if steps:
+        print(vllm_steps.table(steps))
     print("== engine step times, ms (both ranks, first round) ==")
     print(f"{'':16} {'steps':>6} {'median':>8} {'p90':>8}")
     for name, steps in STEPS.items():
