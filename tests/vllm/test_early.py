@@ -220,3 +220,26 @@ def test_a_step_that_raises_between_start_and_sync_leaves_no_round_open(ranks: l
     assert exchange.rounds() == {}
     since = time.monotonic()
     _peer_told(in_thread(lambda: sync(ranks[0], column(0, VALUES[0]))), 1, since)
+
+
+def test_coordd_gone_with_a_round_in_flight_is_coordinator_unavailable(
+    coordd: CoorddProcess, ranks: list
+) -> None:
+    """coordd is killed between the early start and the sync: the sync raises the client's
+    CoordinatorUnavailable (bounded by the client's heartbeat timeout), never a tensor."""
+    import signal
+
+    from coordd.proto.errors import CoordinatorUnavailable
+
+    for rank in range(DP):
+        start(ranks[rank], column(rank, VALUES[rank]))
+    first = [in_thread(lambda r=rank: sync(ranks[r], column(r, VALUES[r]))) for rank in range(DP)]
+    for wait in first:
+        assert torch.equal(wait(30), expected())
+    for rank in range(DP):
+        start(ranks[rank], column(rank, VALUES[rank]))
+    coordd.signal(signal.SIGKILL)
+    mine = column(0, VALUES[0])
+    with pytest.raises(CoordinatorUnavailable):
+        in_thread(lambda: sync(ranks[0], mine))(60)
+    assert torch.equal(mine, column(0, VALUES[0]))
