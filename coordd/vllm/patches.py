@@ -22,6 +22,8 @@ a reused `DPSyncState`) never reach a patch point and make no round.
   F  DPEngineCoreProc.shutdown                 says Goodbye to coordd first (vLLM SIGKILLs an
                                                engine core ~5 s after its SIGTERM; the rest of
                                                its shutdown may not finish)
+  G  GPUModelRunner._prepare_inputs            the V1 runner's sync round starts before it
+                                               (coordd.vllm.runner; off: COORDD_VLLM_OVERLAP=0)
 
 A clean exit is a Goodbye, not a lost rank: F on the engine core's exit path, and an exit hook
 (atexit, and multiprocessing's exit finalizers, which vLLM's worker processes run) in every
