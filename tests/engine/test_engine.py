@@ -486,24 +486,30 @@ def test_with_coordd_a_killed_rank_is_named(work: Path, model: Path, pairs: list
     assert kind == "RankLost" and "[1]" in text, (kind, text)
 
 
+def _fault_in_round_2(pair: Pair) -> tuple[dict[str, Any], str, str, float]:
+    """Arm rank 1's fault (tests/engine/skipper) between rounds, run round 2, and return rank
+    0's failed result, its coordd error (type, text) and the seconds from the fault to it."""
+    _between_rounds(pair)
+    pair.skip_file.touch()
+    armed = Path(str(pair.skip_file) + ".armed")
+    deadline = time.monotonic() + 30
+    while not armed.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert armed.exists(), "rank 1's fault did not arm within 30 s"
+    pair.go(2)
+    result, kind, text = _coordd_fault(pair, 0, STEP_TIMEOUT + 90)
+    done = Path(str(pair.skip_file) + ".skipped")
+    assert done.exists(), "rank 1's fault never happened"
+    return result, kind, text, result["error_at"] - float(done.read_text())
+
+
 def test_with_coordd_a_rank_that_skips_one_sync_is_named(
     work: Path, model: Path, pairs: list[Pair]
 ) -> None:
     with coordd_for(work, "skip")[0] as coordd:
         pair = Pair(work, model, "coordd-skip", address=coordd.address, jobs=2, skip_rank=1)
         pairs.append(pair)
-        _between_rounds(pair)
-        pair.skip_file.touch()
-        armed = Path(str(pair.skip_file) + ".armed")
-        deadline = time.monotonic() + 30
-        while not armed.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert armed.exists(), "rank 1's skipper did not arm within 30 s"
-        pair.go(2)
-        result, kind, text = _coordd_fault(pair, 0, STEP_TIMEOUT + 90)
-    skipped = Path(str(pair.skip_file) + ".skipped")
-    assert skipped.exists(), "rank 1 never skipped its sync"
-    took = result["error_at"] - float(skipped.read_text())
+        result, kind, text, took = _fault_in_round_2(pair)
     TABLE.append(
         f"skipping rank, coordd:   rank 0 {kind}: {text[:120]} -> engine "
         f"{result['error'][:60]} after {took:.1f} s; rank 1: "
@@ -528,18 +534,7 @@ def test_with_coordd_a_step_that_raises_after_its_early_start_is_named(
             work, model, "coordd-raise", address=coordd.address, jobs=2, skip_rank=1, raising=True
         )
         pairs.append(pair)
-        _between_rounds(pair)
-        pair.skip_file.touch()
-        armed = Path(str(pair.skip_file) + ".armed")
-        deadline = time.monotonic() + 30
-        while not armed.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert armed.exists(), "rank 1's fault did not arm within 30 s"
-        pair.go(2)
-        result, kind, text = _coordd_fault(pair, 0, STEP_TIMEOUT + 90)
-    raised = Path(str(pair.skip_file) + ".skipped")
-    assert raised.exists(), "rank 1 never raised"
-    took = result["error_at"] - float(raised.read_text())
+        _, kind, text, took = _fault_in_round_2(pair)
     mine = pair.result(1, 2, 30)
     TABLE.append(
         f"raise after early start: rank 0 {kind}: {text[:100]} after {took:.1f} s; rank 1: "

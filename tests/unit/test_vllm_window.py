@@ -4,6 +4,10 @@ runner classes with vLLM's shape, no vLLM, no sockets."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,81 +45,54 @@ class Runner:
         return True
 
 
-class SyncBeforePrepare(Runner):
-    """Model Runner V2's order: the sync's answer is needed by the input preparation."""
-
-    def execute_model(self, scheduler_output: Any) -> Any:
-        num_reqs = self.input_batch.num_reqs  # type: ignore[attr-defined]
-        num_scheduled_tokens_np = scheduler_output.tokens
-        max_num_scheduled_tokens = int(num_scheduled_tokens_np.max())
-        num_tokens_unpadded = scheduler_output.total_num_scheduled_tokens
-        out = self._determine_batch_execution_and_padding(
-            num_tokens=num_tokens_unpadded,
-            num_reqs=num_reqs,
-            num_scheduled_tokens_np=num_scheduled_tokens_np,
-            max_num_scheduled_tokens=max_num_scheduled_tokens,
-            use_cascade_attn=False,
-            num_encoder_reqs=len(scheduler_output.scheduled_encoder_inputs),
-            allow_microbatching=self._allow_microbatching(num_reqs, num_scheduled_tokens_np),
-        )
-        self._prepare_inputs(scheduler_output, num_scheduled_tokens_np)
-        return out
+def variant(tmp_path: Path, name: str, old: str, new: str) -> type:
+    """`Runner` with one piece of `execute_model` changed: a class of its own module, so the
+    window check reads its source as it reads vLLM's."""
+    source = textwrap.dedent(inspect.getsource(Runner))
+    assert source.count(old) == 1, old
+    path = tmp_path / f"{name.lower()}.py"
+    path.write_text("from typing import Any\n\n" + source.replace(old, new))
+    spec = importlib.util.spec_from_file_location(f"window_{name.lower()}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Runner  # type: ignore[no-any-return]
 
 
-class CascadeOn(Runner):
-    """A vLLM whose sync reads a value `_prepare_inputs` computes."""
-
-    def execute_model(self, scheduler_output: Any) -> Any:
-        num_reqs = self.input_batch.num_reqs  # type: ignore[attr-defined]
-        num_scheduled_tokens_np = scheduler_output.tokens
-        max_num_scheduled_tokens = int(num_scheduled_tokens_np.max())
-        num_tokens_unpadded = scheduler_output.total_num_scheduled_tokens
-        cascade = self._prepare_inputs(scheduler_output, num_scheduled_tokens_np)
-        return self._determine_batch_execution_and_padding(
-            num_tokens=num_tokens_unpadded,
-            num_reqs=num_reqs,
-            num_scheduled_tokens_np=num_scheduled_tokens_np,
-            max_num_scheduled_tokens=max_num_scheduled_tokens,
-            use_cascade_attn=cascade,
-            num_encoder_reqs=len(scheduler_output.scheduled_encoder_inputs),
-            allow_microbatching=self._allow_microbatching(num_reqs, num_scheduled_tokens_np),
-        )
-
-
-class OtherTokenCount(Runner):
-    """A vLLM that counts the sync's tokens another way than the plugin would."""
-
-    def execute_model(self, scheduler_output: Any) -> Any:
-        num_reqs = self.input_batch.num_reqs  # type: ignore[attr-defined]
-        num_scheduled_tokens_np = scheduler_output.tokens
-        max_num_scheduled_tokens = int(num_scheduled_tokens_np.max())
-        num_tokens_unpadded = sum(num_scheduled_tokens_np)
-        self._prepare_inputs(scheduler_output, num_scheduled_tokens_np)
-        return self._determine_batch_execution_and_padding(
-            num_tokens=num_tokens_unpadded,
-            num_reqs=num_reqs,
-            num_scheduled_tokens_np=num_scheduled_tokens_np,
-            max_num_scheduled_tokens=max_num_scheduled_tokens,
-            use_cascade_attn=False,
-            num_encoder_reqs=len(scheduler_output.scheduled_encoder_inputs),
-            allow_microbatching=self._allow_microbatching(num_reqs, num_scheduled_tokens_np),
-        )
+PREPARE = "        _ = self._prepare_inputs(scheduler_output, num_scheduled_tokens_np)\n"
+#: vLLM-like changes that move a sync input out of the window, each with what the check says.
+VARIANTS = {
+    # Model Runner V2's order: the input preparation needs the sync's answer
+    "SyncBeforePrepare": (
+        PREPARE + "        return self._determine_batch_execution_and_padding(",
+        "        out = self._determine_batch_execution_and_padding(",
+        "no sync after _prepare_inputs",
+    ),
+    # the sync reads a value `_prepare_inputs` computes
+    "CascadeOn": (
+        "use_cascade_attn=False",
+        "use_cascade_attn=_",
+        "sync call differs",
+    ),
+    # the sync's tokens counted another way than the early start counts them
+    "OtherTokenCount": (
+        "num_tokens_unpadded = scheduler_output.total_num_scheduled_tokens",
+        "num_tokens_unpadded = sum(num_scheduled_tokens_np)",
+        "sets num_tokens_unpadded = sum(num_scheduled_tokens_np)",
+    ),
+}
 
 
 def test_the_window_is_found_in_vllms_order() -> None:
     assert runner.window_in(Runner) == ""
 
 
-@pytest.mark.parametrize(
-    ("cls", "why"),
-    [
-        (SyncBeforePrepare, "no sync after _prepare_inputs"),
-        (CascadeOn, "sync call differs"),
-        (OtherTokenCount, "sets num_tokens_unpadded = sum(num_scheduled_tokens_np)"),
-    ],
-)
-def test_a_runner_whose_sync_reads_other_values_gets_no_early_start(cls: type, why: str) -> None:
-    assert why in runner.window_in(cls)
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_runner_whose_sync_reads_other_values_gets_no_early_start(
+    tmp_path: Path, name: str
+) -> None:
+    old, new, why = VARIANTS[name]
+    assert why in runner.window_in(variant(tmp_path, name, old, new))
 
 
 def test_a_runner_without_the_methods_gets_no_early_start() -> None:
