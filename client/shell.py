@@ -14,6 +14,7 @@ from coordd.client.config import ClientConfig
 from coordd.client.registration import Registration
 from coordd.client.session import RankSession, SessionView
 from coordd.client.transport import RankConnection
+from coordd.proto.errors import CoordinatorUnavailable
 from coordd.proto.messages import Hello
 
 
@@ -58,7 +59,15 @@ class ClientShell(SessionView):
         self, timeout: float, now: float, hello: Hello | None = None
     ) -> Registration:
         """Read the monitor (the registration's first step looks at whether the connection
-        ever dropped), then begin a registration (`Registration`) for the shell to step."""
+        ever dropped), then begin a registration (`Registration`) for the shell to step.
+
+        A first registration to an ipc path with no socket file fails at once (nothing can
+        answer it: no coordd has bound there); a later one (coordd restarting) waits for the
+        socket until its deadline, as a tcp address always does."""
+        if self.session.welcome is None:
+            missing = self.connection.no_socket_file()
+            if missing is not None:
+                raise CoordinatorUnavailable(f"cannot reach coordd at {self.address}{missing}")
         self.connection.disconnected()
         return Registration(self.session, timeout, now, hello)
 

@@ -256,6 +256,14 @@ class RankConnection:
             return f" ({self.where()}): {self.handshake_failure}"
         return f" ({self.where()}): {_diagnose(self.endpoint)}"
 
+    def no_socket_file(self) -> str | None:
+        """`why_unreachable()` if the address is an ipc path with no file there (nothing will
+        answer until a coordd binds it), else None: a look at the path, no wait."""
+        endpoint = self.endpoint
+        if endpoint.scheme != "ipc" or endpoint.abstract or os.path.lexists(endpoint.path):
+            return None
+        return self.why_unreachable()
+
     def close(self, final: bytes | None = None) -> None:
         """Send `final` if the pipe is up (best effort, never blocks), then close both sockets."""
         close_dealer(self.socket, self.monitor, final)

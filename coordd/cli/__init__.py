@@ -160,8 +160,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         "--dp",
         type=int,
         default=_env("dp", None),
-        required=env_var("dp") not in os.environ,
-        help=f"data-parallel size: the ranks of every group (1..{MAX_DP_SIZE}; required)",
+        help=f"data-parallel size: the ranks of every group (1..{MAX_DP_SIZE}; required, "
+        "here or as COORDD_DP)",
     )
     p.add_argument(
         "--bind",
@@ -475,14 +475,23 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def stopped(log: logging.Logger, decided: dict[str, dict[str, int]]) -> None:
-    """The last lines: rounds decided in all, then per group by kind, as key=value fields
-    (`rounds decided group=default forward=2 state=1`)."""
+    """The last lines: rounds decided in all, then per group their count and by kind, as
+    key=value fields (`rounds decided group=default rounds=3 forward=2 state=1`; a group that
+    decided none: `rounds=0`, not a bare line)."""
     from coordd.core.logs import event
 
     total = sum(sum(kinds.values()) for kinds in decided.values())
     event(log, logging.INFO, "coordd stopped", rounds=total, groups=len(decided))
     for group, kinds in decided.items():
-        event(log, logging.INFO, "rounds decided", group=group, **dict(sorted(kinds.items())))
+        by_kind = {kind: n for kind, n in sorted(kinds.items()) if n}
+        event(
+            log,
+            logging.INFO,
+            "rounds decided",
+            group=group,
+            rounds=sum(by_kind.values()),
+            **by_kind,
+        )
 
 
 def _http_refusal(args: argparse.Namespace, exc: OSError) -> str:

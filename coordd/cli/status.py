@@ -224,6 +224,16 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _group_ready(doc: dict[str, Any]) -> str:
+    """A group's readiness word: a stopped group (every rank left cleanly) is not formed but
+    counts toward coordd's readiness, so it reads "stopped", never "NO" under coordd's "yes"."""
+    if doc["ready"]:
+        return "yes"
+    if doc.get("left_cleanly") and not doc["failure"]:
+        return "stopped, not a failure"
+    return "NO"
+
+
 def _group_block(doc: dict[str, Any]) -> list[str]:
     rounds = doc["rounds"]
     rnd = doc["round"]
@@ -231,7 +241,7 @@ def _group_block(doc: dict[str, Any]) -> list[str]:
         f"group {doc['name']}  dp {doc['dp_size']}  state {doc['state']}"
         f"  epoch {doc['epoch']}  seq {doc['seq']}"
         f"  on rank loss: {doc['on_rank_loss']}  step timeout {_seconds(doc['step_timeout_s'])}",
-        f"  ready: {'yes' if doc['ready'] else 'NO'} ({doc['ready_detail']})",
+        f"  ready: {_group_ready(doc)} ({doc['ready_detail']})",
     ]
     if rnd["open"]:
         lines.append(

@@ -686,3 +686,22 @@ def test_a_scraper_that_does_not_read_is_aborted_not_left_buffered(
     during, after, held = asyncio.run(scrape())
     assert during == 1 and after == 0
     assert held == 0, f"{held} bytes still buffered for a client that does not read"
+
+
+def test_a_stopped_groups_readiness_does_not_read_no_under_coordds_yes() -> None:
+    """Issue 30: `coordd status` printed "ready: yes (1/1 groups stopped ...)" and, under it,
+    the group's "ready: NO (stopped ...)": a stopped group counts toward readiness."""
+    from coordd.proto.messages import Goodbye
+
+    d = registered(2)
+    d.report(0, 0, 101.0)
+    d.report(1, 0, 101.5)
+    g = d.group()
+    for rank in (0, 1):
+        d._after(g.coordinator.receive(peer(rank), Goodbye(text="rank closed"), 102.0), g)
+    doc = json.loads(json.dumps(status_document(d)))  # type: ignore[arg-type]
+    assert doc["ready"] is True and doc["groups"][0]["left_cleanly"] is True
+    table = render(doc)
+    assert "ready: yes (1/1 groups stopped" in table
+    assert "ready: NO" not in table
+    assert "  ready: stopped, not a failure (stopped at seq 1" in table

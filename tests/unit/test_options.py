@@ -5,6 +5,7 @@ option (exit code 1, or argparse's 2), and the client's settings are checked whe
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -168,8 +169,38 @@ def test_the_stop_line_is_key_value(caplog: pytest.LogCaptureFixture) -> None:
         cli.stopped(logging.getLogger("coordd"), {"default": {"state": 1, "forward": 2}})
     assert [r.getMessage() for r in caplog.records] == [
         "coordd stopped rounds=3 groups=1",
-        "rounds decided group=default forward=2 state=1",
+        "rounds decided group=default rounds=3 forward=2 state=1",
     ]
+
+
+def test_the_stop_line_of_a_group_without_rounds_says_zero(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 30: a group that decided no round ended the log with a bare "rounds decided
+    group=default"."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="coordd"):
+        cli.stopped(logging.getLogger("coordd"), {"default": {}, "other": {"forward": 0}})
+    assert [r.getMessage() for r in caplog.records] == [
+        "coordd stopped rounds=0 groups=2",
+        "rounds decided group=default rounds=0",
+        "rounds decided group=other rounds=0",
+    ]
+
+
+def test_coordd_serve_without_dp_is_one_line() -> None:
+    """Issue 30: `coordd serve` without --dp printed 17 lines of usage before its error."""
+    env = {k: v for k, v in os.environ.items() if k != "COORDD_DP"}
+    for argv in (["serve"], [], ["--step-timeout", "5"]):
+        done = subprocess.run([sys.executable, "-m", "coordd", *argv], capture_output=True,
+                              text=True, timeout=60, env=env)
+        assert done.returncode == 1, argv
+        assert done.stdout == ""
+        assert done.stderr.strip().splitlines() == [
+            "coordd: --dp is required: the data-parallel size, vLLM's --data-parallel-size "
+            "(coordd serve --dp 8, or COORDD_DP=8)"
+        ], argv
 
 
 def test_good_options_pass() -> None:
