@@ -180,7 +180,7 @@ class AsyncCoordClient(ClientShell):
         Awaiting an answered future again gives the same outcome at once."""
         if future.done():
             return future.result()
-        timeout = self.config.wait_timeout if timeout is None else timeout
+        timeout = self.wait_timeout if timeout is None else timeout
         # wait_for(shield(future)) without its extra future and task hops: one waiter, woken
         # by the round's future or by the timer; the round's future is never cancelled here
         # (a timeout, or this task's cancellation, leaves the round pending).

@@ -36,7 +36,7 @@ from typing import Any, overload
 
 import msgspec
 
-from coordd.client.config import ClientConfig
+from coordd.client.config import ClientConfig, default_wait_timeout
 from coordd.proto.errors import (
     UNAVAILABLE_HINTS,
     CoordError,
@@ -621,7 +621,14 @@ class SessionView:
 
     @property
     def wait_timeout(self) -> float:
-        return self.config.wait_timeout
+        """A wait's default: the config's, else one that outlives coordd's step timeout as
+        its latest Welcome said it (`default_wait_timeout`)."""
+        given = self.config.wait_timeout
+        if given is not None:
+            return given
+        welcome = self.session.welcome
+        step_timeout = welcome.step_timeout if welcome is not None else 0.0
+        return default_wait_timeout(step_timeout, self.config.heartbeat_timeout)
 
     @property
     def dp_rank(self) -> int:

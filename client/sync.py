@@ -378,7 +378,7 @@ class CoordClient(ClientShell):
                 raise CoordinatorUnavailable(_CLOSED)
             outcome = session.outcome(seq, registration)
             if outcome is None:
-                timeout = self.config.wait_timeout if timeout is None else timeout
+                timeout = self.wait_timeout if timeout is None else timeout
                 deadline = time.monotonic() + timeout
                 while outcome is None:
                     got = self._pump(deadline, seq)

@@ -117,6 +117,9 @@ class Welcome(_Message, tag="welcome", frozen=True):
     epoch: int
     next_seq: int
     dp_size: int
+    #: coordd's --step-timeout (0: not said: an older coordd, or the device path): a client's
+    #: default wait outlives it, so coordd's `StepTimeout` naming the late ranks comes first.
+    step_timeout: float = 0.0
 
 
 class Reject(_Message, tag="reject", frozen=True):

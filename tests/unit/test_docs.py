@@ -81,3 +81,20 @@ def test_the_readme_is_for_the_operator_and_short() -> None:
     first = readme.split("\n\n")[1]
     assert "vLLM" in first and "sidecar" in first
     assert len(readme.splitlines()) <= 260
+
+
+def test_the_readmes_snippet_waits_longer_than_coordds_step_timeout() -> None:
+    """Issue 30: the snippet's `wait(timeout=30)` equalled coordd's default --step-timeout, so
+    the client's own "no decision within 30s" (naming nobody) raced coordd's StepTimeout
+    naming the late rank. The snippet waits with the default, which outlives it."""
+    from coordd.client.config import default_wait_timeout
+    from coordd.proto.defaults import HEARTBEAT_TIMEOUT, STEP_TIMEOUT
+
+    readme = (ROOT / "README.md").read_text()
+    snippets = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    waits = [w for s in snippets for w in re.findall(r"\.wait\(([^)]*)\)", s)]
+    assert waits, "the README's snippet waits for its decision"
+    for args in waits:
+        given = re.search(r"timeout\s*=\s*([\d.]+)", args)
+        assert given is None or float(given.group(1)) > STEP_TIMEOUT + HEARTBEAT_TIMEOUT, args
+    assert default_wait_timeout(STEP_TIMEOUT, HEARTBEAT_TIMEOUT) > STEP_TIMEOUT

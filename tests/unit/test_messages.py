@@ -58,7 +58,8 @@ hellos = st.builds(
     Hello, dp_size=i64, dp_rank=i64, config_fingerprint=short, incarnation=short, group=short,
     num_ubatches=i64, protocol_version=i64,
 )
-welcomes = st.builds(Welcome, epoch=i64, next_seq=i64, dp_size=i64)
+welcomes = st.builds(Welcome, epoch=i64, next_seq=i64, dp_size=i64,
+                   step_timeout=st.floats(0, 86400))
 rejects = st.builds(Reject, reason=st.sampled_from(RejectReason), text=text, expected=text,
                     got=text)
 step_reports = st.builds(
@@ -584,3 +585,18 @@ def test_rank_lost_says_to_reconnect() -> None:
     assert "connect()" in error.hint
     error.add_note("a caller's own note")
     assert error == RankLost([2], "disconnected")  # notes are not part of the error's data
+
+
+def test_the_welcome_says_coordds_step_timeout_and_an_older_one_is_read() -> None:
+    """Issue 30: a client's default wait outlives coordd's step timeout, which the Welcome
+    carries; a Welcome without it (an older coordd) reads as 0 (not said), and an older
+    client ignores the field."""
+    from coordd.proto.coordinator import Coordinator
+
+    assert decode_from_coordinator(pk(["welcome", 1, 2, 3])) == Welcome(
+        epoch=1, next_seq=2, dp_size=3, step_timeout=0.0)
+    c = Coordinator(2, epoch=5, step_timeout=12.5)
+    hello = Hello(dp_size=2, dp_rank=0, config_fingerprint="fp", incarnation="i")
+    (send,) = c.receive(b"peer0", hello, 0.0)
+    assert send.message.step_timeout == 12.5
+    assert msgspec.msgpack.decode(encode(send.message))[-1] == 12.5
