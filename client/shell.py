@@ -61,9 +61,9 @@ class ClientShell(SessionView):
         """Read the monitor (the registration's first step looks at whether the connection
         ever dropped), then begin a registration (`Registration`) for the shell to step.
 
-        A first registration to an ipc path with no socket file fails at once (nothing can
-        answer it: no coordd has bound there); a later one (coordd restarting) waits for the
-        socket until its deadline, as a tcp address always does."""
+        A first registration to an ipc path with no socket file (nor coordd's lock file or
+        set-aside socket beside it) fails at once: no coordd is there to answer. A later one
+        (coordd restarting) waits for the socket until its deadline, as a tcp address does."""
         if self.session.welcome is None:
             missing = self.connection.no_socket_file()
             if missing is not None:

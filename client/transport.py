@@ -260,7 +260,13 @@ class RankConnection:
         """`why_unreachable()` if the address is an ipc path with no file there (nothing will
         answer until a coordd binds it), else None: a look at the path, no wait."""
         endpoint = self.endpoint
-        if endpoint.scheme != "ipc" or endpoint.abstract or os.path.lexists(endpoint.path):
+        if endpoint.scheme != "ipc" or endpoint.abstract:
+            return None
+        path = endpoint.path
+        # A coordd is there, or on its way, if its lock file is (taken before it binds), or
+        # its socket is set aside (`.paused`: it refuses new connections for now; a client
+        # retries until its deadline): then the registration waits.
+        if any(os.path.lexists(path + suffix) for suffix in ("", ".lock", ".paused")):
             return None
         return self.why_unreachable()
 

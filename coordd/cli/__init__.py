@@ -446,25 +446,35 @@ def serve(args: argparse.Namespace) -> int:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
-            endpoints = None
-            if args.metrics_port is not None:
-                from coordd.ops.endpoints import HttpEndpoints, coordd_routes
+            from coordd.ops.endpoints import HttpEndpoints, coordd_routes, status_socket
 
-                endpoints = HttpEndpoints(coordd_routes(server), max_connections=caps.http)
+            # One server for the HTTP port (if asked) and the status socket beside an ipc bind
+            # (always: `coordd status` with no options finds it), under one connection cap.
+            endpoints = HttpEndpoints(coordd_routes(server), max_connections=caps.http)
+            if args.metrics_port is not None:
                 try:
                     await endpoints.start(args.metrics_host, args.metrics_port)
                 except OSError as exc:
                     server.close()
                     raise SystemExit(f"coordd: {_http_refusal(args, exc)}") from None
+            unix_path = status_socket(server.bound_address)
+            if unix_path is not None:
+                try:
+                    await endpoints.start_unix(unix_path)
+                except OSError as exc:
+                    log.warning(
+                        "no status socket at %s (%s): coordd status needs --address",
+                        unix_path,
+                        exc.strerror or exc,
+                    )
             # the ready line comes first: launchers (CoorddProcess) wait for it as line one
             print(f"coordd ready on {server.bound_address}", flush=True)
-            if endpoints is not None:
+            if endpoints.url:
                 print(f"coordd metrics on {endpoints.url}", flush=True)
             try:
                 await server.serve(stop)
             finally:
-                if endpoints is not None:
-                    await endpoints.close()
+                await endpoints.close()
 
         _run(main)
     finally:

@@ -450,3 +450,47 @@ def test_a_busy_metrics_port_stops_coordd_with_a_clear_error(tmp_path: Path) -> 
     assert "[Errno" not in done.stderr and "0 for any free one" in done.stderr
     unreachable = coordd_cli("status", "--url", f"http://127.0.0.1:{port}", "--timeout", "2")
     assert unreachable.returncode == 2 and "cannot reach coordd" in unreachable.stderr
+
+
+def test_coordd_status_with_no_flags_finds_the_users_coordd(coordd: Callable[..., Coordd],
+                                                           tmp_path: Path) -> None:
+    """Issue 30: the Quick start's `coordd serve --dp 2` has no metrics port, and `coordd
+    status` only tried 127.0.0.1:9180: exit 2, "cannot reach coordd". coordd now serves its
+    endpoints on a status socket beside its ipc socket (PATH.http, mode 0600, no flag), and
+    `coordd status` with no flags asks the default address's."""
+    xdg = tmp_path / "xdg"
+    xdg.mkdir()
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(xdg)}
+    for var in ("COORDD_ADDRESS", "COORDD_METRICS_PORT", "COORDD_STATUS_URL"):
+        env.pop(var, None)
+
+    def status_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "coordd", "status", *args],
+                              capture_output=True, text=True, timeout=30, env=env, check=False)
+
+    sock = xdg / "coordd" / "coordd.sock"
+    before = status_cli("--timeout", "2")
+    assert before.returncode == 2 and "Traceback" not in before.stderr
+    assert f"no coordd at ipc://{sock}" in before.stderr, before.stderr
+    assert "start `coordd serve`" in before.stderr
+
+    c = coordd("serve", "--dp", "2", "--log-level", "warning", env=env)
+    assert c.address == f"ipc://{sock}" and not c.url  # no --metrics-port
+    http = Path(f"{sock}.http")
+    assert stat.S_ISSOCK(os.lstat(http).st_mode)
+    assert stat.S_IMODE(os.lstat(http).st_mode) == 0o600
+    table = status_cli()
+    assert table.returncode == 0, table.stderr
+    assert f"at ipc://{sock}, pid {c.proc.pid if c.proc else 0}" in table.stdout
+    assert "ready: NO (no group has registered yet)" in table.stdout
+    probe = status_cli("--probe", "readyz")
+    assert probe.returncode == 1
+    assert probe.stdout.strip() == "readyz: 503 no group has registered yet"
+    given = status_cli("--address", c.address, "--json")
+    assert given.returncode == 0 and json.loads(given.stdout)["coordd"]["address"] == c.address
+    tcp = status_cli("--address", "tcp://127.0.0.1:5555")
+    assert tcp.returncode == 1 and len(tcp.stderr.strip().splitlines()) == 1
+    assert "--address http://HOST:PORT" in tcp.stderr
+
+    assert c.stop() == 0
+    assert not http.exists(), "coordd removes its status socket at exit"

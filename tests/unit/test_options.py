@@ -8,6 +8,7 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -243,3 +244,28 @@ def test_the_server_itself_refuses_a_dp_its_clients_cannot_decode() -> None:
 def test_client_times_are_checked(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"ClientConfig.{field} must be"):
         ClientConfig(dp_rank=0, dp_size=2, **{field: value})  # type: ignore[arg-type]
+
+
+def test_coordd_status_asks_the_address_given_else_the_env_else_the_default_socket(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 30: `coordd status` asked only http://127.0.0.1:9180; now --address (ipc or
+    http), then $COORDD_STATUS_URL, then $COORDD_METRICS_PORT, then the default address's
+    status socket, then 9180."""
+    from coordd.cli.status import targets
+
+    for var in ("COORDD_STATUS_URL", "COORDD_METRICS_PORT", "COORDD_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    default = f"unix:{tmp_path}/coordd/coordd.sock.http"
+    assert targets(None) == [default, "http://127.0.0.1:9180"]
+    monkeypatch.setenv("COORDD_ADDRESS", "ipc:///run/coordd/coordd.sock")
+    assert targets(None) == ["unix:/run/coordd/coordd.sock.http", "http://127.0.0.1:9180"]
+    monkeypatch.setenv("COORDD_METRICS_PORT", "9999")
+    assert targets(None) == ["http://127.0.0.1:9999"]
+    monkeypatch.setenv("COORDD_STATUS_URL", "http://h:1")
+    assert targets(None) == ["http://h:1"]
+    assert targets("ipc:///x/c.sock") == ["unix:/x/c.sock.http"]
+    assert targets("http://10.0.0.1:9180") == ["http://10.0.0.1:9180"]
+    with pytest.raises(SystemExit, match="--metrics-port"):
+        targets("tcp://10.0.0.1:5555")

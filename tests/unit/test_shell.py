@@ -207,3 +207,21 @@ def test_a_first_async_connect_to_no_socket_file_fails_at_once(tmp_path: Path) -
         return str(caught.value)
 
     assert f"no socket file at {path}" in asyncio.run(connect())
+
+
+@pytest.mark.timeout(60)
+def test_a_first_connect_waits_where_a_coordd_holds_the_path(tmp_path: Path) -> None:
+    """coordd's lock file (taken before it binds) or its set-aside socket (`.paused`, while it
+    refuses new connections) says a coordd is there: the connect waits until its deadline."""
+    from coordd.client.sync import CoordClient
+    from coordd.proto.errors import CoordinatorUnavailable
+
+    path = tmp_path / "coordd.sock"
+    for suffix in (".lock", ".paused"):
+        marker = Path(f"{path}{suffix}")
+        marker.write_text("")
+        with (CoordClient(f"ipc://{path}", dp_rank=0, dp_size=2) as c,
+              pytest.raises(CoordinatorUnavailable) as caught):
+            c.connect(timeout=0.3)
+        assert "no answer from coordd within 0.3s" in str(caught.value)  # it waited
+        marker.unlink()
