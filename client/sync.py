@@ -19,10 +19,11 @@ import zmq
 from coordd.client.config import ClientConfig
 from coordd.client.edge import drain
 from coordd.client.registration import Step, check_unsent
-from coordd.client.session import Pong, RegistrationFailed, Resolved, RoundStillOpen
+from coordd.client.session import Pong, RankSession, RegistrationFailed, Resolved, RoundStillOpen
 from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
+    MAX_WAITED_US,
     GatherReport,
     GatherResult,
     Goodbye,
@@ -45,6 +46,7 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _CLOSED = "client closed"
 _WAIT, _SEND, _REOPEN = Step.WAIT, Step.SEND, Step.REOPEN
 _get_ident = threading.get_ident
+_now_ns = time.perf_counter_ns
 _send = zmq.backend.Socket.send
 
 
@@ -161,6 +163,9 @@ class CoordClient(ClientShell):
         #: socket to it), and whether the sockets are closed.
         self._busy: int | None = None
         self._sockets_closed = False
+        #: The last round's answer a wait() collected: (seq, registration, microseconds the
+        #: wait blocked), told to coordd in the next report (`StepReport.waited_us`).
+        self._waited: tuple[int, int, int] = (-2, -1, -1)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -187,7 +192,7 @@ class CoordClient(ClientShell):
                 self._check_open(self._open)
             else:  # what came since: an answer for the round about to be reported is a misfit
                 self._read_available(expect=False)
-            stamped = session.report(report, kind)
+            stamped = session.report(report, kind, self._waited_before(session))
             self._send_report(stamped)
         finally:
             self._busy = None
@@ -209,7 +214,7 @@ class CoordClient(ClientShell):
                 self._check_open(self._open)
             else:
                 self._read_available(expect=False)
-            stamped = self.session.gather(site, values)
+            stamped = self.session.gather(site, values, self._waited_before(self.session))
             self._send_report(stamped)
         finally:
             self._leave()
@@ -368,10 +373,19 @@ class CoordClient(ClientShell):
             raise _wrong_answer(seq, "step", outcome)
         return outcome
 
+    def _waited_before(self, session: RankSession) -> int:
+        """How long the wait for this rank's previous round (the seq before the next, this
+        registration) blocked, in microseconds; -1 if no wait collected it."""
+        seq, registration, waited = self._waited
+        if seq == session.next_seq - 1 and registration == session.registration:
+            return waited
+        return -1
+
     def _wait_outcome(
         self, seq: int, registration: int, timeout: float | None
     ) -> StepDecision | GatherResult:
         session = self.session
+        began = _now_ns()
         self._busy = _get_ident()  # _enter() and _leave(), inlined on this hot path
         try:
             if self._closed:
@@ -389,6 +403,7 @@ class CoordClient(ClientShell):
                 self._open = None
             if isinstance(outcome, CoordError):
                 raise outcome
+            self._waited = (seq, registration, min((_now_ns() - began) // 1000, MAX_WAITED_US))
             return outcome
         finally:
             self._busy = None

@@ -241,6 +241,12 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
         assert metric(m, "coordd_round_duration_seconds_bucket", **g, kind="forward",
                       le="+Inf") == rounds
         assert metric(m, "coordd_round_duration_seconds_sum", **g, kind="forward") > 0
+        # issue 30: what each sync cost the ranks' steps, as they report it with their next
+        # round: every rank's wait of every round but the last (no next report tells it)
+        w = {**g, "site": "forward"}
+        assert metric(m, "coordd_rank_wait_seconds_count", **w) == dp * (rounds - 1)
+        assert metric(m, "coordd_rank_wait_seconds_bucket", **w, le="+Inf") == dp * (rounds - 1)
+        assert metric(m, "coordd_rank_wait_seconds_sum", **w) > 0
         stragglers = {dict(k)["rank"]: v for k, v in m["coordd_straggler_rounds_total"].items()}
         assert sum(stragglers.values()) == rounds
         assert stragglers[str(late)] >= rounds - 3, f"rank {late} is the late one: {stragglers}"
