@@ -101,13 +101,17 @@ FULL = dict(
 )
 
 
+def _listed(values: Any) -> str:
+    return ",".join(str(v) for v in values)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"a first look in under a minute: dp={','.join(map(str, QUICK['dp']))}, "
+        help=f"a first look in under a minute: dp={_listed(QUICK['dp'])}, "
         f"{QUICK['rounds']} rounds, one overlap case, a short engine loop "
-        f"({QUICK['engine_steps']} steps), scale at dp={','.join(map(str, QUICK['scale_dp']))}; "
+        f"({QUICK['engine_steps']} steps), scale at dp={_listed(QUICK['scale_dp'])}; "
         "any option given as well wins; the last line is the verdict",
     )
     p.add_argument(
