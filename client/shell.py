@@ -37,6 +37,17 @@ class ClientShell(SessionView):
         self._context = context
         self.connection = RankConnection.open(given, self.session.identity, context)
         self._closed = False
+        #: The last round whose answer a wait collected: (seq, registration, microseconds the
+        #: wait blocked), told to coordd with the next report (`StepReport.waited_us`).
+        self._waited: tuple[int, int, int] = (-2, -1, -1)
+
+    def _waited_before(self, session: RankSession) -> int:
+        """How long the wait for this rank's previous round (the seq before the next, this
+        registration) blocked, in microseconds; -1 if no wait collected it."""
+        seq, registration, waited = self._waited
+        if seq == session.next_seq - 1 and registration == session.registration:
+            return waited
+        return -1
 
     def reopen_if_dropped(self) -> bool:
         """Before a registration: if the connection ever dropped, replace it with a new one

@@ -19,7 +19,7 @@ import zmq
 from coordd.client.config import ClientConfig
 from coordd.client.edge import drain
 from coordd.client.registration import Step, check_unsent
-from coordd.client.session import Pong, RankSession, RegistrationFailed, Resolved, RoundStillOpen
+from coordd.client.session import Pong, RegistrationFailed, Resolved, RoundStillOpen
 from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
@@ -163,9 +163,6 @@ class CoordClient(ClientShell):
         #: socket to it), and whether the sockets are closed.
         self._busy: int | None = None
         self._sockets_closed = False
-        #: The last round's answer a wait() collected: (seq, registration, microseconds the
-        #: wait blocked), told to coordd in the next report (`StepReport.waited_us`).
-        self._waited: tuple[int, int, int] = (-2, -1, -1)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -372,14 +369,6 @@ class CoordClient(ClientShell):
         if type(outcome) is not StepDecision:
             raise _wrong_answer(seq, "step", outcome)
         return outcome
-
-    def _waited_before(self, session: RankSession) -> int:
-        """How long the wait for this rank's previous round (the seq before the next, this
-        registration) blocked, in microseconds; -1 if no wait collected it."""
-        seq, registration, waited = self._waited
-        if seq == session.next_seq - 1 and registration == session.registration:
-            return waited
-        return -1
 
     def _wait_outcome(
         self, seq: int, registration: int, timeout: float | None

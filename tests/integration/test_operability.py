@@ -500,3 +500,46 @@ def test_coordd_status_with_no_flags_finds_the_users_coordd(coordd: Callable[...
 
     assert c.stop() == 0
     assert not http.exists(), "coordd removes its status socket at exit"
+
+
+def test_both_clients_tell_their_waits_by_site(coordd: Callable[..., Coordd],
+                                              tmp_path: Path) -> None:
+    """Issue 30: what each sync costs a rank's step, from the asyncio client's policy rounds
+    and the blocking client's gather rounds (the vLLM plugin's kind): one wait per rank and
+    round but the last, under the round's site."""
+    import asyncio
+
+    from coordd.client.aio import AsyncCoordClient
+
+    rounds = 5
+    c = coordd("serve", "--dp", "2", "--bind", f"ipc://{tmp_path}/c.sock", *http_args())
+
+    async def policy_rounds() -> None:
+        clients = [AsyncCoordClient(c.address, dp_rank=r, dp_size=2, group="dp-tp0-pp0")
+                   for r in range(2)]
+        try:
+            for client in clients:
+                await client.connect(timeout=10)
+            for _ in range(rounds):
+                await asyncio.gather(*(client.coordinate(REPORT, timeout=30)
+                                       for client in clients))
+        finally:
+            for client in clients:
+                await client.close()
+
+    asyncio.run(policy_rounds())
+    ranks = [CoordClient(c.address, dp_rank=r, dp_size=2) for r in range(2)]
+    try:
+        for r in ranks:
+            r.connect(timeout=10)
+        for seq in range(rounds):
+            pending = [r.start_gather("v1.dp_utils", [seq, r.dp_rank]) for r in ranks]
+            rows = [p.wait(timeout=30) for p in pending]
+            assert rows == [[[seq, 0], [seq, 1]]] * 2
+    finally:
+        for r in ranks:
+            r.close()
+    m = samples(c.url)
+    want = 2 * (rounds - 1)
+    assert metric(m, "coordd_rank_wait_seconds_count", group="dp-tp0-pp0", site="forward") == want
+    assert metric(m, "coordd_rank_wait_seconds_count", group="default", site="v1.dp_utils") == want
