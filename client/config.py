@@ -56,11 +56,18 @@ DEFAULT_WAIT_TIMEOUT = 60.0
 WAIT_MARGIN = 5.0
 
 
+#: The longest step timeout a Welcome is believed for (coordd's --step-timeout takes at most
+#: a day): a wait is never made endless by what a peer says.
+MAX_STEP_TIMEOUT = 86_400.0
+
+
 def default_wait_timeout(step_timeout: float, heartbeat_timeout: float) -> float:
     """A wait that outlives coordd's `step_timeout` (from its Welcome; 0 if not said): at
-    least DEFAULT_WAIT_TIMEOUT, else the step timeout + the heartbeat timeout + WAIT_MARGIN."""
-    if step_timeout <= 0:
+    least DEFAULT_WAIT_TIMEOUT, else the step timeout (at most a day) + the heartbeat timeout
+    + WAIT_MARGIN."""
+    if not 0 < step_timeout < math.inf:  # not said (0), or nonsense (NaN, negative, inf)
         return DEFAULT_WAIT_TIMEOUT
+    step_timeout = min(step_timeout, MAX_STEP_TIMEOUT)
     return max(DEFAULT_WAIT_TIMEOUT, step_timeout + heartbeat_timeout + WAIT_MARGIN)
 
 

@@ -587,6 +587,10 @@ def test_the_default_wait_outlives_coordds_step_timeout() -> None:
     view.session.receive(Welcome(epoch=3, next_seq=0, dp_size=2))  # an older coordd: not said
     assert view.wait_timeout == 60.0
     assert default_wait_timeout(600.0, 5.0) == 610.0
+    # what a Welcome says is believed up to a day: a peer cannot make a wait endless
+    assert default_wait_timeout(1e300, 5.0) == 86_400.0 + 10.0
+    for nonsense in (float("nan"), float("inf"), -1.0):
+        assert default_wait_timeout(nonsense, 5.0) == 60.0
     # a wait_timeout given is kept, whatever coordd says
     given = View(dataclasses.replace(CONFIG, wait_timeout=2.0))
     given.session.hello()
