@@ -543,3 +543,23 @@ def test_both_clients_tell_their_waits_by_site(coordd: Callable[..., Coordd],
     want = 2 * (rounds - 1)
     assert metric(m, "coordd_rank_wait_seconds_count", group="dp-tp0-pp0", site="forward") == want
     assert metric(m, "coordd_rank_wait_seconds_count", group="default", site="v1.dp_utils") == want
+
+
+def test_a_dead_coordds_status_socket_is_replaced(coordd: Callable[..., Coordd],
+                                                  tmp_path: Path) -> None:
+    """A SIGKILLed coordd leaves PATH.http behind; the next coordd on the path (holding its
+    lock) replaces it, and `coordd status --address` asks the live one."""
+    sock = tmp_path / "c.sock"
+    first = coordd("serve", "--dp", "1", "--bind", f"ipc://{sock}", "--log-level", "warning")
+    assert first.proc is not None
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(10)
+    assert Path(f"{sock}.http").exists(), "left behind by the killed coordd"
+    gone = coordd_cli("status", "--address", f"ipc://{sock}", "--timeout", "2")
+    assert gone.returncode == 2 and "its status socket is left from a coordd that is gone" \
+        in gone.stderr, gone.stderr
+    second = coordd("serve", "--dp", "1", "--bind", f"ipc://{sock}", "--log-level", "warning")
+    assert second.proc is not None
+    table = coordd_cli("status", "--address", f"ipc://{sock}")
+    assert table.returncode == 0, table.stderr
+    assert f"pid {second.proc.pid}" in table.stdout
