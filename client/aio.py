@@ -28,6 +28,7 @@ from coordd.client.session import (
 from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
+    MAX_WAITED_US,
     GatherReport,
     GatherResult,
     Goodbye,
@@ -65,6 +66,8 @@ class AsyncCoordClient(ClientShell):
         self._wake: asyncio.Future[None] | None = None
         self._pongs: dict[int, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: The last round sent: (seq, registration, its future).
+        self._last_sent: tuple[int, int, asyncio.Future[Any] | None] = (-1, -1, None)
 
     async def connect(self, timeout: float = 5.0) -> Welcome:
         """Register (Hello -> Welcome) in a new epoch; raises `Rejected` or
@@ -111,8 +114,11 @@ class AsyncCoordClient(ClientShell):
         self._refuse_if_open()
         future: asyncio.Future[StepDecision] = loop.create_future()
         try:
-            stamped = self.session.report(
-                report, kind if type(kind) is StepKind else StepKind(kind)
+            session = self.session
+            stamped = session.report(
+                report,
+                kind if type(kind) is StepKind else StepKind(kind),
+                self._waited_before(session),
             )
         except CoordError as error:
             future.set_exception(error)
@@ -128,7 +134,7 @@ class AsyncCoordClient(ClientShell):
         self._refuse_if_open()
         future: asyncio.Future[list[list[int]]] = loop.create_future()
         try:
-            stamped = self.session.gather(site, values)
+            stamped = self.session.gather(site, values, self._waited_before(self.session))
         except CoordError as error:
             future.set_exception(error)
             return future
@@ -160,6 +166,7 @@ class AsyncCoordClient(ClientShell):
         self, stamped: StepReport | GatherReport, future: asyncio.Future[Any], *, gather: bool
     ) -> None:
         self._pending[stamped.seq] = (self.session.registration, future, gather)
+        self._last_sent = (stamped.seq, self.session.registration, future)
         if not send_and_look(self.connection.socket, encode(stamped), self._on_frame):
             self._fail(
                 CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
@@ -179,8 +186,11 @@ class AsyncCoordClient(ClientShell):
         if no answer came by then (the round stays pending: waiting again may succeed).
         Awaiting an answered future again gives the same outcome at once."""
         if future.done():
-            return future.result()
-        timeout = self.config.wait_timeout if timeout is None else timeout
+            result = future.result()
+            self._collected(future, 0)
+            return result
+        began = time.perf_counter_ns()
+        timeout = self.wait_timeout if timeout is None else timeout
         # wait_for(shield(future)) without its extra future and task hops: one waiter, woken
         # by the round's future or by the timer; the round's future is never cancelled here
         # (a timeout, or this task's cancellation, leaves the round pending).
@@ -199,8 +209,17 @@ class AsyncCoordClient(ClientShell):
             timer.cancel()
             future.remove_done_callback(wake)
         if future.done():
-            return future.result()
+            result = future.result()
+            self._collected(future, (time.perf_counter_ns() - began) // 1000)
+            return result
         raise StepTimeout((), timeout)
+
+    def _collected(self, future: asyncio.Future[Any], waited_us: int) -> None:
+        """A wait collected `future`'s answer after blocking `waited_us`: told to coordd with
+        the next report, if it is the round this client sent last."""
+        seq, registration, sent = self._last_sent
+        if sent is future:
+            self._waited = (seq, registration, min(waited_us, MAX_WAITED_US))
 
     async def ping(self, timeout: float = 5.0) -> float:
         """Round-trip time to coordd in seconds."""

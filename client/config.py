@@ -48,6 +48,29 @@ def curve_keys_from_env() -> CurveKeys | None:
     return CurveKeys.from_files(server, client)
 
 
+#: A client's default wait before coordd has said its step timeout (an older coordd, or the
+#: device path), and the least default wait.
+DEFAULT_WAIT_TIMEOUT = 60.0
+#: How much longer than coordd's step timeout (plus the heartbeat timeout) a default wait is:
+#: room for coordd's timer and the StepFailed's way back.
+WAIT_MARGIN = 5.0
+
+
+#: The longest step timeout a Welcome is believed for (coordd's --step-timeout takes at most
+#: a day): a wait is never made endless by what a peer says.
+MAX_STEP_TIMEOUT = 86_400.0
+
+
+def default_wait_timeout(step_timeout: float, heartbeat_timeout: float) -> float:
+    """A wait that outlives coordd's `step_timeout` (from its Welcome; 0 if not said): at
+    least DEFAULT_WAIT_TIMEOUT, else the step timeout (at most a day) + the heartbeat timeout
+    + WAIT_MARGIN."""
+    if not 0 < step_timeout < math.inf:  # not said (0), or nonsense (NaN, negative, inf)
+        return DEFAULT_WAIT_TIMEOUT
+    step_timeout = min(step_timeout, MAX_STEP_TIMEOUT)
+    return max(DEFAULT_WAIT_TIMEOUT, step_timeout + heartbeat_timeout + WAIT_MARGIN)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClientConfig:
     """What a rank tells coordd about itself, and how long it waits.
@@ -65,8 +88,10 @@ class ClientConfig:
     num_ubatches: int = 2
     #: Tells a restarted rank from its old connection; None: one is made per client.
     incarnation: str | None = None
-    #: Default seconds a wait for a decision may take before `StepTimeout`.
-    wait_timeout: float = 60.0
+    #: Default seconds a wait for a decision may take before `StepTimeout`. None: longer than
+    #: coordd's --step-timeout (`default_wait_timeout`), so coordd's error naming the late
+    #: ranks arrives first.
+    wait_timeout: float | None = None
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     heartbeat_timeout: float = HEARTBEAT_TIMEOUT
     #: None: the key files named by the environment, if set (see `curve_keys_from_env`).
@@ -80,6 +105,8 @@ class ClientConfig:
             ("heartbeat_timeout", 86_400.0),
         ):
             value = getattr(self, name)
+            if value is None and name == "wait_timeout":
+                continue
             if (
                 not isinstance(value, (int, float))
                 or isinstance(value, bool)

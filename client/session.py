@@ -36,7 +36,7 @@ from typing import Any, overload
 
 import msgspec
 
-from coordd.client.config import ClientConfig
+from coordd.client.config import ClientConfig, default_wait_timeout
 from coordd.proto.errors import (
     UNAVAILABLE_HINTS,
     CoordError,
@@ -211,13 +211,14 @@ class RankSession:
         self._asked_again.clear()
         return self.hello_message
 
-    def report(self, report: StepReport, kind: StepKind) -> StepReport:
+    def report(self, report: StepReport, kind: StepKind, waited_us: int = -1) -> StepReport:
         """Stamp `report` with this rank's envelope and take the next seq; raises
         `InvalidReport` (naming this rank, the field, its value and the range; nothing sent,
         no seq taken) for what the wire cannot carry (`check_carriable`: a float, a value past
         int64, a flag that is not a bool). A value the wire carries but the policy refuses
         (2**31 tokens) is sent: coordd (or the device path) fails the round for every rank
-        with the same `InvalidReport` naming this one, so no rank waits for it in vain."""
+        with the same `InvalidReport` naming this one, so no rank waits for it in vain.
+        `waited_us`: how long this rank's wait for its previous round blocked (-1: none)."""
         if kind is _GATHER:
             raise InvalidReport(
                 self.dp_rank, "kind", kind.value, "forward, draft or state (gather: start_gather)"
@@ -228,7 +229,9 @@ class RankSession:
         if epoch is None:
             raise ProtocolError("not registered: call connect() first", rank=self.dp_rank)
         seq = self.next_seq
-        stamped = _replace(report, dp_rank=self.dp_rank, epoch=epoch, seq=seq, kind=kind)
+        stamped = _replace(
+            report, dp_rank=self.dp_rank, epoch=epoch, seq=seq, kind=kind, waited_us=waited_us
+        )
         # What check_carriable accepts, tested inline (exact ints and bools in range); anything
         # else goes to it for the verdict and the error.
         tokens, padded, mode = stamped.num_tokens, stamped.num_tokens_padded, stamped.cudagraph_mode
@@ -251,10 +254,13 @@ class RankSession:
             self._forget_oldest()
         return stamped
 
-    def gather(self, site: str, values: Sequence[int]) -> GatherReport:
+    def gather(self, site: str, values: Sequence[int], waited_us: int = -1) -> GatherReport:
         """This rank's `GatherReport` for the next seq, stamped, and take the seq; raises
-        `InvalidReport` (taking nothing) for what the wire cannot carry."""
+        `InvalidReport` (taking nothing) for what the wire cannot carry. `waited_us`: as
+        `report`'s."""
         stamped = self.stamp(self.gather_report(site, values), StepKind.GATHER)
+        if waited_us >= 0:
+            stamped = _replace(stamped, waited_us=waited_us)
         self.next_seq += 1
         self.sent(stamped)
         return stamped
@@ -621,7 +627,14 @@ class SessionView:
 
     @property
     def wait_timeout(self) -> float:
-        return self.config.wait_timeout
+        """A wait's default: the config's, else one that outlives coordd's step timeout as
+        its latest Welcome said it (`default_wait_timeout`)."""
+        given = self.config.wait_timeout
+        if given is not None:
+            return given
+        welcome = self.session.welcome
+        step_timeout = welcome.step_timeout if welcome is not None else 0.0
+        return default_wait_timeout(step_timeout, self.config.heartbeat_timeout)
 
     @property
     def dp_rank(self) -> int:

@@ -14,6 +14,7 @@ from coordd.client.config import ClientConfig
 from coordd.client.registration import Registration
 from coordd.client.session import RankSession, SessionView
 from coordd.client.transport import RankConnection
+from coordd.proto.errors import CoordinatorUnavailable
 from coordd.proto.messages import Hello
 
 
@@ -36,6 +37,17 @@ class ClientShell(SessionView):
         self._context = context
         self.connection = RankConnection.open(given, self.session.identity, context)
         self._closed = False
+        #: The last round whose answer a wait collected: (seq, registration, microseconds the
+        #: wait blocked), told to coordd with the next report (`StepReport.waited_us`).
+        self._waited: tuple[int, int, int] = (-2, -1, -1)
+
+    def _waited_before(self, session: RankSession) -> int:
+        """How long the wait for this rank's previous round (the seq before the next, this
+        registration) blocked, in microseconds; -1 if no wait collected it."""
+        seq, registration, waited = self._waited
+        if seq == session.next_seq - 1 and registration == session.registration:
+            return waited
+        return -1
 
     def reopen_if_dropped(self) -> bool:
         """Before a registration: if the connection ever dropped, replace it with a new one
@@ -58,7 +70,15 @@ class ClientShell(SessionView):
         self, timeout: float, now: float, hello: Hello | None = None
     ) -> Registration:
         """Read the monitor (the registration's first step looks at whether the connection
-        ever dropped), then begin a registration (`Registration`) for the shell to step."""
+        ever dropped), then begin a registration (`Registration`) for the shell to step.
+
+        A first registration to an ipc path with no socket file (nor coordd's lock file or
+        set-aside socket beside it) fails at once: no coordd is there to answer. A later one
+        (coordd restarting) waits for the socket until its deadline, as a tcp address does."""
+        if self.session.welcome is None:
+            missing = self.connection.no_socket_file()
+            if missing is not None:
+                raise CoordinatorUnavailable(f"cannot reach coordd at {self.address}{missing}")
         self.connection.disconnected()
         return Registration(self.session, timeout, now, hello)
 

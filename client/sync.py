@@ -23,6 +23,7 @@ from coordd.client.session import Pong, RegistrationFailed, Resolved, RoundStill
 from coordd.client.shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
+    MAX_WAITED_US,
     GatherReport,
     GatherResult,
     Goodbye,
@@ -45,6 +46,7 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _CLOSED = "client closed"
 _WAIT, _SEND, _REOPEN = Step.WAIT, Step.SEND, Step.REOPEN
 _get_ident = threading.get_ident
+_now_ns = time.perf_counter_ns
 _send = zmq.backend.Socket.send
 
 
@@ -188,7 +190,7 @@ class CoordClient(ClientShell):
                 self._check_open(self._open)
             else:  # what came since: an answer for the round about to be reported is a misfit
                 self._read_available(expect=False)
-            stamped = session.report(report, kind)
+            stamped = session.report(report, kind, self._waited_before(session))
             self._send_report(stamped)
         finally:
             self._busy = None
@@ -210,7 +212,7 @@ class CoordClient(ClientShell):
                 self._check_open(self._open)
             else:
                 self._read_available(expect=False)
-            stamped = self.session.gather(site, values)
+            stamped = self.session.gather(site, values, self._waited_before(self.session))
             self._send_report(stamped)
         finally:
             self._leave()
@@ -377,13 +379,14 @@ class CoordClient(ClientShell):
         self, seq: int, registration: int, timeout: float | None
     ) -> StepDecision | GatherResult:
         session = self.session
+        began = _now_ns()
         self._busy = _get_ident()  # _enter() and _leave(), inlined on this hot path
         try:
             if self._closed:
                 raise CoordinatorUnavailable(_CLOSED)
             outcome = session.outcome(seq, registration)
             if outcome is None:
-                timeout = self.config.wait_timeout if timeout is None else timeout
+                timeout = self.wait_timeout if timeout is None else timeout
                 deadline = time.monotonic() + timeout
                 while outcome is None:
                     got = self._pump(deadline, seq)
@@ -394,6 +397,7 @@ class CoordClient(ClientShell):
                 self._open = None
             if isinstance(outcome, CoordError):
                 raise outcome
+            self._waited = (seq, registration, min((_now_ns() - began) // 1000, MAX_WAITED_US))
             return outcome
         finally:
             self._busy = None

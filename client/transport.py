@@ -256,6 +256,20 @@ class RankConnection:
             return f" ({self.where()}): {self.handshake_failure}"
         return f" ({self.where()}): {_diagnose(self.endpoint)}"
 
+    def no_socket_file(self) -> str | None:
+        """`why_unreachable()` if the address is an ipc path with no file there (nothing will
+        answer until a coordd binds it), else None: a look at the path, no wait."""
+        endpoint = self.endpoint
+        if endpoint.scheme != "ipc" or endpoint.abstract:
+            return None
+        path = endpoint.path
+        # A coordd is there, or on its way, if its lock file is (taken before it binds), or
+        # its socket is set aside (`.paused`: it refuses new connections for now; a client
+        # retries until its deadline): then the registration waits.
+        if any(os.path.lexists(path + suffix) for suffix in ("", ".lock", ".paused")):
+            return None
+        return self.why_unreachable()
+
     def close(self, final: bytes | None = None) -> None:
         """Send `final` if the pipe is up (best effort, never blocks), then close both sockets."""
         close_dealer(self.socket, self.monitor, final)

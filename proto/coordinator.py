@@ -531,7 +531,12 @@ class Coordinator:
         self._members[hello.dp_rank] = Member(peer, hello, now)
         self._peer_rank[peer] = hello.dp_rank
         self._members_changed()
-        welcome = Welcome(epoch=self._epoch, next_seq=self._seq, dp_size=self.dp_size)
+        welcome = Welcome(
+            epoch=self._epoch,
+            next_seq=self._seq,
+            dp_size=self.dp_size,
+            step_timeout=self.step_timeout,
+        )
         return (Send((peer,), welcome),)
 
     def _rejoin_queued(self, now: float) -> list[Send]:

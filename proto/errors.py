@@ -260,6 +260,16 @@ class RankLost(CoordError):
         return cls(msg.culprits, msg.detail)
 
 
+#: The hint of a `StepTimeout` that names no rank: the waiting client's own timeout ran out
+#: (or, on the device path, a rank did not join the collective).
+NO_RANK_TIMEOUT_HINT = (
+    "this rank's wait ran out before coordd decided: coordd names the late ranks only after its "
+    "--step-timeout, so give wait() a timeout longer than that (the default, wait(), does) or "
+    "look in coordd's log and `coordd status` for them; on the device path, a rank did not "
+    "join the round"
+)
+
+
 class StepTimeout(CoordError):
     """The round was not complete within `timeout` seconds (coordd's --step-timeout).
 
@@ -274,6 +284,8 @@ class StepTimeout(CoordError):
     def __init__(self, ranks: Iterable[int], timeout: float) -> None:
         self.ranks = _ranks(ranks)
         self.timeout = timeout
+        if not self.ranks:
+            self.hint = NO_RANK_TIMEOUT_HINT
         who = f"rank(s) {list(self.ranks)} did not report" if self.ranks else "no decision"
         super().__init__(f"{who} within {timeout:g}s")
 

@@ -44,6 +44,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 GatherValues = Annotated[list[Int64], msgspec.Meta(max_length=MAX_GATHER_VALUES)]
 GatherRows = Annotated[list[GatherValues], msgspec.Meta(max_length=MAX_DP_SIZE)]
+#: A wait in microseconds (-1: none), at most a day's.
+MAX_WAITED_US = 86_400_000_000
+WaitedUs = Annotated[int, msgspec.Meta(ge=-1, le=MAX_WAITED_US)]
 #: What a `GatherResult` holds besides its rows, at most (a 256-character site is up to
 #: 1 KiB of UTF-8; the rest is the envelope).
 _GATHER_RESULT_HEADER_BYTES = 2048
@@ -117,6 +120,9 @@ class Welcome(_Message, tag="welcome", frozen=True):
     epoch: int
     next_seq: int
     dp_size: int
+    #: coordd's --step-timeout (0: not said: an older coordd, or the device path): a client's
+    #: default wait outlives it, so coordd's `StepTimeout` naming the late ranks comes first.
+    step_timeout: float = 0.0
 
 
 class Reject(_Message, tag="reject", frozen=True):
@@ -143,6 +149,10 @@ class StepReport(_Message, tag="report", frozen=True):
     seq: int = -1
     kind: StepKind = StepKind.FORWARD
     want_pause: bool = False
+    #: How long this rank's wait() blocked for its previous round's answer (seq - 1, same
+    #: epoch), in microseconds; -1: nothing to report. coordd exports it per group and site
+    #: (`coordd_rank_wait_seconds`): what the sync costs the rank's step.
+    waited_us: WaitedUs = -1
 
     @property
     def label(self) -> str:
@@ -183,6 +193,8 @@ class GatherReport(_Message, tag="gather", frozen=True):
     dp_rank: int = -1
     epoch: int = 0
     seq: int = -1
+    #: As `StepReport.waited_us`: this rank's wait for its previous round, us; -1: none.
+    waited_us: WaitedUs = -1
 
     kind: ClassVar[StepKind] = StepKind.GATHER
 

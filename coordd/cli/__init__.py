@@ -160,8 +160,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         "--dp",
         type=int,
         default=_env("dp", None),
-        required=env_var("dp") not in os.environ,
-        help=f"data-parallel size: the ranks of every group (1..{MAX_DP_SIZE}; required)",
+        help=f"data-parallel size: the ranks of every group (1..{MAX_DP_SIZE}; required, "
+        "here or as COORDD_DP)",
     )
     p.add_argument(
         "--bind",
@@ -446,25 +446,35 @@ def serve(args: argparse.Namespace) -> int:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
-            endpoints = None
-            if args.metrics_port is not None:
-                from coordd.ops.endpoints import HttpEndpoints, coordd_routes
+            from coordd.ops.endpoints import HttpEndpoints, coordd_routes, status_socket
 
-                endpoints = HttpEndpoints(coordd_routes(server), max_connections=caps.http)
+            # One server for the HTTP port (if asked) and the status socket beside an ipc bind
+            # (always: `coordd status` with no options finds it), under one connection cap.
+            endpoints = HttpEndpoints(coordd_routes(server), max_connections=caps.http)
+            if args.metrics_port is not None:
                 try:
                     await endpoints.start(args.metrics_host, args.metrics_port)
                 except OSError as exc:
                     server.close()
                     raise SystemExit(f"coordd: {_http_refusal(args, exc)}") from None
+            unix_path = status_socket(server.bound_address)
+            if unix_path is not None:
+                try:
+                    await endpoints.start_unix(unix_path)
+                except OSError as exc:
+                    log.warning(
+                        "no status socket at %s (%s): coordd status needs --address",
+                        unix_path,
+                        exc.strerror or exc,
+                    )
             # the ready line comes first: launchers (CoorddProcess) wait for it as line one
             print(f"coordd ready on {server.bound_address}", flush=True)
-            if endpoints is not None:
+            if endpoints.url:
                 print(f"coordd metrics on {endpoints.url}", flush=True)
             try:
                 await server.serve(stop)
             finally:
-                if endpoints is not None:
-                    await endpoints.close()
+                await endpoints.close()
 
         _run(main)
     finally:
@@ -475,14 +485,23 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def stopped(log: logging.Logger, decided: dict[str, dict[str, int]]) -> None:
-    """The last lines: rounds decided in all, then per group by kind, as key=value fields
-    (`rounds decided group=default forward=2 state=1`)."""
+    """The last lines: rounds decided in all, then per group their count and by kind, as
+    key=value fields (`rounds decided group=default rounds=3 forward=2 state=1`; a group that
+    decided none: `rounds=0`, not a bare line)."""
     from coordd.core.logs import event
 
     total = sum(sum(kinds.values()) for kinds in decided.values())
     event(log, logging.INFO, "coordd stopped", rounds=total, groups=len(decided))
     for group, kinds in decided.items():
-        event(log, logging.INFO, "rounds decided", group=group, **dict(sorted(kinds.items())))
+        by_kind = {kind: n for kind, n in sorted(kinds.items()) if n}
+        event(
+            log,
+            logging.INFO,
+            "rounds decided",
+            group=group,
+            rounds=sum(by_kind.values()),
+            **by_kind,
+        )
 
 
 def _http_refusal(args: argparse.Namespace, exc: OSError) -> str:

@@ -1,9 +1,17 @@
 """`coordd status`: a running coordd's /status document as a table, and `--probe
-livez|readyz`, the health check the deploy files run."""
+livez|readyz`, the health check the deploy files run.
+
+Where it asks (`target`): `--address` (coordd's ipc address, whose status socket `PATH.http`
+coordd serves beside it, or an http:// URL of its --metrics-port); else $COORDD_STATUS_URL;
+else http://127.0.0.1:$COORDD_METRICS_PORT if that is set (the deploy files); else the status
+socket of the user's default address ($COORDD_ADDRESS, or the default ipc path), which every
+coordd bound there serves with or without --metrics-port; and if no coordd serves that,
+http://127.0.0.1:9180 (the deploy files' port)."""
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import socket
@@ -16,28 +24,65 @@ from typing import Any
 
 from coordd.core.defaults import DEFAULT_METRICS_PORT
 from coordd.core.logs import one_line
+from coordd.ops.endpoints import status_socket
+from coordd.proto.address import resolve_address
+
+#: A base that is a UNIX socket (coordd's status socket) rather than an http:// URL.
+UNIX = "unix:"
+FALLBACK_URL = f"http://127.0.0.1:{DEFAULT_METRICS_PORT}"
 
 
-def default_url() -> str:
-    """$COORDD_STATUS_URL, else http://127.0.0.1:<$COORDD_METRICS_PORT or 9180>."""
+def default_url() -> str | None:
+    """$COORDD_STATUS_URL, else http://127.0.0.1:$COORDD_METRICS_PORT, else None (then the
+    default address's status socket: `targets`)."""
     url = os.environ.get("COORDD_STATUS_URL")
     if url:
         return url
-    port = os.environ.get("COORDD_METRICS_PORT") or str(DEFAULT_METRICS_PORT)
+    port = os.environ.get("COORDD_METRICS_PORT")
+    if not port:
+        return None
     if not (port.isascii() and port.isdigit() and int(port) <= 65535):
         raise SystemExit(
             f"coordd status: COORDD_METRICS_PORT={port!r}: it takes a port number (0..65535), "
-            "the one coordd serves HTTP on (or set --url)"
+            "the one coordd serves HTTP on (or give --address)"
         )
     return f"http://127.0.0.1:{port}"
 
 
+def targets(given: str | None) -> list[str]:
+    """The bases to ask, in order (see the module's docstring): `unix:PATH` or a URL."""
+    if given is not None:
+        if given.startswith(("ipc://", "tcp://")):
+            path = status_socket(given)
+            if path is None:
+                raise SystemExit(
+                    f"coordd status: --address {given}: coordd serves its status socket only "
+                    "beside an ipc path; for a tcp coordd give the URL of its --metrics-port "
+                    "(--address http://HOST:PORT)"
+                )
+            return [UNIX + path]
+        return [given]
+    url = default_url()
+    if url is not None:
+        return [url]
+    address, _ = resolve_address(None)
+    path = status_socket(address)
+    return ([UNIX + path] if path is not None else []) + [FALLBACK_URL]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    default_url()  # a bad $COORDD_METRICS_PORT is refused as the command is parsed
     p.add_argument(
+        "--address",
         "--url",
-        default=default_url(),
-        help="coordd's metrics/health base URL (default: $COORDD_STATUS_URL, else "
-        f"http://127.0.0.1:$COORDD_METRICS_PORT, port {DEFAULT_METRICS_PORT} if unset)",
+        dest="url",
+        default=None,
+        help="the coordd to ask: its ipc address (ipc://PATH: coordd serves its status on "
+        "PATH.http beside it) or the base URL of its --metrics-port (http://HOST:PORT) "
+        "(default: $COORDD_STATUS_URL, else http://127.0.0.1:$COORDD_METRICS_PORT if set, "
+        "else the status socket of $COORDD_ADDRESS or the default ipc address, where "
+        "`coordd serve` binds, else "
+        f"{FALLBACK_URL})",
     )
     p.add_argument("--json", action="store_true", help="print the raw /status JSON")
     p.add_argument(
@@ -70,22 +115,68 @@ def fetch(url: str, timeout: float) -> tuple[int, bytes]:
         return int(exc.code), exc.read()
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over a UNIX socket (coordd's status socket)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.unix_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def get(base: str, target: str, timeout: float) -> tuple[int, bytes]:
+    """GET `target` (/status, /readyz, ...) of `base`: a URL, or unix:PATH (a status socket)."""
+    if not base.startswith(UNIX):
+        return fetch(base + target, timeout)
+    connection = _UnixConnection(base[len(UNIX) :], timeout)
+    try:
+        connection.request("GET", target)
+        response = connection.getresponse()
+        return int(response.status), response.read()
+    finally:
+        connection.close()
+
+
 def run(args: argparse.Namespace) -> int:
-    base = _base(args.url)
-    if not base.startswith(("http://", "https://")):
-        print(f"coordd status: --url must be http://HOST:PORT, got {args.url!r}", file=sys.stderr)
-        return 2
+    bases = [_base(b) for b in targets(args.url)]
+    for base in bases:
+        if not base.startswith(("http://", "https://", UNIX)):
+            print(
+                "coordd status: --address must be ipc://PATH (coordd's) or http://HOST:PORT "
+                f"(its --metrics-port), got {args.url!r}",
+                file=sys.stderr,
+            )
+            return 2
     path = f"/{args.probe}" if args.probe else "/status"
     if not args.probe and args.group:
         path += "?" + urllib.parse.urlencode({"group": args.group})
-    try:
-        code, body = fetch(base + path, args.timeout)
-    except OSError as exc:
-        print(f"coordd status: {unreachable(base + path, exc)}", file=sys.stderr)
+    tried: list[str] = []
+    answer: tuple[str, int, bytes] | None = None
+    for base in bases:  # the first that answers
+        try:
+            code, body = get(base, path, args.timeout)
+        except OSError as exc:
+            tried.append(unreachable(_shown(base) + ("" if base.startswith(UNIX) else path), exc))
+            continue
+        except ValueError as exc:  # http.client.InvalidURL: a port that is not a number
+            print(f"coordd status: --address {args.url!r}: {exc}", file=sys.stderr)
+            return 2
+        answer = (base, code, body)
+        break
+    if answer is None:
+        print(f"coordd status: {'; and '.join(tried)}", file=sys.stderr)
         return 2 if not args.probe else 1
-    except ValueError as exc:  # http.client.InvalidURL: a port that is not a number
-        print(f"coordd status: --url {args.url!r}: {exc}", file=sys.stderr)
-        return 2
+    base, code, body = answer
+    base = _shown(base)
     if args.probe:
         return _print(probe_line(args.probe, code, body), code)
     if code != 200:
@@ -119,15 +210,31 @@ def escaped(value: Any) -> Any:
     return value
 
 
+def _shown(base: str) -> str:
+    """A base as the user would give it: the status socket as its coordd's ipc address."""
+    if base.startswith(UNIX):
+        return "ipc://" + base[len(UNIX) :].removesuffix(".http")
+    return base
+
+
 def unreachable(url: str, exc: OSError) -> str:
     """Why `url` did not answer, and what to do: above all, that coordd serves HTTP only with
     --metrics-port (a refused connection is mostly a coordd started without it)."""
+    if url.startswith("ipc://"):
+        if isinstance(exc, FileNotFoundError):
+            return (
+                f"no coordd at {url}: no status socket {url[len('ipc://') :]}.http beside it "
+                "(start `coordd serve`, which binds there by default, or give --address)"
+            )
+        if isinstance(exc, ConnectionRefusedError):
+            return f"no coordd at {url}: its status socket is left from a coordd that is gone"
+        return f"cannot ask coordd at {url}: {exc.strerror or exc}"
     reason = getattr(exc, "reason", exc)
     if isinstance(reason, ConnectionRefusedError):
         return (
             f"cannot reach coordd at {url} (connection refused): it serves /status, /livez and "
             "/readyz only when started with --metrics-port PORT (the deploy files use "
-            f"{DEFAULT_METRICS_PORT}); start it so, or point --url (or $COORDD_STATUS_URL) at "
+            f"{DEFAULT_METRICS_PORT}); start it so, or point --address (or $COORDD_STATUS_URL) at "
             "the port it uses"
         )
     if isinstance(reason, (TimeoutError, socket.timeout)):
@@ -224,6 +331,16 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _group_ready(doc: dict[str, Any]) -> str:
+    """A group's readiness word: a stopped group (every rank left cleanly) is not formed but
+    counts toward coordd's readiness, so it reads "stopped", never "NO" under coordd's "yes"."""
+    if doc["ready"]:
+        return "yes"
+    if doc.get("left_cleanly") and not doc["failure"]:
+        return "stopped, not a failure"
+    return "NO"
+
+
 def _group_block(doc: dict[str, Any]) -> list[str]:
     rounds = doc["rounds"]
     rnd = doc["round"]
@@ -231,7 +348,7 @@ def _group_block(doc: dict[str, Any]) -> list[str]:
         f"group {doc['name']}  dp {doc['dp_size']}  state {doc['state']}"
         f"  epoch {doc['epoch']}  seq {doc['seq']}"
         f"  on rank loss: {doc['on_rank_loss']}  step timeout {_seconds(doc['step_timeout_s'])}",
-        f"  ready: {'yes' if doc['ready'] else 'NO'} ({doc['ready_detail']})",
+        f"  ready: {_group_ready(doc)} ({doc['ready_detail']})",
     ]
     if rnd["open"]:
         lines.append(

@@ -135,6 +135,11 @@ def expected_groups(value: object, groups: list[str], max_groups: int) -> None:
 
 def check_serve(args: argparse.Namespace) -> None:
     """Every range of `coordd serve`'s options (`OptionError` for the first one out)."""
+    if args.dp is None:  # one line naming it, not argparse's usage block (issue 30)
+        raise OptionError(
+            "--dp is required: the data-parallel size, vLLM's --data-parallel-size "
+            "(coordd serve --dp 8, or COORDD_DP=8)"
+        )
     dp_size("--dp", args.dp)
     seconds("--step-timeout", args.step_timeout, low=0.001)
     heartbeats(args.heartbeat_interval, args.heartbeat_timeout)

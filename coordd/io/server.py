@@ -69,10 +69,12 @@ from coordd.proto.coordinator import Send
 from coordd.proto.errors import ProtocolError
 from coordd.proto.messages import (
     MAX_DP_SIZE,
+    GatherReport,
     Heartbeat,
     Hello,
     Reject,
     StepFailed,
+    StepReport,
     ToCoordinator,
     decode_to_coordinator,
     encode,
@@ -441,6 +443,10 @@ class CoordServer:
             if type(message) is Hello:
                 self._on_hello(peer, message, frame)
                 continue
+            if (type(message) is StepReport or type(message) is GatherReport) and fd is not None:
+                waited = message.waited_us
+                if waited >= 0:  # the rank's wait for its previous round (issue 30)
+                    group.observer.waited(message.dp_rank, message.seq, waited)
             touched.add(group)
             self._send(group.coordinator.receive(peer, message, clock()), group.observer)
         return True

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from coordd.core.defaults import METRICS_RANK_SERIES
-from coordd.ops.observer import DURATION_BUCKETS, version
+from coordd.ops.observer import DURATION_BUCKETS, DurationHistogram, version
 from coordd.ops.status import group_readiness
 from coordd.ops.view import ServerView
 from coordd.proto.group_state import GroupState
@@ -131,6 +131,13 @@ class CoorddCollector:
             "Seconds from a round's first report to its decision, by group and kind",
             labels=["group", "kind"],
         )
+        waits = HistogramMetricFamily(
+            "coordd_rank_wait_seconds",
+            "Seconds a rank's wait() blocked for a round's answer (what the sync costs its "
+            "step), by group and site (a policy round's kind, a gather round's call site), "
+            "as the ranks report it with their next round",
+            labels=["group", "site"],
+        )
         straggler = CounterMetricFamily(
             "coordd_straggler_rounds",
             "Rounds whose decision this rank's report completed (it arrived last); past "
@@ -161,6 +168,8 @@ class CoorddCollector:
                     cumulative += n
                     buckets.append((_bound(bound), cumulative))
                 duration.add_metric([group, kind], buckets, h.sum)
+            for site, h in sorted(o.waits.items()):
+                waits.add_metric([group, site], _buckets(h), h.sum)
             rest = 0
             for rank, n in enumerate(o.stragglers):
                 if not n:
@@ -181,7 +190,7 @@ class CoorddCollector:
             faults.add_metric(["", reason], n)
         for reason, n in sorted(server.events.rejected.items()):
             rejected.add_metric(["", reason], n)
-        yield from (rounds, duration, straggler, faults, rejected, registrations)
+        yield from (rounds, duration, waits, straggler, faults, rejected, registrations)
         yield _counter(
             "coordd_groups_dropped",
             "Groups without members dropped to make room for a new one at --max-groups",
@@ -254,6 +263,15 @@ class CoorddCollector:
         for (group_name, kind), count in sorted(server.takeovers_refused().items()):
             takeovers.add_metric([group_name, kind], count)
         yield takeovers
+
+
+def _buckets(h: DurationHistogram) -> list[tuple[str, int]]:
+    """A histogram's cumulative (le, count) pairs, +Inf last."""
+    cumulative, buckets = 0, []
+    for bound, n in zip((*h.buckets, float("inf")), h.counts, strict=True):
+        cumulative += n
+        buckets.append((_bound(bound), cumulative))
+    return buckets
 
 
 def _bound(bound: float) -> str:

@@ -7,6 +7,10 @@ snapshot (never half a round). A request is answered in one callback (rendering 
 microseconds to a millisecond); a slow or silent client only holds its own connection,
 which has a deadline. HTTP/1.1, GET and HEAD, one request per connection.
 
+Beside an ipc bind, coordd serves the same endpoints on a UNIX socket next to its own,
+`PATH.http` (`status_socket`), mode 0600, always (no flag): `coordd status` with no options
+finds the coordd of its user's default address there, with or without --metrics-port.
+
 At most `max_connections` are held at once (each holds a file descriptor), so half-open
 connections cannot fill coordd's descriptor table (libzmq aborts on EMFILE). At the cap, a
 new connection makes room by closing the one that has waited longest for its request to end
@@ -20,6 +24,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import stat
 import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -29,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from coordd.core.defaults import DEFAULT_MAX_HTTP_CONNECTIONS
 from coordd.ops.collector import CoorddCollector, make_registry
 from coordd.ops.status import server_readiness, status_document
+from coordd.proto.address import MAX_IPC_PATH_BYTES, AddressError, check_address
 
 if TYPE_CHECKING:
     from coordd.ops.view import ServerView
@@ -52,6 +59,21 @@ _TEXT = "text/plain; charset=utf-8"
 _NONE: Mapping[str, str] = {}
 _REQUEST_LIMIT = 8192
 _IO_TIMEOUT = 5.0
+#: The status socket's name beside coordd's ipc socket: PATH + STATUS_SUFFIX.
+STATUS_SUFFIX = ".http"
+
+
+def status_socket(address: str) -> str | None:
+    """Where the coordd bound at `address` serves its HTTP endpoints on a UNIX socket: the
+    ipc path + ".http"; None for tcp, an abstract ipc name, or a path too long to add to."""
+    try:
+        endpoint = check_address(address, binding=True)
+    except AddressError:
+        return None
+    if endpoint.scheme != "ipc" or endpoint.abstract:
+        return None
+    path = endpoint.path + STATUS_SUFFIX
+    return path if len(os.fsencode(path)) <= MAX_IPC_PATH_BYTES else None
 
 
 class HttpEndpoints:
@@ -68,6 +90,8 @@ class HttpEndpoints:
         #: connections still reading their request, oldest first
         self._waiting: dict[asyncio.StreamWriter, None] = {}
         self._server: asyncio.Server | None = None
+        self._unix: asyncio.Server | None = None
+        self.unix_path = ""
         self.url = ""
 
     async def start(self, host: str, port: int) -> str:
@@ -80,12 +104,31 @@ class HttpEndpoints:
         self.url = f"http://{shown}:{bound[1]}"
         return self.url
 
+    async def start_unix(self, path: str) -> None:
+        """Listen on the UNIX socket `path` too (mode 0600), replacing a dead coordd's socket
+        left there (the caller holds the ipc path's lock: no live coordd serves it)."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+        old_umask = os.umask(0o177)
+        try:
+            self._unix = await asyncio.start_unix_server(self._handle, path, limit=_REQUEST_LIMIT)
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, 0o600)
+        self.unix_path = path
+
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
-            self._server = None
+        for server in (self._server, self._unix):
+            if server is not None:
+                server.close()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(server.wait_closed(), 1.0)
+        self._server = None
+        if self._unix is not None:
+            self._unix = None
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix_path)
 
     def respond(self, method: str, target: str) -> Response:
         """The response to one request line (also used directly by tests)."""

@@ -60,6 +60,11 @@ DURATION_BUCKETS = (
     30.0,
     60.0,
 )
+#: Rank wait buckets (seconds): a wait that found its answer queued takes microseconds.
+WAIT_BUCKETS = (0.00001, 0.000025, *DURATION_BUCKETS)
+#: Most sites one group's wait histogram keeps apart; the rest are counted as site="other"
+#: (a gather site is a peer's string: the series a group can make stay bounded).
+MAX_WAIT_SITES = 32
 #: Recent failures kept for /status.
 RECENT_FAILURES = 20
 #: Mean lateness is taken over the last LATENESS_BUDGET // dp rounds (8..1000), which bounds
@@ -77,11 +82,16 @@ def version() -> str:
 class DurationHistogram:
     """Bucket counts (`le` semantics, +Inf last) and the sum, in seconds."""
 
-    __slots__ = ("counts", "sum")
+    __slots__ = ("buckets", "counts", "sum")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(DURATION_BUCKETS) + 1)
+    def __init__(self, buckets: tuple[float, ...] = DURATION_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
         self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.buckets, seconds)] += 1
+        self.sum += seconds
 
     @property
     def count(self) -> int:
@@ -121,6 +131,12 @@ class Observer:
         self.stops_seen = first.stops
         self._decisions_seen = first.decisions
         self._registering: tuple[bytes, Hello] | None = None
+        #: How long ranks' waits blocked for their rounds' answers, by site (a policy round's
+        #: kind, a gather round's site), as the ranks report it in their next report.
+        self.waits: dict[str, DurationHistogram] = {}
+        #: The last decided round (seq, site) and the ranks whose wait for it was counted.
+        self._wait_round: tuple[int, str] = (-1, "")
+        self._waits_counted: set[int] = set()
 
     # -- what the server tells it -------------------------------------------------------------
 
@@ -145,6 +161,8 @@ class Observer:
             if rnd.last_rank is not None:
                 self.stragglers[rnd.last_rank] += 1
             self.recent.append(rnd)
+            self._wait_round = (rnd.seq, rnd.site or rnd.kind._value_)
+            self._waits_counted.clear()
         elif kind is StepFailed:
             snap = self.view()
             if snap.failures != self.failures_seen:
@@ -155,6 +173,22 @@ class Observer:
             self._welcomed(peers)
         elif kind is Reject:
             self._rejected(peers, message)  # type: ignore[arg-type]
+
+    def waited(self, rank: int, seq: int, waited_us: int) -> None:
+        """Rank `rank`'s report for `seq` says its wait for round seq - 1 blocked `waited_us`:
+        counted under that round's site if it is the last one decided, once per rank."""
+        last_seq, site = self._wait_round
+        if seq - 1 != last_seq or not 0 <= rank < self.dp_size or rank in self._waits_counted:
+            return
+        self._waits_counted.add(rank)
+        histogram = self.waits.get(site)
+        if histogram is None:
+            if len(self.waits) >= MAX_WAIT_SITES:
+                site = "other"
+                histogram = self.waits.get(site)
+            if histogram is None:
+                histogram = self.waits[site] = DurationHistogram(WAIT_BUCKETS)
+        histogram.observe(waited_us / 1e6)
 
     def registering(self, peer: bytes, hello: Hello, address: object) -> None:
         """A Hello arrived from `peer` (ZeroMQ's Peer-Address `address`), before the

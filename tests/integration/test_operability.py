@@ -241,6 +241,12 @@ def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coor
         assert metric(m, "coordd_round_duration_seconds_bucket", **g, kind="forward",
                       le="+Inf") == rounds
         assert metric(m, "coordd_round_duration_seconds_sum", **g, kind="forward") > 0
+        # issue 30: what each sync cost the ranks' steps, as they report it with their next
+        # round: every rank's wait of every round but the last (no next report tells it)
+        w = {**g, "site": "forward"}
+        assert metric(m, "coordd_rank_wait_seconds_count", **w) == dp * (rounds - 1)
+        assert metric(m, "coordd_rank_wait_seconds_bucket", **w, le="+Inf") == dp * (rounds - 1)
+        assert metric(m, "coordd_rank_wait_seconds_sum", **w) > 0
         stragglers = {dict(k)["rank"]: v for k, v in m["coordd_straggler_rounds_total"].items()}
         assert sum(stragglers.values()) == rounds
         assert stragglers[str(late)] >= rounds - 3, f"rank {late} is the late one: {stragglers}"
@@ -450,3 +456,110 @@ def test_a_busy_metrics_port_stops_coordd_with_a_clear_error(tmp_path: Path) -> 
     assert "[Errno" not in done.stderr and "0 for any free one" in done.stderr
     unreachable = coordd_cli("status", "--url", f"http://127.0.0.1:{port}", "--timeout", "2")
     assert unreachable.returncode == 2 and "cannot reach coordd" in unreachable.stderr
+
+
+def test_coordd_status_with_no_flags_finds_the_users_coordd(coordd: Callable[..., Coordd],
+                                                           tmp_path: Path) -> None:
+    """Issue 30: the Quick start's `coordd serve --dp 2` has no metrics port, and `coordd
+    status` only tried 127.0.0.1:9180: exit 2, "cannot reach coordd". coordd now serves its
+    endpoints on a status socket beside its ipc socket (PATH.http, mode 0600, no flag), and
+    `coordd status` with no flags asks the default address's."""
+    xdg = tmp_path / "xdg"
+    xdg.mkdir()
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(xdg)}
+    for var in ("COORDD_ADDRESS", "COORDD_METRICS_PORT", "COORDD_STATUS_URL"):
+        env.pop(var, None)
+
+    def status_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "coordd", "status", *args],
+                              capture_output=True, text=True, timeout=30, env=env, check=False)
+
+    sock = xdg / "coordd" / "coordd.sock"
+    before = status_cli("--timeout", "2")
+    assert before.returncode == 2 and "Traceback" not in before.stderr
+    assert f"no coordd at ipc://{sock}" in before.stderr, before.stderr
+    assert "start `coordd serve`" in before.stderr
+
+    c = coordd("serve", "--dp", "2", "--log-level", "warning", env=env)
+    assert c.address == f"ipc://{sock}" and not c.url  # no --metrics-port
+    http = Path(f"{sock}.http")
+    assert stat.S_ISSOCK(os.lstat(http).st_mode)
+    assert stat.S_IMODE(os.lstat(http).st_mode) == 0o600
+    table = status_cli()
+    assert table.returncode == 0, table.stderr
+    assert f"at ipc://{sock}, pid {c.proc.pid if c.proc else 0}" in table.stdout
+    assert "ready: NO (no group has registered yet)" in table.stdout
+    probe = status_cli("--probe", "readyz")
+    assert probe.returncode == 1
+    assert probe.stdout.strip() == "readyz: 503 no group has registered yet"
+    given = status_cli("--address", c.address, "--json")
+    assert given.returncode == 0 and json.loads(given.stdout)["coordd"]["address"] == c.address
+    tcp = status_cli("--address", "tcp://127.0.0.1:5555")
+    assert tcp.returncode == 1 and len(tcp.stderr.strip().splitlines()) == 1
+    assert "--address http://HOST:PORT" in tcp.stderr
+
+    assert c.stop() == 0
+    assert not http.exists(), "coordd removes its status socket at exit"
+
+
+def test_both_clients_tell_their_waits_by_site(coordd: Callable[..., Coordd],
+                                              tmp_path: Path) -> None:
+    """Issue 30: what each sync costs a rank's step, from the asyncio client's policy rounds
+    and the blocking client's gather rounds (the vLLM plugin's kind): one wait per rank and
+    round but the last, under the round's site."""
+    import asyncio
+
+    from coordd.client.aio import AsyncCoordClient
+
+    rounds = 5
+    c = coordd("serve", "--dp", "2", "--bind", f"ipc://{tmp_path}/c.sock", *http_args())
+
+    async def policy_rounds() -> None:
+        clients = [AsyncCoordClient(c.address, dp_rank=r, dp_size=2, group="dp-tp0-pp0")
+                   for r in range(2)]
+        try:
+            for client in clients:
+                await client.connect(timeout=10)
+            for _ in range(rounds):
+                await asyncio.gather(*(client.coordinate(REPORT, timeout=30)
+                                       for client in clients))
+        finally:
+            for client in clients:
+                await client.close()
+
+    asyncio.run(policy_rounds())
+    ranks = [CoordClient(c.address, dp_rank=r, dp_size=2) for r in range(2)]
+    try:
+        for r in ranks:
+            r.connect(timeout=10)
+        for seq in range(rounds):
+            pending = [r.start_gather("v1.dp_utils", [seq, r.dp_rank]) for r in ranks]
+            rows = [p.wait(timeout=30) for p in pending]
+            assert rows == [[[seq, 0], [seq, 1]]] * 2
+    finally:
+        for r in ranks:
+            r.close()
+    m = samples(c.url)
+    want = 2 * (rounds - 1)
+    assert metric(m, "coordd_rank_wait_seconds_count", group="dp-tp0-pp0", site="forward") == want
+    assert metric(m, "coordd_rank_wait_seconds_count", group="default", site="v1.dp_utils") == want
+
+
+def test_a_dead_coordds_status_socket_is_replaced(coordd: Callable[..., Coordd],
+                                                  tmp_path: Path) -> None:
+    """A SIGKILLed coordd leaves PATH.http behind; the next coordd on the path (holding its
+    lock) replaces it, and `coordd status --address` asks the live one."""
+    sock = tmp_path / "c.sock"
+    first = coordd("serve", "--dp", "1", "--bind", f"ipc://{sock}", "--log-level", "warning")
+    assert first.proc is not None
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(10)
+    assert Path(f"{sock}.http").exists(), "left behind by the killed coordd"
+    gone = coordd_cli("status", "--address", f"ipc://{sock}", "--timeout", "2")
+    assert gone.returncode == 2 and "its status socket is left from a coordd that is gone" \
+        in gone.stderr, gone.stderr
+    second = coordd("serve", "--dp", "1", "--bind", f"ipc://{sock}", "--log-level", "warning")
+    assert second.proc is not None
+    table = coordd_cli("status", "--address", f"ipc://{sock}")
+    assert table.returncode == 0, table.stderr
+    assert f"pid {second.proc.pid}" in table.stdout

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from coordd.tools.bench import QUICK, add_arguments, report, resolve
 
 
@@ -82,3 +84,59 @@ def test_a_target_the_run_was_not_asked_for_says_so() -> None:
     del results["latency"][2]
     text = report.render({**results, "targets": report.targets(results)})
     assert "not run" in text
+
+
+def test_quick_help_says_what_quick_runs() -> None:
+    """Issue 30: `--help` said --quick runs 300 rounds; it ran 200."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    (quick,) = [a for a in p._actions if a.dest == "quick"]
+    assert quick.help is not None
+    assert f"{QUICK['rounds']} rounds" in quick.help and "300" not in quick.help
+    assert f"dp={QUICK['dp'][0]}" in quick.help and f"dp={QUICK['scale_dp'][0]}" in quick.help
+    args, _ = _parse("--quick")
+    assert args.rounds == QUICK["rounds"]
+
+
+def test_the_last_line_is_a_verdict() -> None:
+    """Issue 30: `coordd bench --quick` ended on a table with no verdict. Its last line now
+    says what was compared, which is faster and by how much, and how to measure vLLM."""
+    _, asked = _parse("--quick")
+    results = {
+        "meta": {"asked": asked},
+        "latency": [
+            _latency(2, "coordd-ipc", 200.0),
+            _latency(2, "zmq-hub", 160.0),
+            _latency(2, "floor", 50.0),
+        ],
+        "skipped": {"vllm-cpu-all-reduce": "vLLM is not importable in this Python"},
+    }
+    last = report.render({**results, "targets": report.targets(results)}).splitlines()[-1]
+    assert last.startswith("verdict: dp=2, round p50")
+    assert "coordd ipc 200 us is 1.25x slower than the bare pyzmq hub (160 us)" in last
+    assert "4.00x slower than the raw-socket floor (50 us)" in last
+    assert "against vLLM: not measured (vLLM is not importable in this Python); to measure" in last
+    assert "VLLM_TARGET_DEVICE=cpu <vLLM's venv>/bin/python -m coordd bench --quick" in last
+    results["latency"] += [_latency(2, "vllm-cpu-all-reduce", 400.0), _latency(2, "gloo", 800.0)]
+    last = report.render({**results, "targets": report.targets(results)}).splitlines()[-1]
+    assert "2.00x faster than vLLM's cpu_all_reduce_ (400 us)" in last
+    assert "4.00x faster than gloo all_reduce (800 us)" in last and "not measured" not in last
+    engine_only = report.render({"meta": {"asked": asked}, "engine": [], "latency": []})
+    assert engine_only.splitlines()[-1].startswith("verdict: no coordd round latency")
+
+
+def test_torchs_numpy_warning_does_not_open_the_bench() -> None:
+    """Issue 30: three "Failed to initialize NumPy" warnings (torch without NumPy) opened
+    `coordd bench --quick`: once in the bench and once in each rank process, which all
+    import coordd.tools.bench first."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here: no warning to silence")
+    code = "import coordd.tools.bench.rank, torch, torch.distributed"
+    done = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "NumPy" not in done.stderr, done.stderr

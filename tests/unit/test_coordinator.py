@@ -49,6 +49,13 @@ from coordd.proto.snapshot import GroupSnapshot
 
 DP = 4
 EPOCH = 7
+
+
+def welcome(*, epoch: int, next_seq: int, dp_size: int) -> Welcome:
+    """coordd's Welcome, which says its step timeout (TIMEOUT here)."""
+    return Welcome(epoch=epoch, next_seq=next_seq, dp_size=dp_size, step_timeout=TIMEOUT)
+
+
 TIMEOUT = 10.0
 F, D, S = StepKind.FORWARD, StepKind.DRAFT, StepKind.STATE
 
@@ -85,7 +92,7 @@ class Group:
         self.now = 100.0
         for r in range(dp if registered is None else registered):
             sends = self.hello(r)
-            assert sends == [Send((peer(r),), Welcome(epoch=EPOCH, next_seq=0, dp_size=dp))]
+            assert sends == [Send((peer(r),), welcome(epoch=EPOCH, next_seq=0, dp_size=dp))]
 
     def hello(self, rank: int, p: bytes | None = None, **kw: object) -> list[Send]:
         return list(self.c.receive(peer(rank) if p is None else p, hello(rank, self.dp, **kw),
@@ -144,7 +151,7 @@ def failed(sends: Sequence[Send], error: CoordError, *, to: Sequence[bytes],
 def test_registration_welcomes_each_rank() -> None:
     g = Group(registered=0)
     for r in (2, 0, 3, 1):
-        assert g.hello(r) == [Send((peer(r),), Welcome(epoch=EPOCH, next_seq=0, dp_size=DP))]
+        assert g.hello(r) == [Send((peer(r),), welcome(epoch=EPOCH, next_seq=0, dp_size=DP))]
     assert g.c.peers() == all_peers()
     assert g.c.next_deadline() is None
 
@@ -192,7 +199,7 @@ def test_round_waits_for_unregistered_ranks() -> None:
     assert g.send(rep(1, 0)) == []
     g.hello(2)
     assert g.send(rep(2, 0)) == []
-    assert g.hello(3) == [Send((peer(3),), Welcome(epoch=EPOCH, next_seq=0, dp_size=DP))]
+    assert g.hello(3) == [Send((peer(3),), welcome(epoch=EPOCH, next_seq=0, dp_size=DP))]
     (to, d), = g.send(rep(3, 0))
     assert to == all_peers()
     assert d == decide([rep(r, 0) for r in range(DP)], epoch=EPOCH, seq=0, kind=F)
@@ -282,13 +289,13 @@ def test_re_hello_from_the_same_peer_is_idempotent() -> None:
     assert g.send(rep(0, 0)) == []
     assert g.send(rep(1, 0)) == []
     for _ in range(2):
-        assert g.hello(1) == [Send((peer(1),), Welcome(epoch=EPOCH, next_seq=0, dp_size=DP))]
+        assert g.hello(1) == [Send((peer(1),), welcome(epoch=EPOCH, next_seq=0, dp_size=DP))]
     assert g.c.peers() == all_peers()
     assert g.send(rep(2, 0)) == []
     (to, d), = g.send(rep(3, 0))
     assert to == all_peers()
     assert d == decide([rep(r, 0) for r in range(DP)], epoch=EPOCH, seq=0, kind=F)
-    assert g.hello(0) == [Send((peer(0),), Welcome(epoch=EPOCH, next_seq=1, dp_size=DP))]
+    assert g.hello(0) == [Send((peer(0),), welcome(epoch=EPOCH, next_seq=1, dp_size=DP))]
 
 
 def test_group_settings_come_from_the_registered_ranks() -> None:
@@ -585,13 +592,13 @@ def test_fail_stop_every_later_report_gets_the_same_failure() -> None:
 
 def test_new_hello_opens_a_new_epoch() -> None:
     g, failure = _failed_group()
-    assert g.hello(2) == [Send((peer(2),), Welcome(epoch=EPOCH + 1, next_seq=3, dp_size=DP))]
+    assert g.hello(2) == [Send((peer(2),), welcome(epoch=EPOCH + 1, next_seq=3, dp_size=DP))]
     assert g.c.peers() == (peer(2),)
     # a member of the old epoch that did not re-register gets the old failure
     assert g.send(rep(0, 2)) == [Send((peer(0),), failure)]
     assert g.send(rep(0, 3)) == [Send((peer(0),), failure)]
     for r in (0, 1, 3):
-        assert g.hello(r) == [Send((peer(r),), Welcome(epoch=EPOCH + 1, next_seq=3, dp_size=DP))]
+        assert g.hello(r) == [Send((peer(r),), welcome(epoch=EPOCH + 1, next_seq=3, dp_size=DP))]
     reports = [rep(r, 3, epoch=EPOCH + 1) for r in range(DP)]
     for r in reports[:-1]:
         assert g.send(r) == []
@@ -759,7 +766,7 @@ def test_neutralize_rejoin_between_rounds() -> None:
     g = Group(on_rank_loss=N)
     g.c.peer_lost(peer(1), g.now)
     g.round(0, ranks=[0, 2, 3])
-    assert g.hello(1) == [Send((peer(1),), Welcome(epoch=EPOCH, next_seq=1, dp_size=DP))]
+    assert g.hello(1) == [Send((peer(1),), welcome(epoch=EPOCH, next_seq=1, dp_size=DP))]
     d, reports = g.round(1)
     assert d == decide(reports, epoch=EPOCH, seq=1, kind=F)
     assert d.dead_ranks == []
@@ -775,7 +782,7 @@ def test_neutralize_rejoin_during_a_round_waits_for_its_end() -> None:
     assert len(sends) == 2
     assert sends[0] == Send((peer(0), peer(2), peer(3)), decide(
         [rep(0, 0), None, rep(2, 0), rep(3, 0)], epoch=EPOCH, seq=0, kind=F))
-    assert sends[1] == Send((peer(1),), Welcome(epoch=EPOCH, next_seq=1, dp_size=DP))
+    assert sends[1] == Send((peer(1),), welcome(epoch=EPOCH, next_seq=1, dp_size=DP))
     d, _ = g.round(1)
     assert d.dead_ranks == []
 
@@ -811,7 +818,7 @@ def test_neutralize_a_queued_rejoin_opens_the_next_epoch_when_its_round_fails() 
     failed([fail_send], StepTimeout([2, 3], TIMEOUT), to=(peer(0), peer(2), peer(3)),
            reported=[peer(0)])
     assert welcome_send.peers == (peer(1),)
-    assert welcome_send.message == Welcome(epoch=EPOCH + 1, next_seq=1, dp_size=4)
+    assert welcome_send.message == welcome(epoch=EPOCH + 1, next_seq=1, dp_size=4)
     assert g.c.snapshot().rank_of(peer(1)) == 1
     assert list(g.c.snapshot().members) == [1]
 
@@ -1181,6 +1188,6 @@ def test_a_rank_queued_to_rejoin_is_welcomed_when_the_last_member_leaves() -> No
     assert list(g.c.receive(b"back", hello(2, 3), g.now)) == []  # queued: the round is open
     assert list(g.c.peer_lost(peer(1), g.now)) == []  # its report is withdrawn; still open
     sends = list(g.c.peer_lost(peer(0), g.now))
-    assert sends == [Send((b"back",), Welcome(epoch=EPOCH, next_seq=0, dp_size=3))]
+    assert sends == [Send((b"back",), welcome(epoch=EPOCH, next_seq=0, dp_size=3))]
     snap = g.c.snapshot()
     assert snap.state is GroupState.IDLE and list(snap.members) == [2] and not snap.dead

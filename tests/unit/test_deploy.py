@@ -350,7 +350,12 @@ def test_containerfile_runs_coordd_as_non_root_with_a_health_check(
     health_argv = json.loads(health.split(" CMD ", 1)[1])
     args, chosen = parse_coordd(health_argv, env, monkeypatch)
     assert chosen is not None and chosen.__name__ == "coordd.cli.status"
-    assert args.probe == "livez" and args.url == f"http://127.0.0.1:{DEFAULT_METRICS_PORT}"
+    assert args.probe == "livez"
+    from coordd.cli.status import targets
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert targets(args.url) == [f"http://127.0.0.1:{DEFAULT_METRICS_PORT}"]
 
 
 def test_systemd_unit_runs_a_valid_coordd_command(monkeypatch: pytest.MonkeyPatch) -> None:

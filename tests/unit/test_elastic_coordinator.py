@@ -30,6 +30,13 @@ from coordd.proto import (
 
 DP = 3
 EPOCH = 11
+
+
+def welcome(*, epoch: int, next_seq: int, dp_size: int) -> Welcome:
+    """coordd's Welcome, which says its step timeout (TIMEOUT here)."""
+    return Welcome(epoch=epoch, next_seq=next_seq, dp_size=dp_size, step_timeout=TIMEOUT)
+
+
 TIMEOUT = 5.0
 NEUTRALIZE = OnRankLoss.NEUTRALIZE
 
@@ -110,7 +117,7 @@ def test_two_peers_racing_for_one_dead_rank() -> None:
     assert "a" not in msg.got  # the holder's incarnation is not echoed
     sends = list(c.receive(peer(2), report(2, 0), 2.0))
     assert [type(s.message) for s in sends] == [StepDecision, Welcome]
-    assert sends[1] == Send((peer(1, "a"),), Welcome(epoch=EPOCH, next_seq=1, dp_size=DP))
+    assert sends[1] == Send((peer(1, "a"),), welcome(epoch=EPOCH, next_seq=1, dp_size=DP))
     assert c.snapshot().members[1].joined_at == 2.0  # admitted at the round's end, not back-dated
     assert run_round(c, 1, [0, 2]) == []  # rank 1 is live again: two reports are not enough
     (_, decision), = c.receive(peer(1, "a"), report(1, 1), 3.0)

@@ -58,7 +58,8 @@ hellos = st.builds(
     Hello, dp_size=i64, dp_rank=i64, config_fingerprint=short, incarnation=short, group=short,
     num_ubatches=i64, protocol_version=i64,
 )
-welcomes = st.builds(Welcome, epoch=i64, next_seq=i64, dp_size=i64)
+welcomes = st.builds(Welcome, epoch=i64, next_seq=i64, dp_size=i64,
+                   step_timeout=st.floats(0, 86400))
 rejects = st.builds(Reject, reason=st.sampled_from(RejectReason), text=text, expected=text,
                     got=text)
 step_reports = st.builds(
@@ -151,8 +152,8 @@ def test_defaults_survive_from_coordinator(msg) -> None:  # type: ignore[no-unty
 def test_report_is_small() -> None:
     report = StepReport(num_tokens=4096, num_tokens_padded=4096, want_ubatch=True,
                         cudagraph_mode=2, has_unfinished=True, dp_rank=255, epoch=3, seq=10**6,
-                        kind=StepKind.FORWARD)
-    assert len(encode(report)) < 40
+                        kind=StepKind.FORWARD, waited_us=1_000_000)
+    assert len(encode(report)) < 40  # with a 1 s wait of the previous round: 5 bytes of it
 
 
 def test_gather_messages_are_small() -> None:
@@ -160,7 +161,8 @@ def test_gather_messages_are_small() -> None:
     column = [4096, 2, 4096, 512, 1, 256, 0]
     report = GatherReport(site="vllm.gpu.dp_utils", values=column, dp_rank=255, epoch=3,
                           seq=10**6)
-    assert len(encode(report)) == 50  # 18 of them the site's label
+    assert len(encode(report)) == 51  # 18 of them the site's label, 1 waited_us (-1: none)
+    assert len(encode(msgspec.structs.replace(report, waited_us=500))) == 53
     for dp, size in ((8, 164), (256, 4134)):
         result = GatherResult(epoch=3, seq=10**6, site="vllm.gpu.dp_utils", rows=[column] * dp)
         assert len(encode(result)) == size
@@ -317,10 +319,38 @@ def test_wrong_field_types_are_refused_by_the_rank(items) -> None:  # type: igno
 
 def test_extra_trailing_fields_are_read_by_an_older_peer() -> None:
     # fields are only ever appended: an older peer ignores the ones it does not know
-    data = pk(["report", 5, 8, True, 1, False, 2, 3, 4, "draft", False, "a future field"])
+    data = pk(["report", 5, 8, True, 1, False, 2, 3, 4, "draft", False, 7, "a future field"])
     assert decode_to_coordinator(data) == StepReport(
         num_tokens=5, num_tokens_padded=8, want_ubatch=True, cudagraph_mode=1, dp_rank=2,
-        epoch=3, seq=4, kind=StepKind.DRAFT)
+        epoch=3, seq=4, kind=StepKind.DRAFT, waited_us=7)
+
+
+def test_a_report_without_its_wait_is_read_and_an_older_coordd_ignores_it() -> None:
+    """Issue 30: a report says how long its rank's previous wait blocked (`waited_us`,
+    appended): a report of an older client (without it) reads as -1 (nothing to report), and
+    an older coordd, whose StepReport ends at want_pause, reads a newer one."""
+    old = pk(["report", 5, 8, True, 1, False, 2, 3, 4, "draft", False])
+    assert decode_to_coordinator(old).waited_us == -1  # type: ignore[union-attr]
+    assert decode_to_coordinator(pk(["gather", "s", [1], 0, 1, 2])).waited_us == -1  # type: ignore[union-attr]
+
+    class OlderReport(msgspec.Struct, array_like=True, tag_field="type", tag="report",
+                      frozen=True, kw_only=True):
+        num_tokens: int
+        num_tokens_padded: int
+        want_ubatch: bool = False
+        cudagraph_mode: int = 0
+        has_unfinished: bool = False
+        dp_rank: int = -1
+        epoch: int = 0
+        seq: int = -1
+        kind: str = "forward"
+        want_pause: bool = False
+
+    new = encode(StepReport(num_tokens=5, num_tokens_padded=8, seq=4, waited_us=250))
+    assert msgspec.msgpack.decode(new, type=OlderReport).seq == 4
+    with pytest.raises(ProtocolError):  # more than a day is refused with the frame
+        decode_to_coordinator(pk(["report", 5, 8, True, 1, False, 2, 3, 4, "draft", False,
+                                  86_400_000_001]))
 
 
 def _goodbye_of_size(size: int) -> tuple[bytes, Goodbye]:
@@ -584,3 +614,18 @@ def test_rank_lost_says_to_reconnect() -> None:
     assert "connect()" in error.hint
     error.add_note("a caller's own note")
     assert error == RankLost([2], "disconnected")  # notes are not part of the error's data
+
+
+def test_the_welcome_says_coordds_step_timeout_and_an_older_one_is_read() -> None:
+    """Issue 30: a client's default wait outlives coordd's step timeout, which the Welcome
+    carries; a Welcome without it (an older coordd) reads as 0 (not said), and an older
+    client ignores the field."""
+    from coordd.proto.coordinator import Coordinator
+
+    assert decode_from_coordinator(pk(["welcome", 1, 2, 3])) == Welcome(
+        epoch=1, next_seq=2, dp_size=3, step_timeout=0.0)
+    c = Coordinator(2, epoch=5, step_timeout=12.5)
+    hello = Hello(dp_size=2, dp_rank=0, config_fingerprint="fp", incarnation="i")
+    (send,) = c.receive(b"peer0", hello, 0.0)
+    assert send.message.step_timeout == 12.5
+    assert msgspec.msgpack.decode(encode(send.message))[-1] == 12.5

@@ -686,3 +686,61 @@ def test_a_scraper_that_does_not_read_is_aborted_not_left_buffered(
     during, after, held = asyncio.run(scrape())
     assert during == 1 and after == 0
     assert held == 0, f"{held} bytes still buffered for a client that does not read"
+
+
+def test_a_stopped_groups_readiness_does_not_read_no_under_coordds_yes() -> None:
+    """Issue 30: `coordd status` printed "ready: yes (1/1 groups stopped ...)" and, under it,
+    the group's "ready: NO (stopped ...)": a stopped group counts toward readiness."""
+    from coordd.proto.messages import Goodbye
+
+    d = registered(2)
+    d.report(0, 0, 101.0)
+    d.report(1, 0, 101.5)
+    g = d.group()
+    for rank in (0, 1):
+        d._after(g.coordinator.receive(peer(rank), Goodbye(text="rank closed"), 102.0), g)
+    doc = json.loads(json.dumps(status_document(d)))  # type: ignore[arg-type]
+    assert doc["ready"] is True and doc["groups"][0]["left_cleanly"] is True
+    table = render(doc)
+    assert "ready: yes (1/1 groups stopped" in table
+    assert "ready: NO" not in table
+    assert "  ready: stopped, not a failure (stopped at seq 1" in table
+
+
+def test_ranks_waits_are_a_histogram_by_group_and_site() -> None:
+    """Issue 30: nothing in /metrics said how long a rank's step waited for coordd's answer.
+    Each report says how long its rank's wait for the previous round blocked; coordd counts it
+    under that round's site, once per rank, only for the round just decided."""
+    from coordd.ops.observer import MAX_WAIT_SITES
+
+    d = registered(2)
+    d.report(0, 0, 101.0)
+    d.report(1, 0, 101.5)  # round 0 (forward) decided
+    o = d.observer
+    o.waited(0, 1, 500)  # rank 0 waited 500 us for round 0
+    o.waited(0, 1, 500)  # a resent report: counted once
+    o.waited(1, 1, 20)
+    o.waited(1, 5, 20)  # not the round just decided: dropped
+    o.waited(7, 1, 20)  # no such rank: dropped
+    m = d.metrics()
+    w = {"group": "default", "site": "forward"}
+    assert value(m, "coordd_rank_wait_seconds_count", **w) == 2
+    assert value(m, "coordd_rank_wait_seconds_sum", **w) == pytest.approx(520e-6)
+    assert value(m, "coordd_rank_wait_seconds_bucket", **w, le="2.5e-05") == 1
+    assert value(m, "coordd_rank_wait_seconds_bucket", **w, le="0.0005") == 2
+    # a gather round counts under its site; past MAX_WAIT_SITES sites, as "other"
+    g = d.group()
+    from coordd.proto.messages import GatherReport
+
+    for seq in range(1, MAX_WAIT_SITES + 3):
+        for rank in (0, 1):
+            report = GatherReport(site=f"site{seq}", values=[rank], dp_rank=rank, epoch=EPOCH,
+                                  seq=seq)
+            d._after(g.coordinator.receive(peer(rank), report, 102.0 + seq), g)
+        o.waited(0, seq + 1, 1)
+    m = d.metrics()
+    assert value(m, "coordd_rank_wait_seconds_count", group="default", site="site1") == 1
+    sites = {dict(k)["site"] for k in m["coordd_rank_wait_seconds_count"]}
+    assert len(sites) == MAX_WAIT_SITES + 1 and "other" in sites
+    # "forward" and site1..site31 are kept apart; site32..site34 are "other"
+    assert value(m, "coordd_rank_wait_seconds_count", group="default", site="other") == 3

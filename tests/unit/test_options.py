@@ -5,8 +5,10 @@ option (exit code 1, or argparse's 2), and the client's settings are checked whe
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -168,8 +170,38 @@ def test_the_stop_line_is_key_value(caplog: pytest.LogCaptureFixture) -> None:
         cli.stopped(logging.getLogger("coordd"), {"default": {"state": 1, "forward": 2}})
     assert [r.getMessage() for r in caplog.records] == [
         "coordd stopped rounds=3 groups=1",
-        "rounds decided group=default forward=2 state=1",
+        "rounds decided group=default rounds=3 forward=2 state=1",
     ]
+
+
+def test_the_stop_line_of_a_group_without_rounds_says_zero(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 30: a group that decided no round ended the log with a bare "rounds decided
+    group=default"."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="coordd"):
+        cli.stopped(logging.getLogger("coordd"), {"default": {}, "other": {"forward": 0}})
+    assert [r.getMessage() for r in caplog.records] == [
+        "coordd stopped rounds=0 groups=2",
+        "rounds decided group=default rounds=0",
+        "rounds decided group=other rounds=0",
+    ]
+
+
+def test_coordd_serve_without_dp_is_one_line() -> None:
+    """Issue 30: `coordd serve` without --dp printed 17 lines of usage before its error."""
+    env = {k: v for k, v in os.environ.items() if k != "COORDD_DP"}
+    for argv in (["serve"], [], ["--step-timeout", "5"]):
+        done = subprocess.run([sys.executable, "-m", "coordd", *argv], capture_output=True,
+                              text=True, timeout=60, env=env)
+        assert done.returncode == 1, argv
+        assert done.stdout == ""
+        assert done.stderr.strip().splitlines() == [
+            "coordd: --dp is required: the data-parallel size, vLLM's --data-parallel-size "
+            "(coordd serve --dp 8, or COORDD_DP=8)"
+        ], argv
 
 
 def test_good_options_pass() -> None:
@@ -212,3 +244,28 @@ def test_the_server_itself_refuses_a_dp_its_clients_cannot_decode() -> None:
 def test_client_times_are_checked(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"ClientConfig.{field} must be"):
         ClientConfig(dp_rank=0, dp_size=2, **{field: value})  # type: ignore[arg-type]
+
+
+def test_coordd_status_asks_the_address_given_else_the_env_else_the_default_socket(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 30: `coordd status` asked only http://127.0.0.1:9180; now --address (ipc or
+    http), then $COORDD_STATUS_URL, then $COORDD_METRICS_PORT, then the default address's
+    status socket, then 9180."""
+    from coordd.cli.status import targets
+
+    for var in ("COORDD_STATUS_URL", "COORDD_METRICS_PORT", "COORDD_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    default = f"unix:{tmp_path}/coordd/coordd.sock.http"
+    assert targets(None) == [default, "http://127.0.0.1:9180"]
+    monkeypatch.setenv("COORDD_ADDRESS", "ipc:///run/coordd/coordd.sock")
+    assert targets(None) == ["unix:/run/coordd/coordd.sock.http", "http://127.0.0.1:9180"]
+    monkeypatch.setenv("COORDD_METRICS_PORT", "9999")
+    assert targets(None) == ["http://127.0.0.1:9999"]
+    monkeypatch.setenv("COORDD_STATUS_URL", "http://h:1")
+    assert targets(None) == ["http://h:1"]
+    assert targets("ipc:///x/c.sock") == ["unix:/x/c.sock.http"]
+    assert targets("http://10.0.0.1:9180") == ["http://10.0.0.1:9180"]
+    with pytest.raises(SystemExit, match="--metrics-port"):
+        targets("tcp://10.0.0.1:5555")

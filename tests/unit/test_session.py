@@ -561,3 +561,51 @@ def test_a_session_that_never_collects_keeps_a_bounded_number_of_asks() -> None:
     assert session.receive(decision(3, 0)) is None, "forgotten: its answer is unsolicited"
     last = session.next_seq - 1
     assert session.receive(decision(3, last)) == Resolved(last, decision(3, last))
+
+
+def test_the_default_wait_outlives_coordds_step_timeout() -> None:
+    """Issue 30: the README's `wait(timeout=30)` equalled coordd's default --step-timeout 30,
+    and a client whose default wait was shorter than coordd's step timeout raised "no decision
+    within 60s" naming nobody before coordd's StepTimeout named the late rank. coordd's Welcome
+    now says its step timeout, and a default wait outlives it."""
+    from coordd.client.config import DEFAULT_WAIT_TIMEOUT, default_wait_timeout
+    from coordd.client.session import SessionView
+
+    class View(SessionView):
+        def __init__(self, config: ClientConfig) -> None:
+            self.config = config
+            self.session = RankSession(config)
+
+    view = View(CONFIG)
+    assert CONFIG.wait_timeout is None
+    assert view.wait_timeout == DEFAULT_WAIT_TIMEOUT == 60.0  # before a Welcome
+    view.session.hello()
+    view.session.receive(Welcome(epoch=1, next_seq=0, dp_size=2, step_timeout=90.0))
+    assert view.wait_timeout > 90.0 + CONFIG.heartbeat_timeout
+    view.session.receive(Welcome(epoch=2, next_seq=0, dp_size=2, step_timeout=30.0))
+    assert view.wait_timeout == 60.0 > 30.0 + CONFIG.heartbeat_timeout
+    view.session.receive(Welcome(epoch=3, next_seq=0, dp_size=2))  # an older coordd: not said
+    assert view.wait_timeout == 60.0
+    assert default_wait_timeout(600.0, 5.0) == 610.0
+    # what a Welcome says is believed up to a day: a peer cannot make a wait endless
+    assert default_wait_timeout(1e300, 5.0) == 86_400.0 + 10.0
+    for nonsense in (float("nan"), float("inf"), -1.0):
+        assert default_wait_timeout(nonsense, 5.0) == 60.0
+    # a wait_timeout given is kept, whatever coordd says
+    given = View(dataclasses.replace(CONFIG, wait_timeout=2.0))
+    given.session.hello()
+    given.session.receive(Welcome(epoch=1, next_seq=0, dp_size=2, step_timeout=90.0))
+    assert given.wait_timeout == 2.0
+
+
+def test_a_timeout_that_names_no_rank_says_why_not() -> None:
+    """Issue 30: the client's own timeout ("no decision within 30s") said "find why the named
+    ranks are late", naming none."""
+    from coordd.proto.errors import StepTimeout
+
+    mine = StepTimeout((), 30.0)
+    assert str(mine) == "no decision within 30s"
+    assert "named" not in mine.hint and "--step-timeout" in mine.hint
+    assert "wait()" in mine.hint and any("coordd status" in n for n in mine.__notes__)
+    coordds = StepTimeout([1], 30.0)
+    assert "named ranks" in coordds.hint

@@ -169,3 +169,59 @@ def test_a_goodbye_queued_with_its_close_counts_before_the_close(shell) -> None:
         assert not sock.queue
     finally:
         server._monitor = real
+
+
+@pytest.mark.timeout(60)
+def test_a_first_connect_to_no_socket_file_fails_at_once(tmp_path: Path) -> None:
+    """Issue 30: a client with no coordd waited its whole timeout (5 s in the README) before
+    saying "no socket file", which a look at the path tells at once. (A connect() that waited
+    would run into this test's 60 s timeout.)"""
+    from coordd.client.sync import CoordClient
+    from coordd.proto.errors import CoordinatorUnavailable
+
+    path = tmp_path / "coordd.sock"
+    for timeout in (3600.0, 0.5):
+        with (CoordClient(f"ipc://{path}", dp_rank=0, dp_size=2) as c,
+              pytest.raises(CoordinatorUnavailable) as caught):
+            c.connect(timeout=timeout)
+        assert f"no socket file at {path}" in str(caught.value)
+        assert "as given" in str(caught.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_first_async_connect_to_no_socket_file_fails_at_once(tmp_path: Path) -> None:
+    import asyncio
+
+    from coordd.client.aio import AsyncCoordClient
+    from coordd.proto.errors import CoordinatorUnavailable
+
+    path = tmp_path / "coordd.sock"
+
+    async def connect() -> str:
+        c = AsyncCoordClient(f"ipc://{path}", dp_rank=0, dp_size=2)
+        try:
+            with pytest.raises(CoordinatorUnavailable) as caught:
+                await c.connect(timeout=3600.0)
+        finally:
+            await c.close()
+        return str(caught.value)
+
+    assert f"no socket file at {path}" in asyncio.run(connect())
+
+
+@pytest.mark.timeout(60)
+def test_a_first_connect_waits_where_a_coordd_holds_the_path(tmp_path: Path) -> None:
+    """coordd's lock file (taken before it binds) or its set-aside socket (`.paused`, while it
+    refuses new connections) says a coordd is there: the connect waits until its deadline."""
+    from coordd.client.sync import CoordClient
+    from coordd.proto.errors import CoordinatorUnavailable
+
+    path = tmp_path / "coordd.sock"
+    for suffix in (".lock", ".paused"):
+        marker = Path(f"{path}{suffix}")
+        marker.write_text("")
+        with (CoordClient(f"ipc://{path}", dp_rank=0, dp_size=2) as c,
+              pytest.raises(CoordinatorUnavailable) as caught):
+            c.connect(timeout=0.3)
+        assert "no answer from coordd within 0.3s" in str(caught.value)  # it waited
+        marker.unlink()

@@ -574,7 +574,53 @@ def render(results: dict[str, Any]) -> str:
         parts.append(f"\nWRONG DECISIONS: {r['mismatches']} in {r}")
     if results.get("skipped"):
         parts.append("\nSkipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped"].items()))
+    parts.append("\n" + verdict(results))
     return "\n".join(parts)
+
+
+#: What the verdict compares coordd's ipc round with, most telling first.
+VERDICT_METHODS = {
+    VLLM: "vLLM's cpu_all_reduce_",
+    GLOO: "gloo all_reduce",
+    HUB: "the bare pyzmq hub",
+    FLOOR: "the raw-socket floor",
+}
+#: How to measure against vLLM where it does not import.
+WITH_VLLM = (
+    "PYTHONPATH=<this checkout> VLLM_TARGET_DEVICE=cpu <vLLM's venv>/bin/python -m coordd bench "
+    "--quick"
+)
+
+
+def verdict(results: dict[str, Any]) -> str:
+    """The run's last line: at the largest dp measured, coordd's ipc round p50 against each
+    method measured beside it (which is faster, by how much), and, where vLLM's own
+    all-reduce was not measured, what it takes to measure it."""
+    latency = results.get("latency", [])
+    rows = [r for r in latency if r["method"] == COORDD_IPC]
+    if not rows:
+        return "verdict: no coordd round latency measured in this run (nothing to compare)"
+    dp = max(r["dp"] for r in rows)
+    mine = _row(latency, dp=dp, method=COORDD_IPC)
+    assert mine is not None
+    said = []
+    for method, name in VERDICT_METHODS.items():
+        other = _row(latency, dp=dp, method=method)
+        if other is None:
+            continue
+        ratio = mine["p50_us"] / other["p50_us"]
+        if ratio <= 1:
+            said.append(f"{1 / ratio:.2f}x faster than {name} ({other['p50_us']:.0f} us)")
+        else:
+            said.append(f"{ratio:.2f}x slower than {name} ({other['p50_us']:.0f} us)")
+    line = (
+        f"verdict: dp={dp}, round p50 (synchronous, same ranks, same run): coordd ipc "
+        f"{mine['p50_us']:.0f} us is " + ("; ".join(said) or "compared with nothing else")
+    )
+    if _row(latency, dp=dp, method=VLLM) is None:
+        why = results.get("skipped", {}).get(VLLM, "not asked (--methods)").split(" (")[0]
+        line += f"; against vLLM: not measured ({why}); to measure it: {WITH_VLLM}"
+    return line
 
 
 def _finite(value: Any) -> Any:
