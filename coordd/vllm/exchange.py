@@ -27,6 +27,7 @@ import multiprocessing.util
 import os
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ import torch
 import zmq
 
 from coordd.client import CoordClient
+from coordd.proto.errors import CoordinatorUnavailable
 from coordd.proto.messages import max_gather_values
 from coordd.vllm import early, sites
 from coordd.vllm.early import EarlyRound
@@ -286,6 +288,8 @@ class GroupLink:
 
 #: Seconds `Exchange.close` waits for its ZeroMQ context to end (the Goodbyes to go out).
 TERM_WAIT = 2.0
+#: Seconds between looks for coordd's socket while a first sync waits for it to appear.
+SOCKET_POLL = 0.1
 
 
 class Exchange:
@@ -560,13 +564,26 @@ class Exchange:
                 context=self._context,
             )
             try:
-                client.connect(timeout=self.settings.connect_timeout)
+                self._connect(client)
             except BaseException:
                 client.close()
                 raise
             link = GroupLink(identity, client)
             self._links[identity.name] = link
             return link
+
+    def _connect(self, client: CoordClient) -> None:
+        """Register within the connect timeout, waiting for a coordd that has not made its
+        socket yet (a sidecar may start after vLLM: the client alone fails at once there)."""
+        deadline = time.monotonic() + self.settings.connect_timeout
+        while True:
+            try:
+                client.connect(timeout=max(0.05, deadline - time.monotonic()))
+                return
+            except CoordinatorUnavailable:
+                if client.connection.no_socket_file() is None or time.monotonic() >= deadline:
+                    raise
+            time.sleep(SOCKET_POLL)
 
     def rounds(self) -> dict[str, int]:
         """Gather rounds completed so far, by group (tests compare it with the syncs made)."""

@@ -243,3 +243,22 @@ def test_coordd_gone_with_a_round_in_flight_is_coordinator_unavailable(
     with pytest.raises(CoordinatorUnavailable):
         in_thread(lambda: sync(ranks[0], mine))(60)
     assert torch.equal(mine, column(0, VALUES[0]))
+
+
+def test_a_first_sync_waits_for_a_coordd_that_starts_after_it(tmp_path: Path) -> None:
+    """A sidecar may come up after vLLM: the first sync waits (within the connect timeout) for
+    coordd's socket to appear instead of failing at once."""
+    address = f"ipc://{tmp_path}/late.sock"
+    ranks = [
+        (Exchange(PluginSettings(address, connect_timeout=30.0)), GroupIdentity(GROUP, r, DP, "fp"))
+        for r in range(DP)
+    ]
+    try:
+        waits = [in_thread(lambda r=r: sync(ranks[r], column(r, VALUES[r]))) for r in range(DP)]
+        time.sleep(1.0)  # the ranks are waiting for a socket that is not there yet
+        with CoorddProcess(DP, address, ["--log-level", "error"]):
+            for wait in waits:
+                assert torch.equal(wait(30), expected())
+    finally:
+        for exchange, _ in ranks:
+            exchange.close()
