@@ -337,7 +337,17 @@ def side_by_side(plain: Sequence[RankResult], plugin: Sequence[RankResult]) -> s
         left = fmt.format(a[key]) if key in a else "-"
         right = fmt.format(b[key]) if key in b else "-"
         lines.append(f"{label:20} {left:>14} {right:>14}")
+    lines.append(STEP_NOTE)
     return "\n".join(lines)
+
+
+#: What the step table's figures include, printed under it.
+STEP_NOTE = (
+    "(engine.step() wall time in each rank's front-end process, both ranks pooled: the "
+    "scheduler, the engine core's step and its DP syncs, the worker's forward and the "
+    "outputs; with coordd the sidecar shares the machine's cores with the ranks. The V1 "
+    "runner's sync alone is the table below.)"
+)
 
 
 # -- running vLLM -------------------------------------------------------------------------------

@@ -175,3 +175,41 @@ def test_without_vllm_or_a_gpu_it_says_why_and_exits_2(capsys: pytest.CaptureFix
         pytest.skip("this machine can run the check")
     assert e2e.main(["--device", "cuda"]) == e2e.UNAVAILABLE
     assert "cannot run here" in capsys.readouterr().err
+
+
+def test_the_step_table_says_what_its_figures_include() -> None:
+    plain = [result(0, [[1]]), result(1, [[2]])]
+    assert e2e.STEP_NOTE in e2e.side_by_side(plain, plain)
+
+
+def test_the_sync_table_pools_each_modes_timed_steps(tmp_path: Path) -> None:
+    """coordd.tools.vllm_steps: steps with a sync only, a cut line skipped, p10/p50/p90 by
+    nearest rank below, round = window + wait, cost = sync + start, ratios per quantile."""
+    from coordd.tools import vllm_steps
+
+    lines = {
+        "stock": [dict(sync=0.002 * k, step=0.01 * k) for k in range(1, 11)],
+        "off": [dict(sync=0.004 * k, wait=0.003 * k, step=0.02 * k) for k in range(1, 11)],
+        "on": [
+            dict(sync=0.001 * k, start=0.001, window=0.0005, wait=0.0005 * k, step=0.01 * k)
+            for k in range(1, 11)
+        ],
+    }
+    (tmp_path / "run1").mkdir()
+    with (tmp_path / "run1" / "steps-1.jsonl").open("w") as out:
+        for mode, steps in lines.items():
+            for step in steps:
+                out.write(json.dumps({"mode": mode, **step}) + "\n")
+        out.write(json.dumps({"mode": "on", "sync": 0.0, "step": 0.5}) + "\n")  # no sync
+        out.write('{"mode": "on", "sy')  # a killed process's last line
+    steps = vllm_steps.read_steps([tmp_path / "run1"])
+    assert {mode: len(rows) for mode, rows in steps.items()} == {"stock": 10, "off": 10, "on": 10}
+    stats = vllm_steps.summary(steps)
+    assert stats["stock"]["sync"] == pytest.approx([0.004, 0.012, 0.020])
+    assert stats["on"]["round"][1] == pytest.approx(0.0005 + 0.003)
+    assert stats["on"]["cost"][1] == pytest.approx(0.006 + 0.001)
+    text = vllm_steps.table(steps)
+    ratio = next(line for line in text.splitlines() if line.startswith("coordd, overlap on / c"))
+    assert "sync 0.25/0.25/0.25" in ratio and "step 0.50/0.50/0.50" in ratio, ratio
+    assert "cost 0.38/0.29/" in ratio, ratio
+    assert vllm_steps.main([str(tmp_path / "empty")]) == 1
