@@ -743,7 +743,9 @@ def compare_overlap(options: Options, model: Path, work: Path) -> int:
     problems: list[str] = []
     reference: list[RankResult] | None = None
     dirs: list[Path] = []
+    sets: list[dict[str, Path]] = []
     for k in range(options.overlap_sets):
+        sets.append({})
         order = OVERLAP_MODES[k % 3 :] + OVERLAP_MODES[: k % 3]
         for mode in order:
             name = f"set{k + 1}-{mode}"
@@ -759,6 +761,7 @@ def compare_overlap(options: Options, model: Path, work: Path) -> int:
                     )
             print(f"vllm_e2e: {name} done in {time.monotonic() - t0:.0f}s", flush=True)
             dirs.append(work / name / "timings")
+            sets[-1][mode] = work / name / "timings"
             if reference is None:
                 reference = results
                 problems += [f"{name}: rank {r.rank}: {r.error}" for r in results if r.error]
@@ -766,6 +769,7 @@ def compare_overlap(options: Options, model: Path, work: Path) -> int:
                 problems += [f"{name}: {p}" for p in compare(reference, results)]
     print("the V1 runner's DP sync per step (coordd.tools.vllm_steps), all sets:")
     print(vllm_steps.table(vllm_steps.read_steps(dirs)))
+    print(vllm_steps.per_set(sets))
     if problems:
         print("vllm_e2e: FAILED", *problems, sep="\n  ")
         return MISMATCH

@@ -100,6 +100,35 @@ def table(steps: Mapping[str, list[dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def per_set(sets: Sequence[Mapping[str, Path]]) -> str:
+    """One line per interleaved set (mode -> its timing directory): each mode's p50 sync,
+    cost and step, then the on/off and on/stock ratios of the sets' p50s at their p10, p50
+    and p90 across sets (paired within a set, so a set the box slowed as a whole cancels)."""
+    lines = []
+    ratios: dict[str, list[float]] = {}
+    for k, dirs in enumerate(sets, 1):
+        p50 = {
+            mode: {f: v[1] for f, v in stats.items()}
+            for mode, stats in summary(read_steps(dirs.values())).items()
+        }
+        parts = [
+            f"{mode} sync {p50[mode]['sync'] * 1e3:.2f} cost {p50[mode]['cost'] * 1e3:.2f} "
+            f"step {p50[mode]['step'] * 1e3:.2f}"
+            for mode in MODES
+            if mode in p50
+        ]
+        lines.append(f"set {k} (p50 ms): " + "; ".join(parts))
+        for mode, base in (("on", "off"), ("on", "stock")):
+            for f in ("cost", "step"):
+                if mode in p50 and base in p50 and p50[base][f]:
+                    key = f"{mode}/{base} {f}"
+                    ratios.setdefault(key, []).append(p50[mode][f] / p50[base][f])
+    for key, values in ratios.items():
+        qs = "/".join(f"{quantile(values, q):.2f}" for q in (0.1, 0.5, 0.9))
+        lines.append(f"per-set p50 ratio {key} across {len(values)} sets (p10/p50/p90): {qs}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):

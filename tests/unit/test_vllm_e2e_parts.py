@@ -213,3 +213,21 @@ def test_the_sync_table_pools_each_modes_timed_steps(tmp_path: Path) -> None:
     assert "sync 0.25/0.25/0.25" in ratio and "step 0.50/0.50/0.50" in ratio, ratio
     assert "cost 0.38/0.29/" in ratio, ratio
     assert vllm_steps.main([str(tmp_path / "empty")]) == 1
+
+
+def test_the_per_set_ratios_pair_the_modes_within_each_set(tmp_path: Path) -> None:
+    from coordd.tools import vllm_steps
+
+    sets = []
+    for k, (off, on) in enumerate([(0.004, 0.002), (0.002, 0.002), (0.001, 0.004)], 1):
+        dirs = {}
+        for mode, sync in (("off", off), ("on", on)):
+            d = tmp_path / f"set{k}-{mode}"
+            d.mkdir()
+            line = json.dumps({"mode": mode, "sync": sync, "step": 0.01})
+            (d / "steps-1.jsonl").write_text((line + "\n") * 5)
+            dirs[mode] = d
+        sets.append(dirs)
+    text = vllm_steps.per_set(sets)
+    assert "set 3 (p50 ms): off sync 1.00 cost 1.00 step 10.00; on sync 4.00" in text, text
+    assert "per-set p50 ratio on/off cost across 3 sets (p10/p50/p90): 0.50/1.00/4.00" in text
