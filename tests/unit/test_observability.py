@@ -28,7 +28,7 @@ from coordd.ops.endpoints import HttpEndpoints, coordd_routes
 from coordd.ops.observer import DURATION_BUCKETS, Observer, ServerEvents
 from coordd.ops.status import group_readiness, readiness, status_document
 from coordd.proto.coordinator import Coordinator, OnRankLoss
-from coordd.proto.messages import Hello, StepKind, StepReport
+from coordd.proto.messages import Goodbye, Hello, StepKind, StepReport
 from coordd.proto.snapshot import GroupSnapshot
 
 EPOCH = 9
@@ -686,3 +686,34 @@ def test_a_scraper_that_does_not_read_is_aborted_not_left_buffered(
     during, after, held = asyncio.run(scrape())
     assert during == 1 and after == 0
     assert held == 0, f"{held} bytes still buffered for a client that does not read"
+
+
+@pytest.mark.parametrize("expect", [0, ("default",)])
+def test_a_crash_stays_in_readyz_and_status_after_a_strangers_hello_and_goodbye(
+    expect: Any,
+) -> None:
+    """Issue 28, defect 6: after rank 1 crashed, a stranger's Hello (for the free rank) and
+    Goodbye made the group `stopped`: /readyz 200 "every rank left cleanly", /status failure
+    None. The crash now stands, culprit and all, until every rank is back."""
+    d = registered(2)
+    d.expected_groups = () if expect == 0 else expect
+    d.report(0, 0, 101.0)
+    d.report(1, 0, 101.0)
+    d.lose(1, 102.0)
+
+    def ready() -> tuple[bool, str]:
+        return readiness({n: g.coordinator.snapshot() for n, g in d.groups.items()}, expect)
+
+    ok, why = ready()
+    assert not ok and "failed at seq 1: rank(s) [1] lost" in why
+    stranger = Hello(dp_size=2, dp_rank=1, incarnation="x", config_fingerprint="fp")
+    g = d.group()
+    d._after(g.coordinator.receive(b"stranger", stranger, 103.0), g)
+    d._after(g.coordinator.receive(b"stranger", Goodbye(), 103.5), g)
+    ok, why = ready()
+    assert not ok and "failed at seq 1: rank(s) [1] lost" in why, why
+    doc = json.loads(json.dumps(status_document(d)))  # type: ignore[arg-type]
+    (group,) = doc["groups"]
+    assert group["left_cleanly"] is False and group["stops"] == 0
+    assert group["failure"]["ranks"] == [1] and group["failure"]["reason"] == "lost"
+    assert "STOPPED" not in render(doc) and "rank(s) [1] lost" in render(doc)
