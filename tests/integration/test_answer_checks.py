@@ -127,10 +127,20 @@ MISFITS = [
     ("kind", {"kind": StepKind.DRAFT}),
     ("cudagraph_mode", {"cudagraph_mode": 9}),
     ("dead_ranks", {"dead_ranks": [7]}),
+    # issue 28, defect 7: answers that contradict this rank's own report (3 tokens, padded 4,
+    # unfinished requests), each of which wait() returned before
+    ("num_tokens_across_dp[0]", {"num_tokens_across_dp": [0, 4]}),  # its own count 0
+    ("num_tokens_across_dp", {"num_tokens_across_dp": [4, -16]}),
+    ("num_tokens_across_dp", {"num_tokens_across_dp": [4, 2**40]}),
+    ("dead_ranks", {"dead_ranks": [0]}),  # itself, though it reported
+    ("all_idle", {"all_idle": True}),  # while it has work
+    ("any_unfinished", {"any_unfinished": False}),  # while it has unfinished requests
 ]
 
 
-@pytest.mark.parametrize(("field", "changes"), MISFITS, ids=[f for f, _ in MISFITS])
+@pytest.mark.parametrize(
+    ("field", "changes"), MISFITS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(MISFITS)]
+)
 def test_a_decision_that_does_not_fit_its_round_is_refused_naming_coordd(
     make_client: ClientMaker, fake: FakeCoordd, field: str, changes: dict[str, object]
 ) -> None:
