@@ -465,6 +465,7 @@ class Registry(Generic[G]):
                 del self.groups[name]
                 for p in [p for p, g in self.peer_group.items() if g is group]:
                     del self.peer_group[p]
+                self.takeovers.forget(name)  # what is kept under its name goes with it
                 actions.append(GroupDropped(group, snap.epoch))
                 return True
         return False

@@ -717,3 +717,23 @@ def test_a_crash_stays_in_readyz_and_status_after_a_strangers_hello_and_goodbye(
     assert group["left_cleanly"] is False and group["stops"] == 0
     assert group["failure"]["ranks"] == [1] and group["failure"]["reason"] == "lost"
     assert "STOPPED" not in render(doc) and "rank(s) [1] lost" in render(doc)
+
+
+def test_group_created_and_dropped_lines_are_bounded_over_cycled_names(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 28, defect 5: two INFO lines per group name a peer cycles (400 names a second
+    made 28,737 log lines in 12 s with the takeover lines); now at most GROUP_LINES per 10 s,
+    the next line saying how many were held back."""
+    from coordd.ops.observer import GROUP_LINES
+
+    caplog.set_level(logging.INFO, logger="coordd")
+    events = ServerEvents()
+    for n in range(4800):
+        now = 100.0 + n / 400
+        events.group_created(f"dp-tp{n}-pp0", n, 4, 4, now=now)
+        events.group_dropped(f"dp-tp{n}-pp0", n, now=now)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("group ")]
+    assert len(lines) == 2 * GROUP_LINES, len(lines)  # 12 s: two windows of 10 s
+    assert events.dropped_groups == 4800
+    assert "suppressed=" in lines[GROUP_LINES]

@@ -375,3 +375,35 @@ def test_key_bound_refusals_under_many_admitted_names_keep_one_record() -> None:
         assert refused.error.reason == RejectReason.CURVE_KEY.value
     assert reg.takeovers.refused == {("-", Takeovers.KEY_BOUND): 2000}
     assert not reg.groups and not reg.peer_group and not reg.peer_fd
+
+
+def test_rank_held_refusals_under_cycled_names_go_with_their_groups(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 28, defect 5: one peer cycling group names a pattern admits, each with a Hello for
+    a rank another of its connections holds (`rank_held`): the refusal was counted under the
+    group's name and never dropped with the group (400 names a second: 4,800 series of
+    coordd_rank_takeovers_refused_total in 12 s, a WARNING line per name). Now the record holds
+    only live groups' names (at most --max-groups x kinds), and the lines are bounded."""
+    import logging
+
+    from coordd.core.peers import LOG_LINES
+
+    reg = registry(max_groups=4, groups=("dp-tp*-pp*",))
+    caplog.set_level(logging.WARNING, logger="coordd")
+    names = 2000
+    for n in range(names):
+        name = f"dp-tp{n}-pp0"
+        holder, thief = b"h%d" % n, b"t%d" % n
+        reg.hello(holder, hello(0, group=name), fd=2 * n + 10, now=1.0 + n / 400, wall=WALL)
+        actions = reg.hello(thief, hello(0, group=name), fd=2 * n + 11, now=1.0 + n / 400,
+                            wall=WALL)
+        assert any(type(m) is Reject and m.reason is RejectReason.RANK_TAKEN
+                   for _, m in sent(actions))
+        reg.closed(2 * n + 10, now=1.0 + n / 400)  # the holder leaves: the group may go
+    assert len(reg.groups) <= 4
+    assert set(reg.takeovers.refused) <= {(g, Takeovers.RANK_HELD) for g in reg.groups}
+    assert sum(reg.takeovers.refused.values()) <= 4
+    lines = [r for r in caplog.records if r.getMessage().startswith("rank takeover refused")]
+    seconds = names / 400
+    assert 1 <= len(lines) <= LOG_LINES * (seconds // 10 + 1), len(lines)
