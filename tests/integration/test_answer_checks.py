@@ -24,6 +24,7 @@ from coordd.proto.messages import (
     FromCoordinator,
     GatherReport,
     GatherResult,
+    Goodbye,
     Hello,
     StepDecision,
     StepKind,
@@ -60,6 +61,8 @@ class FakeCoordd:
         self.address = address
         self.answer: Answer = proper
         self.reports: list[StepReport | GatherReport] = []
+        #: the Goodbyes received (a client's close() while registered says one)
+        self.goodbyes = threading.Semaphore(0)
         self._sock = context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops past its high-water mark
@@ -77,6 +80,8 @@ class FakeCoordd:
             msg = decode_to_coordinator(frame)
             if isinstance(msg, Hello):
                 sock.send_multipart([peer, encode(Welcome(epoch=EPOCH, next_seq=0, dp_size=DP))])
+            elif isinstance(msg, Goodbye):
+                self.goodbyes.release()
             elif isinstance(msg, StepReport | GatherReport):
                 self.reports.append(msg)
                 for out in self.answer(msg):
@@ -238,3 +243,19 @@ def test_gathered_rows_that_do_not_fit_are_refused(
         client.connect(timeout=10)
         with pytest.raises(InvalidAnswer, match="site"):
             client.gather("site", [1, 2], timeout=10)
+
+
+def test_close_says_goodbye_when_registered_and_not_before(
+    make_client: ClientMaker, fake: FakeCoordd
+) -> None:
+    """Issue 28, planted bug: the asyncio client's Goodbye on close inverted (sent only when
+    not registered) passed every test; only the blocking client's clean stop was tested. A
+    registered client of either kind says Goodbye on close(); one that never registered does
+    not (coordd would have no rank to stop)."""
+    client = client_of(make_client, fake)
+    assert client.coordinate(REPORT, timeout=10).seq == 0
+    client.close()
+    assert fake.goodbyes.acquire(timeout=10), "no Goodbye from a registered client's close()"
+    never = make_client(fake.address, dp_rank=1, dp_size=DP, config_fingerprint="fp")
+    never.close()
+    assert not fake.goodbyes.acquire(timeout=0.5), "a Goodbye from a client never registered"

@@ -318,3 +318,37 @@ def test_a_members_share_is_one_report_a_round_and_some_slack() -> None:
     admission.member_counts[b"m"] = 10
     admission.new_window(1.0)
     assert admission.member_counts == {}
+
+
+def test_a_members_share_counts_its_groups_rounds_in_this_window_only() -> None:
+    """Issue 28, planted bug: the guard counted a member's rounds in the window with the wrong
+    sign (`+ group.window_rounds`) and every test passed: each flood test used a fresh group
+    (0 rounds before the window). A group that decided 50,000 rounds before this window, and
+    2 in it, allows MEMBER_SLACK + 4 messages, not 100,000 more."""
+    from types import SimpleNamespace
+
+    from coordd.io.guard import Guard
+    from coordd.io.timer import Group
+
+    host = Host()
+    host.ranks = {5}
+    admission = host.admission()
+    admission.accepted(5, 0.0)
+    shut: list[int] = []
+
+    def shutdown(fd: int, ident: int | None) -> bool:
+        shut.append(fd)
+        return True
+
+    guard = Guard(
+        admission, clock=lambda: 1.0, current=lambda: True, introduced=lambda: (),
+        backlog=lambda: False, stranger_grace=0, max_rss_mb=0, gate=None, shutdown=shutdown,
+    )
+    busy = SimpleNamespace(decisions=50_000, failures=3)
+    group = Group("g", busy, None)  # type: ignore[arg-type]
+    guard.new_window(1.0, [group])
+    busy.decisions += 2  # two rounds decided in this window
+    assert guard.member_over(b"m", group, 5, MEMBER_SLACK + 4) is None and shut == []
+    detail = guard.member_over(b"m", group, 5, MEMBER_SLACK + 5)
+    assert detail is not None and "its group had 2 rounds" in detail
+    assert shut == [5] and admission.violations == 1

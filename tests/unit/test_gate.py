@@ -274,3 +274,36 @@ def test_groups_worked_out_are_bounded() -> None:
     for n in range(100):
         assert rate.group_of(b"10.0.%d.1" % n) == b"10.0.%d.0/24" % n
     assert len(rate._group_of) == 8 and len(rate._groups) == 0
+
+
+def test_the_gate_under_memory_pressure_with_a_rate_admits_only_quiet_sources() -> None:
+    """Issue 28, planted bug: the ZAP gate skipping the memory-pressure rule when a handshake
+    rate is set (`quiet_only=pressed` -> False) passed every test: the rate's rule was tested
+    (above), the gate's wiring of it never. Over the budget, a busy source (one that keeps
+    handshakes in flight, well within its own share) is refused with REFUSAL and counted; a
+    quiet one gets in."""
+    import zmq
+
+    from coordd.io.gate import REFUSAL, ZAP_VERSION, HandshakeGate
+
+    context = zmq.Context()
+    now = [0.0]
+    gate = HandshakeGate(context, clock=lambda: now[0])
+    try:
+        gate.rate = HandshakeRate(rate=20, burst=1024)
+
+        def ask(source: bytes) -> tuple[bytes, bytes]:
+            reply = gate.decide([ZAP_VERSION, b"1", b"", source, b"rid", b"NULL"])
+            return reply[2], reply[3]
+
+        for _ in range(16):  # busy: 16 handshakes at once, within its share of 128
+            assert ask(IPC)[0] == b"200"
+        gate.refusing = True  # over --max-rss-mb
+        assert ask(IPC) == (b"300", REFUSAL) and gate.refused == 1
+        assert ask(OTHER)[0] == b"200", "a quiet source (a rank's process) still gets in"
+        gate.refusing = False
+        gate.over = lambda: True  # the memory watch says so at the handshake: the same
+        assert ask(IPC) == (b"300", REFUSAL) and gate.refused == 2
+    finally:
+        gate.stop()
+        context.term()
