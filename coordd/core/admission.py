@@ -8,7 +8,14 @@ The rules (`coordd.io.limits` says why each exists):
 
 - Open connections are known by descriptor, oldest first, each with its socket's identity
   when its ACCEPTED event was read; over `cap`, the oldest that holds no registered rank is
-  shut (`enforce`). A registered rank's connection is never chosen by any rule here.
+  shut (`enforce`). The cap is sized from the deployment (`connections_needed`: every rank of
+  every group coordd may serve, and STRANGER_ROOM more for connections on their way to
+  registering); if members crowd into that room anyway (a cap set smaller), the members of
+  groups only a pattern admitted (`evictable`: not named in --groups or --expect-groups) are
+  shut first, newest group first, never the newcomer while they hold slots (issue 28: 1008 junk
+  members in 63 pattern groups filled the cap of 1024 and every newcomer, an `enginecore`
+  rank among them, was the one connection shut). A member of a named group is never chosen by
+  any rule here.
 - Under memory pressure (`pressure`, one flag, which the ZAP gate reads too) every new
   connection is shut as soon as it is accepted, and `shed` shuts every stranger; but over ipc
   a connection from a quiet process (none of its connections accepted in the last
@@ -86,6 +93,18 @@ HELLO_GRACE = 1.0
 MONITOR_LAG = 1.0
 #: Most processes banned at once (the expired ones are dropped first).
 MAX_BANNED = 1024
+#: Connections kept free, beyond every rank of every group, for peers on their way to
+#: registering (a quarter of the cap at most, when a cap is set smaller than the deployment).
+STRANGER_ROOM = 64
+
+
+def connections_needed(dp_size: int, max_groups: int, named_groups: int) -> int:
+    """The connections a deployment's ranks may hold, and STRANGER_ROOM more: `dp_size` ranks
+    in each of `max_groups` groups (what patterns admit share that limit) and in each of the
+    `named_groups` (the exact names of --groups and --expect-groups each always get a slot
+    beyond it)."""
+    return dp_size * (max_groups + named_groups) + STRANGER_ROOM
+
 
 # why a connection is shut (`Shut.reason`)
 CAP = "cap"  # over the connection cap: the oldest stranger
@@ -138,10 +157,16 @@ class Admission:
         flood: int = STRANGER_MESSAGES_PER_S,
         answers_per_s: float = STRANGER_ANSWERS_PER_S,
         now: float = float("-inf"),
+        evictable: Callable[[], list[int]] = list,
     ) -> None:
         self.cap = cap
         self.flood = flood
         self._registered = registered
+        #: members' descriptors that may go when members crowd the strangers' room, in the
+        #: order they go (the registry's `evictable_fds`: pattern groups' members, newest first)
+        self._evictable = evictable
+        #: members shut over the cap (`evictable`)
+        self.evicted_members = 0
         self._ident = ident
         self._pid = pid
         self.pressure = Pressure()
@@ -271,7 +296,20 @@ class Admission:
         if not excess:
             return []
         keep = set(self._registered())
-        victims = [fd for fd in self.open if fd not in keep][:excess]
+        victims: list[int] = []
+        # members holding more than the cap leaves them (its room for newcomers taken): the
+        # evictable ones go first, so that the newcomer (an expected group's rank, maybe) stays
+        members = sum(1 for fd in self.open if fd in keep)
+        crowd = members - (self.cap - min(STRANGER_ROOM, self.cap // 4))
+        if crowd > 0:
+            for fd in self._evictable():
+                if len(victims) >= min(excess, crowd):
+                    break
+                if fd in self.open and fd in keep:
+                    victims.append(fd)
+            self.evicted_members += len(victims)
+        if len(victims) < excess:
+            victims += [fd for fd in self.open if fd not in keep][: excess - len(victims)]
         return [s for fd in victims for s in _shut(fd, self.open.pop(fd), CAP)]
 
     def shed(self, now: float = float("inf")) -> list[Shut]:

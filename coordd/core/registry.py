@@ -523,6 +523,21 @@ class Registry(Generic[G]):
         }
         return {fd for peer, fd in self.peer_fd.items() if peer in members}
 
+    def evictable_fds(self) -> list[int]:
+        """The descriptors of members of groups that only a pattern admitted (no exact name in
+        --groups or --expect-groups), newest group first: what goes first when members crowd
+        the connection cap (`coordd.core.admission.Admission.enforce`)."""
+        exact = self.rules.exact
+        fds: list[int] = []
+        for group in reversed(list(self.groups.values())):
+            if group.name in exact:
+                continue
+            for member in group.coordinator.snapshot().members.values():
+                fd = self.peer_fd.get(member.peer)
+                if fd is not None:
+                    fds.append(fd)
+        return fds
+
     def known_epoch(self, epoch: int) -> bool:
         """Whether `epoch` is some group's current epoch."""
         return any(g.coordinator.snapshot().epoch == epoch for g in self.groups.values())

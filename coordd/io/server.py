@@ -234,6 +234,7 @@ class CoordServer:
             ident=limits.socket_ident,
             pid=limits.peer_pid,
             now=clock(),
+            evictable=self.registry.evictable_fds,
         )
         #: Carries out admission's decisions: shutdowns, the grace timer, the memory watch.
         self.guard = Guard(

@@ -352,3 +352,54 @@ def test_a_members_share_counts_its_groups_rounds_in_this_window_only() -> None:
     detail = guard.member_over(b"m", group, 5, MEMBER_SLACK + 5)
     assert detail is not None and "its group had 2 rounds" in detail
     assert shut == [5] and admission.violations == 1
+
+
+def test_members_crowding_the_cap_go_pattern_groups_first_never_the_newcomer() -> None:
+    """Issue 28, defect 1: --dp 16, one process registered 1008 members in 63 groups the
+    default dp-tp*-pp* pattern admits; with the real group's 16 that was the cap of 1024, and
+    each newcomer (an `enginecore` rank on its way to its Hello) was the only connection that
+    held no rank: shut, ~100 of them, CoordinatorUnavailable after 10 s. Now the members of
+    the pattern groups go first (newest group first) while members crowd the room the cap
+    keeps for newcomers; a named group's member never."""
+    host = Host()
+    real = set(range(16))  # dp-tp0-pp0's 16 ranks
+    junk_groups = [list(range(100 + 16 * g, 116 + 16 * g)) for g in range(63)]
+    junk = {fd for group in junk_groups for fd in group}
+    host.ranks = real | junk
+    newest_first = [fd for group in reversed(junk_groups) for fd in group]
+    admission = Admission(1024, lambda: host.ranks, ident=host.ident, pid=host.pid, now=0.0,
+                          evictable=lambda: [fd for fd in newest_first if fd in host.ranks])
+    for fd in sorted(real | junk):
+        assert admission.accepted(fd, 0.0) == []
+    assert admission.enforce() == []  # at the cap, not over it
+    for n, newcomer in enumerate(range(5000, 5016)):  # enginecore's 16 ranks connect
+        assert admission.accepted(newcomer, 1.0 + n) == []
+        shuts = admission.enforce()
+        assert [s.fd for s in shuts] == [newest_first[n]], "a junk member, not the newcomer"
+        host.ranks.discard(carried(admission, shuts)[0])
+        assert newcomer in admission.open
+        host.ranks.add(newcomer)  # its Hello: a member of a named group
+    assert real <= set(admission.open) and admission.evicted_members == 16
+    # a newcomer that says nothing has the room the cap keeps: 64 of them, then the oldest go
+    for n, newcomer in enumerate(range(6000, 6080)):
+        admission.accepted(newcomer, 20.0 + n)
+        carried(admission, admission.enforce())
+    assert admission.evicted_members == 16 + 64 and 6000 not in admission.open
+    assert set(range(6016, 6080)) <= set(admission.open)
+    # strangers (no member crowding) go oldest first, as ever
+    host.ranks = set()
+    small = Admission(4, lambda: host.ranks, ident=host.ident, pid=host.pid, now=0.0,
+                      evictable=lambda: [1, 2])
+    for fd in (1, 2, 3, 4, 5):
+        small.accepted(fd, 0.0)
+    assert [s.fd for s in small.enforce()] == [1] and small.evicted_members == 0
+
+
+def test_the_cap_is_sized_from_the_deployment() -> None:
+    """Issue 28, defect 1: the default cap of 1024 held exactly --dp 16 x 64 groups, leaving
+    newcomers no room; DP=256 (1280 ranks of vLLM's groups) was over it before any attacker.
+    `connections_needed`: every rank of every group coordd may serve, and 64 more."""
+    from coordd.core.admission import STRANGER_ROOM, connections_needed
+
+    assert connections_needed(16, 64, 3) == 16 * 67 + STRANGER_ROOM == 1136
+    assert connections_needed(256, 64, 3) == 256 * 67 + 64
