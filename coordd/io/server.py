@@ -526,6 +526,9 @@ class CoordServer:
             elif type(action) is GroupDropped:
                 self._deadlines.forget(action.group)
                 self.events.group_dropped(action.group.name, action.epoch)
+        watch = self._router.watch
+        if watch is not None:  # what ranks hold is no storm (the listener pause's marks)
+            watch.held = len(self.registry.peer_fd)
 
     def _send(self, sends: Sequence[Send], observer: Observer) -> None:
         sock = self._sock
