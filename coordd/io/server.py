@@ -600,10 +600,15 @@ class CoordServer:
             except zmq.ZMQError:
                 key = ""
         address = frame_address(frame)
+        fd = frame.get(_SRCFD)
         actions = self.registry.hello(
-            peer, hello, frame.get(_SRCFD), self.clock(), self.wall(), address=address, key=key
+            peer, hello, fd, self.clock(), self.wall(), address=address, key=key
         )
         self._carry_out(actions)
+        gate = self.gate
+        if gate is not None and address and self.registry.member(peer, fd) is not None:
+            # its process (ipc) or address (tcp) registered a rank: quiet is earned
+            gate.earned.append(address.encode())
 
     def _backlog(self) -> bool:
         """Whether messages are queued unread (the memory guard's check, between drains)."""
