@@ -82,8 +82,12 @@ MAX_TRACKED = 4096
 #: is quiet: its new connection is kept (a rank connecting), and spared by `shed` until its
 #: handshake must be over (libzmq closes it at HANDSHAKE_TIMEOUT) and its Hello in: spared
 #: 2 s, a rank's connection was shed while the 16-process attack's ZAP queue held its
-#: handshake 2-5 s, and its connect() failed.
-QUIET_PROCESS = 5.0
+#: handshake 2-5 s, and its connect() failed. A process that comes back after this long is
+#: quiet again: a rank's fresh process is refused its first handshake under pressure (quiet
+#: is earned at the gate: `coordd.core.handshake.EARN_WAIT`) and tries again 1.1 s or more
+#: later (the refusal is answered 1 s late); at 5 s it was shut here as busy at every retry.
+#: An attacker that keeps reconnecting (every 100 ms) stays busy.
+QUIET_PROCESS = 1.0
 SPARED = HANDSHAKE_TIMEOUT + 2.0
 #: A spared connection's spare after the ZAP gate admitted its process's handshake: a client
 #: sends its Hello as its handshake ends.
@@ -244,11 +248,17 @@ class Admission:
 
     def _quiet_process(self, fd: int, ident: int | None, pid: int | None, now: float) -> bool:
         """Whether `fd` is an ipc connection of a process (`pid`) that had none accepted for
-        QUIET_PROCESS seconds (then `shed` spares it a while, and under pressure it is kept)."""
+        QUIET_PROCESS seconds (then `shed` spares it a while, and under pressure it is kept).
+        Quiet is earned: a process never seen is not (issue 28: under a 64 MB budget, ten
+        fresh processes a second, each spared ~1 s while it streamed a multipart message that
+        never completes, held coordd at 465-555 MB); a rank's process is quiet from its retry
+        (the ZAP gate refuses a fresh process's handshake under pressure too)."""
         if pid is None:
             return False
         last = self._process_seen.get(pid)
         self._process_seen.put(pid, (ident, now))
+        if last is None:
+            return False
         # the same socket again is no second connection: events are read late, and a
         # closed connection's ACCEPTED and DISCONNECTED may be read once its number names
         # the rank's new socket (taken for it, then dropped, then its own event)

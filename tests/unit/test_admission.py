@@ -57,6 +57,16 @@ class Host:
         )
 
 
+def seen_before(host: Host, admission: Admission, *pids: int, at: float = -10.0) -> None:
+    """Each of `pids` had a connection accepted (and closed) at `at`: not a fresh process
+    (issue 28: quiet is earned; a process never seen is not quiet)."""
+    for n, pid in enumerate(pids):
+        fd = 10_000 + n
+        host.pids[fd] = pid
+        assert admission.accepted(fd, at) in ([], [Shut(fd, fd, PRESSURE)])
+        admission.closed_fd(fd)
+
+
 def carried(admission: Admission, shuts: list[Shut]) -> list[int]:
     """Carry `shuts` out (every shutdown succeeds); the descriptors shut."""
     for shut in shuts:
@@ -122,8 +132,10 @@ def test_under_pressure_a_quiet_processs_connection_is_kept_for_its_hello() -> N
     spared by `shed` for SPARED; an attacker's process, reconnecting, is shut."""
     host = Host()
     guard = host.admission()
+    seen_before(host, guard, 500, 900, 700)
     guard.pressure.on = True
-    host.pids.update({30: 500, 31: 500, 32: 500, 40: 900, 41: 700})
+    host.pids.update({30: 500, 31: 500, 32: 500, 40: 900, 41: 700, 43: 999})
+    assert guard.accepted(43, 0.0) == [Shut(43, 43, PRESSURE)], "a fresh process: not quiet"
     assert guard.accepted(30, 0.0) == [], "the attacker's first: its process was quiet"
     assert guard.accepted(31, 0.1) == [Shut(31, 31, PRESSURE)], "then it is busy"
     assert guard.accepted(32, 0.1 + QUIET_PROCESS - 0.01) == [Shut(32, 32, PRESSURE)]
@@ -134,6 +146,7 @@ def test_under_pressure_a_quiet_processs_connection_is_kept_for_its_hello() -> N
     host.ranks.clear()
     assert guard.accepted(41, 4.0) == []
     assert carried(guard, guard.shed(4.0 + SPARED + 0.1)) == [41, 40], "no Hello: shed"
+    seen_before(host, guard, 800, at=2.0)
     host.pids[42] = 800  # a closed connection's late ACCEPTED, read once 42 named the
     assert guard.accepted(42, 8.0) == []  # rank's new socket: kept for it...
     assert guard.accepted(42, 8.01) == [], "...and its own event is the same socket's"
@@ -155,6 +168,7 @@ def test_a_quiet_processs_connection_is_spared_for_its_handshake_and_hello_only(
     multipart flood, spared 7 s, grew coordd to 160 MB (65 MB when shed)."""
     host = Host()
     guard = host.admission()
+    seen_before(host, guard, 500, 900, 700, 800)
     host.pids.update({30: 500, 31: 500, 32: 500, 40: 900, 41: 700, 42: 800})
     assert guard.accepted(30, 0.0) == [] and guard.accepted(31, 0.05) == []  # an attacker
     assert guard.accepted(40, 0.1) == []  # a rank, a moment before the pressure
@@ -403,3 +417,20 @@ def test_the_cap_is_sized_from_the_deployment() -> None:
 
     assert connections_needed(16, 64, 3) == 16 * 67 + STRANGER_ROOM == 1136
     assert connections_needed(256, 64, 3) == 256 * 67 + 64
+
+
+def test_under_pressure_a_rank_retrying_after_its_refused_first_try_is_kept() -> None:
+    """Issue 28: quiet is earned at the gate (a fresh process's first handshake is refused
+    under pressure; its retry, 1.1 s or more later, is let in). Admission must agree: with a
+    5 s gap that retry was shut at accept as busy, and the rank never got in while the
+    pressure lasted. One reconnecting every 100 ms is still busy."""
+    host = Host()
+    guard = host.admission()
+    guard.pressure.on = True
+    host.pids.update({50: 600, 51: 600, 60: 700, 61: 700})
+    assert guard.accepted(50, 0.0) == [Shut(50, 50, PRESSURE)], "fresh: not quiet"
+    assert guard.accepted(51, 1.1) == [], "its retry, having waited: kept for its Hello"
+    assert 51 in guard.spared
+    seen_before(host, guard, 700)
+    assert guard.accepted(60, 2.0) == []
+    assert guard.accepted(61, 2.1) == [Shut(61, 61, PRESSURE)], "100 ms later: busy"
