@@ -457,9 +457,13 @@ class Registry(Generic[G]):
 
     def _evict_one(self, actions: list[Action[G]]) -> bool:
         """Make room at the limit: drop the oldest group with no members and no open round
-        (its ranks all left; a stranger's Hellos cannot hold the slots forever). True if one
-        was dropped."""
+        (its ranks all left; a stranger's Hellos cannot hold the slots forever), never one
+        the deployment names (--groups or --expect-groups: it has a slot of its own, and an
+        expected group that stopped cleanly would read "has not registered" to /readyz once
+        dropped, issue 28). True if one was dropped."""
         for name, group in self.groups.items():
+            if name in self.rules.exact:
+                continue
             snap = group.coordinator.snapshot()
             if not snap.members and snap.round is None:
                 del self.groups[name]

@@ -407,3 +407,25 @@ def test_rank_held_refusals_under_cycled_names_go_with_their_groups(
     lines = [r for r in caplog.records if r.getMessage().startswith("rank takeover refused")]
     seconds = names / 400
     assert 1 <= len(lines) <= LOG_LINES * (seconds // 10 + 1), len(lines)
+
+
+def test_a_named_group_that_stopped_cleanly_keeps_its_slot() -> None:
+    """Issue 28 (seen, not yet shown): creating pattern groups at --max-groups evicted the
+    oldest empty group, an expected one that stopped cleanly included, and /readyz then said it
+    "has not registered" (503). A named group keeps its slot; the pattern groups share theirs."""
+    from coordd.proto.messages import Goodbye
+
+    reg = Registry(1, G, max_groups=2, step_timeout=10.0, on_rank_loss=OnRankLoss.FAIL,
+                   rules=GroupRules(("dp-tp*-pp*",), always=("dp-tp0-pp0",)))
+    reg.hello(b"r", hello(0, group="dp-tp0-pp0", dp=1), fd=1, now=1.0, wall=WALL)
+    reg.groups["dp-tp0-pp0"].coordinator.receive(b"r", Goodbye(), 2.0)  # a clean stop
+    assert reg.groups["dp-tp0-pp0"].coordinator.snapshot().stopped
+    reg.hello(b"j1", hello(0, group="dp-tp1-pp0", dp=1), fd=2, now=3.0, wall=WALL)
+    reg.closed(2, now=3.5)  # its rank leaves: a pattern group with no members
+    actions = reg.hello(b"j2", hello(0, group="dp-tp2-pp0", dp=1), fd=3, now=4.0, wall=WALL)
+    assert [a.group.name for a in actions if type(a) is GroupDropped] == ["dp-tp1-pp0"]
+    assert "dp-tp0-pp0" in reg.groups
+    # dp-tp2-pp0 keeps its member: no pattern slot is free, and the named one is not taken
+    actions = reg.hello(b"j4", hello(0, group="dp-tp4-pp0", dp=1), fd=5, now=6.0, wall=WALL)
+    assert refusal(actions).error.reason == RejectReason.GROUP_LIMIT.value
+    assert "dp-tp0-pp0" in reg.groups
