@@ -737,3 +737,27 @@ def test_group_created_and_dropped_lines_are_bounded_over_cycled_names(
     assert len(lines) == 2 * GROUP_LINES, len(lines)  # 12 s: two windows of 10 s
     assert events.dropped_groups == 4800
     assert "suppressed=" in lines[GROUP_LINES]
+
+
+def test_a_failed_group_whose_ranks_are_held_holds_readiness_back() -> None:
+    """Issue 28, defect 6: after a stranger's Hello re-formed a crashed group and its Goodbye
+    left the new epoch empty, the failed epoch's rank still connected is a held rank, not a
+    member: readiness counts it, so the failed group still holds /readyz at 503 beside a
+    formed one (it did with the rank a member before the Hello)."""
+    d = registered(2, groups=("default", "enginecore"))
+    d.report(0, 0, 101.0)
+    d.report(1, 0, 101.0)
+    d.lose(1, 102.0)
+
+    def ready() -> tuple[bool, str]:
+        return readiness({n: g.coordinator.snapshot() for n, g in d.groups.items()}, 0)
+
+    assert ready()[0] is False
+    stranger = Hello(dp_size=2, dp_rank=1, incarnation="x", config_fingerprint="fp")
+    g = d.group()
+    d._after(g.coordinator.receive(b"stranger", stranger, 103.0), g)
+    d._after(g.coordinator.receive(b"stranger", Goodbye(), 103.5), g)
+    snap = d.snapshot()
+    assert not snap.members and snap.held == 1
+    ok, why = ready()
+    assert not ok and why.startswith("group default failed at seq 1"), why

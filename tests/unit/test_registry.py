@@ -429,3 +429,14 @@ def test_a_named_group_that_stopped_cleanly_keeps_its_slot() -> None:
     actions = reg.hello(b"j4", hello(0, group="dp-tp4-pp0", dp=1), fd=5, now=6.0, wall=WALL)
     assert refusal(actions).error.reason == RejectReason.GROUP_LIMIT.value
     assert "dp-tp0-pp0" in reg.groups
+
+
+def test_only_pattern_groups_members_are_evictable_newest_group_first() -> None:
+    """Issue 28, defect 1: what `Admission.enforce` shuts first while members crowd the cap:
+    members of groups only a pattern admits, the newest group's first; a named group's
+    (--groups or --expect-groups) never, however new."""
+    reg = Registry(1, G, max_groups=8, step_timeout=10.0, on_rank_loss=OnRankLoss.FAIL,
+                   rules=GroupRules(("dp-tp*-pp*", "enginecore"), always=("dp-tp0-pp0",)))
+    for fd, name in enumerate(["dp-tp0-pp0", "dp-tp5-pp0", "dp-tp6-pp0", "enginecore"], 1):
+        reg.hello(b"p%d" % fd, hello(0, group=name, dp=1), fd=fd, now=1.0, wall=WALL)
+    assert reg.evictable_fds() == [3, 2]
