@@ -17,10 +17,13 @@ The rules, the same for every shell:
   `Hello` again over a new connection, in the same registration: `coordd.client.registration`);
   a refused or unanswered `Hello` fails the session with its error.
 - Every answer is checked against the round this rank asked (`InvalidAnswer` says what did not
-  fit): its epoch and seq; a decision's kind, its `num_tokens_across_dp` of length dp, its
-  `cudagraph_mode` in 0..2 and `dead_ranks` within 0..dp-1; a gather's site, its dp rows of the
-  length this rank sent, this rank's own row as sent. A misfit, or a decision for a round this
-  rank has not reported yet, fails the group with that `InvalidAnswer` (coordd is at fault):
+  fit): its epoch and seq; a decision against the report this rank sent
+  (`coordd.proto.policy.decision_misfit`: its kind, `num_tokens_across_dp` of length dp with
+  this rank's own count, counts in range, `cudagraph_mode` no higher than this rank's, this rank
+  not in `dead_ranks`, the idle, unfinished, micro-batch and pause flags consistent with its
+  own); a gather's site, its dp rows of the length this rank sent, this rank's own row as
+  sent. A misfit, or a decision for a round this rank has not reported yet, fails the group
+  with that `InvalidAnswer` (coordd is at fault):
   none of it is used. An answer for no round this rank asked (an older epoch's, a round already
   answered, one of a past registration) is dropped and counted (`dropped_answers`), never kept.
 """
@@ -67,7 +70,7 @@ from coordd.proto.messages import (
     error_from_failure,
     error_from_reject,
 )
-from coordd.proto.policy import check_carriable
+from coordd.proto.policy import check_carriable, decision_misfit
 
 _replace = msgspec.structs.replace
 _decode_from_coordinator = msgspec.msgpack.Decoder(FromCoordinator).decode
@@ -86,8 +89,8 @@ MAX_ASKED = 64
 _TRIM_ASKED_AT = 2 * MAX_ASKED
 #: The highest `cudagraph_mode` (NONE=0, PIECEWISE=1, FULL=2).
 MAX_CUDAGRAPH_MODE = 2
-#: What a round asked for: its kind (a policy round), or the `GatherReport` sent (a gather).
-Asked = StepKind | GatherReport
+#: What a round asked for: the report this rank sent (a decision is checked against it).
+Asked = StepReport | GatherReport
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,7 @@ class RankSession:
             check_carriable(self.dp_rank, stamped)
         self.next_seq = seq + 1
         asked = self._asked
-        asked[seq] = kind
+        asked[seq] = stamped
         if len(asked) >= _TRIM_ASKED_AT:
             self._forget_oldest()
         return stamped
@@ -274,7 +277,7 @@ class RankSession:
         if seq in asked:
             self._asked_again[seq] = self._asked_again.get(seq, 0) + 1
             return
-        asked[seq] = report if type(report) is GatherReport else report.kind
+        asked[seq] = report
         if len(asked) >= _TRIM_ASKED_AT:
             self._forget_oldest()
 
@@ -380,10 +383,8 @@ class RankSession:
             if msg.seq == seq and msg.epoch == self.epoch and seq not in self._answers:
                 asked = self._asked.pop(seq, None)
                 if (
-                    asked is msg.kind
-                    and len(msg.num_tokens_across_dp) == self.dp_size
-                    and 0 <= msg.cudagraph_mode <= MAX_CUDAGRAPH_MODE
-                    and not msg.dead_ranks
+                    type(asked) is StepReport
+                    and decision_misfit(msg, asked, self.dp_rank, self.dp_size) is None
                 ):
                     if self._asked_again:
                         self._ask_again(seq, asked)
@@ -478,12 +479,10 @@ class RankSession:
         asked = self._asked.pop(seq, None)
         if asked is not None and self._asked_again:
             self._ask_again(seq, asked)
-        if (  # a decision that fits (`_misfit`'s checks, inline for the asyncio client)
+        if (  # a decision that fits its report (the asyncio client's every round)
             type(msg) is StepDecision
-            and asked is msg.kind
-            and len(msg.num_tokens_across_dp) == self.dp_size
-            and 0 <= msg.cudagraph_mode <= MAX_CUDAGRAPH_MODE
-            and not msg.dead_ranks
+            and type(asked) is StepReport
+            and decision_misfit(msg, asked, self.dp_rank, self.dp_size) is None
         ):
             return self._answer(seq, msg)
         if asked is None:
@@ -524,16 +523,9 @@ class RankSession:
         else True (`_reject` says how)."""
         n = self.dp_size
         if isinstance(msg, StepDecision):
-            if (
-                asked is not msg.kind
-                or len(msg.num_tokens_across_dp) != n
-                or not 0 <= msg.cudagraph_mode <= MAX_CUDAGRAPH_MODE
-            ):
+            if type(asked) is not StepReport:
                 return True
-            dead = msg.dead_ranks
-            if dead and (min(dead) < 0 or max(dead) >= n):
-                return True
-            return None
+            return None if decision_misfit(msg, asked, self.dp_rank, n) is None else True
         if not isinstance(asked, GatherReport) or msg.site != asked.site:
             return True
         rows = msg.rows
@@ -580,20 +572,11 @@ def _what_misfits(
     if isinstance(msg, StepDecision):
         if isinstance(asked, GatherReport):
             return InvalidAnswer(seq, "kind", msg.kind.value, f"a gather of site {asked.site!r}")
-        if asked is not msg.kind:
-            return InvalidAnswer(seq, "kind", msg.kind.value, asked.value)
-        across = msg.num_tokens_across_dp
-        if len(across) != dp_size:
-            return InvalidAnswer(
-                seq, "num_tokens_across_dp", across, f"{dp_size} values, one per rank"
-            )
-        if not 0 <= msg.cudagraph_mode <= MAX_CUDAGRAPH_MODE:
-            return InvalidAnswer(
-                seq, "cudagraph_mode", msg.cudagraph_mode, "0..2 (NONE, PIECEWISE, FULL)"
-            )
-        return InvalidAnswer(seq, "dead_ranks", msg.dead_ranks, f"ranks in 0..{dp_size - 1}")
+        error = decision_misfit(msg, asked, dp_rank, dp_size)
+        assert error is not None, "unreachable: _misfit found a misfit"
+        return error
     if not isinstance(asked, GatherReport):
-        return InvalidAnswer(seq, "kind", "gather", asked.value)
+        return InvalidAnswer(seq, "kind", "gather", asked.kind.value)
     if msg.site != asked.site:
         return InvalidAnswer(seq, "site", msg.site, repr(asked.site))
     rows = msg.rows

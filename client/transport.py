@@ -319,6 +319,13 @@ def _diagnose(endpoint: Endpoint) -> str:
         try:
             info = os.stat(path)
         except FileNotFoundError:
+            if os.path.exists(path + ".paused"):
+                return (
+                    f"coordd at {path} is up but paused: it refuses new connections at the "
+                    f"listener for now (its socket file is moved aside to {path}.paused while "
+                    "its descriptors run short, a reconnect storm) and reopens when the storm "
+                    "is over; connect() again, or with a longer timeout"
+                )
             directory = os.path.dirname(path) or "."
             where = "" if os.path.isdir(directory) else f" (nor its directory {directory})"
             return (

@@ -68,7 +68,7 @@ from typing import Any, NamedTuple, Protocol
 
 from coordd.proto.errors import InvalidReport
 from coordd.proto.messages import StepDecision, StepKind, StepReport
-from coordd.proto.policy import last_ubatch_empty
+from coordd.proto.policy import decision_misfit, last_ubatch_empty
 
 CUDAGRAPH_NONE, CUDAGRAPH_PIECEWISE, CUDAGRAPH_FULL = 0, 1, 2
 
@@ -371,9 +371,18 @@ class DPCoordinationHandle:
         if self._result is None:
             assert self._pending is not None
             decision = self._pending.wait(timeout)
+            adapter = self._adapter
+            # Checked against this rank's report whatever the client (coordd's clients check it
+            # too; a device-path or other client may not): a count past int32 would otherwise
+            # come out of torch as a bare RuntimeError, a wrong one as a wrong batch.
+            error = decision_misfit(
+                decision, self.report, adapter.dp_rank, adapter.config.data_parallel_size, self.kind
+            )
+            if error is not None:
+                raise error
             self.decision = decision
-            self._adapter.last_decision = decision
-            self._result = vllm_result(decision, self._adapter.torch_module)
+            adapter.last_decision = decision
+            self._result = vllm_result(decision, adapter.torch_module)
         return self._result
 
 

@@ -42,7 +42,7 @@ from coordd.proto.messages import (
     failure_message,
     max_gather_values,
 )
-from coordd.proto.policy import decide, validate_gather, validate_report
+from coordd.proto.policy import decide, decision_misfit, validate_gather, validate_report
 from coordd.proto.snapshot import GroupSnapshot
 
 __all__ = [
@@ -81,6 +81,7 @@ __all__ = [
     "StepTimeout",
     "Welcome",
     "decide",
+    "decision_misfit",
     "decode_from_coordinator",
     "decode_to_coordinator",
     "encode",

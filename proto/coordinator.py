@@ -139,6 +139,9 @@ class Coordinator:
         self._queued: list[tuple[bytes, Hello]] = []  # lost ranks back mid-round (elastic)
         self._failure: StepFailed | None = None
         self._failures = 0
+        #: The group failed and has not re-formed since (no later epoch had every rank
+        #: registered): the failure stands, whatever a Hello or Goodbye of one peer does.
+        self._reforming = False
         self._decided: _Decided | None = None
         self._decisions = 0
         self._last_round: CompletedRound | None = None
@@ -170,6 +173,11 @@ class Coordinator:
         self._remove(rank)
         self._departures += 1
         self._left |= {rank}
+        if not self._members and self._reforming:
+            # The epoch never re-formed after a failure: its last rank leaving (a restarted
+            # rank giving up, or a stranger's Hello and Goodbye) cannot make the crash a stop.
+            self._abandon()
+            return _NOTHING
         if not self._members:
             self._move(_E.STOP)
             self._stops += 1
@@ -197,6 +205,9 @@ class Coordinator:
                 sends = self._fail(RankLost([rank], detail), now)
                 # Between rounds nobody waits: each rank gets the failure when it next reports.
                 return sends if waiting else _NOTHING
+            case _E.ABANDON:
+                self._abandon()
+                return _NOTHING
             case _E.DISBAND:
                 self._move(_E.DISBAND)
                 self._round = None
@@ -303,6 +314,8 @@ class Coordinator:
                 failures=self._failures,
                 decisions=self._decisions,
                 left=self._left,
+                reforming=self._reforming,
+                held=len(self._held),
                 departures=self._departures,
                 stops=self._stops,
                 last_round=self._last_round,
@@ -320,6 +333,8 @@ class Coordinator:
         """What losing a member (already removed) does to the group."""
         if self._state is _S.FAILED:
             return _E.LEAVE
+        if not self._members and self._reforming:
+            return _E.ABANDON
         if not self._members:
             # the last rank lost: a loss after others left cleanly is still a fault
             return _E.FAIL if self._left - self._dead else _E.DISBAND
@@ -486,6 +501,7 @@ class Coordinator:
         self._round = None
         self._failure = failure
         self._failures += 1
+        self._reforming = True
         return [Send(self.peers(), failure), *self._rejoin_queued(now)]
 
     # -- membership -------------------------------------------------------------------------
@@ -530,6 +546,8 @@ class Coordinator:
         self._dead -= {hello.dp_rank}
         self._members[hello.dp_rank] = Member(peer, hello, now)
         self._peer_rank[peer] = hello.dp_rank
+        if self._reforming and len(self._members) + len(self._dead) >= self.dp_size:
+            self._reforming = False  # every rank is back: the group re-formed
         self._members_changed()
         welcome = Welcome(
             epoch=self._epoch,
@@ -570,6 +588,15 @@ class Coordinator:
         self._left = frozenset()
         self._members_changed()
         # `_dead` stays: in elastic mode the new epoch goes on without the ranks that are gone.
+
+    def _abandon(self) -> None:
+        """The last rank of a re-forming epoch left (Goodbye or loss) before every rank was
+        back: the group is FAILED again with the failure that started it (not counted again).
+        The ranks of the failed epoch still connected keep holding their ranks."""
+        self._move(_E.ABANDON)
+        self._round = None
+        self._left = frozenset()
+        self._queued = []
 
     def _restart(self) -> None:
         """The first Hello after every rank left cleanly: a new epoch, the next seq."""

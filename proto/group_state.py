@@ -13,6 +13,7 @@ state is a bug in the coordinator, and fails loudly here rather than corrupting 
     IDLE         STOP     STOPPED      the last registered rank said Goodbye: every rank left
     IDLE         DISBAND  EMPTY        the last rank was lost
     IDLE         FAIL     FAILED       a fault between rounds (a lost rank, a skipped seq)
+    IDLE         ABANDON  FAILED       the last rank of a re-forming epoch left: the failure stands
     ROUND_OPEN   JOIN     ROUND_OPEN   a rank that was never in the round registered
     ROUND_OPEN   QUEUE    ROUND_OPEN   a lost rank is back: it joins when the round ends (elastic)
     ROUND_OPEN   REPORT   ROUND_OPEN   another rank reported
@@ -20,6 +21,7 @@ state is a bug in the coordinator, and fails loudly here rather than corrupting 
     ROUND_OPEN   DECIDE   IDLE         every live rank reported: one decision for all
     ROUND_OPEN   DISBAND  EMPTY        the last rank was lost
     ROUND_OPEN   FAIL     FAILED       a fault ends the round for every rank
+    ROUND_OPEN   ABANDON  FAILED       the last rank of a re-forming epoch was lost
     FAILED       LEAVE    FAILED       a rank was lost while the group waits to re-form
     FAILED       REFORM   EMPTY        a rank registered again: a new epoch, no members yet
     STOPPED      REFORM   EMPTY        a rank registered after the group stopped: a new epoch
@@ -37,6 +39,12 @@ fail after a departure is a round: a rank that reports while a peer has left (th
 never complete) fails the group at once with RankLost naming the rank that left, and so does a
 Goodbye while a round is open (its peers are waiting on it). A connection that closes without
 a Goodbye is a lost rank, as ever.
+
+A failure stands until the group re-forms: after a REFORM the epoch is *re-forming* (the
+failure still pending: `/readyz`, `/status` and `coordd status` go on naming its culprit) until
+every rank is registered in it (or left out, elastic). A re-forming epoch whose last rank
+leaves, by Goodbye or loss, is ABANDONed back to FAILED with the same failure, never STOPPED:
+one peer's Hello and Goodbye cannot turn a crash into a clean stop.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ class GroupEvent(str, enum.Enum):
     DISBAND = "disband"
     DEPART = "depart"
     STOP = "stop"
+    ABANDON = "abandon"
 
 
 _S, _E = GroupState, GroupEvent
@@ -94,6 +103,7 @@ TRANSITIONS: Mapping[GroupState, Mapping[GroupEvent, GroupState]] = MappingProxy
                 _E.FAIL: _S.FAILED,
                 _E.DEPART: _S.IDLE,
                 _E.STOP: _S.STOPPED,
+                _E.ABANDON: _S.FAILED,
             }
         ),
         _S.ROUND_OPEN: MappingProxyType(
@@ -105,6 +115,7 @@ TRANSITIONS: Mapping[GroupState, Mapping[GroupEvent, GroupState]] = MappingProxy
                 _E.DECIDE: _S.IDLE,
                 _E.DISBAND: _S.EMPTY,
                 _E.FAIL: _S.FAILED,
+                _E.ABANDON: _S.FAILED,
             }
         ),
         _S.FAILED: MappingProxyType({_E.LEAVE: _S.FAILED, _E.REFORM: _S.EMPTY}),

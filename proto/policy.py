@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordd.proto.errors import InvalidReport
+from coordd.proto.errors import InvalidAnswer, InvalidReport
 from coordd.proto.messages import (
     INT64_MAX,
     INT64_MIN,
@@ -200,3 +200,86 @@ def decide(
         should_pause=all_pause,
         any_pause=any_pause,
     )
+
+
+def decision_misfit(
+    decision: StepDecision,
+    sent: StepReport,
+    dp_rank: int,
+    dp_size: int,
+    kind: StepKind | None = None,
+) -> InvalidAnswer | None:
+    """None if `decision` can be what `decide` made of a round in which this rank (`dp_rank`)
+    sent `sent` (as a round of `kind`; None: `sent.kind`); else the `InvalidAnswer` (coordd at
+    fault) naming the first field that contradicts it. A rank sees only its own report, so
+    these are the rules it can check:
+
+    - the round's kind; `num_tokens_across_dp` of length dp, every count in 0..MAX_TOKENS;
+    - `cudagraph_mode` in 0..2 and no higher than this rank's (the min over ranks);
+    - `should_pad` is `cudagraph_mode != 0 or should_ubatch`; padded, every entry is one
+      count, at least this rank's `num_tokens_padded` (the max); unpadded, this rank's entry
+      is its own `num_tokens_padded`;
+    - `should_ubatch` only if this rank wanted it; `any_unfinished` if this rank has
+      unfinished requests; `all_idle` only if this rank ran no tokens; `should_pause` only if
+      this rank wants to pause, and `any_pause` if it does (or if `should_pause`);
+    - `dead_ranks` within 0..dp-1, and never this rank (it reported).
+
+    Cheap (comparisons, and one pass over the counts): every decision comes here."""
+    seq = decision.seq
+    asked = sent.kind if kind is None else kind
+    if decision.kind is not asked:
+        return InvalidAnswer(seq, "kind", decision.kind.value, asked.value)
+    across = decision.num_tokens_across_dp
+    if len(across) != dp_size:
+        return InvalidAnswer(seq, "num_tokens_across_dp", across, f"{dp_size} values, one per rank")
+    mode = decision.cudagraph_mode
+    if not 0 <= mode <= max(CUDAGRAPH_MODES) or mode > sent.cudagraph_mode:
+        return InvalidAnswer(
+            seq,
+            "cudagraph_mode",
+            mode,
+            f"0..{min(sent.cudagraph_mode, max(CUDAGRAPH_MODES))} (the min over ranks; this "
+            f"rank reported {sent.cudagraph_mode})",
+        )
+    if decision.should_ubatch and not sent.want_ubatch:
+        return InvalidAnswer(seq, "should_ubatch", True, "False: this rank did not want it")
+    if decision.should_pad != (mode != 0 or decision.should_ubatch):
+        return InvalidAnswer(
+            seq, "should_pad", decision.should_pad, "cudagraph_mode != 0 or should_ubatch"
+        )
+    own = across[dp_rank]
+    padded = sent.num_tokens_padded
+    if decision.should_pad:
+        if not padded <= own <= MAX_TOKENS or across.count(own) != dp_size:
+            return InvalidAnswer(
+                seq,
+                "num_tokens_across_dp",
+                across,
+                f"one count for every rank (padded), in {padded}..{MAX_TOKENS} (this rank's "
+                f"num_tokens_padded is {padded})",
+            )
+    elif own != padded:
+        return InvalidAnswer(
+            seq, f"num_tokens_across_dp[{dp_rank}]", own, f"{padded} (what this rank reported)"
+        )
+    elif min(across) < 0 or max(across) > MAX_TOKENS:
+        return InvalidAnswer(seq, "num_tokens_across_dp", across, f"counts in 0..{MAX_TOKENS}")
+    if sent.has_unfinished and not decision.any_unfinished:
+        return InvalidAnswer(
+            seq, "any_unfinished", False, "True: this rank has unfinished requests"
+        )
+    if decision.all_idle and sent.num_tokens != 0:
+        return InvalidAnswer(
+            seq, "all_idle", True, f"False: this rank runs {sent.num_tokens} tokens"
+        )
+    if decision.should_pause and not sent.want_pause:
+        return InvalidAnswer(seq, "should_pause", True, "False: this rank does not want to pause")
+    if (sent.want_pause or decision.should_pause) and not decision.any_pause:
+        return InvalidAnswer(seq, "any_pause", False, "True: this rank wants to pause")
+    dead = decision.dead_ranks
+    if dead:
+        if min(dead) < 0 or max(dead) >= dp_size:
+            return InvalidAnswer(seq, "dead_ranks", dead, f"ranks in 0..{dp_size - 1}")
+        if dp_rank in dead:
+            return InvalidAnswer(seq, "dead_ranks", dead, f"not this rank ({dp_rank}): it reported")
+    return None

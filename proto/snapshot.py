@@ -58,6 +58,11 @@ class GroupSnapshot:
     last_round: CompletedRound | None
     #: Ranks of this epoch that left cleanly (Goodbye between rounds) while others stay.
     left: frozenset[int] = frozenset()
+    #: The group failed and has not re-formed since: `last_failure` stands (see `failure`)
+    #: while a new epoch waits for every rank.
+    reforming: bool = False
+    #: Ranks of a failed epoch whose connections are still open and have not registered again.
+    held: int = 0
     #: Goodbyes between rounds so far (orderly departures, not failures).
     departures: int = 0
     #: Times every registered rank left cleanly (the group STOPPED) so far.
@@ -65,8 +70,11 @@ class GroupSnapshot:
 
     @property
     def failure(self) -> StepFailed | None:
-        """The failure every report gets now, or None when the group is not failed."""
-        return self.last_failure if self.state is GroupState.FAILED else None
+        """The group's standing failure: the one every report gets now (FAILED), or the one a
+        re-forming epoch has not yet put right (not every rank is back); else None."""
+        if self.state is GroupState.FAILED or self.reforming:
+            return self.last_failure
+        return None
 
     @property
     def stopped(self) -> bool:

@@ -289,9 +289,11 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-connections",
         type=int,
-        default=_env("max_connections", DEFAULT_MAX_CONNECTIONS),
+        default=_env("max_connections", 0),
         help="most ZeroMQ connections held at once; over it the oldest that registered no rank "
-        f"is closed (default {DEFAULT_MAX_CONNECTIONS}; lowered to fit the NOFILE limit)",
+        "is closed (default 0: room for every rank of every group, --dp x (--max-groups + the "
+        f"names --groups and --expect-groups name), and 64 more, at least "
+        f"{DEFAULT_MAX_CONNECTIONS}; lowered to fit the NOFILE limit)",
     )
     p.add_argument(
         "--max-http-connections",
@@ -334,24 +336,56 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
 
 def fit_limits(args: argparse.Namespace, log: logging.Logger) -> ConnectionCaps:
     """Raise the soft NOFILE limit to the hard one and fit the connection caps under it."""
+    from coordd.core.admission import STRANGER_ROOM
     from coordd.io.limits import ConnectionCaps, raise_nofile
 
     for option in ("max_connections", "max_http_connections"):
-        if getattr(args, option) < 1:
+        least = 0 if option == "max_connections" else 1  # 0: sized from the deployment
+        if getattr(args, option) < least:
             flag = "--" + option.replace("_", "-")
-            raise SystemExit(f"coordd: {flag} must be >= 1, got {getattr(args, option)}")
+            raise SystemExit(f"coordd: {flag} must be >= {least}, got {getattr(args, option)}")
+    needed = deployment_connections(args)
+    wanted = args.max_connections or max(DEFAULT_MAX_CONNECTIONS, needed)
     soft, _hard = raise_nofile()
-    caps = ConnectionCaps.fit(soft, args.max_connections, args.max_http_connections)
-    if (caps.zmq, caps.http) != (args.max_connections, args.max_http_connections):
+    caps = ConnectionCaps.fit(soft, wanted, args.max_http_connections)
+    if (caps.zmq, caps.http) != (wanted, args.max_http_connections):
         log.warning(
             "NOFILE limit %d: connection caps lowered to %d ZeroMQ and %d HTTP (raise "
             "LimitNOFILE / ulimit -n to keep --max-connections %d)",
             soft,
             caps.zmq,
             caps.http,
-            args.max_connections,
+            wanted,
+        )
+    if caps.zmq < needed:
+        log.warning(
+            "the connection cap %d leaves no room for every rank of every group: --dp %d x "
+            "(--max-groups %d + %d named groups) + %d for newcomers = %d; members of groups "
+            "only a pattern admits are closed first when ranks crowd it (raise "
+            "--max-connections%s, or lower --max-groups)",
+            caps.zmq,
+            args.dp,
+            args.max_groups,
+            (needed - STRANGER_ROOM) // args.dp - args.max_groups,
+            STRANGER_ROOM,
+            needed,
+            " and LimitNOFILE / ulimit -n" if caps.zmq < wanted else "",
         )
     return caps
+
+
+def deployment_connections(args: argparse.Namespace) -> int:
+    """The connections every rank of every group `coordd serve` may serve holds, plus room
+    for newcomers (`coordd.core.admission.connections_needed`)."""
+    from coordd.core.admission import connections_needed
+    from coordd.core.registry import GroupRules
+
+    expected = args.expect_groups if not isinstance(args.expect_groups, int) else ()
+    try:
+        named = len(GroupRules(args.groups, always=expected).exact)
+    except ValueError:  # refused later, naming the option
+        named = len(args.groups)
+    return connections_needed(args.dp, args.max_groups, named)
 
 
 def _source(args: argparse.Namespace, refusal: str) -> str:

@@ -8,7 +8,14 @@ The rules (`coordd.io.limits` says why each exists):
 
 - Open connections are known by descriptor, oldest first, each with its socket's identity
   when its ACCEPTED event was read; over `cap`, the oldest that holds no registered rank is
-  shut (`enforce`). A registered rank's connection is never chosen by any rule here.
+  shut (`enforce`). The cap is sized from the deployment (`connections_needed`: every rank of
+  every group coordd may serve, and STRANGER_ROOM more for connections on their way to
+  registering); if members crowd into that room anyway (a cap set smaller), the members of
+  groups only a pattern admitted (`evictable`: not named in --groups or --expect-groups) are
+  shut first, newest group first, never the newcomer while they hold slots (issue 28: 1008 junk
+  members in 63 pattern groups filled the cap of 1024 and every newcomer, an `enginecore`
+  rank among them, was the one connection shut). A member of a named group is never chosen by
+  any rule here.
 - Under memory pressure (`pressure`, one flag, which the ZAP gate reads too) every new
   connection is shut as soon as it is accepted, and `shed` shuts every stranger; but over ipc
   a connection from a quiet process (none of its connections accepted in the last
@@ -75,8 +82,12 @@ MAX_TRACKED = 4096
 #: is quiet: its new connection is kept (a rank connecting), and spared by `shed` until its
 #: handshake must be over (libzmq closes it at HANDSHAKE_TIMEOUT) and its Hello in: spared
 #: 2 s, a rank's connection was shed while the 16-process attack's ZAP queue held its
-#: handshake 2-5 s, and its connect() failed.
-QUIET_PROCESS = 5.0
+#: handshake 2-5 s, and its connect() failed. A process that comes back after this long is
+#: quiet again: a rank's fresh process is refused its first handshake under pressure (quiet
+#: is earned at the gate: `coordd.core.handshake.EARN_WAIT`) and tries again 1.1 s or more
+#: later (the refusal is answered 1 s late); at 5 s it was shut here as busy at every retry.
+#: An attacker that keeps reconnecting (every 100 ms) stays busy.
+QUIET_PROCESS = 1.0
 SPARED = HANDSHAKE_TIMEOUT + 2.0
 #: A spared connection's spare after the ZAP gate admitted its process's handshake: a client
 #: sends its Hello as its handshake ends.
@@ -86,6 +97,18 @@ HELLO_GRACE = 1.0
 MONITOR_LAG = 1.0
 #: Most processes banned at once (the expired ones are dropped first).
 MAX_BANNED = 1024
+#: Connections kept free, beyond every rank of every group, for peers on their way to
+#: registering (a quarter of the cap at most, when a cap is set smaller than the deployment).
+STRANGER_ROOM = 64
+
+
+def connections_needed(dp_size: int, max_groups: int, named_groups: int) -> int:
+    """The connections a deployment's ranks may hold, and STRANGER_ROOM more: `dp_size` ranks
+    in each of `max_groups` groups (what patterns admit share that limit) and in each of the
+    `named_groups` (the exact names of --groups and --expect-groups each always get a slot
+    beyond it)."""
+    return dp_size * (max_groups + named_groups) + STRANGER_ROOM
+
 
 # why a connection is shut (`Shut.reason`)
 CAP = "cap"  # over the connection cap: the oldest stranger
@@ -138,10 +161,16 @@ class Admission:
         flood: int = STRANGER_MESSAGES_PER_S,
         answers_per_s: float = STRANGER_ANSWERS_PER_S,
         now: float = float("-inf"),
+        evictable: Callable[[], list[int]] = list,
     ) -> None:
         self.cap = cap
         self.flood = flood
         self._registered = registered
+        #: members' descriptors that may go when members crowd the strangers' room, in the
+        #: order they go (the registry's `evictable_fds`: pattern groups' members, newest first)
+        self._evictable = evictable
+        #: members shut over the cap (`evictable`)
+        self.evicted_members = 0
         self._ident = ident
         self._pid = pid
         self.pressure = Pressure()
@@ -219,11 +248,17 @@ class Admission:
 
     def _quiet_process(self, fd: int, ident: int | None, pid: int | None, now: float) -> bool:
         """Whether `fd` is an ipc connection of a process (`pid`) that had none accepted for
-        QUIET_PROCESS seconds (then `shed` spares it a while, and under pressure it is kept)."""
+        QUIET_PROCESS seconds (then `shed` spares it a while, and under pressure it is kept).
+        Quiet is earned: a process never seen is not (issue 28: under a 64 MB budget, ten
+        fresh processes a second, each spared ~1 s while it streamed a multipart message that
+        never completes, held coordd at 465-555 MB); a rank's process is quiet from its retry
+        (the ZAP gate refuses a fresh process's handshake under pressure too)."""
         if pid is None:
             return False
         last = self._process_seen.get(pid)
         self._process_seen.put(pid, (ident, now))
+        if last is None:
+            return False
         # the same socket again is no second connection: events are read late, and a
         # closed connection's ACCEPTED and DISCONNECTED may be read once its number names
         # the rank's new socket (taken for it, then dropped, then its own event)
@@ -271,7 +306,20 @@ class Admission:
         if not excess:
             return []
         keep = set(self._registered())
-        victims = [fd for fd in self.open if fd not in keep][:excess]
+        victims: list[int] = []
+        # members holding more than the cap leaves them (its room for newcomers taken): the
+        # evictable ones go first, so that the newcomer (an expected group's rank, maybe) stays
+        members = sum(1 for fd in self.open if fd in keep)
+        crowd = members - (self.cap - min(STRANGER_ROOM, self.cap // 4))
+        if crowd > 0:
+            for fd in self._evictable():
+                if len(victims) >= min(excess, crowd):
+                    break
+                if fd in self.open and fd in keep:
+                    victims.append(fd)
+            self.evicted_members += len(victims)
+        if len(victims) < excess:
+            victims += [fd for fd in self.open if fd not in keep][: excess - len(victims)]
         return [s for fd in victims for s in _shut(fd, self.open.pop(fd), CAP)]
 
     def shed(self, now: float = float("inf")) -> list[Shut]:

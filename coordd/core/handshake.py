@@ -20,6 +20,12 @@ MIN_SOURCE_BURST = 64
 #: them keep handshakes in flight (16 same-uid processes took every token of the shared rate,
 #: and an honest connect() failed in 2-3 of 3 tries), a rank's first handshake finds a token.
 RESERVE_SHARE = 1 / 8
+#: Quiet is earned, not given: a source counts as quiet only once it registered a rank
+#: (`earn`) or its first try is at least this long ago (a rank's process retrying after a
+#: refusal: answered REFUSAL_DELAY = 1 s late, it tries again 0.1 s later). A fresh source is
+#: not: a stream of freshly forked processes (~295 a second, 2 handshakes each) took the
+#: reserve and was answered first, and an honest connect(timeout=10) failed 3 times of 3.
+EARN_WAIT = 1.0
 #: Sources remembered (least recently seen forgotten first: a forgotten one starts afresh,
 #: which the shared budget still bounds); as many groups.
 MAX_SOURCES = 4096
@@ -107,6 +113,10 @@ class HandshakeRate:
     _sources: BoundedMap[bytes, TokenBucket] = field(init=False)
     #: each source's tries, admitted or not (whether it is quiet)
     _tries: BoundedMap[bytes, TokenBucket] = field(init=False)
+    #: when each source first tried (quiet needs EARN_WAIT since), and the sources that
+    #: registered a rank (quiet as soon as their tries allow)
+    _first: BoundedMap[bytes, float] = field(init=False)
+    _earned: BoundedMap[bytes, None] = field(init=False)
     _groups: BoundedMap[bytes, TokenBucket] = field(init=False)
     #: each address's group, once worked out (an address keeps coming back)
     _group_of: BoundedMap[tuple[bytes, bytes], bytes | None] = field(init=False)
@@ -121,6 +131,8 @@ class HandshakeRate:
         self._floor = min(self.burst - 1.0, max(1.0, self.burst * self.reserve))
         self._sources = BoundedMap(self.max_sources)
         self._tries = BoundedMap(self.max_sources)
+        self._first = BoundedMap(self.max_sources)
+        self._earned = BoundedMap(self.max_sources)
         self._groups = BoundedMap(self.max_sources)
         self._group_of = BoundedMap(self.max_sources)
 
@@ -145,9 +157,24 @@ class HandshakeRate:
             self._group_of.put((address, key), group)
             return group
 
+    def earn(self, source: bytes) -> None:
+        """`source` registered a rank: quiet from now on whenever its tries allow."""
+        self._earned.put(source, None)
+
+    def _earned_quiet(self, source: bytes, now: float) -> bool:
+        """Whether `source` has earned being quiet: it registered a rank, or it first tried
+        EARN_WAIT ago or more (a fresh one has not)."""
+        if source in self._earned:
+            return True
+        first = self._first.get(source)
+        return first is not None and now - first >= EARN_WAIT
+
     def quiet(self, source: bytes, now: float) -> bool:
-        """Whether `source` has tried no handshake for a while (its tries' bucket is full):
-        the gate answers such sources first (a rank's process, not one that keeps trying)."""
+        """Whether `source` has earned quiet (`_earned_quiet`) and tried no handshake for a
+        while (its tries' bucket is full): the gate answers such sources first (a rank's
+        process, not one that keeps trying, nor one never seen)."""
+        if not self._earned_quiet(source, now):
+            return False
         tries = self._tries.get(source)
         if tries is None:
             return True
@@ -173,7 +200,11 @@ class HandshakeRate:
         # took the reserve (a rank's connect() failed in 1 of 10 tries)
         tries = self._bucket(self._tries, source, self.rate * self.share, self._source_burst, now)
         tries.ready(now)
-        tried = tries.tokens >= self._source_burst - 1.0
+        if self._first.get(source) is None:
+            self._first.put(source, now)
+        else:
+            self._first.touch(source)
+        tried = self._earned_quiet(source, now) and tries.tokens >= self._source_burst - 1.0
         tries.tokens = max(0.0, tries.tokens - 1.0)
         if not bucket.ready(now):
             self.refused_source += 1

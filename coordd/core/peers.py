@@ -17,6 +17,9 @@ _LABEL_KEY = secrets.token_bytes(16)
 #: A refused takeover is logged at most once per this many seconds per group and kind (the
 #: rest are counted, and the count is in the next line).
 LOG_INTERVAL = 10.0
+#: ... and at most this many lines per LOG_INTERVAL over all groups: a peer that cycles group
+#: names makes a new key per name, which the per-key limit alone does not bound.
+LOG_LINES = 16
 
 
 def peer_label(peer: bytes) -> str:
@@ -28,7 +31,8 @@ def peer_label(peer: bytes) -> str:
 class Takeovers:
     """Attempts to speak for a rank over a connection that did not register it: refused,
     counted by group and kind (`coordd_rank_takeovers_refused_total`), logged with the peer's
-    address (rate-limited)."""
+    address (rate-limited). What is kept under a group's name goes with the group (`forget`):
+    a peer cycling names through a pattern cannot grow the record or its /metrics series."""
 
     #: kind values
     RANK_HELD = "rank_held"  # a Hello for a rank another live connection holds
@@ -37,7 +41,7 @@ class Takeovers:
 
     def __init__(self) -> None:
         self.refused: Counter[tuple[str, str]] = Counter()
-        self._throttle = Throttle(LOG_INTERVAL, keys=4096)
+        self._throttle = Throttle(LOG_INTERVAL, keys=4096, lines=LOG_LINES)
 
     def refuse(
         self,
@@ -54,7 +58,7 @@ class Takeovers:
         self.refused[key] += 1
         if not self._throttle.admit(key, now):
             return
-        more = self._throttle.held(key)
+        more = self._throttle.held_all()  # held back since the last takeover line
         logs.event(
             log,
             logging.WARNING,
@@ -67,3 +71,8 @@ class Takeovers:
             detail=detail,
             **({"suppressed": more} if more else {}),
         )
+
+    def forget(self, group: str) -> None:
+        """Group `group` was dropped: its counts go with it (their series end)."""
+        for key in [k for k in self.refused if k[0] == group]:
+            del self.refused[key]

@@ -457,14 +457,19 @@ class Registry(Generic[G]):
 
     def _evict_one(self, actions: list[Action[G]]) -> bool:
         """Make room at the limit: drop the oldest group with no members and no open round
-        (its ranks all left; a stranger's Hellos cannot hold the slots forever). True if one
-        was dropped."""
+        (its ranks all left; a stranger's Hellos cannot hold the slots forever), never one
+        the deployment names (--groups or --expect-groups: it has a slot of its own, and an
+        expected group that stopped cleanly would read "has not registered" to /readyz once
+        dropped, issue 28). True if one was dropped."""
         for name, group in self.groups.items():
+            if name in self.rules.exact:
+                continue
             snap = group.coordinator.snapshot()
             if not snap.members and snap.round is None:
                 del self.groups[name]
                 for p in [p for p, g in self.peer_group.items() if g is group]:
                     del self.peer_group[p]
+                self.takeovers.forget(name)  # what is kept under its name goes with it
                 actions.append(GroupDropped(group, snap.epoch))
                 return True
         return False
@@ -521,6 +526,21 @@ class Registry(Generic[G]):
             for member in group.coordinator.snapshot().members.values()
         }
         return {fd for peer, fd in self.peer_fd.items() if peer in members}
+
+    def evictable_fds(self) -> list[int]:
+        """The descriptors of members of groups that only a pattern admitted (no exact name in
+        --groups or --expect-groups), newest group first: what goes first when members crowd
+        the connection cap (`coordd.core.admission.Admission.enforce`)."""
+        exact = self.rules.exact
+        fds: list[int] = []
+        for group in reversed(list(self.groups.values())):
+            if group.name in exact:
+                continue
+            for member in group.coordinator.snapshot().members.values():
+                fd = self.peer_fd.get(member.peer)
+                if fd is not None:
+                    fds.append(fd)
+        return fds
 
     def known_epoch(self, epoch: int) -> bool:
         """Whether `epoch` is some group's current epoch."""

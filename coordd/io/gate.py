@@ -161,6 +161,9 @@ class HandshakeGate:
         self.handshakes: deque[tuple[int, float]] | None = None
         #: told of every handshake (the descriptor watch: `coordd.io.limits.DescriptorWatch`)
         self.on_handshake: Callable[[], None] | None = None
+        #: addresses whose connection registered a rank (the loop appends, this thread takes
+        #: them into the rate: `HandshakeRate.earn`; deque appends are thread-safe)
+        self.earned: deque[bytes] = deque(maxlen=4096)
         self._context_id = id(context)
         self._sock = context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -230,6 +233,9 @@ class HandshakeGate:
                 return reply(b"400", b"unknown CURVE key")
         pressed = self.refusing or self.over()
         rate = self.rate
+        earned = self.earned
+        while earned and rate is not None:
+            rate.earn(earned.popleft())
         if rate is None:
             if pressed:
                 self.refused += 1
@@ -298,6 +304,8 @@ class HandshakeGate:
         rate = self.rate
         if rate is None or len(batch) < 2:
             return batch
+        while self.earned:
+            rate.earn(self.earned.popleft())
         now = self.clock()
         quiet: list[list[bytes]] = []
         rest: list[list[bytes]] = []

@@ -160,7 +160,13 @@ class DescriptorWatch:
     `low`, and for ALERT_S after a resume); past
     `high` the watch calls `pause()` (the ipc socket's file renamed aside: a connect() finds
     no file and retries; the open connections are untouched), and below `low` `resume()`.
-    No ZeroMQ call: safe beside the event loop."""
+    No ZeroMQ call: safe beside the event loop.
+
+    The marks key on what a storm adds, not on what registered ranks hold (`held`, which the
+    server keeps current): with h descriptors held, it pauses past (nofile + h) / 2 and resumes
+    below (nofile + 3h) / 4 (at h = 0, `high` and `low`), so the pause lifts once the storm's
+    connections are gone. Issue 28: ~250 ranks held 278 of 1024, over the fixed resume mark
+    of 256; one 3 s reconnect burst paused the listener, and it never reopened."""
 
     SLOW_S = 0.1
     FAST_S = 0.002
@@ -188,6 +194,9 @@ class DescriptorWatch:
         self._resume = resume
         self._count = count
         self.paused = False
+        #: descriptors registered ranks hold (the server sets it from the loop: an int, read
+        #: here as it stands)
+        self.held = 0
         #: times the listener was paused, and the most descriptors seen
         self.pauses = 0
         self.peak = 0
@@ -225,7 +234,8 @@ class DescriptorWatch:
         if n is None:
             return self.SLOW_S
         self.peak = max(self.peak, n)
-        if not self.paused and n >= self.high:
+        high, low = self.marks()
+        if not self.paused and n >= high:
             if self._pause():
                 self.paused = True
                 self.pauses += 1
@@ -234,16 +244,24 @@ class DescriptorWatch:
                     "fewer than %d are open (a reconnect storm?)",
                     n,
                     self.nofile,
-                    self.low,
+                    low,
                 )
-        elif self.paused and n <= self.low and self._resume():
+        elif self.paused and n <= low and self._resume():
             self.paused = False
             # the clients refused meanwhile all reconnect within their reconnect interval
             # (100 ms): hundreds of accepts between two slow looks
             self._alert_until = self._clock() + self.ALERT_S
             log.info("descriptors %d of %d: new connections accepted again", n, self.nofile)
-        busy = self.paused or n >= self.low or self._clock() < self._alert_until
+        busy = self.paused or n >= low or self._clock() < self._alert_until
         return self.FAST_S if busy else self.SLOW_S
+
+    def marks(self) -> tuple[int, int]:
+        """(pause past, resume below): `high` and `low` moved up by what ranks hold."""
+        held = min(max(0, self.held), self.nofile)
+        return (
+            max(self.high, (self.nofile + held) // 2),
+            max(self.low, (self.nofile + 3 * held) // 4),
+        )
 
     def _run(self) -> None:
         interval = self.SLOW_S

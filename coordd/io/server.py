@@ -236,6 +236,7 @@ class CoordServer:
             ident=limits.socket_ident,
             pid=limits.peer_pid,
             now=clock(),
+            evictable=self.registry.evictable_fds,
         )
         #: Carries out admission's decisions: shutdowns, the grace timer, the memory watch.
         self.guard = Guard(
@@ -531,6 +532,9 @@ class CoordServer:
             elif type(action) is GroupDropped:
                 self._deadlines.forget(action.group)
                 self.events.group_dropped(action.group.name, action.epoch)
+        watch = self._router.watch
+        if watch is not None:  # what ranks hold is no storm (the listener pause's marks)
+            watch.held = len(self.registry.peer_fd)
 
     def _send(self, sends: Sequence[Send], observer: Observer) -> None:
         sock = self._sock
@@ -602,10 +606,15 @@ class CoordServer:
             except zmq.ZMQError:
                 key = ""
         address = frame_address(frame)
+        fd = frame.get(_SRCFD)
         actions = self.registry.hello(
-            peer, hello, frame.get(_SRCFD), self.clock(), self.wall(), address=address, key=key
+            peer, hello, fd, self.clock(), self.wall(), address=address, key=key
         )
         self._carry_out(actions)
+        gate = self.gate
+        if gate is not None and address and self.registry.member(peer, fd) is not None:
+            # its process (ipc) or address (tcp) registered a rank: quiet is earned
+            gate.earned.append(address.encode())
 
     def _backlog(self) -> bool:
         """Whether messages are queued unread (the memory guard's check, between drains)."""

@@ -22,6 +22,7 @@ from importlib import metadata
 from typing import Any
 
 from coordd.core import logs
+from coordd.core.bounds import Throttle
 from coordd.core.peers import peer_label
 from coordd.proto.coordinator import LEFT_THE_GROUP
 from coordd.proto.messages import (
@@ -39,6 +40,8 @@ from coordd.proto.snapshot import GroupSnapshot
 log = logging.getLogger("coordd")
 
 #: Round duration buckets (seconds): from tens of microseconds (ipc, small dp) to the timeout.
+#: "group created" and "group dropped" lines written per 10 s at most, over all names.
+GROUP_LINES = 32
 DURATION_BUCKETS = (
     0.00005,
     0.0001,
@@ -394,6 +397,9 @@ class ServerEvents:
         # counted into one summary line (coordd.core.logs.Aggregated).
         self._rejected_log = logs.Aggregated(log, "registration rejected")
         self._refused_log = logs.Aggregated(log, "report refused")
+        #: "group created" / "group dropped": a line per name, but at most GROUP_LINES per 10 s
+        #: over all names (a peer cycling names through a pattern makes two per name).
+        self._group_lines = Throttle(10.0, keys=1024, lines=GROUP_LINES)
 
     def aggregated(self) -> tuple[logs.Aggregated, ...]:
         """The aggregated log lines (the server gives them its loop's timer)."""
@@ -428,7 +434,21 @@ class ServerEvents:
             claimed=list(failure.culprits),
         )
 
-    def group_created(self, name: str, epoch: int, groups: int, max_groups: int) -> None:
+    def _group_line(self, name: str, event: str, now: float | None) -> dict[str, int] | None:
+        """Whether the line of `event` for group `name` is written: None if held back, else
+        the `suppressed` field for it (lines held back since the last one)."""
+        throttle = self._group_lines
+        if not throttle.admit((name, event), time.monotonic() if now is None else now):
+            return None
+        more = throttle.held_all()
+        return {"suppressed": more} if more else {}
+
+    def group_created(
+        self, name: str, epoch: int, groups: int, max_groups: int, now: float | None = None
+    ) -> None:
+        more = self._group_line(name, "created", now)
+        if more is None:
+            return
         logs.event(
             log,
             logging.INFO,
@@ -436,10 +456,14 @@ class ServerEvents:
             group=name,
             epoch=epoch,
             groups=f"{groups}/{max_groups}",
+            **more,
         )
 
-    def group_dropped(self, name: str, epoch: int) -> None:
+    def group_dropped(self, name: str, epoch: int, now: float | None = None) -> None:
         self.dropped_groups += 1
+        more = self._group_line(name, "dropped", now)
+        if more is None:
+            return
         logs.event(
             log,
             logging.INFO,
@@ -447,6 +471,7 @@ class ServerEvents:
             group=name,
             epoch=epoch,
             why="no members, and --max-groups reached: its slot went to a new group",
+            **more,
         )
 
 

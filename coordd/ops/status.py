@@ -67,12 +67,13 @@ def holds_back(snap: GroupSnapshot) -> bool:
     all left serves nobody: a peer that fails a group and leaves cannot keep coordd out of
     service (the expected groups' count, `--expect-groups`, still does)."""
     failure = snap.failure
-    if failure is None or not snap.members:
+    connected = len(snap.members) + snap.held  # a failed epoch's ranks still connected count
+    if failure is None or not connected:
         return False
     if snap.decisions > 0:
         return True
     lost = len(failure.culprits) if failure.reason is FailReason.LOST else 0
-    return len(snap.members) + lost >= snap.dp_size
+    return connected + lost >= snap.dp_size
 
 
 def readiness(

@@ -24,6 +24,7 @@ from coordd.proto.messages import (
     FromCoordinator,
     GatherReport,
     GatherResult,
+    Goodbye,
     Hello,
     StepDecision,
     StepKind,
@@ -60,6 +61,8 @@ class FakeCoordd:
         self.address = address
         self.answer: Answer = proper
         self.reports: list[StepReport | GatherReport] = []
+        #: the Goodbyes received (a client's close() while registered says one)
+        self.goodbyes = threading.Semaphore(0)
         self._sock = context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops past its high-water mark
@@ -77,6 +80,8 @@ class FakeCoordd:
             msg = decode_to_coordinator(frame)
             if isinstance(msg, Hello):
                 sock.send_multipart([peer, encode(Welcome(epoch=EPOCH, next_seq=0, dp_size=DP))])
+            elif isinstance(msg, Goodbye):
+                self.goodbyes.release()
             elif isinstance(msg, StepReport | GatherReport):
                 self.reports.append(msg)
                 for out in self.answer(msg):
@@ -127,10 +132,20 @@ MISFITS = [
     ("kind", {"kind": StepKind.DRAFT}),
     ("cudagraph_mode", {"cudagraph_mode": 9}),
     ("dead_ranks", {"dead_ranks": [7]}),
+    # issue 28, defect 7: answers that contradict this rank's own report (3 tokens, padded 4,
+    # unfinished requests), each of which wait() returned before
+    ("num_tokens_across_dp[0]", {"num_tokens_across_dp": [0, 4]}),  # its own count 0
+    ("num_tokens_across_dp", {"num_tokens_across_dp": [4, -16]}),
+    ("num_tokens_across_dp", {"num_tokens_across_dp": [4, 2**40]}),
+    ("dead_ranks", {"dead_ranks": [0]}),  # itself, though it reported
+    ("all_idle", {"all_idle": True}),  # while it has work
+    ("any_unfinished", {"any_unfinished": False}),  # while it has unfinished requests
 ]
 
 
-@pytest.mark.parametrize(("field", "changes"), MISFITS, ids=[f for f, _ in MISFITS])
+@pytest.mark.parametrize(
+    ("field", "changes"), MISFITS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(MISFITS)]
+)
 def test_a_decision_that_does_not_fit_its_round_is_refused_naming_coordd(
     make_client: ClientMaker, fake: FakeCoordd, field: str, changes: dict[str, object]
 ) -> None:
@@ -228,3 +243,19 @@ def test_gathered_rows_that_do_not_fit_are_refused(
         client.connect(timeout=10)
         with pytest.raises(InvalidAnswer, match="site"):
             client.gather("site", [1, 2], timeout=10)
+
+
+def test_close_says_goodbye_when_registered_and_not_before(
+    make_client: ClientMaker, fake: FakeCoordd
+) -> None:
+    """Issue 28, planted bug: the asyncio client's Goodbye on close inverted (sent only when
+    not registered) passed every test; only the blocking client's clean stop was tested. A
+    registered client of either kind says Goodbye on close(); one that never registered does
+    not (coordd would have no rank to stop)."""
+    client = client_of(make_client, fake)
+    assert client.coordinate(REPORT, timeout=10).seq == 0
+    client.close()
+    assert fake.goodbyes.acquire(timeout=10), "no Goodbye from a registered client's close()"
+    never = make_client(fake.address, dp_rank=1, dp_size=DP, config_fingerprint="fp")
+    never.close()
+    assert not fake.goodbyes.acquire(timeout=0.5), "a Goodbye from a client never registered"

@@ -90,3 +90,44 @@ def test_a_reconnect_storm_over_tcp_at_a_low_nofile_pauses_the_listener() -> Non
     # tcp listener lives through EMFILE; the ipc storm test above is the abort's)
     print(f"peak {gauge.peak_fds} descriptors of 256")
     assert "new connections refused at the listener" in err, err[-500:]
+
+
+@needs_prlimit
+@pytest.mark.timeout(90)
+def test_the_pause_lifts_after_a_storm_while_ranks_hold_descriptors(tmp_path: Path) -> None:
+    """Issue 28, defect 2, scaled to NOFILE 256 (pause past 128, resume below 64 with no rank):
+    56 registered ranks keep coordd over 64 descriptors. Before, one reconnect storm paused
+    the listener for good: the 57th rank's connect() failed ("no socket file ... coordd is not
+    running there") while coordd was up and deciding. Now the marks move up by what the ranks
+    hold, and the rank connects once the storm is over."""
+    dp = 57
+    address = f"ipc://{tmp_path}/c.sock"
+    proc = subprocess.Popen(
+        ["prlimit", "--nofile=256:256", sys.executable, "-m", "coordd", "serve", "--dp",
+         str(dp), "--bind", address, "--log-level", "info"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    ranks: list[CoordClient] = []
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith(READY), line
+        for r in range(dp - 1):
+            ranks.append(CoordClient(address, dp_rank=r, dp_size=dp))
+            ranks[-1].connect(timeout=15)
+        storm = start_load("storm", address, "--peers", "3", "--count", "120", "--seconds", "4")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        storm.terminate()
+        storm.wait(10)
+        assert proc.poll() is None, f"coordd exited with {proc.returncode}"
+        with CoordClient(address, dp_rank=dp - 1, dp_size=dp) as last:
+            last.connect(timeout=15)
+    finally:
+        for client in ranks:
+            client.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert "new connections refused at the listener" in err, err[-800:]
+    assert "new connections accepted again" in err, err[-800:]

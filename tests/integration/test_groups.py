@@ -470,3 +470,28 @@ def run_server(server: CoordServer, stop: threading.Event) -> None:
         await server.serve(done)
 
     asyncio.run(main())
+
+
+def test_junk_members_of_pattern_groups_cannot_keep_an_expected_rank_out(
+    coordd: Callable[..., Coordd], tmp_path: Path
+) -> None:
+    """Issue 28, defect 1, scaled down (the attack: --dp 16, 1008 junk members in 63
+    pattern groups + the real group's 16 = the cap of 1024; every `enginecore` newcomer was
+    the one connection shut, CoordinatorUnavailable after 10 s). Here --dp 2, 4 pattern groups
+    of junk fill a cap of 8: an expected group's ranks still register (a junk member goes each
+    time; the start-up warning that the cap leaves no room: tests/unit/test_options.py)."""
+    c = serve(coordd, tmp_path, 2, "--max-groups", "4", "--max-connections", "8",
+              "--expect-groups", ENGINE)
+    junk = [client for n in range(4) for client in join(c.address, f"dp-tp{n}-pp0", 2)]
+    engine: list[CoordClient] = []
+    try:
+        assert metric(samples(c.url), "coordd_connections_open") == 8
+        began = time.monotonic()
+        engine = join(c.address, ENGINE, 2)  # CoordinatorUnavailable after 10 s before
+        assert time.monotonic() - began < 5
+        assert fetch(c.url + "/readyz", 5)[0] == 200
+        m = samples(c.url)
+        assert metric(m, "coordd_registered_ranks", group=ENGINE) == 2
+        assert metric(m, "coordd_connections_closed_total", reason="cap") == 2
+    finally:
+        close(junk, engine)

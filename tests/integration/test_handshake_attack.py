@@ -5,6 +5,7 @@ attack (16 processes, 10 tries) is `python -m coordd.tools.load.admission`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -123,3 +124,80 @@ def test_a_leaked_key_from_many_loopback_addresses_does_not_keep_a_rank_out(
         refused = metric_value(port, "coordd_handshakes_rate_refused_total")
         assert coordd.proc is not None and coordd.proc.poll() is None
     print(f"tcp: connected in {took:.2f} s; {refused:.0f} handshakes refused over the rate")
+
+
+def _raw_handshakes(path: str, count: int) -> None:
+    """`count` raw ZMTP handshakes over a unix socket (NULL, DEALER), each closed after at
+    most 0.2 s: a freshly forked process's (the child)."""
+    import socket
+    import struct
+
+    body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    for _ in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(0.2)
+            sock.connect(path)
+            sock.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00")
+                         + bytes(32) + b"\x04" + bytes([len(body)]) + body)
+            sock.recv(4096)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+
+@pytest.mark.timeout(90)
+def test_fork_churn_does_not_keep_a_rank_out(tmp_path: Path) -> None:
+    """Issue 28, defect 3: fresh processes counted as quiet: a stream of forks (~295 a second,
+    2 raw handshakes each) took the reserve and the front of the gate's queue, and an honest
+    connect(timeout=10) failed 3 of 3 (with --max-handshake-rate 0: ~0.01 s). Quiet is earned
+    now: the rank (a fresh process too) gets in at its retry. Here ~100 forks a second against
+    --max-handshake-rate 8 (a burst of 64)."""
+    port = free_port()
+    coordd = CoorddProcess(1, f"ipc://{tmp_path}/c.sock",
+                           ["--metrics-port", str(port), *RATE]).start()
+    path = str(tmp_path / "c.sock")
+    kids: list[int] = []
+    forks = 0
+    rank_pid = 0
+    rank_status: int | None = None
+    try:
+        began = time.monotonic()
+        while rank_status is None and time.monotonic() - began < 20:
+            if forks < (time.monotonic() - began) * 100:
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - the child
+                    try:
+                        _raw_handshakes(path, 2)
+                    finally:
+                        os._exit(0)
+                kids.append(pid)
+                forks += 1
+            if not rank_pid and time.monotonic() - began > 3:
+                rank_pid = os.fork()
+                if rank_pid == 0:  # pragma: no cover - the rank, a fresh process
+                    code = 1
+                    try:
+                        t0 = time.monotonic()
+                        with CoordClient(f"ipc://{path}", dp_rank=0, dp_size=1) as rank:
+                            rank.connect(timeout=10)
+                        print(f"rank connected in {time.monotonic() - t0:.2f} s", flush=True)
+                        code = 0
+                    finally:
+                        os._exit(code)
+            time.sleep(0.002)
+            kids = [k for k in kids if os.waitpid(k, os.WNOHANG)[0] == 0]
+            if rank_pid:
+                done, status = os.waitpid(rank_pid, os.WNOHANG)
+                if done:
+                    rank_status = status
+        refused = metric_value(port, "coordd_handshakes_rate_refused_total")
+    finally:
+        for kid in kids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(kid, 0)
+        coordd.stop()
+    print(f"forks {forks}, handshakes refused over the rate {refused:.0f}")
+    assert refused > 100, "the churn never reached the rate"
+    assert rank_status == 0, "the rank's connect(timeout=10) failed during the churn"

@@ -57,6 +57,16 @@ class Host:
         )
 
 
+def seen_before(host: Host, admission: Admission, *pids: int, at: float = -10.0) -> None:
+    """Each of `pids` had a connection accepted (and closed) at `at`: not a fresh process
+    (issue 28: quiet is earned; a process never seen is not quiet)."""
+    for n, pid in enumerate(pids):
+        fd = 10_000 + n
+        host.pids[fd] = pid
+        assert admission.accepted(fd, at) in ([], [Shut(fd, fd, PRESSURE)])
+        admission.closed_fd(fd)
+
+
 def carried(admission: Admission, shuts: list[Shut]) -> list[int]:
     """Carry `shuts` out (every shutdown succeeds); the descriptors shut."""
     for shut in shuts:
@@ -122,8 +132,10 @@ def test_under_pressure_a_quiet_processs_connection_is_kept_for_its_hello() -> N
     spared by `shed` for SPARED; an attacker's process, reconnecting, is shut."""
     host = Host()
     guard = host.admission()
+    seen_before(host, guard, 500, 900, 700)
     guard.pressure.on = True
-    host.pids.update({30: 500, 31: 500, 32: 500, 40: 900, 41: 700})
+    host.pids.update({30: 500, 31: 500, 32: 500, 40: 900, 41: 700, 43: 999})
+    assert guard.accepted(43, 0.0) == [Shut(43, 43, PRESSURE)], "a fresh process: not quiet"
     assert guard.accepted(30, 0.0) == [], "the attacker's first: its process was quiet"
     assert guard.accepted(31, 0.1) == [Shut(31, 31, PRESSURE)], "then it is busy"
     assert guard.accepted(32, 0.1 + QUIET_PROCESS - 0.01) == [Shut(32, 32, PRESSURE)]
@@ -134,6 +146,7 @@ def test_under_pressure_a_quiet_processs_connection_is_kept_for_its_hello() -> N
     host.ranks.clear()
     assert guard.accepted(41, 4.0) == []
     assert carried(guard, guard.shed(4.0 + SPARED + 0.1)) == [41, 40], "no Hello: shed"
+    seen_before(host, guard, 800, at=2.0)
     host.pids[42] = 800  # a closed connection's late ACCEPTED, read once 42 named the
     assert guard.accepted(42, 8.0) == []  # rank's new socket: kept for it...
     assert guard.accepted(42, 8.01) == [], "...and its own event is the same socket's"
@@ -155,6 +168,7 @@ def test_a_quiet_processs_connection_is_spared_for_its_handshake_and_hello_only(
     multipart flood, spared 7 s, grew coordd to 160 MB (65 MB when shed)."""
     host = Host()
     guard = host.admission()
+    seen_before(host, guard, 500, 900, 700, 800)
     host.pids.update({30: 500, 31: 500, 32: 500, 40: 900, 41: 700, 42: 800})
     assert guard.accepted(30, 0.0) == [] and guard.accepted(31, 0.05) == []  # an attacker
     assert guard.accepted(40, 0.1) == []  # a rank, a moment before the pressure
@@ -318,3 +332,105 @@ def test_a_members_share_is_one_report_a_round_and_some_slack() -> None:
     admission.member_counts[b"m"] = 10
     admission.new_window(1.0)
     assert admission.member_counts == {}
+
+
+def test_a_members_share_counts_its_groups_rounds_in_this_window_only() -> None:
+    """Issue 28, planted bug: the guard counted a member's rounds in the window with the wrong
+    sign (`+ group.window_rounds`) and every test passed: each flood test used a fresh group
+    (0 rounds before the window). A group that decided 50,000 rounds before this window, and
+    2 in it, allows MEMBER_SLACK + 4 messages, not 100,000 more."""
+    from types import SimpleNamespace
+
+    from coordd.io.guard import Guard
+    from coordd.io.timer import Group
+
+    host = Host()
+    host.ranks = {5}
+    admission = host.admission()
+    admission.accepted(5, 0.0)
+    shut: list[int] = []
+
+    def shutdown(fd: int, ident: int | None) -> bool:
+        shut.append(fd)
+        return True
+
+    guard = Guard(
+        admission, clock=lambda: 1.0, current=lambda: True, introduced=lambda: (),
+        backlog=lambda: False, stranger_grace=0, max_rss_mb=0, gate=None, shutdown=shutdown,
+    )
+    busy = SimpleNamespace(decisions=50_000, failures=3)
+    group = Group("g", busy, None)  # type: ignore[arg-type]
+    guard.new_window(1.0, [group])
+    busy.decisions += 2  # two rounds decided in this window
+    assert guard.member_over(b"m", group, 5, MEMBER_SLACK + 4) is None and shut == []
+    detail = guard.member_over(b"m", group, 5, MEMBER_SLACK + 5)
+    assert detail is not None and "its group had 2 rounds" in detail
+    assert shut == [5] and admission.violations == 1
+
+
+def test_members_crowding_the_cap_go_pattern_groups_first_never_the_newcomer() -> None:
+    """Issue 28, defect 1: --dp 16, one process registered 1008 members in 63 groups the
+    default dp-tp*-pp* pattern admits; with the real group's 16 that was the cap of 1024, and
+    each newcomer (an `enginecore` rank on its way to its Hello) was the only connection that
+    held no rank: shut, ~100 of them, CoordinatorUnavailable after 10 s. Now the members of
+    the pattern groups go first (newest group first) while members crowd the room the cap
+    keeps for newcomers; a named group's member never."""
+    host = Host()
+    real = set(range(16))  # dp-tp0-pp0's 16 ranks
+    junk_groups = [list(range(100 + 16 * g, 116 + 16 * g)) for g in range(63)]
+    junk = {fd for group in junk_groups for fd in group}
+    host.ranks = real | junk
+    newest_first = [fd for group in reversed(junk_groups) for fd in group]
+    admission = Admission(1024, lambda: host.ranks, ident=host.ident, pid=host.pid, now=0.0,
+                          evictable=lambda: [fd for fd in newest_first if fd in host.ranks])
+    for fd in sorted(real | junk):
+        assert admission.accepted(fd, 0.0) == []
+    assert admission.enforce() == []  # at the cap, not over it
+    for n, newcomer in enumerate(range(5000, 5016)):  # enginecore's 16 ranks connect
+        assert admission.accepted(newcomer, 1.0 + n) == []
+        shuts = admission.enforce()
+        assert [s.fd for s in shuts] == [newest_first[n]], "a junk member, not the newcomer"
+        host.ranks.discard(carried(admission, shuts)[0])
+        assert newcomer in admission.open
+        host.ranks.add(newcomer)  # its Hello: a member of a named group
+    assert real <= set(admission.open) and admission.evicted_members == 16
+    # a newcomer that says nothing has the room the cap keeps: 64 of them, then the oldest go
+    for n, newcomer in enumerate(range(6000, 6080)):
+        admission.accepted(newcomer, 20.0 + n)
+        carried(admission, admission.enforce())
+    assert admission.evicted_members == 16 + 64 and 6000 not in admission.open
+    assert set(range(6016, 6080)) <= set(admission.open)
+    # strangers (no member crowding) go oldest first, as ever
+    host.ranks = set()
+    small = Admission(4, lambda: host.ranks, ident=host.ident, pid=host.pid, now=0.0,
+                      evictable=lambda: [1, 2])
+    for fd in (1, 2, 3, 4, 5):
+        small.accepted(fd, 0.0)
+    assert [s.fd for s in small.enforce()] == [1] and small.evicted_members == 0
+
+
+def test_the_cap_is_sized_from_the_deployment() -> None:
+    """Issue 28, defect 1: the default cap of 1024 held exactly --dp 16 x 64 groups, leaving
+    newcomers no room; DP=256 (1280 ranks of vLLM's groups) was over it before any attacker.
+    `connections_needed`: every rank of every group coordd may serve, and 64 more."""
+    from coordd.core.admission import STRANGER_ROOM, connections_needed
+
+    assert connections_needed(16, 64, 3) == 16 * 67 + STRANGER_ROOM == 1136
+    assert connections_needed(256, 64, 3) == 256 * 67 + 64
+
+
+def test_under_pressure_a_rank_retrying_after_its_refused_first_try_is_kept() -> None:
+    """Issue 28: quiet is earned at the gate (a fresh process's first handshake is refused
+    under pressure; its retry, 1.1 s or more later, is let in). Admission must agree: with a
+    5 s gap that retry was shut at accept as busy, and the rank never got in while the
+    pressure lasted. One reconnecting every 100 ms is still busy."""
+    host = Host()
+    guard = host.admission()
+    guard.pressure.on = True
+    host.pids.update({50: 600, 51: 600, 60: 700, 61: 700})
+    assert guard.accepted(50, 0.0) == [Shut(50, 50, PRESSURE)], "fresh: not quiet"
+    assert guard.accepted(51, 1.1) == [], "its retry, having waited: kept for its Hello"
+    assert 51 in guard.spared
+    seen_before(host, guard, 700)
+    assert guard.accepted(60, 2.0) == []
+    assert guard.accepted(61, 2.1) == [Shut(61, 61, PRESSURE)], "100 ms later: busy"

@@ -869,7 +869,10 @@ class Recording(Coordinator):
 
 def check_invariants(s: GroupSnapshot) -> None:
     """What each state promises about the rest of the snapshot."""
-    assert (s.state is GroupState.FAILED) == (s.failure is not None)
+    # a failure stands while the group is FAILED and while a later epoch re-forms
+    assert (s.state is GroupState.FAILED or s.reforming) == (s.failure is not None)
+    if s.reforming:
+        assert s.state is not GroupState.STOPPED and s.last_failure is not None
     assert (s.state is GroupState.ROUND_OPEN) == (s.round is not None)
     if s.state is GroupState.EMPTY:
         assert not s.members
@@ -1174,6 +1177,15 @@ def test_every_move_in_the_table_happens() -> None:
     c.receive(peer(0), hello(0, 2), 3.0)
     seen.update(c.moves)
 
+    for reported in (False, True):  # a re-forming epoch's last rank leaves: failed again
+        c = group(2)
+        c.peer_lost(peer(1), 1.0)
+        c.receive(b"again", hello(1, 2), 1.5)
+        if reported:
+            c.receive(b"again", rep(1, 1, epoch=EPOCH + 1), 1.6)
+        c.peer_lost(b"again", 2.0)
+        seen.update(c.moves)
+
     table = {(s, e, t) for s, moves in TRANSITIONS.items() for e, t in moves.items()}
     assert seen <= table
     assert table - seen == set()
@@ -1191,3 +1203,72 @@ def test_a_rank_queued_to_rejoin_is_welcomed_when_the_last_member_leaves() -> No
     assert sends == [Send((b"back",), welcome(epoch=EPOCH, next_seq=0, dp_size=3))]
     snap = g.c.snapshot()
     assert snap.state is GroupState.IDLE and list(snap.members) == [2] and not snap.dead
+
+
+# -- issue 28 (6): a failed group stays failed until its ranks re-form it ---------------------
+
+
+@pytest.mark.parametrize("survivor", ["connected", "gone"])
+def test_a_strangers_hello_and_goodbye_cannot_turn_a_crash_into_a_clean_stop(
+    survivor: str,
+) -> None:
+    """Issue 28, defect 6: after rank 1 crashed, one peer's Hello for the free rank (it re-forms
+    the group: a new epoch; with the survivor gone too, with any fingerprint) and its Goodbye
+    made the group STOPPED, `failure` None. The failure now stands until every rank is back;
+    the stranger leaving puts the group back to FAILED with the same failure, counted once."""
+    g = Group(dp=2)
+    g.round(0)
+    assert list(g.c.peer_lost(peer(1), g.now)) == []
+    crash = g.c.snapshot().last_failure
+    assert crash is not None and crash.culprits == [1]
+    fingerprint = "fp"
+    if survivor == "gone":
+        g.c.peer_lost(peer(0), g.now)
+        fingerprint = "any"
+    (_, welcome), = g.c.receive(b"stranger", hello(1, 2, config_fingerprint=fingerprint), g.now)
+    assert isinstance(welcome, Welcome) and welcome.epoch == EPOCH + 1
+    snap = g.c.snapshot()
+    assert snap.reforming and snap.failure == crash
+    assert snap.held == (1 if survivor == "connected" else 0)
+    assert list(g.c.receive(b"stranger", Goodbye(), g.now)) == []
+    snap = g.c.snapshot()
+    assert snap.state is GroupState.FAILED and not snap.stopped
+    assert (snap.failure, snap.failures, snap.stops) == (crash, 1, 0)
+    # its lost connection instead of a Goodbye: the same
+    g.c.receive(b"stranger2", hello(1, 2, config_fingerprint=fingerprint), g.now)
+    assert list(g.c.peer_lost(b"stranger2", g.now)) == []
+    snap = g.c.snapshot()
+    assert snap.state is GroupState.FAILED and (snap.failure, snap.failures) == (crash, 1)
+
+
+def test_a_failure_stands_until_every_rank_is_back_then_a_clean_exit_is_a_stop() -> None:
+    g = Group(dp=2)
+    g.round(0)
+    g.c.peer_lost(peer(1), g.now)
+    crash = g.c.snapshot().last_failure
+    g.hello(0)  # the survivor registers again: a new epoch, still re-forming
+    snap = g.c.snapshot()
+    assert snap.state is GroupState.IDLE and snap.failure == crash
+    g.c.receive(b"restarted", hello(1, 2, incarnation="inc1b"), g.now)
+    snap = g.c.snapshot()
+    assert not snap.reforming and snap.failure is None and snap.last_failure == crash
+    for p in (peer(0), b"restarted"):
+        assert list(g.c.receive(p, Goodbye(), g.now)) == []
+    snap = g.c.snapshot()
+    assert snap.state is GroupState.STOPPED and snap.failure is None and snap.stops == 1
+
+
+def test_the_last_rank_of_a_re_forming_epoch_leaving_leaves_the_group_failed() -> None:
+    g = Group(dp=2)
+    g.round(0)
+    g.c.peer_lost(peer(1), g.now)
+    crash = g.c.snapshot().last_failure
+    g.hello(0)
+    assert list(g.c.receive(peer(0), Goodbye(), g.now)) == []
+    snap = g.c.snapshot()
+    assert snap.state is GroupState.FAILED and snap.failure == crash and snap.stops == 0
+    # and the ranks can still re-form it
+    g.hello(0)
+    (_, welcome), = g.c.receive(b"restarted", hello(1, 2), g.now)
+    assert isinstance(welcome, Welcome) and (welcome.epoch, welcome.next_seq) == (EPOCH + 2, 2)
+    assert g.c.snapshot().failure is None

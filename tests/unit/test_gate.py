@@ -9,6 +9,7 @@ import pytest
 from coordd.core import defaults
 from coordd.core.defaults import DEFAULT_HANDSHAKE_RATE
 from coordd.core.handshake import (
+    EARN_WAIT,
     SOURCE_SHARE,
     HandshakeRate,
     hits_per_second,
@@ -18,6 +19,44 @@ from coordd.core.handshake import (
 
 IPC = b"localhost:1000:1000:4242"
 OTHER = b"localhost:1000:1000:4343"
+
+
+class Ranks:
+    """Ranks' processes connecting as the client does: a refused handshake is tried again
+    RETRY seconds later (the gate answers a refusal 1 s late; the client reconnects 0.1 s
+    after). Quiet is earned (issue 28): a fresh process is not, so its first try may be
+    refused; its second, having waited, is quiet."""
+
+    RETRY = 1.1
+
+    def __init__(self, rate: HandshakeRate, *, grouped: bool = False,
+                 quiet_only: bool = False) -> None:
+        self.rate = rate
+        self.grouped = grouped
+        self.quiet_only = quiet_only
+        self.due: dict[bytes, float] = {}
+        self.tries: dict[bytes, int] = {}
+        self.admitted: list[bytes] = []
+
+    def start(self, source: bytes, now: float) -> None:
+        self._try(source, now)
+
+    def tick(self, now: float) -> None:
+        for source, due in list(self.due.items()):
+            if due <= now:
+                self._try(source, now)
+
+    def _try(self, source: bytes, now: float) -> None:
+        self.tries[source] = self.tries.get(source, 0) + 1
+        group = self.rate.group_of(source) if self.grouped else None
+        if self.rate.admit(source, now, group, quiet_only=self.quiet_only):
+            self.admitted.append(source)
+            self.due.pop(source, None)
+        else:
+            self.due[source] = now + self.RETRY
+
+    def most_tries(self) -> int:
+        return max(self.tries[s] for s in self.admitted)
 
 
 def test_a_burst_is_admitted_then_one_source_gets_its_share() -> None:
@@ -56,23 +95,26 @@ def test_one_source_gets_its_share_of_the_burst() -> None:
     assert sum(rate.admit(OTHER, 0.0) for _ in range(1024)) == 128
     small = HandshakeRate(rate=20, burst=40)  # never more than the shared burst, and a busy
     assert sum(small.admit(IPC, 0.0) for _ in range(100)) == 35  # one leaves the reserve (5)
-    assert small.admit(OTHER, 0.0) and small.reserved == 1  # which a quiet source takes
+    assert not small.admit(OTHER, 0.0)  # a fresh source is not quiet: no reserve for it
+    small.earn(OTHER)  # it registered a rank: quiet is earned
+    assert small.admit(OTHER, 0.0) and small.reserved == 1  # the reserve is for it
 
 
 def test_many_busy_sources_cannot_keep_a_quiet_one_out() -> None:
     """Issue 21, 5: 16 processes (each its own source) keeping handshakes in flight took every
     token of the shared rate; a rank's connect() failed in 2-3 of 3 tries. Busy sources now
-    leave the reserve to quiet ones: a fresh process's handshake gets in at any moment."""
+    leave the reserve to quiet ones: a rank's process gets in at its first retry at most."""
     rate = HandshakeRate(rate=20, burst=1024)  # the defaults
     attackers = [f"localhost:1000:1000:{pid}".encode() for pid in range(100, 116)]
-    admitted_quiet = 0
-    for step in range(1, 1001):  # 10 s, every attacker retrying every 10 ms
+    ranks = Ranks(rate)
+    for step in range(1, 1121):  # 10 s, every attacker retrying every 10 ms (and 1.2 s more)
         now = step / 100
         for source in attackers:
             rate.admit(source, now)
-        if step % 97 == 0:  # now and then a rank's process connects (a new pid each time)
-            admitted_quiet += rate.admit(f"localhost:1000:1000:{9000 + step}".encode(), now)
-    assert admitted_quiet == 1000 // 97
+        ranks.tick(now)
+        if step % 97 == 0 and step <= 1000:  # now and then a rank's process connects
+            ranks.start(f"localhost:1000:1000:{9000 + step}".encode(), now)
+    assert len(ranks.admitted) == 1000 // 97 and ranks.most_tries() <= 2
     assert rate.refused_total > 0  # the attackers were held to what is above the reserve
 
 
@@ -82,14 +124,15 @@ def test_attackers_refused_at_the_shared_limit_are_busy_not_quiet() -> None:
     took the reserve from a rank's process (a connect() failed 1 in 10); every try counts."""
     rate = HandshakeRate(rate=20, burst=1024)
     attackers = [f"localhost:1000:1000:{pid}".encode() for pid in range(100, 164)]
-    admitted_quiet = 0
-    for step in range(1, 1001):
+    ranks = Ranks(rate)
+    for step in range(1, 1121):
         now = step / 100
         for source in attackers:
             rate.admit(source, now)
-        if step % 97 == 0:
-            admitted_quiet += rate.admit(f"localhost:1000:1000:{9000 + step}".encode(), now)
-    assert admitted_quiet == 1000 // 97
+        ranks.tick(now)
+        if step % 97 == 0 and step <= 1000:
+            ranks.start(f"localhost:1000:1000:{9000 + step}".encode(), now)
+    assert len(ranks.admitted) == 1000 // 97 and ranks.most_tries() <= 2
 
 
 def test_under_memory_pressure_only_a_quiet_source_gets_in() -> None:
@@ -103,40 +146,48 @@ def test_under_memory_pressure_only_a_quiet_source_gets_in() -> None:
         for _ in range(64):
             rate.admit(source, 0.0)
     admitted_busy = dict.fromkeys(attackers, 0)
-    admitted_quiet = 0
-    for step in range(1, 1001):  # 10 s under pressure
+    ranks = Ranks(rate, quiet_only=True)
+    for step in range(1, 1121):  # 10 s under pressure (and 1.2 s more for the last retry)
         now = step / 100
         for source in attackers:
             admitted_busy[source] += rate.admit(source, now, quiet_only=True)
-        if step % 97 == 0:
-            rank = f"localhost:1000:1000:{9000 + step}".encode()
-            admitted_quiet += rate.admit(rank, now, quiet_only=True)
+        ranks.tick(now)
+        if step % 97 == 0 and step <= 1000:
+            ranks.start(f"localhost:1000:1000:{9000 + step}".encode(), now)
     # the attackers the burst left quiet (it ran out) get one each, then are busy
     assert max(admitted_busy.values()) <= 1 and sum(admitted_busy.values()) <= 2
     assert rate.refused_busy > 10_000
-    assert admitted_quiet == 1000 // 97
+    # a rank's process is fresh at its first try (refused: not quiet), quiet at its retry
+    assert len(ranks.admitted) == 1000 // 97 and set(ranks.tries.values()) == {2}
     again = b"localhost:1000:1000:9097"  # a source let in under pressure is busy after it
-    assert not rate.admit(again, 9.71, quiet_only=True)
-    assert rate.admit(again, 9.71 + 128 / 2.5)
-    flood = HandshakeRate(rate=20, burst=1024)  # fresh sources are quiet, but the rate holds
+    assert not rate.admit(again, 10.81, quiet_only=True)
+    assert rate.admit(again, 10.81 + 128 / 2.5)
+    # issue 28, defect 4: fresh processes got in under pressure (the gate let each one's
+    # handshake through as quiet, and admission spared it); now none does
+    flood = HandshakeRate(rate=20, burst=1024)
     got = sum(flood.admit(f"localhost:0:0:{pid}".encode(), pid / 1000, quiet_only=True)
               for pid in range(10_000))  # 10 s of a new process every ms
-    assert got <= 1024 + 20 * 10
+    assert got == 0
 
 
 def test_a_source_is_quiet_until_it_keeps_trying() -> None:
-    """What the ZAP thread answers first: a source that has tried at most once lately (a
-    rank's process connecting), not one that keeps trying, admitted or refused."""
+    """What the ZAP thread answers first: a source that has earned it (issue 28: it registered
+    a rank, or first tried EARN_WAIT ago: a rank's process retrying) and has tried at most once
+    lately, not one that keeps trying, admitted or refused, nor one never seen."""
     rate = HandshakeRate(rate=20, burst=1024)  # a source's share: 2.5 a second, 128 at once
-    assert rate.quiet(IPC, 0.0)  # never seen
+    assert not rate.quiet(IPC, 0.0)  # never seen: a fresh process is not quiet
     rate.admit(IPC, 0.0)
-    assert rate.quiet(IPC, 0.0)  # one try: a rank's first connection
-    rate.admit(IPC, 0.0)
-    assert not rate.quiet(IPC, 0.0) and rate.quiet(OTHER, 0.0)
-    assert not rate.quiet(IPC, 0.3) and rate.quiet(IPC, 0.4)  # its share refilled one try
+    assert not rate.quiet(IPC, 0.0) and not rate.quiet(IPC, 0.99)  # fresh still
+    assert rate.quiet(IPC, EARN_WAIT)  # one try, EARN_WAIT ago: a rank's retry
+    rate.admit(IPC, EARN_WAIT)
+    rate.admit(IPC, EARN_WAIT)
+    assert not rate.quiet(IPC, EARN_WAIT) and not rate.quiet(OTHER, EARN_WAIT)
+    assert not rate.quiet(IPC, 1.3) and rate.quiet(IPC, 1.4)  # its share refilled one try
     for _ in range(500):  # refused over its share: the tries count all the same
-        rate.admit(IPC, 1.0)
-    assert not rate.quiet(IPC, 1.0 + 126 / 2.5) and rate.quiet(IPC, 1.0 + 127 / 2.5)
+        rate.admit(IPC, 2.0)
+    assert not rate.quiet(IPC, 2.0 + 126 / 2.5) and rate.quiet(IPC, 2.0 + 127 / 2.5)
+    rate.earn(OTHER)  # it registered a rank: quiet at once
+    assert rate.quiet(OTHER, 0.0)
 
 
 def test_sources_are_bounded() -> None:
@@ -203,17 +254,18 @@ def test_a_known_key_groups_by_the_key_and_the_prefix_is_configurable() -> None:
 def _attack(rate: HandshakeRate, attackers: list[bytes], honest: Callable[[int], bytes]) -> int:
     """Every attacker address retries every 10 ms for 10 s, and one more fresh attacker
     address joins every 10 ms (each is quiet when it first comes); now and then an honest
-    handshake from `honest(step)`: how many of those were admitted (of 10)."""
-    admitted = 0
-    for step in range(1, 1001):
+    handshake from `honest(step)`, retried as the client does: how many of those were admitted
+    (of 10) within two tries (the first, fresh, may be refused)."""
+    ranks = Ranks(rate, grouped=True)
+    for step in range(1, 1121):
         now = step / 100
         fresh = f"127.{step // 250 + 100}.{step % 250}.1".encode()
         for source in [*attackers, fresh]:
             rate.admit(source, now, rate.group_of(source))
-        if step % 97 == 0:
-            source = honest(step)
-            admitted += rate.admit(source, now, rate.group_of(source))
-    return admitted
+        ranks.tick(now)
+        if step % 97 == 0 and step <= 1000:
+            ranks.start(honest(step), now)
+    return sum(1 for source in ranks.admitted if ranks.tries[source] <= 2)
 
 
 def test_many_loopback_addresses_cannot_keep_a_rank_out() -> None:
@@ -274,3 +326,64 @@ def test_groups_worked_out_are_bounded() -> None:
     for n in range(100):
         assert rate.group_of(b"10.0.%d.1" % n) == b"10.0.%d.0/24" % n
     assert len(rate._group_of) == 8 and len(rate._groups) == 0
+
+
+def test_the_gate_under_memory_pressure_with_a_rate_admits_only_quiet_sources() -> None:
+    """Issue 28, planted bug: the ZAP gate skipping the memory-pressure rule when a handshake
+    rate is set (`quiet_only=pressed` -> False) passed every test: the rate's rule was tested
+    (above), the gate's wiring of it never. Over the budget, a busy source (one that keeps
+    handshakes in flight, well within its own share) is refused with REFUSAL and counted; a
+    quiet one gets in."""
+    import zmq
+
+    from coordd.io.gate import REFUSAL, ZAP_VERSION, HandshakeGate
+
+    context = zmq.Context()
+    now = [0.0]
+    gate = HandshakeGate(context, clock=lambda: now[0])
+    try:
+        gate.rate = HandshakeRate(rate=20, burst=1024)
+
+        def ask(source: bytes) -> tuple[bytes, bytes]:
+            reply = gate.decide([ZAP_VERSION, b"1", b"", source, b"rid", b"NULL"])
+            return reply[2], reply[3]
+
+        for _ in range(16):  # busy: 16 handshakes at once, within its share of 128
+            assert ask(IPC)[0] == b"200"
+        gate.refusing = True  # over --max-rss-mb
+        assert ask(IPC) == (b"300", REFUSAL) and gate.refused == 1
+        assert ask(OTHER)[0] == b"300", "a fresh source is not quiet (issue 28)"
+        now[0] = 1.1  # its retry, having waited: quiet
+        assert ask(OTHER)[0] == b"200", "a quiet source (a rank's process) still gets in"
+        third = b"localhost:1000:1000:4444"
+        gate.earned.append(third)  # the server says: its process registered a rank
+        assert ask(third)[0] == b"200", "quiet earned by registering"
+        gate.refusing = False
+        gate.over = lambda: True  # the memory watch says so at the handshake: the same
+        assert ask(IPC) == (b"300", REFUSAL) and gate.refused == 3
+    finally:
+        gate.stop()
+        context.term()
+
+
+def test_fork_churn_cannot_keep_a_rank_out() -> None:
+    """Issue 28, defect 3: a stream of freshly forked processes (~295 a second, 2 handshakes
+    each) counted as quiet: each took the reserve and was answered first, and an honest
+    connect(timeout=10) failed 3 times of 3 (~20,700 handshakes refused). Quiet is earned now:
+    the churn gets only what is above the reserve, and a rank's process (its own retries, or
+    an earlier registration) gets in."""
+    rate = HandshakeRate(rate=20, burst=1024)  # the defaults
+    ranks = Ranks(rate)
+    pid = 20_000
+    for step in range(1, 1121):  # 11.2 s in 10 ms steps: ~3 forks a step, 2 handshakes each
+        now = step / 100
+        for _ in range(3):
+            pid += 1
+            fork = f"localhost:1000:1000:{pid}".encode()
+            rate.admit(fork, now)
+            rate.admit(fork, now)
+        ranks.tick(now)
+        if step % 97 == 0 and step <= 1000:
+            ranks.start(f"localhost:1000:1000:{9000 + step}".encode(), now)
+    assert len(ranks.admitted) == 1000 // 97 and ranks.most_tries() <= 2
+    assert rate.refused_total > 5000  # the churn, held to what is above the reserve

@@ -28,7 +28,7 @@ from coordd.ops.endpoints import HttpEndpoints, coordd_routes
 from coordd.ops.observer import DURATION_BUCKETS, Observer, ServerEvents
 from coordd.ops.status import group_readiness, readiness, status_document
 from coordd.proto.coordinator import Coordinator, OnRankLoss
-from coordd.proto.messages import Hello, StepKind, StepReport
+from coordd.proto.messages import Goodbye, Hello, StepKind, StepReport
 from coordd.proto.snapshot import GroupSnapshot
 
 EPOCH = 9
@@ -744,3 +744,78 @@ def test_ranks_waits_are_a_histogram_by_group_and_site() -> None:
     assert len(sites) == MAX_WAIT_SITES + 1 and "other" in sites
     # "forward" and site1..site31 are kept apart; site32..site34 are "other"
     assert value(m, "coordd_rank_wait_seconds_count", group="default", site="other") == 3
+
+
+@pytest.mark.parametrize("expect", [0, ("default",)])
+def test_a_crash_stays_in_readyz_and_status_after_a_strangers_hello_and_goodbye(
+    expect: Any,
+) -> None:
+    """Issue 28, defect 6: after rank 1 crashed, a stranger's Hello (for the free rank) and
+    Goodbye made the group `stopped`: /readyz 200 "every rank left cleanly", /status failure
+    None. The crash now stands, culprit and all, until every rank is back."""
+    d = registered(2)
+    d.expected_groups = () if expect == 0 else expect
+    d.report(0, 0, 101.0)
+    d.report(1, 0, 101.0)
+    d.lose(1, 102.0)
+
+    def ready() -> tuple[bool, str]:
+        return readiness({n: g.coordinator.snapshot() for n, g in d.groups.items()}, expect)
+
+    ok, why = ready()
+    assert not ok and "failed at seq 1: rank(s) [1] lost" in why
+    stranger = Hello(dp_size=2, dp_rank=1, incarnation="x", config_fingerprint="fp")
+    g = d.group()
+    d._after(g.coordinator.receive(b"stranger", stranger, 103.0), g)
+    d._after(g.coordinator.receive(b"stranger", Goodbye(), 103.5), g)
+    ok, why = ready()
+    assert not ok and "failed at seq 1: rank(s) [1] lost" in why, why
+    doc = json.loads(json.dumps(status_document(d)))  # type: ignore[arg-type]
+    (group,) = doc["groups"]
+    assert group["left_cleanly"] is False and group["stops"] == 0
+    assert group["failure"]["ranks"] == [1] and group["failure"]["reason"] == "lost"
+    assert "STOPPED" not in render(doc) and "rank(s) [1] lost" in render(doc)
+
+
+def test_group_created_and_dropped_lines_are_bounded_over_cycled_names(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 28, defect 5: two INFO lines per group name a peer cycles (400 names a second
+    made 28,737 log lines in 12 s with the takeover lines); now at most GROUP_LINES per 10 s,
+    the next line saying how many were held back."""
+    from coordd.ops.observer import GROUP_LINES
+
+    caplog.set_level(logging.INFO, logger="coordd")
+    events = ServerEvents()
+    for n in range(4800):
+        now = 100.0 + n / 400
+        events.group_created(f"dp-tp{n}-pp0", n, 4, 4, now=now)
+        events.group_dropped(f"dp-tp{n}-pp0", n, now=now)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("group ")]
+    assert len(lines) == 2 * GROUP_LINES, len(lines)  # 12 s: two windows of 10 s
+    assert events.dropped_groups == 4800
+    assert "suppressed=" in lines[GROUP_LINES]
+
+
+def test_a_failed_group_whose_ranks_are_held_holds_readiness_back() -> None:
+    """Issue 28, defect 6: after a stranger's Hello re-formed a crashed group and its Goodbye
+    left the new epoch empty, the failed epoch's rank still connected is a held rank, not a
+    member: readiness counts it, so the failed group still holds /readyz at 503 beside a
+    formed one (it did with the rank a member before the Hello)."""
+    d = registered(2, groups=("default", "enginecore"))
+    d.report(0, 0, 101.0)
+    d.report(1, 0, 101.0)
+    d.lose(1, 102.0)
+
+    def ready() -> tuple[bool, str]:
+        return readiness({n: g.coordinator.snapshot() for n, g in d.groups.items()}, 0)
+
+    assert ready()[0] is False
+    stranger = Hello(dp_size=2, dp_rank=1, incarnation="x", config_fingerprint="fp")
+    g = d.group()
+    d._after(g.coordinator.receive(b"stranger", stranger, 103.0), g)
+    d._after(g.coordinator.receive(b"stranger", Goodbye(), 103.5), g)
+    snap = d.snapshot()
+    assert not snap.members and snap.held == 1
+    ok, why = ready()
+    assert not ok and why.startswith("group default failed at seq 1"), why

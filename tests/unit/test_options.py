@@ -269,3 +269,26 @@ def test_coordd_status_asks_the_address_given_else_the_env_else_the_default_sock
     assert targets("http://10.0.0.1:9180") == ["http://10.0.0.1:9180"]
     with pytest.raises(SystemExit, match="--metrics-port"):
         targets("tcp://10.0.0.1:5555")
+
+
+def test_the_connection_cap_leaves_room_for_every_rank_of_every_group(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 28, defect 1: by default `coordd serve` sizes --max-connections from --dp and the
+    groups it may serve (at least 1024); a cap set (or fitted to NOFILE) below that is said at
+    start-up, naming the flags."""
+    import logging
+
+    log = logging.getLogger("coordd.test")
+    args, _ = cli.parse(["--dp", "16"])
+    assert args.max_connections == 0  # auto
+    assert cli.fit_limits(args, log).zmq == 16 * (64 + 3) + 64  # dp-tp0-pp0, enginecore, default
+    args, _ = cli.parse(["--dp", "2"])
+    assert cli.fit_limits(args, log).zmq == 1024  # at least the old default
+    args, _ = cli.parse(["--dp", "16", "--expect-groups", "dp-tp0-pp0,enginecore,dp-tp1-pp0"])
+    assert cli.fit_limits(args, log).zmq == 16 * (64 + 4) + 64  # dp-tp1-pp0 named too
+    caplog.set_level(logging.WARNING, logger="coordd.test")
+    args, _ = cli.parse(["--dp", "16", "--max-connections", "1024"])
+    assert cli.fit_limits(args, log).zmq == 1024
+    (line,) = [r.getMessage() for r in caplog.records if "no room" in r.getMessage()]
+    assert "--dp 16 x (--max-groups 64 + 3 named groups) + 64 for newcomers = 1136" in line

@@ -375,3 +375,68 @@ def test_key_bound_refusals_under_many_admitted_names_keep_one_record() -> None:
         assert refused.error.reason == RejectReason.CURVE_KEY.value
     assert reg.takeovers.refused == {("-", Takeovers.KEY_BOUND): 2000}
     assert not reg.groups and not reg.peer_group and not reg.peer_fd
+
+
+def test_rank_held_refusals_under_cycled_names_go_with_their_groups(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 28, defect 5: one peer cycling group names a pattern admits, each with a Hello for
+    a rank another of its connections holds (`rank_held`): the refusal was counted under the
+    group's name and never dropped with the group (400 names a second: 4,800 series of
+    coordd_rank_takeovers_refused_total in 12 s, a WARNING line per name). Now the record holds
+    only live groups' names (at most --max-groups x kinds), and the lines are bounded."""
+    import logging
+
+    from coordd.core.peers import LOG_LINES
+
+    reg = registry(max_groups=4, groups=("dp-tp*-pp*",))
+    caplog.set_level(logging.WARNING, logger="coordd")
+    names = 2000
+    for n in range(names):
+        name = f"dp-tp{n}-pp0"
+        holder, thief = b"h%d" % n, b"t%d" % n
+        reg.hello(holder, hello(0, group=name), fd=2 * n + 10, now=1.0 + n / 400, wall=WALL)
+        actions = reg.hello(thief, hello(0, group=name), fd=2 * n + 11, now=1.0 + n / 400,
+                            wall=WALL)
+        assert any(type(m) is Reject and m.reason is RejectReason.RANK_TAKEN
+                   for _, m in sent(actions))
+        reg.closed(2 * n + 10, now=1.0 + n / 400)  # the holder leaves: the group may go
+    assert len(reg.groups) <= 4
+    assert set(reg.takeovers.refused) <= {(g, Takeovers.RANK_HELD) for g in reg.groups}
+    assert sum(reg.takeovers.refused.values()) <= 4
+    lines = [r for r in caplog.records if r.getMessage().startswith("rank takeover refused")]
+    seconds = names / 400
+    assert 1 <= len(lines) <= LOG_LINES * (seconds // 10 + 1), len(lines)
+
+
+def test_a_named_group_that_stopped_cleanly_keeps_its_slot() -> None:
+    """Issue 28 (seen, not yet shown): creating pattern groups at --max-groups evicted the
+    oldest empty group, an expected one that stopped cleanly included, and /readyz then said it
+    "has not registered" (503). A named group keeps its slot; the pattern groups share theirs."""
+    from coordd.proto.messages import Goodbye
+
+    reg = Registry(1, G, max_groups=2, step_timeout=10.0, on_rank_loss=OnRankLoss.FAIL,
+                   rules=GroupRules(("dp-tp*-pp*",), always=("dp-tp0-pp0",)))
+    reg.hello(b"r", hello(0, group="dp-tp0-pp0", dp=1), fd=1, now=1.0, wall=WALL)
+    reg.groups["dp-tp0-pp0"].coordinator.receive(b"r", Goodbye(), 2.0)  # a clean stop
+    assert reg.groups["dp-tp0-pp0"].coordinator.snapshot().stopped
+    reg.hello(b"j1", hello(0, group="dp-tp1-pp0", dp=1), fd=2, now=3.0, wall=WALL)
+    reg.closed(2, now=3.5)  # its rank leaves: a pattern group with no members
+    actions = reg.hello(b"j2", hello(0, group="dp-tp2-pp0", dp=1), fd=3, now=4.0, wall=WALL)
+    assert [a.group.name for a in actions if type(a) is GroupDropped] == ["dp-tp1-pp0"]
+    assert "dp-tp0-pp0" in reg.groups
+    # dp-tp2-pp0 keeps its member: no pattern slot is free, and the named one is not taken
+    actions = reg.hello(b"j4", hello(0, group="dp-tp4-pp0", dp=1), fd=5, now=6.0, wall=WALL)
+    assert refusal(actions).error.reason == RejectReason.GROUP_LIMIT.value
+    assert "dp-tp0-pp0" in reg.groups
+
+
+def test_only_pattern_groups_members_are_evictable_newest_group_first() -> None:
+    """Issue 28, defect 1: what `Admission.enforce` shuts first while members crowd the cap:
+    members of groups only a pattern admits, the newest group's first; a named group's
+    (--groups or --expect-groups) never, however new."""
+    reg = Registry(1, G, max_groups=8, step_timeout=10.0, on_rank_loss=OnRankLoss.FAIL,
+                   rules=GroupRules(("dp-tp*-pp*", "enginecore"), always=("dp-tp0-pp0",)))
+    for fd, name in enumerate(["dp-tp0-pp0", "dp-tp5-pp0", "dp-tp6-pp0", "enginecore"], 1):
+        reg.hello(b"p%d" % fd, hello(0, group=name, dp=1), fd=fd, now=1.0, wall=WALL)
+    assert reg.evictable_fds() == [3, 2]

@@ -277,3 +277,40 @@ def test_a_tcp_listener_paused_completes_no_new_connection_and_keeps_the_open_on
         for sock in (router, old, new):
             sock.close(0)
         ctx.term()
+
+
+def test_the_listener_pause_lifts_when_the_storm_ends_while_ranks_hold_descriptors() -> None:
+    """Issue 28, defect 2: NOFILE 1024 and ~250 registered ranks: coordd sat at 278
+    descriptors, under the pause mark (512) but over the resume mark (256). One reconnect
+    burst paused the listener and it never reopened (a new rank's connect(): "coordd is not
+    running there"). The marks now move up by what the ranks hold: it lifts at 278."""
+    from coordd.io.limits import DescriptorWatch
+
+    counts = iter([278, 640, 700, 500, 300, 278, 290])
+    calls: list[str] = []
+    watch = DescriptorWatch(
+        1024,
+        pause=lambda: calls.append("pause") or True,
+        resume=lambda: calls.append("resume") or True,
+        count=lambda: next(counts),
+    )
+    watch.held = 250  # the ranks' connections (the server keeps it current)
+    assert watch.marks() == ((1024 + 250) // 2, (1024 + 750) // 4) == (637, 443)
+    seen = [watch.check() and watch.paused for _ in range(7)]
+    assert seen == [False, True, True, True, False, False, False]
+    assert calls == ["pause", "resume"], "the pause lifts once the storm's connections go"
+    watch.held = 0  # no rank: the marks are the plain half and quarter
+    assert watch.marks() == (watch.high, watch.low) == (512, 256)
+
+
+def test_a_rank_that_connects_while_the_listener_is_paused_is_told_so(tmp_path: Path) -> None:
+    """Issue 28, defect 2: the socket file moved aside while paused read as "coordd is not
+    running there", sending an operator to start a second coordd."""
+    from coordd.client.transport import _diagnose
+    from coordd.proto.address import check_address
+
+    endpoint = check_address(f"ipc://{tmp_path}/coordd.sock")
+    assert "not running" in _diagnose(endpoint)
+    (tmp_path / "coordd.sock.paused").touch()
+    said = _diagnose(endpoint)
+    assert "up but paused" in said and "not running" not in said

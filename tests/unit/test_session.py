@@ -45,7 +45,7 @@ from coordd.proto.messages import (
     failure_message,
     reject_message,
 )
-from coordd.proto.policy import decide
+from coordd.proto.policy import decide, decision_misfit
 
 FORWARD = StepKind.FORWARD
 REPORT = StepReport(num_tokens=3, num_tokens_padded=4, has_unfinished=True)
@@ -438,6 +438,18 @@ DECISION_MISFITS = [
     ("cudagraph_mode", {"cudagraph_mode": -1}),
     ("dead_ranks", {"dead_ranks": [7]}),
     ("dead_ranks", {"dead_ranks": [-1]}),
+    # issue 28, defect 7: answers that contradict this rank's own report (3 tokens, padded 4,
+    # mode 0, no micro-batching, unfinished requests), each returned by wait() before
+    ("num_tokens_across_dp[1]", {"num_tokens_across_dp": [4, 0]}),  # its own count 0
+    ("num_tokens_across_dp", {"num_tokens_across_dp": [-5, 4]}),
+    ("num_tokens_across_dp", {"num_tokens_across_dp": [2**40, 4]}),
+    ("should_pad", {"should_pad": True, "num_tokens_across_dp": [2**40, 2**40]}),
+    ("dead_ranks", {"dead_ranks": [1]}),  # itself, though it reported
+    ("all_idle", {"all_idle": True}),  # while it runs 3 tokens
+    ("any_unfinished", {"any_unfinished": False}),  # while it has unfinished requests
+    ("should_ubatch", {"should_ubatch": True, "should_pad": True}),  # it did not want it
+    ("cudagraph_mode", {"cudagraph_mode": 1, "should_pad": True}),  # higher than its own 0
+    ("should_pause", {"should_pause": True, "any_pause": True}),
 ]
 
 
@@ -477,7 +489,8 @@ def test_a_decision_for_a_round_not_yet_reported_fails_the_group(route: str) -> 
 def test_a_decision_that_fits_is_the_rounds_answer() -> None:
     session = registered()
     seq, registration = started(session)
-    fits = _as(decision(3, seq), cudagraph_mode=2, dead_ranks=[0])
+    fits = decide([None, REPORT], epoch=3, seq=seq, kind=FORWARD)  # rank 0 left out
+    assert fits.dead_ranks == [0] and fits.num_tokens_across_dp == [0, 4]
     assert session.receive(fits) == Resolved(seq, fits)
     assert session.outcome(seq, registration) == fits and session.failed is None
 
@@ -609,3 +622,42 @@ def test_a_timeout_that_names_no_rank_says_why_not() -> None:
     assert "wait()" in mine.hint and any("coordd status" in n for n in mine.__notes__)
     coordds = StepTimeout([1], 30.0)
     assert "named ranks" in coordds.hint
+
+
+PADDED = StepReport(
+    num_tokens=3, num_tokens_padded=8, cudagraph_mode=2, want_ubatch=True, want_pause=True
+)
+
+
+@pytest.mark.parametrize(
+    ("field", "changes"),
+    [
+        (None, {}),
+        (None, {"num_tokens_across_dp": [9, 9]}),  # another rank's padded count is higher
+        (None, {"cudagraph_mode": 1}),  # another rank's mode is lower
+        ("num_tokens_across_dp", {"num_tokens_across_dp": [7, 7]}),  # below its own 8
+        ("num_tokens_across_dp", {"num_tokens_across_dp": [9, 8]}),  # padded: one count
+        ("num_tokens_across_dp", {"num_tokens_across_dp": [2**31, 2**31]}),  # past int32
+        ("should_pad", {"should_pad": False}),  # mode 2: padding is on
+        ("any_pause", {"any_pause": False}),  # it wants to pause
+        ("kind", {"kind": StepKind.STATE}),
+    ],
+)
+def test_a_decision_is_checked_against_the_report_this_rank_sent(
+    field: str | None, changes: dict[str, object]
+) -> None:
+    """Issue 28, defect 7: the pure rule both clients and the adapter apply
+    (`decision_misfit`), on a padded round."""
+    sent = _as_report(PADDED, seq=5)
+    honest = decide([PADDED, sent], epoch=3, seq=5, kind=FORWARD)
+    assert honest.should_pad and honest.num_tokens_across_dp == [8, 8]
+    error = decision_misfit(_as(honest, **changes), sent, 1, 2)  # type: ignore[arg-type]
+    if field is None:
+        assert error is None
+    else:
+        assert isinstance(error, InvalidAnswer) and (error.field, error.seq) == (field, 5)
+        assert error.at_fault == "coordd"
+
+
+def _as_report(report: StepReport, **changes: object) -> StepReport:
+    return msgspec.structs.replace(report, dp_rank=1, epoch=3, kind=FORWARD, **changes)

@@ -96,3 +96,17 @@ def test_a_dp1_adapter_ignores_the_configs_rank(rank: int) -> None:
     adapter = VllmAdapter(DPGroupConfig(data_parallel_size=1), None, dp_rank=0, as_tensor=False)
     pc = SimpleNamespace(data_parallel_size=1, data_parallel_rank=rank)
     assert adapter.coordinate_batch_across_dp(7, True, pc, 8, True, 2) == (False, None, 2)
+
+
+@pytest.mark.parametrize(("version", "line"), [
+    ("0.32", "0.32"), ("0.32.0", "0.32"), ("0.32.1+cpu", "0.32"), ("0.33.0", "0.33"),
+    ("0.33.0rc1", "0.33"), ("0.320", None), ("0.320.1", None), ("0.331", None),
+    ("0.3", None), ("0.31.2", None), ("0.34.0", None), ("1.32.0", None), ("", None),
+])
+def test_a_release_belongs_to_a_supported_line_only_by_its_dotted_prefix(
+    version: str, line: str | None
+) -> None:
+    """Issue 28, planted bug: `release_line` taking "0.320" for 0.32 (a bare prefix) passed
+    every test: each named a real release. A line is the version itself or its prefix up to
+    a dot, so 0.320 (or 0.331) gets the warning and an untouched vLLM."""
+    assert patches.release_line(version) == line

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 
@@ -38,7 +39,7 @@ from coordd.client.vllm import (
     vllm_result,
     wants_microbatching,
 )
-from coordd.proto.errors import InvalidReport
+from coordd.proto.errors import InvalidAnswer, InvalidReport
 from coordd.proto.messages import StepDecision, StepKind, StepReport
 from coordd.proto.policy import decide
 
@@ -412,8 +413,8 @@ def test_the_drafter_helper_returns_this_ranks_count_and_the_synced_mode(
 
 def test_vllm_call_shapes_and_a_wrong_config_are_typed_errors() -> None:
     cfg = DPGroupConfig(data_parallel_size=2)
-    decision = decide([StepReport(num_tokens=4, num_tokens_padded=8),
-                       StepReport(num_tokens=4, num_tokens_padded=8)])
+    sent = StepReport(num_tokens=4, num_tokens_padded=8, has_unfinished=True)  # as reported
+    decision = decide([sent, sent])
     adapter = VllmAdapter(cfg, Answer(decision), dp_rank=1, as_tensor=False)
     pc = SimpleNamespace(data_parallel_size=2, data_parallel_rank=1)
     # vLLM's runner call, all keywords
@@ -524,3 +525,36 @@ def test_the_ubatch_rule_is_defined_once_in_proto() -> None:
     assert local_result(DBO, report, 0)[0] is False  # its own last micro-batch is empty
     report = build_report(DBO, 60, True, 96, uniform_decode=True)
     assert local_result(DBO, report, 0)[0] is True
+
+
+@pytest.mark.parametrize(
+    ("field", "changes"),
+    [
+        ("num_tokens_across_dp[1]", {"num_tokens_across_dp": [2**40, 2**40]}),  # torch: overflow
+        ("num_tokens_across_dp", {"num_tokens_across_dp": [2**40, 8]}),
+        ("num_tokens_across_dp[1]", {"num_tokens_across_dp": [8, 0]}),  # its own count 0
+        ("num_tokens_across_dp", {"num_tokens_across_dp": [-3, 8]}),
+        ("dead_ranks", {"dead_ranks": [1]}),
+        ("all_idle", {"all_idle": True}),
+        ("any_unfinished", {"any_unfinished": False}),
+        ("kind", {"kind": StepKind.DRAFT}),
+    ],
+)
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_the_adapter_checks_a_decision_against_its_own_report(
+    field: str, changes: dict[str, object], as_tensor: bool
+) -> None:
+    """Issue 28, defect 7: from a client that hands over what it got (the device path, or any
+    StepClient), a decision that contradicts this rank's report was returned as vLLM's result;
+    for 2**40 torch raised a bare RuntimeError. Now the typed InvalidAnswer naming coordd."""
+    cfg = DPGroupConfig(data_parallel_size=2)
+    sent = StepReport(num_tokens=4, num_tokens_padded=8, has_unfinished=True)
+    honest = decide([sent, sent])
+    bad = msgspec.structs.replace(honest, **changes)
+    ok = VllmAdapter(cfg, Answer(honest), dp_rank=1, as_tensor=as_tensor)
+    assert ok.coordinate_batch_across_dp(4, False, None, 8, has_unfinished=True)[0] is False
+    adapter = VllmAdapter(cfg, Answer(bad), dp_rank=1, as_tensor=as_tensor)
+    with pytest.raises(InvalidAnswer) as caught:
+        adapter.coordinate_batch_across_dp(4, False, None, 8, has_unfinished=True)
+    assert caught.value.field == field and caught.value.at_fault == "coordd"
+    assert adapter.last_decision is None, "none of it is used"

@@ -191,7 +191,8 @@ def test_every_vllm_call_shape_is_accepted(where: str, positional: int,
     padded = kwargs.get("num_tokens_padded", 5)
     mode = kwargs.get("cudagraph_mode", 0)
     reports = [StepReport(num_tokens=7, num_tokens_padded=7, cudagraph_mode=mode),
-               StepReport(num_tokens=5, num_tokens_padded=padded, cudagraph_mode=mode)]
+               StepReport(num_tokens=5, num_tokens_padded=padded, cudagraph_mode=mode,
+                          has_unfinished=True)]  # as the adapter reports 5 tokens
     client = OneDecision(decide(reports, cfg.num_ubatches))
     adapter = VllmAdapter(cfg, client, dp_rank=1, as_tensor=False)
     expected = (False, [max(7, padded)] * 2, 1) if mode else (False, [7, padded], 0)
