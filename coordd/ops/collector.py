@@ -88,8 +88,9 @@ class CoorddCollector:
         )
         yield per_group(
             "coordd_group_failed",
-            "1 while the group is failed (until ranks re-register)",
-            lambda c: int(c.state is GroupState.FAILED),
+            "1 while the group's failure stands: from the fault until every rank is back in a "
+            "new epoch",
+            lambda c: int(c.state is GroupState.FAILED or c.failure is not None),
         )
         yield per_group(
             "coordd_group_stopped",

@@ -819,3 +819,18 @@ def test_a_failed_group_whose_ranks_are_held_holds_readiness_back() -> None:
     assert not snap.members and snap.held == 1
     ok, why = ready()
     assert not ok and why.startswith("group default failed at seq 1"), why
+
+
+def test_group_failed_reads_1_while_the_failure_stands_through_a_re_forming_epoch() -> None:
+    """`coordd_group_failed` read 0 once a stranger's Hello re-formed a crashed group, while
+    /readyz, /status and `coordd status` still named the failure."""
+    d = registered(2)
+    d.report(0, 0, 101.0)
+    d.report(1, 0, 101.0)
+    d.lose(1, 102.0)
+    assert value(d.metrics(), "coordd_group_failed", group="default") == 1
+    stranger = Hello(dp_size=2, dp_rank=1, incarnation="x", config_fingerprint="fp")
+    g = d.group()
+    d._after(g.coordinator.receive(b"stranger", stranger, 103.0), g)
+    assert d.snapshot().failure is not None
+    assert value(d.metrics(), "coordd_group_failed", group="default") == 1
