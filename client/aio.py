@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 
 import zmq
 
-from coordd.client.config import ClientConfig
-from coordd.client.edge import drain, send_and_look
-from coordd.client.registration import Step, check_unsent
-from coordd.client.session import (
+from coordd.client._config import ClientConfig
+from coordd.client._edge import drain, send_and_look
+from coordd.client._registration import Step, check_unsent
+from coordd.client._session import (
     GroupFailed,
     Pong,
     Registered,
@@ -25,7 +25,7 @@ from coordd.client.session import (
     Resolved,
     RoundStillOpen,
 )
-from coordd.client.shell import ClientShell
+from coordd.client._shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
     MAX_WAITED_US,

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from coordd.client.config import ClientConfig
-from coordd.client.session import RankSession, SessionView
+from coordd.client._config import ClientConfig
+from coordd.client._session import RankSession, SessionView
 from coordd.proto.coordinator import Coordinator
 from coordd.proto.errors import (
     CoordError,

@@ -16,11 +16,11 @@ from typing import Any
 
 import zmq
 
-from coordd.client.config import ClientConfig
-from coordd.client.edge import drain
-from coordd.client.registration import Step, check_unsent
-from coordd.client.session import Pong, RegistrationFailed, Resolved, RoundStillOpen
-from coordd.client.shell import ClientShell
+from coordd.client._config import ClientConfig
+from coordd.client._edge import drain
+from coordd.client._registration import Step, check_unsent
+from coordd.client._session import Pong, RegistrationFailed, Resolved, RoundStillOpen
+from coordd.client._shell import ClientShell
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError, StepTimeout
 from coordd.proto.messages import (
     MAX_WAITED_US,

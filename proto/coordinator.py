@@ -34,7 +34,7 @@ the majority (`Round.verdict`; ties go to the lowest rank's kind, as on the devi
 
 Identity: a peer is a connection (the daemon binds a routing id to the connection its Hello
 came in on). After a failure the next Hello passes the same checks as the first registration,
-against the ranks still connected (`_held`): see `coordd.proto.registration.check_membership`.
+against the ranks still connected (`_held`): see `coordd.proto.membership.check_membership`.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from coordd.proto.errors import (
     StepTimeout,
 )
 from coordd.proto.group_state import GroupEvent, GroupState, next_state
+from coordd.proto.membership import check_basics, check_membership, rank_taken
 from coordd.proto.messages import (
     FromCoordinator,
     GatherReport,
@@ -74,7 +75,6 @@ from coordd.proto.messages import (
     reject_message,
 )
 from coordd.proto.policy import decide, validate_gather, validate_report
-from coordd.proto.registration import check_basics, check_membership, rank_taken
 from coordd.proto.rounds import CompletedRound, Round, Verdict
 from coordd.proto.snapshot import GroupSnapshot, Member, OnRankLoss
 

@@ -82,7 +82,7 @@ class RejectReason(str, enum.Enum):
     #: key file named rank<N>.key).
     CURVE_KEY = "curve_key"
     #: The connection's routing id starts with a zero byte: ZeroMQ's names for peers that set
-    #: none (see coordd.io.gate for why such a connection cannot be a rank).
+    #: none (see coordd.io._gate for why such a connection cannot be a rank).
     ROUTING_ID = "routing_id"
     #: The group is not one the deployment expects (coordd's --groups names and patterns).
     GROUP_UNEXPECTED = "group_unexpected"

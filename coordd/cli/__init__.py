@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from coordd.core.defaults import (
+from coordd.core._daemon_defaults import (
     DEFAULT_GROUPS,
     DEFAULT_HANDSHAKE_IPV4_PREFIX,
     DEFAULT_HANDSHAKE_RATE,
@@ -37,7 +37,7 @@ from coordd.proto.messages import MAX_DP_SIZE
 from coordd.proto.snapshot import OnRankLoss
 
 if TYPE_CHECKING:
-    from coordd.io.limits import ConnectionCaps
+    from coordd.io._limits import ConnectionCaps
 
 
 class Subcommand(Protocol):
@@ -283,8 +283,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_limit_options(p: argparse.ArgumentParser) -> None:
-    """Caps on what peers can hold (coordd.io.limits): fitted to the NOFILE limit at start."""
-    from coordd.io.gate import SOURCE_SHARE
+    """Caps on what peers can hold (coordd.io._limits): fitted to the NOFILE limit at start."""
+    from coordd.io._gate import SOURCE_SHARE
 
     p.add_argument(
         "--max-connections",
@@ -320,7 +320,7 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         "--max-connections (one source: the same share of it, at least 64); more wait and "
         "retry. With the close of a connection that says "
         f"no Hello within {STRANGER_GRACE:g}s, it keeps a peer from making libzmq abort "
-        f"coordd (see coordd/io/gate.py) (default {DEFAULT_HANDSHAKE_RATE:g}; 0: off)",
+        f"coordd (see coordd/io/_gate.py) (default {DEFAULT_HANDSHAKE_RATE:g}; 0: off)",
     )
     p.add_argument(
         "--handshake-ipv4-prefix",
@@ -336,8 +336,8 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
 
 def fit_limits(args: argparse.Namespace, log: logging.Logger) -> ConnectionCaps:
     """Raise the soft NOFILE limit to the hard one and fit the connection caps under it."""
-    from coordd.core.admission import STRANGER_ROOM
-    from coordd.io.limits import ConnectionCaps, raise_nofile
+    from coordd.core._admission import STRANGER_ROOM
+    from coordd.io._limits import ConnectionCaps, raise_nofile
 
     for option in ("max_connections", "max_http_connections"):
         least = 0 if option == "max_connections" else 1  # 0: sized from the deployment
@@ -376,9 +376,9 @@ def fit_limits(args: argparse.Namespace, log: logging.Logger) -> ConnectionCaps:
 
 def deployment_connections(args: argparse.Namespace) -> int:
     """The connections every rank of every group `coordd serve` may serve holds, plus room
-    for newcomers (`coordd.core.admission.connections_needed`)."""
-    from coordd.core.admission import connections_needed
-    from coordd.core.registry import GroupRules
+    for newcomers (`coordd.core._admission.connections_needed`)."""
+    from coordd.core._admission import connections_needed
+    from coordd.core._registry import GroupRules
 
     expected = args.expect_groups if not isinstance(args.expect_groups, int) else ()
     try:
@@ -399,9 +399,9 @@ def _source(args: argparse.Namespace, refusal: str) -> str:
 def check_server_args(args: argparse.Namespace) -> bool:
     """Reject unsafe, incomplete or out-of-range option sets before anything starts, with one
     line naming the option (exit code 1); True if CURVE is on."""
-    from coordd.core.options import OptionError, check_serve
-    from coordd.io.curve import SecurityConfigError, check_security_options
-    from coordd.io.listen import BindError, check_bind
+    from coordd.core._options import OptionError, check_serve
+    from coordd.io._curve import SecurityConfigError, check_security_options
+    from coordd.io._listen import BindError, check_bind
 
     try:
         check_serve(args)
@@ -426,11 +426,11 @@ def check_server_args(args: argparse.Namespace) -> bool:
 def serve(args: argparse.Namespace) -> int:
     import zmq
 
-    from coordd.core.logs import setup_logging
-    from coordd.io.curve import CurveGate, SecurityConfigError
-    from coordd.io.gate import SWITCH_INTERVAL
-    from coordd.io.listen import IPC_MODES, BindError
-    from coordd.io.server import CoordServer
+    from coordd.core._logs import setup_logging
+    from coordd.io._curve import CurveGate, SecurityConfigError
+    from coordd.io._gate import SWITCH_INTERVAL
+    from coordd.io._listen import IPC_MODES, BindError
+    from coordd.io._server import CoordServer
     from coordd.proto.keyfile import KeyFileError
 
     setup_logging(args.log_level, args.log_format)
@@ -522,7 +522,7 @@ def stopped(log: logging.Logger, decided: dict[str, dict[str, int]]) -> None:
     """The last lines: rounds decided in all, then per group their count and by kind, as
     key=value fields (`rounds decided group=default rounds=3 forward=2 state=1`; a group that
     decided none: `rounds=0`, not a bare line)."""
-    from coordd.core.logs import event
+    from coordd.core._logs import event
 
     total = sum(sum(kinds.values()) for kinds in decided.values())
     event(log, logging.INFO, "coordd stopped", rounds=total, groups=len(decided))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from coordd.io.curve import write_keypair
+from coordd.io._curve import write_keypair
 from coordd.proto.keyfile import KeyFileError, read_key_file
 
 

@@ -22,8 +22,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from coordd.core.defaults import DEFAULT_METRICS_PORT
-from coordd.core.logs import one_line
+from coordd.core._daemon_defaults import DEFAULT_METRICS_PORT
+from coordd.core._logs import one_line
 from coordd.ops.endpoints import status_socket
 from coordd.proto.address import resolve_address
 
@@ -199,7 +199,7 @@ def probe_line(probe: str, code: int, body: bytes) -> str:
 def escaped(value: Any) -> Any:
     """`value` (the /status document or a part) with every string made safe for a terminal:
     a control character (ESC, BEL, CR, a newline) in a peer's incarnation, a group name or a
-    gather site is written as an escape, as the logs do (`coordd.core.logs.one_line`), so it
+    gather site is written as an escape, as the logs do (`coordd.core._logs.one_line`), so it
     cannot retitle the terminal, clear it, or forge a line such as "ready: yes"."""
     if isinstance(value, str):
         return one_line(value)

@@ -1,7 +1,8 @@
 """The daemon's sans-IO core: decisions with time passed in, no sockets, no zmq, no CLI.
 
-The group registry (`registry`: Hello -> group, the group limit, refusals, peer <-> group and
-connection), the admission of peers that hold no rank (`admission`: counts, grace, cap,
-pressure -> `Shut` actions), the handshake rate (`handshake`), the one token bucket, bounded
-map and log throttle (`bounds`), every default once (`defaults`), option checks (`options`),
-what a peer is shown as and the takeover record (`peers`), key=value events (`logs`)."""
+Every module is private. The group registry (`_registry`: Hello -> group, the group limit,
+refusals, peer <-> group and connection), the admission of peers that hold no rank
+(`_admission`: counts, grace, cap, pressure -> `Shut` actions), the handshake rate
+(`_handshake`), the one token bucket, bounded map and log throttle (`_bounds`), every default of
+the daemon once (`_daemon_defaults`), option checks (`_options`), what a peer is shown as and the
+takeover record (`_peers`), key=value events (`_logs`)."""

@@ -1,5 +1,11 @@
-"""The daemon's I/O shell: the uvloop + ROUTER server (`server`: drain, monitor, and carrying
-out the registry's actions), its socket set up and bound (`router`), the shell side of
-admission (`guard`: shutdowns, the grace timer, the memory watch), the one deadline timer
-(`timer`), routing ids (`identity`), the ZAP gates (`gate`, `curve`), the listener's path
-(`listen`), what admission asks of the OS (`limits`) and the memory reader (`memory`)."""
+"""The daemon's I/O shell. Its one public name is `CoordServer`; the modules are private.
+
+The uvloop + ROUTER server (`_server`: drain, monitor, and carrying out the registry's actions),
+its socket set up and bound (`_router`), the shell side of admission (`_guard`: shutdowns, the
+grace timer, the memory watch), the one deadline timer (`_deadlines`), routing ids
+(`_identity`), the ZAP gates (`_gate`, `_curve`), the listener's path (`_listen`), what
+admission asks of the OS (`_limits`) and the memory reader (`_memory`)."""
+
+from coordd.io._server import CoordServer
+
+__all__ = ["CoordServer"]

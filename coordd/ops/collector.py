@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from coordd.core.defaults import METRICS_RANK_SERIES
+from coordd.core._daemon_defaults import METRICS_RANK_SERIES
 from coordd.ops.observer import DURATION_BUCKETS, DurationHistogram, version
-from coordd.ops.status import group_readiness
+from coordd.ops.status_doc import group_readiness
 from coordd.ops.view import ServerView
 from coordd.proto.group_state import GroupState
 from coordd.proto.messages import PROTOCOL_VERSION

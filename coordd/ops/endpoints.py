@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordd.core.defaults import DEFAULT_MAX_HTTP_CONNECTIONS
+from coordd.core._daemon_defaults import DEFAULT_MAX_HTTP_CONNECTIONS
 from coordd.ops.collector import CoorddCollector, make_registry
-from coordd.ops.status import server_readiness, status_document
+from coordd.ops.status_doc import server_readiness, status_document
 from coordd.proto.address import MAX_IPC_PATH_BYTES, AddressError, check_address
 
 if TYPE_CHECKING:

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
 
-from coordd.core import logs
-from coordd.core.bounds import Throttle
-from coordd.core.peers import peer_label
+from coordd.core import _logs as logs
+from coordd.core._bounds import Throttle
+from coordd.core._peers import peer_label
 from coordd.proto.coordinator import LEFT_THE_GROUP
 from coordd.proto.messages import (
     FailReason,
@@ -394,7 +394,7 @@ class ServerEvents:
         self.faults: Counter[str] = Counter()
         self.dropped_groups = 0
         # A peer can cause these once per message: the first of each 10 s is logged, the rest
-        # counted into one summary line (coordd.core.logs.Aggregated).
+        # counted into one summary line (coordd.core._logs.Aggregated).
         self._rejected_log = logs.Aggregated(log, "registration rejected")
         self._refused_log = logs.Aggregated(log, "report refused")
         #: "group created" / "group dropped": a line per name, but at most GROUP_LINES per 10 s
@@ -476,5 +476,5 @@ class ServerEvents:
 
 
 def _peer_text(peer: bytes) -> str:
-    """A routing id as logs show it: a keyed hash, never the id (see coordd.io.identity)."""
+    """A routing id as logs show it: a keyed hash, never the id (see coordd.io._identity)."""
     return peer_label(peer)

@@ -36,7 +36,7 @@ from coordd.testing.history import (
     read_history,
     report_of,
 )
-from coordd.testing.rounds import check_rounds
+from coordd.testing.round_rules import check_rounds
 from coordd.testing.scenario import ScenarioInfo
 from coordd.testing.verdict import PARTICIPANTS, Findings, ProcessLog, ScenarioResult, Sync
 

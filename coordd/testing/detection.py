@@ -225,7 +225,7 @@ def _takeover_refused(
 def _claims_refused(
     claimer: ProcessLog, refused: list[Refused], coordd_log: str, found: Findings
 ) -> bool:
-    """The routing-id attack (names held amid id-less handshakes; see coordd.io.gate), then a
+    """The routing-id attack (names held amid id-less handshakes; see coordd.io._gate), then a
     Hello from a zero-led routing id: refused `routing_id` (admitted, its name would be exempt
     from the stranger grace) and logged. The attack's own numbers (random names, a machine's
     speed) are noted, not judged: the group's rounds and coordd's life are the rules there."""

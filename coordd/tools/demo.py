@@ -73,9 +73,9 @@ MAX_DEMO_DP = 256
 def check_args(args: argparse.Namespace) -> list[str]:
     """Refuse out-of-range options with one line naming the option (SystemExit, code 1);
     returns the options coordd serve gets for the bind (security)."""
-    from coordd.core.options import OptionError, count, seconds
-    from coordd.io.curve import SecurityConfigError, check_security_options
-    from coordd.io.listen import BindError, check_bind
+    from coordd.core._options import OptionError, count, seconds
+    from coordd.io._curve import SecurityConfigError, check_security_options
+    from coordd.io._listen import BindError, check_bind
 
     try:
         if type(args.dp) is not int or not 2 <= args.dp <= MAX_DEMO_DP:

@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from coordd.client.vllm import (
+from coordd.client.dp_coordination import (
     CUDAGRAPH_FULL,
     CUDAGRAPH_NONE,
     CUDAGRAPH_PIECEWISE,

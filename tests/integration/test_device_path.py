@@ -25,7 +25,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from coordd.client.factory import DEVICE_PATH_ENV, connect_coordinator  # noqa: E402
+from coordd.client._factory import DEVICE_PATH_ENV, connect_coordinator  # noqa: E402
 from coordd.proto.errors import CoordError, InvalidReport, Rejected, StepMismatch, StepTimeout  # noqa: E402
 from coordd.proto.messages import StepDecision, StepKind, StepReport  # noqa: E402
 from coordd.proto.policy import decide  # noqa: E402

@@ -18,8 +18,8 @@ import msgspec
 import pytest
 import zmq
 
+from coordd.client.dp_coordination import DPGroupConfig, VllmAdapter, build_report
 from coordd.client.sync import CoordClient
-from coordd.client.vllm import DPGroupConfig, VllmAdapter, build_report
 from coordd.proto.errors import RankLost, StepTimeout
 from coordd.proto.messages import (
     FailReason,

@@ -28,7 +28,7 @@ import zmq
 
 from coordd.cli.status import fetch
 from coordd.client import CoordClient
-from coordd.io.server import CoordServer
+from coordd.io._server import CoordServer
 from coordd.proto import (
     RankLost,
     Rejected,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from coordd.client.sync import CoordClient
-from coordd.io.curve import write_keypair
+from coordd.io._curve import write_keypair
 from coordd.testing import CoorddProcess
 from coordd.tools.load import start_load, wait_load
 from tests.integration.scrape import free_port, metric_value

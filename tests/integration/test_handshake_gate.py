@@ -1,6 +1,6 @@
-"""What bounds the slow routing-id abort (coordd.io.gate), with real ZeroMQ: id-less handshakes over
-the rate are refused before libzmq names the peer, a connection that says no Hello is closed
-after the grace (a rank's never), and a zero-led routing id cannot register."""
+"""What bounds the slow routing-id abort (coordd.io._gate), with real ZeroMQ: id-less
+handshakes over the rate are refused before libzmq names the peer, a connection that says no
+Hello is closed after the grace (a rank's never), and a zero-led routing id cannot register."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 import zmq
 
 from coordd.client.sync import CoordClient
-from coordd.core.handshake import HandshakeRate
-from coordd.io.gate import ZAP_DOMAIN, ZAP_ENDPOINT, ZAP_VERSION, HandshakeGate
-from coordd.io.server import CoordServer
+from coordd.core._handshake import HandshakeRate
+from coordd.io._gate import ZAP_DOMAIN, ZAP_ENDPOINT, ZAP_VERSION, HandshakeGate
+from coordd.io._server import CoordServer
 from coordd.proto.messages import Hello, Reject, decode_from_coordinator, encode
 from coordd.testing import CoorddProcess
 from tests.integration.scrape import free_port, metric_value

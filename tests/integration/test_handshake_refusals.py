@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import zmq
 
+from coordd.client._config import CLIENT_KEY_ENV, SERVER_KEY_ENV, CurveKeys
 from coordd.client.aio import AsyncCoordClient
-from coordd.client.config import CLIENT_KEY_ENV, SERVER_KEY_ENV, CurveKeys
 from coordd.client.sync import CoordClient
 from coordd.proto.errors import CoordinatorUnavailable
 from coordd.proto.messages import Hello, Welcome, decode_to_coordinator, encode

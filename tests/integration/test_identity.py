@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import zmq
 
+from coordd.client._transport import CurveKeys
 from coordd.client.sync import CoordClient
-from coordd.client.transport import CurveKeys
 from coordd.proto import Rejected, StepReport
 from coordd.proto.messages import StepKind, encode
 from coordd.proto.policy import decide

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from coordd.io.curve import write_keypair
+from coordd.io._curve import write_keypair
 from coordd.proto.errors import StepTimeout
 from coordd.proto.messages import StepReport
 from coordd.testing import CoorddProcess
@@ -106,7 +106,7 @@ def test_garbage_from_50_peers_then_their_disconnects_never_aborts_coordd(
     # reconnects in the handshake and gives the memory back: without it 380-590 MB at the
     # peak, and all of it kept. The peak is 65-82 MB (30 runs, 2-3 CPU hogs on 2 cores);
     # 120-190 MB when the RSS of queued messages was taken as coordd's own level (see
-    # coordd.io.memory.RssBudget.check). Room left for the loop being preempted: a drain of
+    # coordd.io._memory.RssBudget.check). Room left for the loop being preempted: a drain of
     # 512 messages costs ~3 ms of CPU, but was seen 0.1-0.24 s long, +20 MB meanwhile.
     print(f"peak RSS {gauge.peak_rss_mb:.0f} MB, {after:.0f} MB after the load")
     assert after < 80, f"coordd kept {after:.0f} MB after the burst"

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from coordd.core import defaults
-from coordd.io import limits, memory
-from coordd.io.gate import ZAP_DOMAIN, ZAP_ENDPOINT, HandshakeGate
+from coordd.core import _daemon_defaults as defaults
+from coordd.io import _limits as limits
+from coordd.io import _memory as memory
+from coordd.io._gate import ZAP_DOMAIN, ZAP_ENDPOINT, HandshakeGate
 from coordd.proto.errors import CoordinatorUnavailable
 from coordd.testing import CoorddProcess
 from coordd.tools.load import HonestRounds, ProcessGauge, start_load, wait_load
@@ -248,7 +249,7 @@ def test_with_curve_one_zap_handler_checks_the_key_then_the_memory(tmp_path: Pat
     is admitted (its User-Id is its z85 key, which the key-to-rank binding reads), an
     unknown one refused with 400 (libzmq's client does not retry: its key will not change),
     and a known one refused with 300 under memory pressure (it retries later)."""
-    from coordd.io.curve import CurveGate, write_keypair
+    from coordd.io._curve import CurveGate, write_keypair
     from coordd.proto.keyfile import read_key_file
 
     write_keypair(str(tmp_path), "coordd")
@@ -327,7 +328,7 @@ def test_with_curve_a_burst_from_a_leaked_rank_key_is_refused_in_the_handshake(
     refuses their reconnects in the CURVE handshake (status 300 from its one ZAP handler;
     before, pyzmq's authenticator admitted every known key whatever the memory), and ranks
     keep deciding."""
-    from coordd.io.curve import write_keypair
+    from coordd.io._curve import write_keypair
 
     write_keypair(str(tmp_path), "coordd")
     write_keypair(str(tmp_path), "rank")

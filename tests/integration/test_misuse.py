@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from coordd.client import CoordClient, CurveKeys, RoundStillOpen
-from coordd.io.curve import write_keypair
+from coordd.io._curve import write_keypair
 from coordd.proto import CoordError, CoordinatorUnavailable, RankLost, StepMismatch, StepReport
 from coordd.testing import CoorddProcess
 from tests.integration.test_operability import Coordd

@@ -31,8 +31,8 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordd.cli.status import fetch
+from coordd.client._transport import CurveKeys
 from coordd.client.sync import CoordClient
-from coordd.client.transport import CurveKeys
 from coordd.proto import CoordinatorUnavailable, StepMismatch, StepReport
 
 REPORT = StepReport(num_tokens=3, num_tokens_padded=8, want_ubatch=False, cudagraph_mode=1,

@@ -76,7 +76,7 @@ def test_the_wheel_installs_one_top_level_name(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         infos = {info.filename: info for info in zf.infolist()}
     assert {name.split("/")[0] for name in infos if ".dist-info/" not in name} == {"coordd"}
-    for module in ("coordd/client/sync.py", "coordd/proto/messages.py", "coordd/io/server.py"):
+    for module in ("coordd/client/sync.py", "coordd/proto/messages.py", "coordd/io/_server.py"):
         assert module in infos, f"{module} is missing from the wheel"
     links = [name for name, info in infos.items() if (info.external_attr >> 28) == 0o12]
     assert not links, f"the wheel holds links instead of files: {links}"

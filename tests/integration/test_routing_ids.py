@@ -1,5 +1,5 @@
 """libzmq's routing ids against a real coordd (issue 11, part A/B): what a peer can do with the
-name it presents, and the libzmq settings coordd must keep (see `coordd.io.identity`).
+name it presents, and the libzmq settings coordd must keep (see `coordd.io._identity`).
 
 - An id-less peer is named `\\x00` + libzmq's counter, and libzmq aborts if a peer already holds
   that name. The bundled libzmq started the counter at the same value in every process, so one
@@ -26,8 +26,8 @@ import pytest
 import zmq
 
 from coordd.client.sync import CoordClient
-from coordd.io import identity
-from coordd.io.identity import new_router
+from coordd.io import _identity as identity
+from coordd.io._identity import new_router
 from coordd.proto.errors import CoordinatorUnavailable, Rejected
 from coordd.proto.messages import Heartbeat, StepReport, encode
 from coordd.testing import CoorddProcess

@@ -20,8 +20,7 @@ import msgspec
 import pytest
 import torch
 
-from coordd.client.sync import CoordClient
-from coordd.client.vllm import (
+from coordd.client.dp_coordination import (
     DPGroupConfig,
     VllmAdapter,
     bind,
@@ -30,6 +29,7 @@ from coordd.client.vllm import (
     skip_dp_coordination,
     start_dp_coordination_async,
 )
+from coordd.client.sync import CoordClient
 from coordd.proto.errors import Rejected, StepMismatch
 from coordd.proto.messages import StepKind
 from coordd.proto.policy import decide
@@ -173,7 +173,7 @@ def test_a_spec_decode_step_loop_forward_then_draft(start_coordd) -> None:
 def _drafter_rank(address: str, rank: int, dp: int, steps: list[list[tuple[int, int, int]]],
                   conn: Connection) -> None:
     """One rank process: the drafter's sync each step, as vLLM's proposer makes it."""
-    from coordd.client.vllm import DPGroupConfig, VllmAdapter
+    from coordd.client.dp_coordination import DPGroupConfig, VllmAdapter
 
     cfg = DPGroupConfig(data_parallel_size=dp)
     adapter = VllmAdapter.connect(cfg, rank, address, as_tensor=True, connect_timeout=WAIT)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from coordd.io.listen import BindError, IpcSocket
+from coordd.io._listen import BindError, IpcSocket
 from coordd.proto.address import (
     FROM_ARGUMENT,
     FROM_DEFAULT,

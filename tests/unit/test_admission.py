@@ -1,11 +1,11 @@
-"""coordd.core.admission, pure: the connections that hold no rank (cap, grace, memory
+"""coordd.core._admission, pure: the connections that hold no rank (cap, grace, memory
 pressure, the flood cut-off and its socket rule, answers to strangers). No sockets: socket
 identities and peer pids are fakes, and the time is passed in."""
 
 from __future__ import annotations
 
-from coordd.core import defaults
-from coordd.core.admission import (
+from coordd.core import _daemon_defaults as defaults
+from coordd.core._admission import (
     BANNED,
     CAP,
     FLOOD,
@@ -341,8 +341,8 @@ def test_a_members_share_counts_its_groups_rounds_in_this_window_only() -> None:
     2 in it, allows MEMBER_SLACK + 4 messages, not 100,000 more."""
     from types import SimpleNamespace
 
-    from coordd.io.guard import Guard
-    from coordd.io.timer import Group
+    from coordd.io._deadlines import Group
+    from coordd.io._guard import Guard
 
     host = Host()
     host.ranks = {5}
@@ -413,7 +413,7 @@ def test_the_cap_is_sized_from_the_deployment() -> None:
     """Issue 28, defect 1: the default cap of 1024 held exactly --dp 16 x 64 groups, leaving
     newcomers no room; DP=256 (1280 ranks of vLLM's groups) was over it before any attacker.
     `connections_needed`: every rank of every group coordd may serve, and 64 more."""
-    from coordd.core.admission import STRANGER_ROOM, connections_needed
+    from coordd.core._admission import STRANGER_ROOM, connections_needed
 
     assert connections_needed(16, 64, 3) == 16 * 67 + STRANGER_ROOM == 1136
     assert connections_needed(256, 64, 3) == 256 * 67 + 64

@@ -1,4 +1,4 @@
-"""coordd.core.logs.Aggregated: a summary line of warnings that carry their own `detail` (the
+"""coordd.core._logs.Aggregated: a summary line of warnings that carry their own `detail` (the
 flood cut-off, the connection cap, the memory budget) is logged, not a TypeError in a timer
 callback (it was: `event() got multiple values for keyword argument 'detail'`)."""
 
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from coordd.core.logs import Aggregated
+from coordd.core._logs import Aggregated
 from coordd.testing import FakeClock
 
 

@@ -1,10 +1,10 @@
-"""coordd.core.bounds: the one token bucket, bounded map and log throttle (the time passed in)."""
+"""coordd.core._bounds: the one token bucket, bounded map and log throttle (the time passed in)."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordd.core.bounds import BoundedMap, Throttle, TokenBucket
+from coordd.core._bounds import BoundedMap, Throttle, TokenBucket
 
 
 def test_the_token_bucket_refills_up_to_its_burst_and_never_backwards() -> None:

@@ -7,7 +7,12 @@ import random
 import msgspec
 import pytest
 
-from coordd.client.vllm import CUDAGRAPH_FULL, CUDAGRAPH_NONE, CUDAGRAPH_PIECEWISE, build_report
+from coordd.client.dp_coordination import (
+    CUDAGRAPH_FULL,
+    CUDAGRAPH_NONE,
+    CUDAGRAPH_PIECEWISE,
+    build_report,
+)
 from coordd.proto.messages import StepKind
 from coordd.proto.policy import decide
 from coordd.tools import demo

@@ -29,7 +29,7 @@ import tomllib
 import yaml
 
 from coordd import cli
-from coordd.core.defaults import DEFAULT_METRICS_PORT
+from coordd.core._daemon_defaults import DEFAULT_METRICS_PORT
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_FILES = sorted((DEPLOY / "kubernetes").glob("*.yaml"))

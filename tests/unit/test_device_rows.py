@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
+from coordd.client._factory import DEVICE_PATH_ENV, connect_coordinator, device_path_enabled
 from coordd.client.device import (
     HELLO_BYTES,
     Field,
@@ -27,9 +28,8 @@ from coordd.client.device import (
     fingerprint_hash,
     resolve_round,
 )
-from coordd.client.factory import DEVICE_PATH_ENV, connect_coordinator, device_path_enabled
+from coordd.client.dp_coordination import dp_state, state_report
 from coordd.client.sync import CoordClient
-from coordd.client.vllm import dp_state, state_report
 from coordd.proto.coordinator import Coordinator
 from coordd.proto.errors import InvalidReport, ProtocolError, Rejected, StepMismatch
 from coordd.proto.messages import (

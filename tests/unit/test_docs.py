@@ -102,7 +102,7 @@ def test_the_readmes_snippet_waits_longer_than_coordds_step_timeout() -> None:
     """Issue 30: the snippet's `wait(timeout=30)` equalled coordd's default --step-timeout, so
     the client's own "no decision within 30s" (naming nobody) raced coordd's StepTimeout
     naming the late rank. The snippet waits with the default, which outlives it."""
-    from coordd.client.config import default_wait_timeout
+    from coordd.client._config import default_wait_timeout
     from coordd.proto.defaults import HEARTBEAT_TIMEOUT, STEP_TIMEOUT
 
     readme = (ROOT / "README.md").read_text()
@@ -123,7 +123,7 @@ def _leave_and_stop_outputs(caplog: pytest.LogCaptureFixture) -> list[str]:
     both leave: its log lines, /readyz's texts and the error the other rank gets."""
     import logging
 
-    from coordd.ops.status import server_readiness
+    from coordd.ops.status_doc import server_readiness
     from coordd.proto.messages import Goodbye, StepFailed, error_from_failure
     from tests.unit.test_observability import peer, registered
 

@@ -1,4 +1,4 @@
-"""The edge-trigger rule (`coordd.client.edge`) over a real in-process ZeroMQ pair."""
+"""The edge-trigger rule (`coordd.client._edge`) over a real in-process ZeroMQ pair."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from coordd.client.edge import drain, send_and_look
+from coordd.client._edge import drain, send_and_look
 
 Pair = tuple[zmq.Socket, zmq.Socket]
 

@@ -1,4 +1,4 @@
-"""coordd.core.handshake's rate and the arithmetic behind it (pure: the time is passed in)."""
+"""coordd.core._handshake's rate and the arithmetic behind it (pure: the time is passed in)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
-from coordd.core import defaults
-from coordd.core.defaults import DEFAULT_HANDSHAKE_RATE
-from coordd.core.handshake import (
+from coordd.core import _daemon_defaults as defaults
+from coordd.core._daemon_defaults import DEFAULT_HANDSHAKE_RATE
+from coordd.core._handshake import (
     EARN_WAIT,
     SOURCE_SHARE,
     HandshakeRate,
@@ -336,7 +336,7 @@ def test_the_gate_under_memory_pressure_with_a_rate_admits_only_quiet_sources() 
     quiet one gets in."""
     import zmq
 
-    from coordd.io.gate import REFUSAL, ZAP_VERSION, HandshakeGate
+    from coordd.io._gate import REFUSAL, ZAP_VERSION, HandshakeGate
 
     context = zmq.Context()
     now = [0.0]

@@ -136,8 +136,8 @@ def test_once_no_connection_holds_a_rank_new_settings_are_accepted() -> None:
 
 
 def test_curve_keys_bound_to_ranks_by_file_name_or_entry(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from coordd.core.grants import ANY, Grant
-    from coordd.io.curve import CurveGate, load_client_keys, load_grants, write_keypair
+    from coordd.core._grants import ANY, Grant
+    from coordd.io._curve import CurveGate, load_client_keys, load_grants, write_keypair
     from coordd.proto.keyfile import read_key_file
 
     for name in ("rank3", "rank", "node", "both"):
@@ -166,8 +166,8 @@ def test_curve_keys_bound_to_ranks_by_file_name_or_entry(tmp_path) -> None:  # t
 def test_curve_keys_bound_to_groups(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Issue 21: a leaked key of one group's rank cannot create groups, nor register in
     another group: `@GROUP=PATH` and `N@GROUP=PATH` (GROUP a name or pattern)."""
-    from coordd.core.grants import Grant, split_entry
-    from coordd.io.curve import CurveGate, load_client_keys, load_grants, write_keypair
+    from coordd.core._grants import Grant, split_entry
+    from coordd.io._curve import CurveGate, load_client_keys, load_grants, write_keypair
     from coordd.proto.keyfile import read_key_file
 
     (tmp_path / "tp0").mkdir()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from coordd.cli.keygen import run
-from coordd.io.curve import write_keypair
+from coordd.io._curve import write_keypair
 from coordd.proto.keyfile import KeyFileError, read_key_file
 
 

@@ -73,7 +73,14 @@ THIRD_PARTY: dict[str, frozenset[str] | None] = {
 
 #: Loaded by an engine rank that imports the client, these would be a dependency it should not
 #: need: rich (the demo), prometheus_client and uvloop (the daemon), torch (the device path only).
-NOT_FOR_RANKS = ("rich", "prometheus_client", "uvloop", "torch", "coordd.tools", "coordd.io.server")
+NOT_FOR_RANKS = (
+    "rich",
+    "prometheus_client",
+    "uvloop",
+    "torch",
+    "coordd.tools",
+    "coordd.io._server",
+)
 
 
 @dataclass(frozen=True)
@@ -283,7 +290,7 @@ def test_an_engine_rank_loads_only_pyzmq_and_msgspec() -> None:
     """Importing the client, the wire format and the testing kit loads none of the daemon's,
     the demo's or the device path's dependencies."""
     code = (
-        "import sys, coordd.client, coordd.proto, coordd.client.vllm, coordd.testing\n"
+        "import sys, coordd.client, coordd.proto, coordd.client.dp_coordination, coordd.testing\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {NOT_FOR_RANKS!r}"
         f" or any(m.startswith(p + '.') or m == p for p in {NOT_FOR_RANKS!r})))\n"
     )

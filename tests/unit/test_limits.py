@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordd.client.session import RankSession
+from coordd.client._session import RankSession
 from coordd.proto import InvalidReport, StepKind, StepReport, validate_report
 from coordd.proto.coordinator import Coordinator
 from coordd.proto.messages import Hello, StepFailed, Welcome

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from coordd.core import logs
-from coordd.io import curve as keys
+from coordd.core import _logs as logs
+from coordd.io import _curve as keys
 from coordd.testing import FakeClock
 
 

@@ -1,4 +1,4 @@
-"""coordd.io.memory: the RSS budget's policy (fake clock, no sockets), the RSS reader, the trim,
+"""coordd.io._memory: the RSS budget's policy (fake clock, no sockets), the RSS reader, the trim,
 and the watch's decisions with its I/O injected."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from coordd.io import memory
-from coordd.io.memory import MB, MemoryWatch, RssBudget
+from coordd.io import _memory as memory
+from coordd.io._memory import MB, MemoryWatch, RssBudget
 
 
 def test_under_the_budget_nothing_happens_and_checks_are_slow_without_strangers() -> None:

@@ -596,7 +596,7 @@ def test_the_hint_is_a_traceback_note_that_survives_the_wire(error: CoordError) 
 def test_an_unavailable_coordd_gets_the_hint_of_its_cause() -> None:
     """Before: every CoordinatorUnavailable said "check that coordd is running", even for a
     closed client or a round superseded by connect()."""
-    from coordd.client.session import SUPERSEDED
+    from coordd.client._session import SUPERSEDED
     from coordd.client.sync import _CLOSED
 
     default = CoordinatorUnavailable("connection to coordd dropped")

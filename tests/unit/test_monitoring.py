@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from coordd.io.server import CoordServer
+from coordd.io._server import CoordServer
 from coordd.ops.collector import CoorddCollector, make_registry
-from coordd.ops.status import server_readiness
+from coordd.ops.status_doc import server_readiness
 
 ROOT = Path(__file__).parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "coordd-alerts.yaml"

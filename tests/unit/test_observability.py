@@ -1,6 +1,6 @@
 """coordd's observer, metrics, status, endpoints and log lines, driven without sockets or clocks.
 
-`Daemon` holds named groups (a real `Coordinator` and `Observer` each, as coordd/io/server.py
+`Daemon` holds named groups (a real `Coordinator` and `Observer` each, as coordd/io/_server.py
 builds them) and passes what each sends to its `Observer` the way the server does (every Send,
 the Hello before it is handled, the failure check after), so the numbers here are the ones a
 scrape of a real coordd shows; the integration tests (tests/integration/test_operability.py,
@@ -19,14 +19,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordd.cli.status import probe_line, render
-from coordd.core.admission import Admission
-from coordd.core.defaults import STATUS_RANK_ROWS
-from coordd.core.logs import JsonFormatter, event, fault_fields, setup_logging
-from coordd.core.peers import Takeovers, peer_label
-from coordd.io.server import CoordServer, Group, ServerStats, group_name_problem
+from coordd.core._admission import Admission
+from coordd.core._daemon_defaults import STATUS_RANK_ROWS
+from coordd.core._logs import JsonFormatter, event, fault_fields, setup_logging
+from coordd.core._peers import Takeovers, peer_label
+from coordd.io._server import CoordServer, Group, ServerStats, group_name_problem
 from coordd.ops.endpoints import HttpEndpoints, coordd_routes
 from coordd.ops.observer import DURATION_BUCKETS, Observer, ServerEvents
-from coordd.ops.status import group_readiness, readiness, status_document
+from coordd.ops.status_doc import group_readiness, readiness, status_document
 from coordd.proto.coordinator import Coordinator, OnRankLoss
 from coordd.proto.messages import Goodbye, Hello, StepKind, StepReport
 from coordd.proto.snapshot import GroupSnapshot

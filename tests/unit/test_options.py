@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from coordd import cli
-from coordd.client.config import ClientConfig
-from coordd.io.server import CoordServer
+from coordd.client._config import ClientConfig
+from coordd.io._server import CoordServer
 from coordd.proto.messages import MAX_DP_SIZE
 
 

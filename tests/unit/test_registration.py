@@ -11,9 +11,9 @@ import msgspec
 import pytest
 
 from coordd.client import aio, sync
-from coordd.client.config import ClientConfig
-from coordd.client.registration import HELLO_RESENDS, Registration, Step, check_unsent
-from coordd.client.session import RankSession
+from coordd.client._config import ClientConfig
+from coordd.client._registration import HELLO_RESENDS, Registration, Step, check_unsent
+from coordd.client._session import RankSession
 from coordd.proto.errors import CoordinatorUnavailable, Rejected
 from coordd.proto.messages import Welcome, decode_to_coordinator, reject_message
 

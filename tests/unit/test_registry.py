@@ -1,4 +1,4 @@
-"""coordd.core.registry, pure: Hello -> group, names, the group limit and eviction, refusals,
+"""coordd.core._registry, pure: Hello -> group, names, the group limit and eviction, refusals,
 and which group and connection each peer belongs to. No sockets; the time is passed in."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from coordd.core.peers import Takeovers
-from coordd.core.registry import (
+from coordd.core._peers import Takeovers
+from coordd.core._registry import (
     MAX_GROUP_NAME,
     AsStranger,
     Deliver,
@@ -387,7 +387,7 @@ def test_rank_held_refusals_under_cycled_names_go_with_their_groups(
     only live groups' names (at most --max-groups x kinds), and the lines are bounded."""
     import logging
 
-    from coordd.core.peers import LOG_LINES
+    from coordd.core._peers import LOG_LINES
 
     reg = registry(max_groups=4, groups=("dp-tp*-pp*",))
     caplog.set_level(logging.WARNING, logger="coordd")

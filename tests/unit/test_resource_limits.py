@@ -1,5 +1,5 @@
-"""coordd.io.limits: NOFILE, fitted caps, and what admission asks of the OS (socket identities,
-peer pids, shutdown(2)), with `coordd.core.admission` decisions carried out as the shell does."""
+"""coordd.io._limits: NOFILE, fitted caps, and what admission asks of the OS (socket identities,
+peer pids, shutdown(2)), with `coordd.core._admission` decisions carried out as the shell does."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from coordd.core import defaults
-from coordd.core.admission import Admission, Shut
-from coordd.io import limits
+from coordd.core import _daemon_defaults as defaults
+from coordd.core._admission import Admission, Shut
+from coordd.io import _limits as limits
 
 
 def real(cap: int, registered: Callable[[], set[int]] = set) -> Admission:
@@ -36,7 +36,7 @@ def carry_out(admission: Admission, shuts: list[Shut]) -> int:
 def test_raise_nofile_lifts_the_soft_limit_to_the_hard_one() -> None:
     # In a child, so this process's limit is left alone.
     code = (
-        "import resource; from coordd.io.limits import raise_nofile\n"
+        "import resource; from coordd.io._limits import raise_nofile\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
         "now = raise_nofile()\n"
@@ -184,7 +184,7 @@ def test_what_a_shut_connection_still_has_queued_is_recognised_by_its_socket() -
 
 
 def test_the_descriptor_watch_pauses_past_high_and_resumes_below_low() -> None:
-    from coordd.io.limits import DescriptorWatch
+    from coordd.io._limits import DescriptorWatch
 
     counts = iter([100, 500, 512, 700, 500, 256, 200, 650])
     calls: list[str] = []
@@ -211,7 +211,7 @@ def test_an_ipc_socket_paused_refuses_new_connections_and_keeps_the_open_ones(
 ) -> None:
     import zmq
 
-    from coordd.io.listen import IpcSocket
+    from coordd.io._listen import IpcSocket
 
     address = f"ipc://{tmp_path}/p.sock"
     ipc = IpcSocket.claim(address)
@@ -250,7 +250,7 @@ def test_a_tcp_listener_paused_completes_no_new_connection_and_keeps_the_open_on
     the new one gets in."""
     import zmq
 
-    from coordd.io.listen import TcpListeners
+    from coordd.io._listen import TcpListeners
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -284,7 +284,7 @@ def test_the_listener_pause_lifts_when_the_storm_ends_while_ranks_hold_descripto
     descriptors, under the pause mark (512) but over the resume mark (256). One reconnect
     burst paused the listener and it never reopened (a new rank's connect(): "coordd is not
     running there"). The marks now move up by what the ranks hold: it lifts at 278."""
-    from coordd.io.limits import DescriptorWatch
+    from coordd.io._limits import DescriptorWatch
 
     counts = iter([278, 640, 700, 500, 300, 278, 290])
     calls: list[str] = []
@@ -306,7 +306,7 @@ def test_the_listener_pause_lifts_when_the_storm_ends_while_ranks_hold_descripto
 def test_a_rank_that_connects_while_the_listener_is_paused_is_told_so(tmp_path: Path) -> None:
     """Issue 28, defect 2: the socket file moved aside while paused read as "coordd is not
     running there", sending an operator to start a second coordd."""
-    from coordd.client.transport import _diagnose
+    from coordd.client._transport import _diagnose
     from coordd.proto.address import check_address
 
     endpoint = check_address(f"ipc://{tmp_path}/coordd.sock")

@@ -11,16 +11,16 @@ import pytest
 import zmq.auth
 
 from coordd import cli
-from coordd.client.config import CLIENT_KEY_ENV, SERVER_KEY_ENV, CurveKeys, curve_keys_from_env
-from coordd.io.curve import (
+from coordd.client._config import CLIENT_KEY_ENV, SERVER_KEY_ENV, CurveKeys, curve_keys_from_env
+from coordd.io._curve import (
     SecurityConfigError,
     check_security_options,
     load_client_keys,
     load_secret_key,
     write_keypair,
 )
-from coordd.io.listen import BindError
-from coordd.io.server import prepare_ipc_path
+from coordd.io._listen import BindError
+from coordd.io._server import prepare_ipc_path
 from coordd.proto.address import default_address, runtime_dir
 from coordd.proto.keyfile import KeyFileError, is_z85, parse_key_text, read_key_file
 

@@ -8,8 +8,8 @@ import dataclasses
 import msgspec
 import pytest
 
-from coordd.client.config import ClientConfig
-from coordd.client.session import (
+from coordd.client._config import ClientConfig
+from coordd.client._session import (
     MAX_ASKED,
     SUPERSEDED,
     GroupFailed,
@@ -581,8 +581,8 @@ def test_the_default_wait_outlives_coordds_step_timeout() -> None:
     and a client whose default wait was shorter than coordd's step timeout raised "no decision
     within 60s" naming nobody before coordd's StepTimeout named the late rank. coordd's Welcome
     now says its step timeout, and a default wait outlives it."""
-    from coordd.client.config import DEFAULT_WAIT_TIMEOUT, default_wait_timeout
-    from coordd.client.session import SessionView
+    from coordd.client._config import DEFAULT_WAIT_TIMEOUT, default_wait_timeout
+    from coordd.client._session import SessionView
 
     class View(SessionView):
         def __init__(self, config: ClientConfig) -> None:

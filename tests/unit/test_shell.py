@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from coordd.core.peers import Takeovers
-from coordd.io import server as server_module
-from coordd.io.server import CoordServer
+from coordd.core._peers import Takeovers
+from coordd.io import _server as server_module
+from coordd.io._server import CoordServer
 from coordd.proto.group_state import GroupState
 from coordd.proto.messages import (
     FromCoordinator,

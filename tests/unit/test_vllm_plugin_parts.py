@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from coordd.client.vllm import DPGroupConfig, VllmAdapter  # noqa: E402
+from coordd.client.dp_coordination import DPGroupConfig, VllmAdapter  # noqa: E402
 from coordd.vllm import patches  # noqa: E402
 from coordd.vllm.exchange import Layout, ReduceOp, contribution, reduce_rows  # noqa: E402
 

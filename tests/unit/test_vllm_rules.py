@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import torch
 
-from coordd.client.vllm import (
+from coordd.client.dp_coordination import (
     BETWEEN_STATE_SYNCS,
     VLLM_DP_UTILS,
     AdapterNotBound,
@@ -510,9 +510,9 @@ def test_state_round_answers_sync_dp_state(bits: tuple[bool, ...]) -> None:
 
 
 def test_the_ubatch_rule_is_defined_once_in_proto() -> None:
-    """client.vllm's skip path and proto's policy use one `last_ubatch_empty` (it was written
+    """client.dp_coordination's skip path and proto's policy use one `last_ubatch_empty` (it was written
     twice, with its first two arguments in opposite orders); by keyword, a swap cannot pass."""
-    from coordd.client import vllm as client_vllm
+    from coordd.client import dp_coordination as client_vllm
     from coordd.proto import policy
 
     assert client_vllm.last_ubatch_empty is policy.last_ubatch_empty

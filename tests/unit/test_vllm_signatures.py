@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from coordd.client import vllm as adapter_module
-from coordd.client.vllm import DPGroupConfig, DraftBatch, VllmAdapter
+from coordd.client import dp_coordination as adapter_module
+from coordd.client.dp_coordination import DPGroupConfig, DraftBatch, VllmAdapter
 from coordd.proto.messages import StepDecision, StepKind, StepReport
 from coordd.proto.policy import decide
 

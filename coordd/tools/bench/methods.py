@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
-from coordd.client.config import ClientConfig
+from coordd.client._config import ClientConfig
 from coordd.proto.messages import StepReport
 from coordd.tools.bench.workload import (
     FIELDS,

@@ -153,8 +153,8 @@ class _LeanRanks:
     """This process's ranks: a `RankSession` and a DEALER each, one epoll over all sockets."""
 
     def __init__(self, setup: SimSetup) -> None:
-        from coordd.client.session import RankSession
-        from coordd.client.transport import open_dealer
+        from coordd.client._session import RankSession
+        from coordd.client._transport import open_dealer
 
         self.sessions = [
             RankSession(dp_rank=r, dp_size=setup.dp, config_fingerprint="coordd-bench")
@@ -180,7 +180,7 @@ class _LeanRanks:
             self.index[fd] = k
 
     def register(self, timeout: float) -> None:
-        from coordd.client.session import Registered
+        from coordd.client._session import Registered
 
         deadline = time.monotonic() + timeout
         for session, sock in zip(self.sessions, self.socks, strict=True):
@@ -213,7 +213,7 @@ class _LeanRanks:
             check = [self.index[fd] for fd, _ in self.epoll.poll(remaining)]
 
     def close(self) -> None:
-        from coordd.client.transport import close_dealer
+        from coordd.client._transport import close_dealer
 
         self.epoll.close()
         for sock, monitor in self.pairs:

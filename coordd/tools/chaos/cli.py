@@ -57,7 +57,7 @@ def parse_kinds(text: str) -> list[Fault]:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    from coordd.core.options import OptionError, count, dp_size, heartbeats, seconds
+    from coordd.core._options import OptionError, count, dp_size, heartbeats, seconds
 
     try:
         count("--seeds", args.seeds, low=1, high=100_000)

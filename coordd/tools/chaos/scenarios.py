@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from coordd.core.defaults import DEFAULT_GROUPS
-from coordd.core.registry import GroupRules
+from coordd.core._daemon_defaults import DEFAULT_GROUPS
+from coordd.core._registry import GroupRules
 from coordd.proto.messages import PROTOCOL_VERSION, StepKind
 from coordd.testing.history import Begin, Inject, Note
 from coordd.testing.scenario import Expect
@@ -447,7 +447,7 @@ class TakeoverAttempt(Scenario):
 
 
 class IdClaims(Scenario):
-    """The routing-id attack on libzmq (see coordd.io.gate), briefly, while the group runs: the
+    """The routing-id attack on libzmq (see coordd.io._gate), briefly, while the group runs: the
     claimer holds names libzmq could give (`\\x00` + 4 bytes) and makes id-less handshakes as
     fast as it can (`coordd.tools.load.claims.attack`), then says Hello from a zero-led routing
     id, which coordd must refuse (a registered name would be exempt from the stranger grace)."""

@@ -22,11 +22,11 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from coordd.client.config import ClientConfig
-from coordd.client.session import RankSession, RoundStillOpen
+from coordd.client._config import ClientConfig
+from coordd.client._session import RankSession, RoundStillOpen
 from coordd.client.sync import CoordClient
-from coordd.core.defaults import DEFAULT_HANDSHAKE_RATE, HANDSHAKE_TIMEOUT
-from coordd.io.gate import REFUSAL_DELAY, SOURCE_SHARE
+from coordd.core._daemon_defaults import DEFAULT_HANDSHAKE_RATE, HANDSHAKE_TIMEOUT
+from coordd.io._gate import REFUSAL_DELAY, SOURCE_SHARE
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
 from coordd.proto.messages import (
     Goodbye,

@@ -38,7 +38,7 @@ from types import TracebackType
 
 import zmq
 
-from coordd.client.config import curve_keys_from_env
+from coordd.client._config import curve_keys_from_env
 from coordd.client.sync import CoordClient
 from coordd.proto.messages import StepReport, encode
 from coordd.testing.process import CoorddProcess, die_with_parent

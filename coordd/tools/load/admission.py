@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from coordd.io.curve import write_keypair
+from coordd.io._curve import write_keypair
 from coordd.testing.process import CoorddProcess, die_with_parent
 from coordd.tools.load import start_load
 

@@ -1,4 +1,4 @@
-"""The slow routing-id attack on libzmq, from the attacker's side (see coordd.io.gate).
+"""The slow routing-id attack on libzmq, from the attacker's side (see coordd.io._gate).
 
 A ROUTER names a peer that sets no routing id `\\x00` + a counter, and libzmq aborts the
 process if a connection already holds that name. The attacker holds `count` such names (raw

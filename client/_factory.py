@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Protocol
 
-from coordd.client.config import ClientConfig
+from coordd.client._config import ClientConfig
 from coordd.proto.messages import StepDecision, StepKind, StepReport, Welcome
 
 if TYPE_CHECKING:

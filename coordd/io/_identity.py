@@ -40,7 +40,7 @@ by one per id-less connection, with probability (C + n) / 2**32 after n id-less 
 
 **Duplicate routing ids.** With ROUTER_HANDOVER off, a second connection that presents a live
 routing id (a peer's own id twice, or a leaked one) is kept by libzmq as an "anonymous pipe" that
-coordd never reads; what it sends is queued there, unbounded (RCVHWM 0, see `coordd.io.server`),
+coordd never reads; what it sends is queued there, unbounded (RCVHWM 0, see `coordd.io._server`),
 until the connection closes. The two libzmq settings that would avoid it abort coordd instead
 (libzmq 4.3.5; the first measured against coordd with handover turned on, by
 tests/integration/test_routing_ids.py, the second on a bare ROUTER):
@@ -70,7 +70,7 @@ connection (coordd cannot read it, and never learns its routing id):
   was tried: it also cut honest clients whose Hello was still in flight, such as another rank
   of the same host, and made such connect() calls time out.)
 - A peer's own id twice, or a leaked one, from elsewhere: the connection cap closes the oldest
-  connections that hold no rank (`coordd.io.limits`); a guard on coordd's memory is the other
+  connections that hold no rank (`coordd.io._limits`); a guard on coordd's memory is the other
   lever.
 """
 
@@ -155,7 +155,7 @@ def new_router(context: zmq.Context) -> zmq.Socket:
     if expected is None or got != b"\x00" + expected.to_bytes(4, "big"):
         log.warning(
             "libzmq's automatic routing ids do not start from coordd's seed (%s): a peer that "
-            "predicts the next one can make libzmq abort coordd (see coordd.io.identity)",
+            "predicts the next one can make libzmq abort coordd (see coordd.io._identity)",
             "no C library rand()" if expected is None else "this libzmq draws them otherwise",
         )
     return sock

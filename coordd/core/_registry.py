@@ -17,12 +17,12 @@ The rules:
 - `--max-groups` bounds the groups admitted by a pattern; an exactly named group always gets
   a slot (a group without members is dropped first to make room);
 - a routing id that starts with a zero byte (libzmq's own names, or a peer imitating one)
-  never registers (`coordd.io.gate` says why);
+  never registers (`coordd.io._gate` says why);
 - a message from a routing id counts only if it came over the descriptor its Hello came in
   on, while that connection is open (`speaks_for`; a rank is the connection that registered
   it);
 - with CURVE keys bound to ranks or groups, a connection may register only as a rank of a
-  group its key is bound to (`key_refusal`; `coordd.core.grants`);
+  group its key is bound to (`key_refusal`; `coordd.core._grants`);
 - a client belongs to one group: a member of one cannot register with another;
 - the peer map is bounded: a peer that left (and holds no rank, and no round of its group is
   open) is forgotten past 2 * dp * groups + 256 entries.
@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Generic, Protocol, TypeVar
 
-from coordd.core.defaults import DEFAULT_GROUPS
-from coordd.core.peers import Takeovers
+from coordd.core._daemon_defaults import DEFAULT_GROUPS
+from coordd.core._peers import Takeovers
 from coordd.proto.coordinator import Coordinator, Send
 from coordd.proto.errors import Rejected
+from coordd.proto.membership import check_basics
 from coordd.proto.messages import Hello, Reject, RejectReason, ToCoordinator
-from coordd.proto.registration import check_basics
 from coordd.proto.snapshot import OnRankLoss
 
 #: Longest group name; names are printable and hold no whitespace (they are metric labels and
@@ -203,7 +203,7 @@ class Registry(Generic[G]):
         #: Attempts to speak for a rank over a connection that did not register it.
         self.takeovers = takeovers or Takeovers()
         #: With CURVE keys bound to ranks or groups: why a connection's key may not register as
-        #: a rank of a group, or None (`coordd.io.curve.CurveGate.key_refusal`).
+        #: a rank of a group, or None (`coordd.io._curve.CurveGate.key_refusal`).
         self.key_refusal: Callable[[str, str, int], str | None] | None = None
         self.groups: dict[str, G] = {}
         # The maps below are changed in place, never replaced: the shell's drain holds them.
@@ -295,7 +295,7 @@ class Registry(Generic[G]):
         ranks."""
         if peer[:1] == b"\x00":
             # libzmq's name for a peer that set none, or a peer imitating one: never a rank,
-            # and never exempt from the stranger grace (coordd.io.gate says why)
+            # and never exempt from the stranger grace (coordd.io._gate says why)
             error = Rejected(
                 RejectReason.ROUTING_ID.value,
                 "this connection set no routing id of its own (or one that starts with a zero "
@@ -530,7 +530,7 @@ class Registry(Generic[G]):
     def evictable_fds(self) -> list[int]:
         """The descriptors of members of groups that only a pattern admitted (no exact name in
         --groups or --expect-groups), newest group first: what goes first when members crowd
-        the connection cap (`coordd.core.admission.Admission.enforce`)."""
+        the connection cap (`coordd.core._admission.Admission.enforce`)."""
         exact = self.rules.exact
         fds: list[int] = []
         for group in reversed(list(self.groups.values())):

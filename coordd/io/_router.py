@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import zmq
 
-from coordd.core import defaults
-from coordd.core.handshake import IPV4_PREFIX, HandshakeRate
-from coordd.io import limits
-from coordd.io.gate import ZAP_DOMAIN, HandshakeGate
-from coordd.io.identity import new_router
-from coordd.io.listen import (
+from coordd.core import _daemon_defaults as defaults
+from coordd.core._handshake import IPV4_PREFIX, HandshakeRate
+from coordd.io import _limits as limits
+from coordd.io._gate import ZAP_DOMAIN, HandshakeGate
+from coordd.io._identity import new_router
+from coordd.io._listen import (
     BindError,
     IpcSocket,
     TcpListeners,
@@ -29,7 +29,7 @@ _NOBLOCK_INT = int(zmq.NOBLOCK)
 
 
 def prepare_ipc_path(address: str, mode: int = 0o600) -> IpcSocket | None:
-    """For ipc://, claim the path (`coordd.io.listen.IpcSocket`: the directory, the lock beside
+    """For ipc://, claim the path (`coordd.io._listen.IpcSocket`: the directory, the lock beside
     the socket, a stale socket removed); None for tcp. `BindError` if coordd may not."""
     return IpcSocket.claim(address, mode)
 
@@ -79,13 +79,13 @@ def open_router(
     endpoint = check_bind(address)
     ipc = prepare_ipc_path(address, ipc_mode)
     # Its automatic routing ids start from a secret (a peer that held the next one could
-    # make libzmq abort coordd; see coordd.io.identity.new_router).
+    # make libzmq abort coordd; see coordd.io._identity.new_router).
     sock = new_router(context)
     if endpoint.ipv6:
         sock.setsockopt(zmq.IPV6, 1)
     # Off: while a connection holds a routing id, libzmq drops a second connection that
     # presents it (on, the newcomer took the id over, and with it a rank's decisions); a
-    # rank is the connection that registered it (see coordd.io.identity). On, it also lets any
+    # rank is the connection that registered it (see coordd.io._identity). On, it also lets any
     # peer abort coordd with its own id twice (libzmq #4841's path, measured in
     # tests/integration/test_routing_ids.py).
     sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
@@ -110,10 +110,10 @@ def open_router(
     # socket that sends nothing) is closed after this, freeing its descriptor.
     sock.setsockopt(zmq.HANDSHAKE_IVL, int(defaults.HANDSHAKE_TIMEOUT * 1000))
     # Under memory pressure or over the handshake rate, new connections are refused in
-    # their handshake (see coordd.io.gate).
+    # their handshake (see coordd.io._gate).
     gate = HandshakeGate.start(context) if gated else None
     if gate is not None:
-        # refusals held at once: each holds a descriptor (see coordd.io.gate.MAX_STALLED)
+        # refusals held at once: each holds a descriptor (see coordd.io._gate.MAX_STALLED)
         gate.max_stalled = max(16, max_connections // 4)
         sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         if max_handshake_rate:

@@ -16,7 +16,7 @@ import time
 
 import zmq
 
-from coordd.client.config import (
+from coordd.client._config import (
     CLIENT_KEY_ENV,
     SERVER_KEY_ENV,
     ClientConfig,
@@ -193,7 +193,7 @@ class RankConnection:
 
     def send(self, data: bytes) -> bool:
         """Queue `data` without blocking; False if there is no pipe to queue it on. (A shell
-        that watches the descriptor reads through `coordd.client.edge` instead.)"""
+        that watches the descriptor reads through `coordd.client._edge` instead.)"""
         try:
             self.socket.send(data, _NOBLOCK)
         except zmq.Again:

@@ -14,7 +14,7 @@ The rules, the same for every shell:
 - `connect()` opens a new registration: rounds of the old one that are still unanswered get
   `CoordinatorUnavailable("superseded by connect()")`, and their uncollected answers are
   dropped. Until the `Welcome`, a disconnect means nothing here (the shell sends the same
-  `Hello` again over a new connection, in the same registration: `coordd.client.registration`);
+  `Hello` again over a new connection, in the same registration: `coordd.client._registration`);
   a refused or unanswered `Hello` fails the session with its error.
 - Every answer is checked against the round this rank asked (`InvalidAnswer` says what did not
   fit): its epoch and seq; a decision against the report this rank sent
@@ -39,7 +39,7 @@ from typing import Any, overload
 
 import msgspec
 
-from coordd.client.config import ClientConfig, default_wait_timeout
+from coordd.client._config import ClientConfig, default_wait_timeout
 from coordd.proto.errors import (
     UNAVAILABLE_HINTS,
     CoordError,
@@ -191,7 +191,7 @@ class RankSession:
     def identity(self) -> bytes:
         """The ZeroMQ routing id of this client's connection: 128 random bits, not derived from
         the rank or the incarnation, never shown by coordd (with ROUTER_HANDOVER off, coordd
-        drops a second connection that presents it while this one lives; see coordd.io.identity).
+        drops a second connection that presents it while this one lives; see coordd.io._identity).
         Made once per session: a client keeps its one DEALER across connect()."""
         if self._identity is None:
             self._identity = secrets.token_urlsafe(16).encode("ascii")

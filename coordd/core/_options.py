@@ -69,7 +69,7 @@ def heartbeats(interval: float, timeout: float, prefix: str = "--heartbeat") -> 
 def rss_mb(value: int) -> int:
     """`--max-rss-mb`: 0 (off) or MIN_RSS_MB..MAX_RSS_MB (below MIN_RSS_MB a quiet coordd is
     already over it, and every connecting rank would be closed)."""
-    from coordd.core.defaults import MAX_RSS_MB, MIN_RSS_MB
+    from coordd.core._daemon_defaults import MAX_RSS_MB, MIN_RSS_MB
 
     if type(value) is int and (value == 0 or MIN_RSS_MB <= value <= MAX_RSS_MB):
         return value
@@ -94,7 +94,7 @@ def handshake_rate(value: float) -> float:
 
 def group_patterns(patterns: list[str]) -> list[str]:
     """`--groups`: at least one name or pattern, each one a valid group name."""
-    from coordd.core.registry import MAX_GROUP_NAME, group_name_problem, shown
+    from coordd.core._registry import MAX_GROUP_NAME, group_name_problem, shown
 
     if not patterns:
         raise OptionError("--groups must name at least one group (or pattern; '*': any)")
@@ -110,7 +110,7 @@ def group_patterns(patterns: list[str]) -> list[str]:
 
 def expected_groups(value: object, groups: list[str], max_groups: int) -> None:
     """`--expect-groups`: a count in 0..--max-groups, or names --groups admits."""
-    from coordd.core.registry import GroupRules, group_name_problem, shown
+    from coordd.core._registry import GroupRules, group_name_problem, shown
 
     if type(value) is int:
         if not 0 <= value <= max_groups:

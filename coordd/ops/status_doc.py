@@ -14,8 +14,8 @@ import os
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from coordd.core.defaults import STATUS_RANK_ROWS
-from coordd.core.peers import peer_label
+from coordd.core._daemon_defaults import STATUS_RANK_ROWS
+from coordd.core._peers import peer_label
 from coordd.proto.coordinator import LEFT_THE_GROUP
 from coordd.proto.messages import PROTOCOL_VERSION, FailReason, StepFailed
 from coordd.proto.snapshot import GroupSnapshot, OnRankLoss

@@ -433,7 +433,7 @@ class VllmAdapter:
 
         `client_factory(address, dp_rank=, dp_size=, config_fingerprint=, num_ubatches=,
         **client_kwargs)` builds the client: `CoordClient` by default; the path-choosing
-        factory (`coordd.client.factory.connect_coordinator`) takes the same arguments.
+        factory (`coordd.client._factory.connect_coordinator`) takes the same arguments.
         """
         if config.data_parallel_size == 1:
             return cls(config, None, dp_rank=dp_rank, as_tensor=as_tensor)
@@ -653,7 +653,8 @@ def bind(adapter: VllmAdapter | None) -> None:
 def bound() -> VllmAdapter:
     if _bound is None:
         raise AdapterNotBound(
-            "no adapter bound: call coordd.client.vllm.bind(VllmAdapter.connect(config, dp_rank)) "
+            "no adapter bound: call coordd.client.dp_coordination.bind("
+            "VllmAdapter.connect(config, dp_rank)) "
             "once per rank process, or pass adapter="
         )
     return _bound

@@ -2,7 +2,7 @@
 
 A tcp bind is refused unless CURVE is configured (coordd's secret key and the public keys of
 the clients it admits) or `--insecure` is given. With CURVE, libzmq encrypts every connection
-and asks a ZAP handler (`coordd.io.gate.HandshakeGate`, in its own thread, once per connection
+and asks a ZAP handler (`coordd.io._gate.HandshakeGate`, in its own thread, once per connection
 handshake, never per message) whether the client's public key is one coordd was given (the
 same handler refuses handshakes while coordd is over its memory budget);
 `ZAP_ENFORCE_DOMAIN` makes the socket refuse every client if that handler were missing.
@@ -26,9 +26,9 @@ from typing import Any
 
 import zmq
 
-from coordd.core import logs
-from coordd.core.bounds import Throttle
-from coordd.core.grants import ANY, Grant, refusal, split_entry
+from coordd.core import _logs as logs
+from coordd.core._bounds import Throttle
+from coordd.core._grants import ANY, Grant, refusal, split_entry
 from coordd.proto.keyfile import KeyFileError, read_key_file
 
 log = logging.getLogger("coordd")
@@ -191,7 +191,7 @@ def _key_files(path: str) -> list[str]:
 
 
 def load_grants(entries: Sequence[str]) -> dict[bytes, frozenset[Grant]]:
-    """Each admitted client key (z85) -> what it may register as (`coordd.core.grants`): with
+    """Each admitted client key (z85) -> what it may register as (`coordd.core._grants`): with
     one key per rank (and group), a leaked key speaks for its own rank (of its own group) only.
     A key given once without a binding may register as anything."""
     grants: dict[bytes, frozenset[Grant]] = {}
@@ -210,7 +210,7 @@ def load_grants(entries: Sequence[str]) -> dict[bytes, frozenset[Grant]]:
 
 def load_client_keys(paths: Sequence[str]) -> dict[bytes, str]:
     """Admitted client public keys (z85) -> the file each came from: each path is a key file
-    or a directory whose *.key files are read (an entry's binding head: `coordd.core.grants`)."""
+    or a directory whose *.key files are read (an entry's binding head: `coordd.core._grants`)."""
     keys: dict[bytes, str] = {}
     for entry in paths:
         path = split_entry(entry)[1]
@@ -260,7 +260,7 @@ class CurveGate:
     @classmethod
     def start(cls, context: zmq.Context, secret_key: str, client_keys: Sequence[str]) -> CurveGate:
         """Load the keys and start the authenticator on `context` (before any bind)."""
-        from coordd.io.gate import HandshakeGate
+        from coordd.io._gate import HandshakeGate
 
         public, secret = load_secret_key(secret_key)
         gate = cls(public, secret, load_client_keys(client_keys))

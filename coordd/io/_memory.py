@@ -5,7 +5,7 @@ Why (issue 11, part B): libzmq queues what a peer sends before coordd can look a
 nothing in libzmq bounds that queue without risking its abort (RCVHWM, libzmq #4841): a burst
 of garbage from many peers, or one multipart message of millions of parts (held until whole),
 grows coordd by hundreds of MB before any per-message rule sees a frame. The only lever coordd
-has is closing a connection (`coordd.io.limits`): libzmq then stops reading it and drops the
+has is closing a connection (`coordd.io._limits`): libzmq then stops reading it and drops the
 parts of a message not yet whole; the whole messages already queued are still handed to coordd,
 which drops them cheaply. glibc keeps freed memory in its arenas, so the guard then trims them
 (`malloc_trim`), which is what brings the RSS back down.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from coordd.core.logs import Aggregated
+from coordd.core._logs import Aggregated
 
 log = logging.getLogger("coordd")
 

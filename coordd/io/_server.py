@@ -17,14 +17,14 @@ thread) on every connection, so a rank that stops answering has its connection c
 monitor reports the closed connection's file descriptor, and the descriptor a rank registered
 from (the SRCFD of its Hello) names the rank, which becomes `Coordinator.peer_lost`.
 
-A rank is the connection that registered it (`coordd.io.identity`): ROUTER_HANDOVER is off, so a
+A rank is the connection that registered it (`coordd.io._identity`): ROUTER_HANDOVER is off, so a
 live connection's routing id cannot be taken over, and a message from a routing id counts only
 if it came over the descriptor its Hello came in on; routing ids are never logged or shown.
 
 What to do is decided in the sans-IO core and carried out here (in the manner of h11): the
-group registry (`coordd.core.registry`: Hello -> group, refusals, peer <-> group and
+group registry (`coordd.core._registry`: Hello -> group, refusals, peer <-> group and
 connection) returns actions (`_carry_out`), and the admission of peers that hold no rank
-(`coordd.core.admission`) returns `Shut`s, which `coordd.io.guard` carries out once the
+(`coordd.core._admission`) returns `Shut`s, which `coordd.io._guard` carries out once the
 monitor is current (`_current`): every descriptor then names a connection libzmq holds.
 """
 
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import zmq
 
-from coordd.core import defaults
-from coordd.core.admission import MEMBER_CHECK, Admission
-from coordd.core.logs import Aggregated
-from coordd.core.peers import peer_label
-from coordd.core.registry import (
+from coordd.core import _daemon_defaults as defaults
+from coordd.core._admission import MEMBER_CHECK, Admission
+from coordd.core._logs import Aggregated
+from coordd.core._peers import peer_label
+from coordd.core._registry import (
     MAX_GROUP_NAME,
     Action,
     AsStranger,
@@ -58,11 +58,11 @@ from coordd.core.registry import (
     Registry,
     group_name_problem,
 )
-from coordd.io import limits
-from coordd.io.guard import Guard, shell_counters
-from coordd.io.identity import frame_address
-from coordd.io.router import drop_parts, open_router, prepare_ipc_path
-from coordd.io.timer import Deadlines, Group
+from coordd.io import _limits as limits
+from coordd.io._deadlines import Deadlines, Group
+from coordd.io._guard import Guard, shell_counters
+from coordd.io._identity import frame_address
+from coordd.io._router import drop_parts, open_router, prepare_ipc_path
 from coordd.ops.observer import Observer, ServerEvents
 from coordd.ops.view import ShellCounters
 from coordd.proto.coordinator import Send
@@ -145,8 +145,8 @@ def _check_sizes(dp_size: int, max_groups: int, expect_groups: int | Sequence[st
 
 class CoordServer:
     """Serve every DP group on one ROUTER socket bound to `address`: the I/O shell around the
-    group registry (`coordd.core.registry`) and the admission of strangers
-    (`coordd.core.admission`). It drains the socket and the monitor, runs the one timer, and
+    group registry (`coordd.core._registry`) and the admission of strangers
+    (`coordd.core._admission`). It drains the socket and the monitor, runs the one timer, and
     carries out what those decide.
 
     Groups share `dp_size`, `step_timeout` and `on_rank_loss`; `max_groups` bounds how many
@@ -227,7 +227,7 @@ class CoordServer:
         self._sock = self._router.sock
         self._monitor = self._router.monitor
         #: Under memory pressure or over the handshake rate, new connections are refused in
-        #: their handshake (see coordd.io.gate).
+        #: their handshake (see coordd.io._gate).
         self.gate = self._router.gate
         #: The connections that hold no rank: cap, flood cut-off, grace, memory pressure.
         self.connections = Admission(
@@ -596,7 +596,7 @@ class CoordServer:
             self._send_one(peer, answer)
 
     def _on_hello(self, peer: bytes, hello: Hello, frame: zmq.Frame) -> None:
-        """Route a Hello to the group it names (`coordd.core.registry.Registry.hello`), with
+        """Route a Hello to the group it names (`coordd.core._registry.Registry.hello`), with
         the monitor read first: a closed connection's descriptor may be this one's now."""
         self._current()
         key = ""

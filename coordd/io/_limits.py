@@ -15,10 +15,10 @@ Why these exist (issue 11, part B):
 - A descriptor is only a number: libzmq can give a closed connection's number to a new one
   before coordd reads the close. So each is remembered with its socket's identity (inode) from
   its ACCEPTED event, and shut down only if it still names that socket.
-- The memory budget (`coordd.io.memory`) uses the same guard to close every stranger at once
+- The memory budget (`coordd.io._memory`) uses the same guard to close every stranger at once
   and to refuse new connections while coordd's RSS is over `--max-rss-mb`.
 
-The decisions (which connection, when) are `coordd.core.admission.Admission`'s, pure; what
+The decisions (which connection, when) are `coordd.core._admission.Admission`'s, pure; what
 needs the OS is here: a descriptor's socket identity, the pid at the other end, `shutdown(2)`.
 """
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 from typing import Protocol
 
-from coordd.client.session import GroupFailed, RankSession
+from coordd.client._session import GroupFailed, RankSession
 from coordd.proto.errors import CoordError, CoordinatorUnavailable
 from coordd.proto.messages import Hello, Welcome, encode
 

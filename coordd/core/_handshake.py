@@ -1,5 +1,5 @@
 """The handshake rate (`--max-handshake-rate`) and the arithmetic behind it, pure: the time
-is passed in. `coordd.io.gate` says why coordd bounds handshakes and asks this in its ZAP
+is passed in. `coordd.io._gate` says why coordd bounds handshakes and asks this in its ZAP
 handler."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from coordd.core.bounds import BoundedMap, TokenBucket
-from coordd.core.defaults import DEFAULT_HANDSHAKE_IPV4_PREFIX
+from coordd.core._bounds import BoundedMap, TokenBucket
+from coordd.core._daemon_defaults import DEFAULT_HANDSHAKE_IPV4_PREFIX
 
 #: One source's share of that rate, and of the burst (at least MIN_SOURCE_BURST): one fresh
 #: source took the whole shared burst in its first second, leaving the others the refill.

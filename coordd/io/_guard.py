@@ -1,5 +1,5 @@
-"""The shell side of admission (`coordd.core.admission`): it carries out the `Shut`s the core
-decides (`shutdown(2)` through `coordd.io.limits`, only where the descriptor still names its
+"""The shell side of admission (`coordd.core._admission`): it carries out the `Shut`s the core
+decides (`shutdown(2)` through `coordd.io._limits`, only where the descriptor still names its
 socket), runs the stranger-grace timer and the memory watch, and writes the aggregated log
 lines. Every decision that names descriptors goes through `act`, which first has the server
 make its monitor current (`current`): the one place that rule is kept."""
@@ -11,17 +11,18 @@ import logging
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING
 
-from coordd.core import defaults
-from coordd.core.admission import FLOOD, Admission, Shut
-from coordd.core.logs import Aggregated
-from coordd.core.peers import peer_label
-from coordd.io import limits, memory
-from coordd.io.gate import HandshakeGate
-from coordd.io.timer import Group
+from coordd.core import _daemon_defaults as defaults
+from coordd.core._admission import FLOOD, Admission, Shut
+from coordd.core._logs import Aggregated
+from coordd.core._peers import peer_label
+from coordd.io import _limits as limits
+from coordd.io import _memory as memory
+from coordd.io._deadlines import Group
+from coordd.io._gate import HandshakeGate
 from coordd.ops.view import ShellCounters
 
 if TYPE_CHECKING:
-    from coordd.io.server import ServerStats
+    from coordd.io._server import ServerStats
 
 log = logging.getLogger("coordd")
 
@@ -51,7 +52,7 @@ class Guard:
         self._backlog = backlog
         self._shutdown = shutdown
         #: A connection that said no Hello this long after it was accepted is shut down (0:
-        #: never); see coordd.io.gate for why.
+        #: never); see coordd.io._gate for why.
         self.stranger_grace = stranger_grace
         self._grace_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -184,7 +185,7 @@ class Guard:
             )
 
     def _memory_pressure(self, on: bool) -> int:
-        """Over the memory budget (coordd.io.memory): refuse new connections (the one flag,
+        """Over the memory budget (coordd.io._memory): refuse new connections (the one flag,
         which the ZAP gate reads too) and close every one that holds no rank. How many were
         closed (0 with events still queued: the next check tries again)."""
         self.admission.pressure.on = on

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from coordd.core.bounds import Throttle
+from coordd.core._bounds import Throttle
 
 LOG_FORMATS = ("text", "json")
 

@@ -8,8 +8,8 @@ import logging
 import secrets
 from collections import Counter
 
-from coordd.core import logs
-from coordd.core.bounds import Throttle
+from coordd.core import _logs as logs
+from coordd.core._bounds import Throttle
 
 log = logging.getLogger("coordd")
 

@@ -1,5 +1,5 @@
 """What a CURVE client key may register as: a group (name or fnmatch pattern) and a dp_rank,
-either one open. Pure: the key files are read in `coordd.io.curve`; the registry asks
+either one open. Pure: the key files are read in `coordd.io._curve`; the registry asks
 `refusal` at each Hello.
 
 A `--curve-client-keys` entry binds its keys with a head before `=`: `N=PATH` (dp_rank N, any

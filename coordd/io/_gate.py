@@ -5,22 +5,22 @@ single message from it, so the handshake is the cheapest place to say no. coordd
 says no for three reasons:
 
 - an unknown CURVE client key (status 400: the client fails at once; the key will not change);
-- memory pressure (`coordd.io.memory`; status 300: the client's handshake stalls until coordd's
+- memory pressure (`coordd.io._memory`; status 300: the client's handshake stalls until coordd's
   HANDSHAKE_IVL, then it reconnects and is let in once the pressure is over); with a rate, a
   quiet source (a rank's process) is still let in within it, as the pressure may be the
   attack's own handshakes in flight;
-- too many handshakes (`coordd.core.handshake.HandshakeRate`; status 300 too).
+- too many handshakes (`coordd.core._handshake.HandshakeRate`; status 300 too).
 
 Why a handshake rate (issue 11): a ROUTER names a connection that brings no routing id
 `\\x00` + a 32-bit counter, and libzmq aborts the process if that name is already held by a
 connection that chose it (`Assertion failed: ok`, socket_base.cpp:2113, libzmq 4.3.5). The
-counter starts from a secret (`coordd.io.identity.new_router`), but a peer holding C chosen names
+counter starts from a secret (`coordd.io._identity.new_router`), but a peer holding C chosen names
 spread over the 2^32 values while it makes id-less connections at a rate `a` hits one in
 2^32 / (C * a) seconds on average. coordd cannot refuse a chosen name (it never sees it before
 the peer sends, and a name held silently never sends), so both factors are bounded instead:
 
 - `a` by this rate: every id-less connection is one admitted handshake;
-- C by the stranger grace (`coordd.core.admission.Admission.expire`): a connection that has
+- C by the stranger grace (`coordd.core._admission.Admission.expire`): a connection that has
   said no Hello STRANGER_GRACE seconds after it was accepted is shut down, so every held name
   costs an admitted handshake per grace period, from the same budget.
 
@@ -38,7 +38,7 @@ count: no exempt connection holds a name the counter can reach.
 Sources are a tcp peer's IP address and an ipc peer's process (libzmq gives the ZAP handler
 `localhost:uid:gid:pid` there). A source over its share is refused without spending the shared
 budget, so one busy source does not keep the others out. A tcp source is also charged to its
-group (`coordd.core.handshake.source_group`), which gets half the rate: with CURVE its client
+group (`coordd.core._handshake.source_group`), which gets half the rate: with CURVE its client
 key (checked first: an unknown key is refused 400 and spends nothing, so a known key's
 handshake never waits behind a stranger's), else every loopback address together, an IPv4
 address's /24 (`--handshake-ipv4-prefix`) or an IPv6 address's /64; so many addresses of one
@@ -62,9 +62,9 @@ from collections.abc import Callable
 import zmq
 from zmq.utils import z85
 
-from coordd.core.admission import Pressure
-from coordd.core.handshake import SOURCE_SHARE as SOURCE_SHARE  # `coordd serve --help` shows it
-from coordd.core.handshake import HandshakeRate
+from coordd.core._admission import Pressure
+from coordd.core._handshake import SOURCE_SHARE as SOURCE_SHARE  # `coordd serve --help` shows it
+from coordd.core._handshake import HandshakeRate
 
 log = logging.getLogger("coordd")
 
@@ -157,9 +157,9 @@ class HandshakeGate:
         self.hurried = 0
         self.max_stalled = MAX_STALLED
         #: ipc handshakes admitted, (process id, when), for admission's spares
-        #: (`coordd.core.admission.Admission.handshakes`; deque appends are thread-safe)
+        #: (`coordd.core._admission.Admission.handshakes`; deque appends are thread-safe)
         self.handshakes: deque[tuple[int, float]] | None = None
-        #: told of every handshake (the descriptor watch: `coordd.io.limits.DescriptorWatch`)
+        #: told of every handshake (the descriptor watch: `coordd.io._limits.DescriptorWatch`)
         self.on_handshake: Callable[[], None] | None = None
         #: addresses whose connection registered a rank (the loop appends, this thread takes
         #: them into the rate: `HandshakeRate.earn`; deque appends are thread-safe)

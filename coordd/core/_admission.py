@@ -1,10 +1,10 @@
 """Admission of the peers that hold no rank, pure: the time is passed in, and what needs the
 OS (a descriptor's socket identity, the pid at the other end of a unix socket) is asked of
-small callables (`coordd.io.limits` gives the real ones). Decisions come back as `Shut`
+small callables (`coordd.io._limits` gives the real ones). Decisions come back as `Shut`
 actions that the shell carries out (`shutdown(2)` on libzmq's descriptor, only if it still
 names the socket `ident`) and reports back with `done`.
 
-The rules (`coordd.io.limits` says why each exists):
+The rules (`coordd.io._limits` says why each exists):
 
 - Open connections are known by descriptor, oldest first, each with its socket's identity
   when its ACCEPTED event was read; over `cap`, the oldest that holds no registered rank is
@@ -49,8 +49,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from coordd.core.bounds import BoundedMap, TokenBucket
-from coordd.core.defaults import BAN_SECONDS, HANDSHAKE_TIMEOUT
+from coordd.core._bounds import BoundedMap, TokenBucket
+from coordd.core._daemon_defaults import BAN_SECONDS, HANDSHAKE_TIMEOUT
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, ProtocolError
 from coordd.proto.messages import (
     Goodbye,
@@ -84,7 +84,7 @@ MAX_TRACKED = 4096
 #: 2 s, a rank's connection was shed while the 16-process attack's ZAP queue held its
 #: handshake 2-5 s, and its connect() failed. A process that comes back after this long is
 #: quiet again: a rank's fresh process is refused its first handshake under pressure (quiet
-#: is earned at the gate: `coordd.core.handshake.EARN_WAIT`) and tries again 1.1 s or more
+#: is earned at the gate: `coordd.core._handshake.EARN_WAIT`) and tries again 1.1 s or more
 #: later (the refusal is answered 1 s late); at 5 s it was shut here as busy at every retry.
 #: An attacker that keeps reconnecting (every 100 ms) stays busy.
 QUIET_PROCESS = 1.0

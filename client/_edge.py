@@ -13,7 +13,7 @@ during a send waits unread until some later frame happens to wake the loop (or f
   `drain` returns True then, and the descriptor will not remind it.
 
 Only pyzmq is used here, never the rest of the client: the daemon's ROUTER follows the same rule
-(coordd.io.server's drain and its resume at the next turn).
+(coordd.io._server's drain and its resume at the next turn).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ DEFAULT_MAX_HTTP_CONNECTIONS = 64
 #: A connection that has not finished its ZMTP (or CURVE) handshake within this is closed.
 HANDSHAKE_TIMEOUT = 5.0
 #: A connection that has not said Hello this long after it was accepted is shut down: a
-#: routing id held by a silent peer is what can make libzmq abort coordd (see coordd.io.gate).
+#: routing id held by a silent peer is what can make libzmq abort coordd (see coordd.io._gate).
 STRANGER_GRACE = 5.0
 #: Per-peer outbound queue (messages). A registered rank reads its decision every round; one
 #: that falls this far behind is broken, and a peer that never reads costs no more than this.
@@ -51,7 +51,7 @@ BAN_SECONDS = 10.0
 #: Handshakes admitted a second, from all peers together (`--max-handshake-rate`).
 DEFAULT_HANDSHAKE_RATE = 20.0
 #: A tcp peer's IPv4 address is charged to its /N's group of the rate, which gets half of it
-#: (`--handshake-ipv4-prefix`; see coordd.core.handshake.source_group).
+#: (`--handshake-ipv4-prefix`; see coordd.core._handshake.source_group).
 DEFAULT_HANDSHAKE_IPV4_PREFIX = 24
 #: The memory budget, MB (`--max-rss-mb`). The target is 100 MB; a flood adds 5-20 MB between
 #: reaching the budget and the guard's action (a check, the monitor read, the handshakes

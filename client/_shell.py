@@ -10,10 +10,10 @@ from typing import Any
 
 import zmq
 
-from coordd.client.config import ClientConfig
-from coordd.client.registration import Registration
-from coordd.client.session import RankSession, SessionView
-from coordd.client.transport import RankConnection
+from coordd.client._config import ClientConfig
+from coordd.client._registration import Registration
+from coordd.client._session import RankSession, SessionView
+from coordd.client._transport import RankConnection
 from coordd.proto.errors import CoordinatorUnavailable
 from coordd.proto.messages import Hello
 
@@ -55,7 +55,7 @@ class ClientShell(SessionView):
 
         libzmq reconnects a dropped DEALER under its old routing id. When only this side of
         the connection died (a path that failed one way), coordd still holds the old
-        connection under that id and, with ROUTER_HANDOVER off (see coordd.io.identity), never
+        connection under that id and, with ROUTER_HANDOVER off (see coordd.io._identity), never
         reads the new one: every connect() would go unanswered. A fresh id is read at once;
         until coordd notices the old connection gone, the Hello is refused `rank_taken`."""
         if not self.connection.dropped:
