@@ -170,6 +170,37 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         "ipc://$XDG_RUNTIME_DIR/coordd/coordd.sock, else /tmp/coordd-$UID/coordd.sock)",
     )
     p.add_argument(
+        "--relay-to",
+        default=_env("relay_to", None),
+        help="run as a relay: serve this node's ranks at --bind and speak for all of them to "
+        "the root coordd at this address (tcp://ROOT:PORT), one message per round (default: "
+        "none, this coordd decides)",
+    )
+    p.add_argument(
+        "--relay-ranks",
+        default=_env("relay_ranks", None),
+        help="with --relay-to: the DP ranks this node serves, like 0-7 or 0,2,4 (required "
+        "with --relay-to)",
+    )
+    p.add_argument(
+        "--relay-name",
+        default=_env("relay_name", ""),
+        help="with --relay-to: the relay's name in the root's errors and logs (default: the "
+        "host name)",
+    )
+    p.add_argument(
+        "--relay-curve-server-key",
+        default=_env("relay_curve_server_key", None),
+        help="with --relay-to over tcp: the root's public key file, and this relay's own key "
+        "pair from --relay-curve-key (default: none; then tcp needs --insecure)",
+    )
+    p.add_argument(
+        "--relay-curve-key",
+        default=_env("relay_curve_key", None),
+        help="with --relay-curve-server-key: this relay's secret key file (coordd keygen), "
+        "which the root binds to the ranks it may speak for (default: none)",
+    )
+    p.add_argument(
         "--ipc-mode",
         choices=["600", "660"],
         default=_env("ipc_mode", "600"),
@@ -474,6 +505,8 @@ def serve(args: argparse.Namespace) -> int:
             server.curve_refused = lambda: gate.refused
             if gate.binds:
                 server.registry.key_refusal = gate.key_refusal
+                server.relays.key_refusal = gate.key_refusal
+        relay = _relay(args, server, context)
 
         async def main() -> None:
             stop = asyncio.Event()
@@ -505,9 +538,13 @@ def serve(args: argparse.Namespace) -> int:
             print(f"coordd ready on {server.bound_address}", flush=True)
             if endpoints.url:
                 print(f"coordd metrics on {endpoints.url}", flush=True)
+            if relay is not None:
+                relay.start(loop)
             try:
                 await server.serve(stop)
             finally:
+                if relay is not None:
+                    relay.close()
                 await endpoints.close()
 
         _run(main)
@@ -516,6 +553,46 @@ def serve(args: argparse.Namespace) -> int:
             gate.stop()
     stopped(log, {name: group.observer.decided for name, group in server.groups.items()})
     return 0
+
+
+def _relay(args: argparse.Namespace, server: Any, context: Any) -> Any:
+    """With --relay-to: the connection to the root (`coordd.io._relay.Relay`), else None."""
+    if not args.relay_to:
+        return None
+    from coordd.io._relay import Relay
+    from coordd.proto.relay import parse_ranks
+
+    if not args.relay_ranks:
+        raise SystemExit("coordd: --relay-to needs --relay-ranks: the DP ranks this node serves")
+    try:
+        ranks = parse_ranks(args.relay_ranks)
+    except ValueError as exc:
+        raise SystemExit(f"coordd: --relay-ranks {args.relay_ranks}: {exc}") from None
+    if max(ranks) >= args.dp:
+        raise SystemExit(f"coordd: --relay-ranks {args.relay_ranks}: ranks are 0..{args.dp - 1}")
+    configure = None
+    if args.relay_curve_server_key:
+        from coordd.io._curve import SecurityConfigError, relay_curve_client
+
+        try:
+            configure = relay_curve_client(args.relay_curve_server_key, args.relay_curve_key)
+        except SecurityConfigError as exc:
+            raise SystemExit(f"coordd: {exc}") from None
+    elif args.relay_to.startswith("tcp://") and not args.insecure:
+        raise SystemExit(
+            "coordd: --relay-to over tcp needs --relay-curve-server-key and --relay-curve-key "
+            "(or --insecure)"
+        )
+    return Relay(
+        server,
+        args.relay_to,
+        ranks,
+        context=context,
+        name=args.relay_name,
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_timeout=args.heartbeat_timeout,
+        configure_socket=configure,
+    )
 
 
 def stopped(log: logging.Logger, decided: dict[str, dict[str, int]]) -> None:

@@ -205,6 +205,9 @@ class Registry(Generic[G]):
         #: With CURVE keys bound to ranks or groups: why a connection's key may not register as
         #: a rank of a group, or None (`coordd.io._curve.CurveGate.key_refusal`).
         self.key_refusal: Callable[[str, str, int], str | None] | None = None
+        #: Builds a new group's state machine from its name and epoch (a relay's:
+        #: `coordd.proto.relay.RelayCoordinator`); None: a `Coordinator` with the settings above.
+        self.make_coordinator: Callable[[str, int], Coordinator] | None = None
         self.groups: dict[str, G] = {}
         # The maps below are changed in place, never replaced: the shell's drain holds them.
         #: The group each peer registered with (its reports go there).
@@ -444,12 +447,15 @@ class Registry(Generic[G]):
             return None
         # Epochs grow across the groups too: a report's epoch names one group's epoch at most.
         epoch = self._last_epoch = max(int(wall * 1000), self._last_epoch + 1)
-        coordinator = Coordinator(
-            self.dp_size,
-            epoch=epoch,
-            step_timeout=self.step_timeout,
-            on_rank_loss=self.on_rank_loss,
-        )
+        if self.make_coordinator is not None:
+            coordinator = self.make_coordinator(name, epoch)
+        else:
+            coordinator = Coordinator(
+                self.dp_size,
+                epoch=epoch,
+                step_timeout=self.step_timeout,
+                on_rank_loss=self.on_rank_loss,
+            )
         group = self._make_group(name, coordinator)
         self.groups[name] = group
         actions.append(GroupCreated(group, epoch, len(self.groups)))

@@ -35,7 +35,7 @@ import logging
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -62,6 +62,7 @@ from coordd.io import _limits as limits
 from coordd.io._deadlines import Deadlines, Group
 from coordd.io._guard import Guard, shell_counters
 from coordd.io._identity import frame_address
+from coordd.io._relay_hub import RelayHub
 from coordd.io._router import drop_parts, open_router, prepare_ipc_path
 from coordd.ops.observer import Observer, ServerEvents
 from coordd.ops.view import ShellCounters
@@ -226,13 +227,24 @@ class CoordServer:
         self.bound_address = self._router.bound_address
         self._sock = self._router.sock
         self._monitor = self._router.monitor
+        #: Relays' registrations and bundles: the groups served through relays.
+        self.relays = RelayHub(
+            self._sock,
+            dp_size=dp_size,
+            step_timeout=step_timeout,
+            max_groups=max_groups,
+            rules=self.registry.rules,
+            flat_groups=self.groups,
+            clock=clock,
+            wall=wall,
+        )
         #: Under memory pressure or over the handshake rate, new connections are refused in
         #: their handshake (see coordd.io._gate).
         self.gate = self._router.gate
         #: The connections that hold no rank: cap, flood cut-off, grace, memory pressure.
         self.connections = Admission(
             max_connections,
-            self.registry.registered_fds,
+            self._held_fds,
             ident=limits.socket_ident,
             pid=limits.peer_pid,
             now=clock(),
@@ -243,7 +255,7 @@ class CoordServer:
             self.connections,
             clock=clock,
             current=self._current,
-            introduced=lambda: self.registry.fd_peer,
+            introduced=self._introduced,
             backlog=self._backlog,
             stranger_grace=stranger_grace,
             max_rss_mb=max_rss_mb,
@@ -271,6 +283,7 @@ class CoordServer:
         self._loop.add_reader(self._sock.fileno(), self._on_frames)
         self._loop.add_reader(self._monitor.fileno(), self._drain)
         self._deadlines.loop = self._loop
+        self.relays.loop = self._loop
         for aggregated in (self._bad_frame_log, *self.events.aggregated()):
             aggregated.schedule = self._loop.call_later
         self.guard.start(self._loop)
@@ -287,6 +300,7 @@ class CoordServer:
             self._loop.remove_reader(self._sock.fileno())
             self._loop.remove_reader(self._monitor.fileno())
             self._deadlines.cancel()
+            self.relays.cancel()
             self.guard.stop()
             for group in self.groups.values():
                 self._send(group.coordinator.shutdown(), group.observer)
@@ -413,6 +427,8 @@ class CoordServer:
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
+                if peer not in peer_group and self.relays.handle(peer, frame):
+                    continue  # a relay's message (coordd.io._relay_hub)
                 if self._bad_frame(peer, str(exc), frame):
                     return True  # a member cut off: the next drain drops what it queued
                 continue
@@ -490,6 +506,8 @@ class CoordServer:
                     self._drain_frames()
                 self.connections.closed_fd(fd)
                 self._carry_out(self.registry.closed(fd, self.clock()))
+                if fd in self.relays.fd_peer:
+                    self.relays.closed(fd)
         return seen
 
     def _current(self) -> bool:
@@ -599,6 +617,9 @@ class CoordServer:
         """Route a Hello to the group it names (`coordd.core._registry.Registry.hello`), with
         the monitor read first: a closed connection's descriptor may be this one's now."""
         self._current()
+        if self.relays.holds(hello.group):
+            self._send_one(peer, reject_message(self.relays.flat_refusal(hello.group)))
+            return
         key = ""
         if self.registry.key_refusal is not None:
             try:
@@ -615,6 +636,16 @@ class CoordServer:
         if gate is not None and address and self.registry.member(peer, fd) is not None:
             # its process (ipc) or address (tcp) registered a rank: quiet is earned
             gate.earned.append(address.encode())
+
+    def _held_fds(self) -> set[int]:
+        """Descriptors admission never shuts: registered ranks' and relays'."""
+        fds = self.registry.registered_fds()
+        return fds | self.relays.fds() if self.relays.fd_peer else fds
+
+    def _introduced(self) -> Collection[int]:
+        """Descriptors that said a Hello (a rank's or a relay's): past the stranger grace."""
+        relays = self.relays.fd_peer
+        return {**self.registry.fd_peer, **relays} if relays else self.registry.fd_peer
 
     def _backlog(self) -> bool:
         """Whether messages are queued unread (the memory guard's check, between drains)."""
