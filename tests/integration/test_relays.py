@@ -236,3 +236,72 @@ def test_a_relay_cannot_claim_another_nodes_ranks(tree: TreeProcs) -> None:
         intruder.close()
         for c in cs:
             c.close()
+
+
+@pytest.mark.timeout(90)
+def test_relays_authenticate_with_curve_and_speak_only_for_their_bound_ranks(
+    tmp_path: Path,
+) -> None:
+    """The root over tcp with CURVE: each relay's key is bound to its node's ranks; a relay
+    with node 0's key that claims ranks 2-3 is refused (`curve_key`, naming it and the
+    ranks), and the honest relays' ranks decide as ever."""
+    import subprocess
+    import sys
+
+    keys = tmp_path / "keys"
+    subprocess.run(
+        [sys.executable, "-m", "coordd", "keygen", "--dir", str(keys), "coordd", "node0", "node1"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    grants = [f"{r}={keys}/node{r // 2}.key" for r in range(DP)]
+    root = CoorddProcess(
+        DP,
+        "tcp://127.0.0.1:*",
+        ["--log-level", "warning", "--curve-secret-key", f"{keys}/coordd.key_secret",
+         "--curve-client-keys", ",".join(grants)],
+    )
+    started = [root.start()]
+
+    def relay(index: int, ranks: str, key: str) -> CoorddProcess:
+        proc = CoorddProcess(
+            DP,
+            f"ipc://{tmp_path}/relay{index}.sock",
+            ["--log-level", "warning", "--relay-to", root.address, "--relay-ranks", ranks,
+             "--relay-name", f"node{index}", "--relay-curve-server-key", f"{keys}/coordd.key",
+             "--relay-curve-key", f"{keys}/{key}.key_secret"],
+        )
+        started.append(proc)
+        return proc.start()
+
+    try:
+        relays = [relay(0, "0-1", "node0"), relay(1, "2-3", "node1")]
+        thief = relay(2, "2-3", "node0")
+        intruder = CoordClient(thief.address, dp_rank=2, dp_size=DP, config_fingerprint="it")
+        try:
+            with pytest.raises(Rejected) as refused:
+                intruder.connect(timeout=10)
+        finally:
+            intruder.close()
+        assert refused.value.reason == "curve_key", refused.value
+        assert "node2" in str(refused.value) and "[2, 3]" in str(refused.value)
+        cs = [
+            CoordClient(relays[r // 2].address, dp_rank=r, dp_size=DP, config_fingerprint="it")
+            for r in range(DP)
+        ]
+        try:
+            first, epoch = connect_all(cs)
+            done = on_every_rank(
+                list(range(DP)),
+                lambda r: cs[r].start(report_for(3, r, first), kind_for(3, first)).wait(10),
+            )
+            expected = decide([report_for(3, r, first) for r in range(DP)], epoch=epoch,
+                              seq=first, kind=kind_for(3, first))
+            assert all(d == expected for d in done.values()), done
+        finally:
+            for c in cs:
+                c.close()
+    finally:
+        for proc in started:
+            proc.stop()

@@ -1,9 +1,12 @@
-"""Scale: dp = 16 .. 256 simulated ranks, many per process, on one coordd over ipc.
+"""Scale: dp = 16 .. 1024 simulated ranks, many per process, on one coordd over ipc, and
+(with `relay_ranks`) through relays: a root coordd and one relay process per `relay_ranks`
+ranks (`coordd serve --relay-to`), each rank at its relay, flat and tree interleaved per dp.
 
 A few simulator processes (`simranks`) each run a share of the ranks: every round they send all
 of their ranks' reports, then collect all the decisions. coordd's CPU time per round comes from
 its own accounting (/proc, every thread), read by the parent around the timed rounds; its
-resident memory after them; the simulators report their own CPU the same way.
+resident memory after them; the simulators report their own CPU the same way. Through relays,
+the root's CPU is the "coordd" figure and each relay's is read the same way.
 """
 
 from __future__ import annotations
@@ -40,15 +43,28 @@ class ScaleOptions:
     rounds: int = 300
     warmup: int = 30
     seed: int = 0
+    #: Ranks per relay (0: flat only); each dp then runs flat and through dp / relay_ranks
+    #: relays, interleaved.
+    relay_ranks: int = 0
 
 
 class _Sims:
-    def __init__(self, address: str, dp: int, procs: int, client: str, seed: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        dp: int,
+        procs: int,
+        client: str,
+        seed: int,
+        rank_address: list[str] | None = None,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         for p in range(procs):
-            setup = SimSetup(address, dp, list(range(p, dp, procs)), client, seed)
+            ranks = list(range(p, dp, procs))
+            at = [rank_address[r] for r in ranks] if rank_address else []
+            setup = SimSetup(address, dp, ranks, client, seed, at)
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=sim_main, args=(child, msgspec.msgpack.encode(setup)), daemon=True
@@ -95,26 +111,71 @@ class _Sims:
             conn.close()
 
 
-def run_scale_dp(dp: int, client: str, opts: ScaleOptions, log: Any = print) -> dict[str, Any]:
+def _start_relays(
+    tmp: str, dp: int, root: str, relay_ranks: int, stack: contextlib.ExitStack
+) -> list[CoorddProcess]:
+    """One relay process per `relay_ranks` ranks (the last takes the rest), each started
+    and ready before the next; all end with `stack`."""
+    relays = []
+    for i, lo in enumerate(range(0, dp, relay_ranks)):
+        hi = min(dp, lo + relay_ranks) - 1
+        relay = CoorddProcess(
+            dp,
+            f"ipc://{tmp}/relay{i}.sock",
+            [
+                "--log-level",
+                "error",
+                "--relay-to",
+                root,
+                "--relay-ranks",
+                f"{lo}-{hi}",
+                "--relay-name",
+                f"node{i}",
+            ],
+        )
+        relays.append(relay)
+    for relay in relays:
+        stack.enter_context(relay)
+    return relays
+
+
+def run_scale_dp(
+    dp: int, client: str, opts: ScaleOptions, log: Any = print, relay_ranks: int = 0
+) -> dict[str, Any]:
     procs = max(1, min(opts.procs, dp))
+    layout = f"relays of {relay_ranks}" if relay_ranks else "flat"
     with (
         tempfile.TemporaryDirectory(prefix="coordd-bench-scale-") as tmp,
         CoorddProcess(dp, f"ipc://{tmp}/coordd.sock", ["--log-level", "error"]) as coordd,
+        contextlib.ExitStack() as stack,
     ):
-        sims = _Sims(coordd.address, dp, procs, client, opts.seed)
+        relays: list[CoorddProcess] = []
+        rank_address: list[str] | None = None
+        if relay_ranks:
+            relays = _start_relays(tmp, dp, coordd.address, relay_ranks, stack)
+            rank_address = [relays[r // relay_ranks].address for r in range(dp)]
+        sims = _Sims(coordd.address, dp, procs, client, opts.seed, rank_address)
         try:
             sims.collect(300.0, f"scale dp={dp}: connecting")
-            log(f"scale dp={dp}: {client} ranks in {procs} processes, {opts.rounds} rounds")
+            log(
+                f"scale dp={dp} {layout}: {client} ranks in {procs} processes, {opts.rounds} rounds"
+            )
             sims.send(Rounds(n=opts.warmup, check=True))
             warm = sims.collect(120.0 + opts.warmup * 1.0, f"scale dp={dp}: warm-up")
             before = procstat.sample(coordd.pid)
+            relays_before = [procstat.sample(r.pid) for r in relays]
             began = time.perf_counter()
             sims.send(Rounds(n=opts.rounds, check=False))
             timed = sims.collect(120.0 + opts.rounds * 1.0, f"scale dp={dp}: rounds")
             wall = time.perf_counter() - began
             after = procstat.sample(coordd.pid)
+            relays_after = [procstat.sample(r.pid) for r in relays]
         finally:
             sims.close()
+    relay_cpu_us = [
+        sum(procstat.cpu_delta_ns(b, a).values()) / opts.rounds / 1000.0
+        for b, a in zip(relays_before, relays_after, strict=True)
+    ]
     # A process's round spans from its first start to its last decision: the round as the
     # slowest rank of the process sees it.
     latency = [x for part in timed for x in part.latency_ns]
@@ -123,6 +184,11 @@ def run_scale_dp(dp: int, client: str, opts: ScaleOptions, log: Any = print) -> 
     return {
         "dp": dp,
         "client": client,
+        "layout": layout,
+        "relays": len(relays),
+        "relay_cpu_us_per_round": relay_cpu_us,
+        "relay_cpu_us_per_round_mean": sum(relay_cpu_us) / len(relays) if relays else 0.0,
+        "relay_rss_mb": [a.rss_bytes / 2**20 for a in relays_after],
         "procs": procs,
         "rounds": opts.rounds,
         "completed": min(part.completed for part in timed),
@@ -147,4 +213,14 @@ def run_scale_dp(dp: int, client: str, opts: ScaleOptions, log: Any = print) -> 
 
 
 def run_scale(opts: ScaleOptions, log: Any = print) -> list[dict[str, Any]]:
-    return [run_scale_dp(dp, client, opts, log) for client in opts.clients for dp in opts.dps]
+    """Every dp and client, flat and (with `relay_ranks`) through relays: the two layouts of
+    one dp run back to back, the first of them alternating from one dp to the next."""
+    rows = []
+    for client in opts.clients:
+        for i, dp in enumerate(opts.dps):
+            layouts = [0]
+            if opts.relay_ranks and dp > opts.relay_ranks:
+                layouts = [0, opts.relay_ranks] if i % 2 == 0 else [opts.relay_ranks, 0]
+            for relay_ranks in layouts:
+                rows.append(run_scale_dp(dp, client, opts, log, relay_ranks))
+    return rows
