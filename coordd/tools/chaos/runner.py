@@ -127,6 +127,8 @@ class ScenarioRun:
         self.culprit_name = ""
         self.culprit_field = ""
         self.harness_kills: set[str] = set()
+        #: Seconds a scenario's fault may take past the usual detection bound, by design.
+        self.detection_slack = 0.0
         self.deadline_kills: set[str] = set()
         self.resources: dict[str, Any] = {}
         #: More `coordd serve` flags, from the scenario's `prepare` (junk_groups: --max-groups)
@@ -419,7 +421,7 @@ class ScenarioRun:
             end_seq=self.end_seq,
             expect=self.scenario.expect,
             wait_timeout=self.settings.wait_timeout,
-            detection_bound=self.settings.detection_bound,
+            detection_bound=self.settings.detection_bound + self.detection_slack,
             harness_kills=sorted(self.harness_kills),
             culprit_field=self.culprit_field,
             skipped=skipped,
