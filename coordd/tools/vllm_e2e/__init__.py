@@ -1,14 +1,14 @@
 """End-to-end check of the vLLM plugin: stock vLLM with DP=2, with and without coordd, must
-generate the same tokens (`python -m coordd.tools.vllm_e2e`; cli.py has the whole story).
+generate the same tokens (`python -m coordd.tools.vllm_e2e`; check.py has the whole story).
 
 tiny_model.py writes the model both runs load; engines.py runs vLLM's offline DP mode, one
 process per rank; group_metrics.py reads what coordd says of the run; comparison.py sets the
-runs side by side; options.py is what a run is asked for; cli.py parses and runs the check.
+runs side by side; run_options.py is what a run is asked for; check.py parses and runs the check.
 """
 
 from __future__ import annotations
 
-from coordd.tools.vllm_e2e.cli import main, parse_args
+from coordd.tools.vllm_e2e.check import main, parse_args
 from coordd.tools.vllm_e2e.comparison import (
     STEP_NOTE,
     RankResult,
@@ -25,7 +25,7 @@ from coordd.tools.vllm_e2e.group_metrics import (
     scrape,
     wait_stopped,
 )
-from coordd.tools.vllm_e2e.options import MISMATCH, OK, UNAVAILABLE, Options, resolve_device
+from coordd.tools.vllm_e2e.run_options import MISMATCH, OK, UNAVAILABLE, Options, resolve_device
 from coordd.tools.vllm_e2e.tiny_model import PROMPTS, prompts_for, write_tiny_model
 
 __all__ = [

@@ -1,5 +1,5 @@
 import sys
 
-from coordd.tools.vllm_e2e.cli import main
+from coordd.tools.vllm_e2e.check import main
 
 sys.exit(main())

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from coordd.tools.vllm_e2e.comparison import RankResult
-from coordd.tools.vllm_e2e.options import MISMATCH, OK, Options, has_gpu
+from coordd.tools.vllm_e2e.run_options import MISMATCH, OK, Options, has_gpu
 from coordd.tools.vllm_e2e.tiny_model import prompts_for
 
 

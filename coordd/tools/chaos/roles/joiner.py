@@ -13,7 +13,7 @@ from coordd.proto.messages import Welcome
 from coordd.testing.history import Done, HistoryWriter, Inject, Refused, Registered, error_info
 from coordd.testing.rawrank import RawRank
 from coordd.tools.chaos.roles._common import client_config, now, wait_for_go, wait_for_trigger
-from coordd.tools.chaos.roles.rank import ClientDriver
+from coordd.tools.chaos.roles.rank_loop import ClientDriver
 from coordd.tools.chaos.spec import WorkerSpec
 
 

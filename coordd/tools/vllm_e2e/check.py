@@ -58,7 +58,7 @@ from coordd.tools.vllm_e2e.group_metrics import (
     scrape,
     wait_stopped,
 )
-from coordd.tools.vllm_e2e.options import MISMATCH, OK, UNAVAILABLE, Options, resolve_device
+from coordd.tools.vllm_e2e.run_options import MISMATCH, OK, UNAVAILABLE, Options, resolve_device
 from coordd.tools.vllm_e2e.tiny_model import write_tiny_model
 
 
