@@ -13,9 +13,9 @@ import os
 import pytest
 
 from coordd.tools.chaos import netns
-from coordd.tools.chaos.report import failures, summarize, table
-from coordd.tools.chaos.runner import run_suite
 from coordd.tools.chaos.spec import Fault, Settings
+from coordd.tools.chaos.suite import run_suite
+from coordd.tools.chaos.summary import failures, summarize, table
 
 SEEDS = range(int(os.environ.get("COORDD_CHAOS_SEEDS", "3")))
 SETTINGS = Settings(
