@@ -70,7 +70,12 @@ class JoinMismatch(Scenario):
 
     def bad_value(self, run: ScenarioRun) -> str:
         if self.field == "dp_size":
-            return str(run.dp + run.rng.choice([1, 2]) if run.rng.random() < 0.5 else run.dp - 1)
+            # Smaller (waits out the step timeout for the group to re-form, then is refused)
+            # only where the culprit's rank fits it; larger is over --dp, refused at once.
+            smaller = run.culprit < run.dp - 1 and run.rng.random() < 0.5
+            if smaller:
+                run.detection_slack = run.settings.step_timeout
+            return str(run.dp - 1 if smaller else run.dp + run.rng.choice([1, 2]))
         if self.field == "protocol_version":
             return str(PROTOCOL_VERSION + run.rng.choice([1, -1]))
         return f"other-config-{run.rng.getrandbits(16):04x}"
