@@ -32,6 +32,12 @@ gather site than the open round's is a `StepMismatch`, whose culprit the round's
 names: the round waits for every live rank (or the step timeout) and names the lowest rank off
 the majority (`Round.verdict`; ties go to the lowest rank's kind, as on the device path).
 
+Resize (elastic EP re-forms DP at another size): `dp_size` is coordd's `--dp`, the most ranks
+the group may have; each epoch has the size its first Hello says. A Hello at another size while
+ranks of the group stay connected waits (`_resizing`) until they have all left or been lost,
+then opens the new epoch at its size; if they are still there after the step timeout, it is
+refused with `Rejected(dp_size)` naming them (a misconfigured rank, not a re-form).
+
 Identity: a peer is a connection (the daemon binds a routing id to the connection its Hello
 came in on). After a failure the next Hello passes the same checks as the first registration,
 against the ranks still connected (`_held`): see `coordd.proto.membership.check_membership`.
@@ -56,7 +62,13 @@ from coordd.proto.errors import (
     StepTimeout,
 )
 from coordd.proto.group_state import GroupEvent, GroupState, next_state
-from coordd.proto.membership import check_basics, check_membership, rank_taken
+from coordd.proto.membership import (
+    check_basics,
+    check_membership,
+    rank_taken,
+    resize_refused,
+    resize_while_holding,
+)
 from coordd.proto.messages import (
     FromCoordinator,
     GatherReport,
@@ -89,6 +101,14 @@ class Send(NamedTuple):
     message: FromCoordinator
 
 
+class _Resize(NamedTuple):
+    """A Hello at another size, waiting for the group's ranks to leave until `deadline`."""
+
+    peer: bytes
+    hello: Hello
+    deadline: float
+
+
 class _Decided(NamedTuple):
     """The last decided round and its outcome: a rank that re-sends its report gets it again."""
 
@@ -115,6 +135,9 @@ class Coordinator:
     ) -> None:
         if dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+        #: coordd's --dp: the most ranks an epoch may have.
+        self.max_dp_size = dp_size
+        #: This epoch's size, set by the first Hello of an epoch.
         self.dp_size = dp_size
         self.step_timeout = step_timeout
         self.on_rank_loss = on_rank_loss
@@ -137,6 +160,7 @@ class Coordinator:
         self._stops = 0
         self._round: Round | None = None
         self._queued: list[tuple[bytes, Hello]] = []  # lost ranks back mid-round (elastic)
+        self._resizing: list[_Resize] = []
         self._failure: StepFailed | None = None
         self._failures = 0
         #: The group failed and has not re-formed since (no later epoch had every rank
@@ -160,7 +184,8 @@ class Coordinator:
         if type(message) is Heartbeat:
             return (Send((peer,), message),)
         if type(message) is Goodbye:
-            return self._on_goodbye(peer, now)
+            sends = self._on_goodbye(peer, now)
+            return [*sends, *self._admit_resizes(now)] if self._resizing else sends
         raise TypeError(f"not a message to the coordinator: {message!r}")
 
     def _on_goodbye(self, peer: bytes, now: float) -> Sequence[Send]:
@@ -191,6 +216,12 @@ class Coordinator:
 
     def peer_lost(self, peer: bytes, now: float, detail: str = "disconnected") -> Sequence[Send]:
         """The transport says `peer` is gone (closed, or missed heartbeats)."""
+        if not self._resizing:
+            return self._on_lost(peer, now, detail)
+        self._resizing = [w for w in self._resizing if w.peer != peer]
+        return [*self._on_lost(peer, now, detail), *self._admit_resizes(now)]
+
+    def _on_lost(self, peer: bytes, now: float, detail: str) -> Sequence[Send]:
         rank = self._peer_rank.get(peer)
         if rank is None:
             self._queued = [(p, h) for p, h in self._queued if p != peer]
@@ -240,11 +271,18 @@ class Coordinator:
 
     def next_deadline(self) -> float | None:
         """When `on_deadline` must next be called, or None."""
-        if self._round is None:
-            return None
-        return self._round.started + self.step_timeout
+        due = None if self._round is None else self._round.started + self.step_timeout
+        if self._resizing:
+            waiting = min(w.deadline for w in self._resizing)
+            due = waiting if due is None else min(due, waiting)
+        return due
 
     def on_deadline(self, now: float) -> Sequence[Send]:
+        if self._resizing and now >= min(w.deadline for w in self._resizing):
+            return [*self._refuse_resizes(now), *self._round_deadline(now)]
+        return self._round_deadline(now)
+
+    def _round_deadline(self, now: float) -> Sequence[Send]:
         rnd = self._round
         if rnd is None or now < rnd.started + self.step_timeout:
             return _NOTHING
@@ -303,6 +341,7 @@ class Coordinator:
             snap = self._snapshot = GroupSnapshot(
                 state=self._state,
                 dp_size=self.dp_size,
+                max_dp_size=self.max_dp_size,
                 on_rank_loss=self.on_rank_loss,
                 step_timeout=self.step_timeout,
                 epoch=self._epoch,
@@ -506,9 +545,13 @@ class Coordinator:
 
     # -- membership -------------------------------------------------------------------------
 
-    def _on_hello(self, peer: bytes, hello: Hello, now: float) -> Sequence[Send]:
+    def _on_hello(
+        self, peer: bytes, hello: Hello, now: float, resize_deadline: float | None = None
+    ) -> Sequence[Send]:
         try:
-            check_basics(hello, self.dp_size)
+            check_basics(hello, self.max_dp_size)
+            if hello.dp_size != self.dp_size and (self._members or self._held):
+                return self._wait_to_resize(peer, hello, now, resize_deadline)
             # The same checks before and after a failure: a rank held by a live connection (of
             # this epoch, or of a failed one that has not registered again) is taken, and the
             # group's settings are those of the ranks still connected.
@@ -523,9 +566,50 @@ class Coordinator:
             self._reform()
         elif self._state is _S.STOPPED:
             self._restart()
+        if hello.dp_size != self.dp_size:  # no rank holds the group: it forms at this size
+            self.dp_size = hello.dp_size
+            self._dead = frozenset()
+            self._members_changed()
         if hello.dp_rank in self._dead and self._state is _S.ROUND_OPEN:
             return self._queue(peer, hello)
         return self._join(peer, hello, now)
+
+    def _wait_to_resize(
+        self, peer: bytes, hello: Hello, now: float, deadline: float | None
+    ) -> Sequence[Send]:
+        """A Hello at another size while ranks hold the group: it waits for them to leave
+        (elastic EP re-forming DP), until the step timeout."""
+        held = self._peer_rank.get(peer, self._held_rank.get(peer))
+        if held is not None:
+            raise resize_while_holding(hello, held, self.dp_size)
+        if deadline is None:
+            deadline = now + self.step_timeout
+        self._resizing = [w for w in self._resizing if w.peer != peer]
+        self._resizing.append(_Resize(peer, hello, deadline))
+        return _NOTHING
+
+    def _admit_resizes(self, now: float) -> list[Send]:
+        """Once no rank holds the group, the waiting Hellos count, in the order they came."""
+        if self._members or self._held:
+            return []
+        waiting, self._resizing = self._resizing, []
+        sends: list[Send] = []
+        for peer, hello, deadline in waiting:
+            sends.extend(self._on_hello(peer, hello, now, resize_deadline=deadline))
+        return sends
+
+    def _refuse_resizes(self, now: float) -> list[Send]:
+        holders = sorted({*self._members, *self._held})
+        sends: list[Send] = []
+        kept: list[_Resize] = []
+        for waiting in self._resizing:
+            if now < waiting.deadline:
+                kept.append(waiting)
+                continue
+            error = resize_refused(waiting.hello, self.dp_size, holders, self.step_timeout)
+            sends.append(Send((waiting.peer,), reject_message(error)))
+        self._resizing = kept
+        return sends
 
     def _queue(self, peer: bytes, hello: Hello) -> Sequence[Send]:
         """Elastic: a returning rank joins at the next round boundary, never mid-round."""

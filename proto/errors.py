@@ -67,7 +67,10 @@ def _ranks(ranks: Iterable[int]) -> tuple[int, ...]:
 #: What to do next for each `RejectReason` value.
 REJECT_HINTS = {
     "version": "run the same coordd release on the ranks and the sidecar",
-    "dp_size": "check the rank's --data-parallel-size: it must equal coordd's --dp",
+    "dp_size": (
+        "check the rank's --data-parallel-size: at most coordd's --dp, and the group's size "
+        "while any of its ranks stays connected"
+    ),
     "rank_range": "check the rank's --data-parallel-rank: it must be in 0..dp_size-1",
     "rank_taken": (
         "another live process holds this dp_rank: stop it (coordd drops it once its "

@@ -6,7 +6,7 @@ Pure functions of the Hello and the current members, so the coordinator and the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from coordd.proto.errors import Rejected
 from coordd.proto.messages import PROTOCOL_VERSION, Hello, RejectReason
@@ -17,8 +17,10 @@ def _reject(reason: RejectReason, detail: str, expected: object, got: object) ->
     return Rejected(reason.value, detail, expected=str(expected), got=str(got))
 
 
-def check_basics(hello: Hello, dp_size: int) -> None:
-    """What every Hello must satisfy, whoever else is registered."""
+def check_basics(hello: Hello, max_dp_size: int) -> None:
+    """What every Hello must satisfy, whoever else is registered. `max_dp_size` is coordd's
+    `--dp`: the most ranks a group may have; a group forms at the size its Hellos say
+    (`resize_refused` for one that asks another size while the group's ranks stay)."""
     if hello.protocol_version != PROTOCOL_VERSION:
         raise _reject(
             RejectReason.VERSION,
@@ -27,18 +29,19 @@ def check_basics(hello: Hello, dp_size: int) -> None:
             PROTOCOL_VERSION,
             hello.protocol_version,
         )
-    if hello.dp_size != dp_size:
+    if not 1 <= hello.dp_size <= max_dp_size:
         raise _reject(
             RejectReason.DP_SIZE,
-            f"rank {hello.dp_rank} has dp_size={hello.dp_size}, coordd serves dp_size={dp_size}",
-            dp_size,
+            f"rank {hello.dp_rank} has dp_size={hello.dp_size}, coordd serves groups of at "
+            f"most --dp {max_dp_size} ranks",
+            f"1..{max_dp_size}",
             hello.dp_size,
         )
-    if not 0 <= hello.dp_rank < dp_size:
+    if not 0 <= hello.dp_rank < hello.dp_size:
         raise _reject(
             RejectReason.RANK_RANGE,
-            f"dp_rank {hello.dp_rank} is outside 0..{dp_size - 1}",
-            f"0..{dp_size - 1}",
+            f"dp_rank {hello.dp_rank} is outside 0..{hello.dp_size - 1}",
+            f"0..{hello.dp_size - 1}",
             hello.dp_rank,
         )
     if hello.num_ubatches < 1:
@@ -100,6 +103,30 @@ def check_membership(
                 want,
                 got,
             )
+
+
+def resize_refused(hello: Hello, dp_size: int, holders: Iterable[int], waited: float) -> Rejected:
+    """A Hello at another size than the group's, refused: the group's ranks did not leave
+    within `waited` seconds, so this is a misconfigured rank rather than the group re-forming."""
+    return _reject(
+        RejectReason.DP_SIZE,
+        f"rank {hello.dp_rank} has dp_size={hello.dp_size}, the group runs at dp_size="
+        f"{dp_size} and ranks {sorted(holders)} still hold it: a group re-forms at another size "
+        f"only once its ranks leave (waited {waited:g} s)",
+        dp_size,
+        hello.dp_size,
+    )
+
+
+def resize_while_holding(hello: Hello, rank: int, dp_size: int) -> Rejected:
+    """A connection that holds a rank asks another size: it must leave first."""
+    return _reject(
+        RejectReason.DP_SIZE,
+        f"this connection holds rank {rank} of the group at dp_size={dp_size}: close it (a "
+        f"Goodbye) and register at dp_size={hello.dp_size} over a new one",
+        dp_size,
+        hello.dp_size,
+    )
 
 
 def rank_taken(holder: Hello, hello: Hello) -> Rejected:

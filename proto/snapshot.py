@@ -38,7 +38,10 @@ class GroupSnapshot:
     happened since I last looked" by comparing them (`failures`, `decisions`)."""
 
     state: GroupState
+    #: This epoch's size (a group may re-form at another size, up to `max_dp_size`).
     dp_size: int
+    #: coordd's --dp: the most ranks an epoch of the group may have.
+    max_dp_size: int
     on_rank_loss: OnRankLoss
     step_timeout: float
     epoch: int

@@ -113,7 +113,7 @@ class Observer:
         self.view = view
         self.name = name
         first = view()
-        self.dp_size = first.dp_size
+        self.dp_size = first.max_dp_size  # the most ranks any epoch of the group may have
         self.wall = wall
         self.started_wall = wall()
         self.durations: dict[str, DurationHistogram] = {}

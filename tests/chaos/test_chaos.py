@@ -13,9 +13,9 @@ import os
 import pytest
 
 from coordd.tools.chaos import netns
-from coordd.tools.chaos.report import failures, summarize, table
-from coordd.tools.chaos.runner import run_suite
 from coordd.tools.chaos.spec import Fault, Settings
+from coordd.tools.chaos.suite import run_suite
+from coordd.tools.chaos.summary import failures, summarize, table
 
 SEEDS = range(int(os.environ.get("COORDD_CHAOS_SEEDS", "3")))
 SETTINGS = Settings(
@@ -41,8 +41,10 @@ def test_fault_is_detected_with_no_wrong_decision_and_no_hang(fault: Fault) -> N
     assert sum(r.hangs for r in results) == 0
     if SCENARIO_DETECTS[fault]:
         assert all(r.detected for r in results)
+        # A smaller dp_size waits one step timeout for the group to re-form before its refusal.
+        slack = SETTINGS.step_timeout if fault is Fault.DP_SIZE_MISMATCH else 0.0
         assert all(
-            r.ttd is not None and r.ttd <= SETTINGS.detection_bound
+            r.ttd is not None and r.ttd <= SETTINGS.detection_bound + slack
             for r in results
             if fault not in NO_DETECTION_TIME
         )

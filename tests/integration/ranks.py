@@ -14,7 +14,7 @@ import msgspec
 from coordd.client import AsyncCoordClient, CoordClient
 from coordd.proto.errors import CoordError
 from coordd.proto.messages import StepDecision, StepKind, StepReport
-from coordd.tools.chaos.workload import kind_for, report_for
+from coordd.tools.chaos.seeded_reports import kind_for, report_for
 
 
 class RoundLog(msgspec.Struct, array_like=True):

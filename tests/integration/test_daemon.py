@@ -73,7 +73,7 @@ def test_registration_is_refused_with_both_values(start_coordd, make_client: Cli
     first = make_client(coordd.address, dp_rank=0, dp_size=2, config_fingerprint="A")
     first.connect(timeout=10)
     bad = [
-        (dict(dp_rank=1, dp_size=3, config_fingerprint="A"), "dp_size", "2", "3"),
+        (dict(dp_rank=1, dp_size=3, config_fingerprint="A"), "dp_size", "1..2", "3"),
         (dict(dp_rank=5, dp_size=2, config_fingerprint="A"), "rank_range", "0..1", "5"),
         (dict(dp_rank=1, dp_size=2, config_fingerprint="B"), "fingerprint", "A", "B"),
         (dict(dp_rank=1, dp_size=2, config_fingerprint="A", num_ubatches=3), "num_ubatches",
@@ -98,11 +98,11 @@ def test_registration_is_refused_with_both_values(start_coordd, make_client: Cli
 def test_env_vars_configure_the_daemon(tmp_path, make_client: ClientMaker) -> None:
     env = {"COORDD_DP": "3", "COORDD_STEP_TIMEOUT": "0.5", "COORDD_LOG_LEVEL": "warning"}
     with CoorddProcess(None, f"ipc://{tmp_path}/c.sock", env=env) as coordd:
-        wrong = make_client(coordd.address, dp_rank=0, dp_size=2)
+        wrong = make_client(coordd.address, dp_rank=0, dp_size=4)  # over COORDD_DP
         with pytest.raises(Rejected) as info:
             wrong.connect(timeout=10)
         wrong.close()
-        assert (info.value.reason, info.value.expected) == ("dp_size", "3")
+        assert (info.value.reason, info.value.expected) == ("dp_size", "1..3")
         cs = clients(make_client, coordd.address, 3)
         try:
             with pytest.raises(StepTimeout) as timeout:

@@ -30,7 +30,7 @@ from coordd.proto.errors import CoordError, InvalidReport, Rejected, StepMismatc
 from coordd.proto.messages import StepDecision, StepKind, StepReport  # noqa: E402
 from coordd.proto.policy import decide  # noqa: E402
 from coordd.testing import CoorddProcess  # noqa: E402
-from coordd.tools.chaos.workload import kind_for, random_report  # noqa: E402
+from coordd.tools.chaos.seeded_reports import kind_for, random_report  # noqa: E402
 
 FINGERPRINT = "device-it"
 WAIT_S = 30.0

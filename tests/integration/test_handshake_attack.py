@@ -1,7 +1,7 @@
 """Issue 21, 5 with real processes: attackers that keep handshakes in flight do not keep an
 honest rank out. A real `coordd serve` with a low --max-handshake-rate, attacker processes
 (`coordd.tools.load`), and a rank whose `connect(timeout=10)` must succeed meanwhile. The full
-attack (16 processes, 10 tries) is `python -m coordd.tools.load.admission`."""
+attack (16 processes, 10 tries) is `python -m coordd.tools.load.honest_admission`."""
 
 from __future__ import annotations
 

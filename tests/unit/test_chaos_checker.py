@@ -25,8 +25,8 @@ from coordd.testing import (
     report_dict,
 )
 from coordd.tools.chaos.scenarios import SCENARIOS
+from coordd.tools.chaos.seeded_reports import kind_for, report_for
 from coordd.tools.chaos.spec import Fault, Settings
-from coordd.tools.chaos.workload import kind_for, report_for
 
 SEED = 3
 DP = 2

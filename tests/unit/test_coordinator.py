@@ -240,7 +240,7 @@ def test_random_rounds_match_the_policy(orders, values, kinds, resend) -> None: 
     [
         (1, dict(protocol_version=PROTOCOL_VERSION + 1), RejectReason.VERSION,
          str(PROTOCOL_VERSION), str(PROTOCOL_VERSION + 1)),
-        (1, dict(dp=DP * 2), RejectReason.DP_SIZE, str(DP), str(DP * 2)),
+        (1, dict(dp=DP * 2), RejectReason.DP_SIZE, f"1..{DP}", str(DP * 2)),
         (DP, {}, RejectReason.RANK_RANGE, f"0..{DP - 1}", str(DP)),
         (-1, {}, RejectReason.RANK_RANGE, f"0..{DP - 1}", "-1"),
         (1, dict(group="other"), RejectReason.GROUP, "default", "other"),

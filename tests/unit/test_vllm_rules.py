@@ -510,8 +510,9 @@ def test_state_round_answers_sync_dp_state(bits: tuple[bool, ...]) -> None:
 
 
 def test_the_ubatch_rule_is_defined_once_in_proto() -> None:
-    """client.dp_coordination's skip path and proto's policy use one `last_ubatch_empty` (it was written
-    twice, with its first two arguments in opposite orders); by keyword, a swap cannot pass."""
+    """client.dp_coordination's skip path and proto's policy use one `last_ubatch_empty` (it was
+    written twice, with its first two arguments in opposite orders); by keyword, a swap cannot
+    pass."""
     from coordd.client import dp_coordination as client_vllm
     from coordd.proto import policy
 

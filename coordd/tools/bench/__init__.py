@@ -295,7 +295,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from coordd.tools.bench import crosshost, report
-    from coordd.tools.bench.runner import (
+    from coordd.tools.bench.rank_phases import (
         BenchError,
         LatencyOptions,
         available_methods,

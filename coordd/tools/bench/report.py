@@ -10,18 +10,8 @@ from typing import Any
 
 from coordd.tools.bench import crosshost
 from coordd.tools.bench.engine import STATE_EVERY
-from coordd.tools.bench.methods import (
-    COORDD_IPC,
-    COORDD_TCP,
-    FLOOR,
-    GLOO,
-    HUB,
-    VLLM,
-    VLLM_PLUGIN,
-)
-
-TARGET_DP = 8
-SCALE_DP = 256
+from coordd.tools.bench.methods import COORDD_IPC, FLOOR, GLOO, HUB, VLLM
+from coordd.tools.bench.targets import find_row, ratios, targets
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -56,226 +46,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _row(rows: Sequence[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
-    for row in rows:
-        if all(row.get(k) == v for k, v in match.items()):
-            return row
-    return None
-
-
-def ratios(latency: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per dp, coordd-ipc's p50 over every other method's (same run)."""
-    out = []
-    for dp in sorted({r["dp"] for r in latency}):
-        entry: dict[str, Any] = {"dp": dp}
-        a = _row(latency, dp=dp, method=COORDD_IPC)
-        for other in (COORDD_TCP, HUB, FLOOR, GLOO, VLLM, VLLM_PLUGIN):
-            b = _row(latency, dp=dp, method=other)
-            if a and b:
-                entry[f"ipc/{other}"] = a["p50_us"] / b["p50_us"]
-        plugin, vllm = _row(latency, dp=dp, method=VLLM_PLUGIN), _row(latency, dp=dp, method=VLLM)
-        if plugin and vllm:
-            entry[f"{VLLM_PLUGIN}/{VLLM}"] = plugin["p50_us"] / vllm["p50_us"]
-        out.append(entry)
-    return out
-
-
-def _target(
-    name: str,
-    value: float | None,
-    limit: float | None,
-    unit: str,
-    where: str,
-    strict: bool = False,
-    asked: bool = True,
-) -> dict[str, Any]:
-    """One target; `limit` None: a figure reported, not judged; `strict`: below, not at most;
-    `asked`: whether the run was asked for what it needs (if not, unmeasured is "not asked")."""
-    met = None
-    if value is not None and limit is not None:
-        met = value < limit if strict else value <= limit
-    return {
-        "target": name,
-        "value": value,
-        "limit": limit,
-        "strict": strict,
-        "unit": unit,
-        "where": where,
-        "met": met,
-        "asked": asked,
-    }
-
-
-def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str = "p50_us") -> Any:
-    return a[key] / b[key] if a and b else None
-
-
-def _thread_us(row: dict[str, Any] | None, kind: str, dp: int) -> float | None:
-    """CPU per rank per round of one thread kind ("ranks main", "server zmq-io", ...)."""
-    if not row:
-        return None
-    return float(row.get("cpu_us_per_round_by_thread", {}).get(kind, 0.0)) / dp
-
-
-def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """coordd's performance targets, each with its measured figure (None: not measured)."""
-    latency = results.get("latency", [])
-    overlap = results.get("overlap", [])
-    scale = results.get("scale", [])
-    asked = results.get("meta", {}).get("asked")
-
-    def wanted(*methods: str, dp: int | None = None) -> bool:
-        """Whether the run was asked for these methods at this dp (for a run saved before
-        runs recorded what they were asked: the methods it ran or skipped, any dp)."""
-        if asked is None:
-            ran = [*results.get("methods", []), *results.get("skipped", {})]
-            return not ran or all(m in ran for m in methods)
-        if dp is not None and dp not in asked.get("dp", []):
-            return False
-        return all(m in asked.get("methods", []) for m in methods)
-
-    out = []
-    ipc = _row(latency, dp=TARGET_DP, method=COORDD_IPC)
-    where = f"dp={TARGET_DP}"
-    for other, name, bound in (
-        (HUB, "coordd ipc round p50 / pyzmq hub p50", 1.0),
-        (FLOOR, "coordd ipc round p50 / raw-socket floor p50", 1.5),
-    ):
-        out.append(
-            _target(
-                name,
-                _ratio(ipc, _row(latency, dp=TARGET_DP, method=other)),
-                bound,
-                "x",
-                where,
-                asked=wanted(COORDD_IPC, other, dp=TARGET_DP),
-            )
-        )
-    for dp in (2, 4):
-        out.append(
-            _target(
-                "coordd ipc round p50 / vLLM cpu_all_reduce_ p50",
-                _ratio(_row(latency, dp=dp, method=COORDD_IPC), _row(latency, dp=dp, method=VLLM)),
-                1.0,
-                "x",
-                f"dp={dp}",
-                strict=True,
-                asked=wanted(COORDD_IPC, VLLM, dp=dp),
-            )
-        )
-    for dp in (2, 4, 8):
-        plugin = _row(latency, dp=dp, method=VLLM_PLUGIN)
-        out.append(
-            _target(
-                "vLLM plugin sync p50 / vLLM cpu_all_reduce_ p50",
-                _ratio(plugin, _row(latency, dp=dp, method=VLLM)),
-                1.0,
-                "x",
-                f"dp={dp}",
-                asked=wanted(VLLM_PLUGIN, VLLM, dp=dp),
-            )
-        )
-    for dp in (2, 4, 8):
-        # reported, not judged: the plugin's sync makes and reads vLLM's tensor as vLLM's
-        # own does, a policy round does neither (the plugin against a bare gather of the
-        # same values: tests/vllm/sync_timings.py)
-        out.append(
-            _target(
-                "vLLM plugin sync p50 / coordd ipc policy round p50",
-                _ratio(
-                    _row(latency, dp=dp, method=VLLM_PLUGIN),
-                    _row(latency, dp=dp, method=COORDD_IPC),
-                ),
-                None,
-                "x",
-                f"dp={dp}",
-                asked=wanted(VLLM_PLUGIN, COORDD_IPC, dp=dp),
-            )
-        )
-    for name, kind, limit in (
-        ("rank main thread CPU per rank per round", "ranks main", 15.0),
-        ("coordd main thread CPU per rank per round", "server main", 8.0),
-        ("rank ZeroMQ I/O thread CPU per rank per round", "ranks zmq-io", None),
-        ("coordd ZeroMQ I/O thread CPU per rank per round", "server zmq-io", None),
-    ):
-        out.append(
-            _target(
-                name,
-                _thread_us(ipc, kind, TARGET_DP),
-                limit,
-                "us",
-                where,
-                asked=wanted(COORDD_IPC, dp=TARGET_DP),
-            )
-        )
-    out.append(
-        _target(
-            "coordd ipc round p99 / its p50",
-            ipc["p99_us"] / ipc["p50_us"] if ipc else None,
-            3.0,
-            "x",
-            where,
-            asked=wanted(COORDD_IPC, dp=TARGET_DP),
-        )
-    )
-    hidden = [
-        r
-        for r in overlap
-        if r["method"] == COORDD_IPC and r["variant"] == "sleep" and r["work_multiple"] >= 2
-    ]
-    overlap_asked = asked is None or bool(asked.get("overlap"))
-    for dp in sorted({r["dp"] for r in hidden}) or [TARGET_DP]:
-        worst = max(
-            (r for r in hidden if r["dp"] == dp),
-            key=lambda r: r["exposed_over_sync"],
-            default=None,
-        )
-        out.append(
-            _target(
-                "coordd ipc exposed wait p50 / sync round p50 (sleeping W >= 2x, worst W)",
-                100 * worst["exposed_over_sync"] if worst else None,
-                5.0,
-                "%",
-                f"dp={dp}, W={worst['work_multiple']:g}x" if worst else f"dp={dp}",
-                asked=overlap_asked and wanted(COORDD_IPC, dp=dp),
-            )
-        )
-    big = _row(scale, dp=SCALE_DP, client="lean") or _row(scale, dp=SCALE_DP)
-    where = f"dp={SCALE_DP}, {big['client']} ranks" if big else f"dp={SCALE_DP}"
-    scale_asked = asked is None or SCALE_DP in asked.get("scale_dp", [])
-    out.append(
-        _target(
-            "round p50",
-            big["p50_us"] / 1000 if big else None,
-            10.0,
-            "ms",
-            where,
-            asked=scale_asked,
-        )
-    )
-    out.append(
-        _target(
-            "coordd CPU per rank per round",
-            big["coordd_cpu_us_per_rank_round"] if big else None,
-            20.0,
-            "us",
-            where,
-            asked=scale_asked,
-        )
-    )
-    out.append(
-        _target(
-            "coordd resident memory",
-            big["coordd_rss_mb"] if big else None,
-            60.0,
-            "MB",
-            where,
-            asked=scale_asked,
-        )
-    )
-    return out
-
-
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.1f}%"
 
@@ -287,7 +57,7 @@ def _summary(latency: Sequence[dict[str, Any]]) -> str:
     for dp in dps:
         cells: list[Any] = [dp]
         for m in methods:
-            r = _row(latency, dp=dp, method=m)
+            r = find_row(latency, dp=dp, method=m)
             cells.append(f"{r['p50_us']:.0f} / {r['p99_us']:.0f}" if r else "-")
         rows.append(cells)
     return table(["dp", *methods], rows)
@@ -608,11 +378,11 @@ def verdict(results: dict[str, Any]) -> str:
     if not rows:
         return "verdict: no coordd round latency measured in this run (nothing to compare)"
     dp = max(r["dp"] for r in rows)
-    mine = _row(latency, dp=dp, method=COORDD_IPC)
+    mine = find_row(latency, dp=dp, method=COORDD_IPC)
     assert mine is not None
     said = []
     for method, name in VERDICT_METHODS.items():
-        other = _row(latency, dp=dp, method=method)
+        other = find_row(latency, dp=dp, method=method)
         if other is None:
             continue
         ratio = mine["p50_us"] / other["p50_us"]
@@ -624,7 +394,7 @@ def verdict(results: dict[str, Any]) -> str:
         f"verdict: dp={dp}, round p50 (synchronous, same ranks, same run): coordd ipc "
         f"{mine['p50_us']:.0f} us is " + ("; ".join(said) or "compared with nothing else")
     )
-    if _row(latency, dp=dp, method=VLLM) is None:
+    if find_row(latency, dp=dp, method=VLLM) is None:
         why = results.get("skipped", {}).get(VLLM, "not asked (--methods)").split(" (")[0]
         line += f"; against vLLM: not measured ({why}); to measure it: {WITH_VLLM}"
     return line

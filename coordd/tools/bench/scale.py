@@ -23,7 +23,7 @@ import msgspec
 
 from coordd.testing.process import CoorddProcess
 from coordd.tools.bench import procstat, stats
-from coordd.tools.bench.runner import BenchError
+from coordd.tools.bench.rank_phases import BenchError
 from coordd.tools.bench.simranks import (
     CLIENTS,
     Rounds,

@@ -4,8 +4,9 @@ spoofing, a network cut, out-of-range values, client misuse, strangers forging r
 attempts with a leaked routing id), every sync of every rank logged, and a checker that holds
 the whole history to the rules. `coordd chaos` runs it and prints the table.
 
-runner.py runs scenarios; scenarios.py defines one per fault kind; worker.py is the processes
-(ranks, the raw rank, the rogue from `coordd.testing`, the stranger and the taker); report.py
+suite.py runs scenarios (scenario_run.py: one run's processes and building blocks);
+scenarios/ defines one per fault kind; worker.py is the process the runner starts, playing a
+role from roles/ (ranks, the raw rank, the rogue, the stranger, the taker, ...); summary.py
 tabulates. What the processes log and the checker that judges it live in `coordd.testing`
 (history.py, checker.py), so an engine's own tests can use them.
 """

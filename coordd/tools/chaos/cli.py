@@ -10,9 +10,9 @@ import sys
 import time
 
 from coordd.testing.checker import ScenarioResult
-from coordd.tools.chaos.report import as_json, failures, notable, summarize, table
-from coordd.tools.chaos.runner import run_suite
 from coordd.tools.chaos.spec import Fault, Settings
+from coordd.tools.chaos.suite import run_suite
+from coordd.tools.chaos.summary import as_json, failures, notable, summarize, table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

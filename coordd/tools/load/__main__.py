@@ -1,5 +1,5 @@
 import sys
 
-from coordd.tools.load import main
+from coordd.tools.load.command import main
 
 sys.exit(main())

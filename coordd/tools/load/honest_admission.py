@@ -1,7 +1,7 @@
 """Issue 21, 5 in full: while attackers keep handshakes in flight, does an honest rank get in?
 
-    python -m coordd.tools.load.admission --transport ipc --attackers 16 --tries 10
-    python -m coordd.tools.load.admission --transport tcp --attackers 16 --tries 10
+    python -m coordd.tools.load.honest_admission --transport ipc --attackers 16 --tries 10
+    python -m coordd.tools.load.honest_admission --transport tcp --attackers 16 --tries 10
 
 A fresh `coordd serve` at its defaults (tcp: with CURVE), `--attackers` processes of one
 attack, then `--tries` honest `connect(timeout=10)`s one after another, each from a fresh
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from coordd.io._curve import write_keypair
 from coordd.testing.process import CoorddProcess, die_with_parent
-from coordd.tools.load import start_load
+from coordd.tools.load.processes import start_load
 
 #: One honest rank in a fresh process: prints "ok SECONDS" or "failed SECONDS ERROR".
 _CONNECT = r"""
@@ -116,7 +116,9 @@ def _try(address: str, timeout: float, env: dict[str, str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m coordd.tools.load.admission", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m coordd.tools.load.honest_admission", description=__doc__
+    )
     p.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
     p.add_argument("--attackers", type=int, default=16)
     p.add_argument("--tries", type=int, default=10)

@@ -1,6 +1,6 @@
 """Latency, overlap and the engine loop: every method among the same `dp` rank processes.
 
-For each dp, the runner starts coordd twice (ipc and tcp), the pyzmq hub, the floor hub and a
+For each dp, this starts coordd twice (ipc and tcp), the pyzmq hub, the floor hub and a
 file store for gloo, spawns dp rank processes that connect to all of them, and has them run the
 latency phase (synchronous rounds), the overlap phase (start, work W, wait) with W set from
 this run's coordd-ipc round latency, and the engine-level step loop, so every ratio compares

@@ -1,9 +1,10 @@
-"""Run chaos scenarios: a real coordd, real rank processes, one injected fault, then the checker.
+"""One chaos scenario's run: a real coordd, real rank processes, one injected fault, then
+the checker.
 
-Each scenario lives in its own directory (coordd's log, one JSON-lines history per process, the
+A scenario (`Scenario`: prepare, run, cleanup) builds its fault from `ScenarioRun`'s blocks.
+Each run lives in its own directory (coordd's log, one JSON-lines history per process, the
 runner's own events and `scenario.json`), so a failing one can be read afterwards. Every wait has
 a deadline: a process still running at the scenario's budget is killed and counted as a hang.
-Scenarios run a few at a time in threads; each owns its processes and ends all of them.
 """
 
 from __future__ import annotations
@@ -11,14 +12,11 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +34,7 @@ from coordd.testing.history import (
     tail_records,
 )
 from coordd.testing.process import CoorddProcess, die_with_parent
-from coordd.testing.scenario import ScenarioInfo
-from coordd.tools.chaos.scenarios import SCENARIOS, Scenario, Skip
+from coordd.testing.scenario import Expect, ScenarioInfo
 from coordd.tools.chaos.spec import Fault, Settings, WorkerSpec
 
 
@@ -99,6 +96,26 @@ class Process:
         return new
 
 
+class Skip(Exception):
+    """This scenario cannot run here; the message says why."""
+
+
+class Scenario:
+    fault: Fault
+    expect: Expect
+    transport: str | None = None
+    summary = ""
+
+    def prepare(self, run: ScenarioRun) -> None:
+        """Before coordd starts; raise `Skip` if the scenario cannot run here."""
+
+    def run(self, run: ScenarioRun) -> None:
+        raise NotImplementedError
+
+    def cleanup(self, run: ScenarioRun) -> None:
+        """After every process has ended (also after a failure)."""
+
+
 class ScenarioRun:
     """One fault kind, one seed: the processes, the injection, and the record of it all."""
 
@@ -127,6 +144,8 @@ class ScenarioRun:
         self.culprit_name = ""
         self.culprit_field = ""
         self.harness_kills: set[str] = set()
+        #: Seconds a scenario's fault may take past the usual detection bound, by design.
+        self.detection_slack = 0.0
         self.deadline_kills: set[str] = set()
         self.resources: dict[str, Any] = {}
         #: More `coordd serve` flags, from the scenario's `prepare` (junk_groups: --max-groups)
@@ -419,56 +438,10 @@ class ScenarioRun:
             end_seq=self.end_seq,
             expect=self.scenario.expect,
             wait_timeout=self.settings.wait_timeout,
-            detection_bound=self.settings.detection_bound,
+            detection_bound=self.settings.detection_bound + self.detection_slack,
             harness_kills=sorted(self.harness_kills),
             culprit_field=self.culprit_field,
             skipped=skipped,
         )
         with open(os.path.join(self.dir, "scenario.json"), "wb") as f:
             f.write(msgspec.json.encode(info))
-
-
-def run_scenario(fault: Fault, seed: int, settings: Settings, directory: str) -> ScenarioResult:
-    return ScenarioRun(SCENARIOS[fault], seed, settings, directory).execute()
-
-
-def run_suite(
-    faults: Iterable[Fault],
-    seeds: Iterable[int],
-    settings: Settings,
-    *,
-    parallel: int = 2,
-    keep: str | None = None,
-    on_result: Callable[[ScenarioResult], None] | None = None,
-) -> list[ScenarioResult]:
-    """Every fault with every seed, `parallel` scenarios at a time; results in submission order.
-
-    Scenario directories go under `keep` (kept), else a temporary directory that is removed,
-    except for the scenarios that failed, whose directories are kept and named in the result.
-    """
-    base = keep or tempfile.mkdtemp(prefix="cc-", dir="/tmp")
-    os.makedirs(base, exist_ok=True)
-    jobs = [(f, s) for f in faults for s in seeds]
-    results: list[ScenarioResult] = []
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        futures = [
-            pool.submit(run_scenario, f, s, settings, os.path.join(base, f"{f.value}-{s}"))
-            for f, s in jobs
-        ]
-        try:
-            for future in futures:
-                result = future.result()
-                results.append(result)
-                if on_result is not None:
-                    on_result(result)
-        except BaseException:  # Ctrl-C: start nothing new; the running ones end their processes
-            for future in futures:
-                future.cancel()
-            raise
-    if keep is None:
-        for result in results:
-            if result.ok or result.skipped:
-                shutil.rmtree(result.directory, ignore_errors=True)
-        if not os.listdir(base):
-            os.rmdir(base)
-    return results

@@ -1,0 +1,5 @@
+import sys
+
+from coordd.tools.vllm_e2e.check import main
+
+sys.exit(main())
