@@ -293,18 +293,22 @@ class TreeCoordinator:
                 got=str(hello.ranks),
             )
         others = {**self._held, **self._relays}
-        for other in others.values():
-            if other.peer == peer:
-                continue
-            taken = sorted(set(ranks) & set(other.ranks))
-            if taken:
-                raise Rejected(
-                    RejectReason.RANK_TAKEN.value,
-                    f"relay {hello.relay or '?'} claims ranks {taken}, which relay "
-                    f"{other.name} holds",
-                    expected=f"ranks no other relay holds ({other.name}: {list(other.ranks)})",
-                    got=str(taken),
-                )
+        clashes = [
+            (sorted(set(ranks) & set(other.ranks)), other)
+            for other in others.values()
+            if other.peer != peer and not set(ranks).isdisjoint(other.ranks)
+        ]
+        if clashes:
+            clashes.sort(key=lambda c: c[0])
+            taken = sorted(r for held, _ in clashes for r in held)
+            holders = "; ".join(f"{held} by relay {other.name}" for held, other in clashes)
+            raise Rejected(
+                RejectReason.RANK_TAKEN.value,
+                f"relay {hello.relay or '?'} claims ranks {taken}, which other relays hold "
+                f"({holders})",
+                expected="ranks no other relay holds",
+                got=str(taken),
+            )
         ref = next((m for m in others.values() if m.peer != peer), None)
         if ref is not None:
             if hello.num_ubatches != ref.hello.num_ubatches:

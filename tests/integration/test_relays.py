@@ -17,7 +17,7 @@ from coordd.proto.errors import CoordError, CoordinatorUnavailable, RankLost, Re
 from coordd.proto.messages import StepDecision
 from coordd.proto.policy import decide
 from coordd.testing import CoorddProcess
-from coordd.tools.chaos.workload import kind_for, report_for
+from coordd.tools.chaos.seeded_reports import kind_for, report_for
 
 DP = 4
 LAYOUT = {0: "0-1", 1: "2-3"}  # relay -> its ranks

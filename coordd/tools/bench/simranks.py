@@ -230,7 +230,7 @@ def _simulate_lean(conn: Connection, setup: SimSetup) -> None:
     tables = [report_table(r, setup.seed) for r in range(setup.dp)]
     ranks = _LeanRanks(setup)
     try:
-        ranks.register(60.0)
+        ranks.register(240.0)
         conn.send_bytes(msgspec.msgpack.encode(SimReady(ranks=len(ranks.socks))))
         round_index = 0
         forward = StepKind.FORWARD
