@@ -395,6 +395,7 @@ class CoordServer:
         peer_fd = registry.peer_fd
         touched = self._touched
         member_counts = admission.member_counts
+        relay_peers = self.relays.peer_fd
         # what connections coordd shut down still have queued: dropped undecoded (a flood's
         # backlog; ~1 us a message instead of ~4); not at debug level (a line per bad frame)
         shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
@@ -424,6 +425,8 @@ class CoordServer:
                 continue
             if shut is not None and peer not in peer_group and shut.from_shut(frame.get(_SRCFD)):
                 continue
+            if relay_peers and peer in relay_peers and self.relays.handle(peer, frame):
+                continue  # a registered relay's bundle: no rank decode first
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
