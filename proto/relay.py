@@ -94,7 +94,14 @@ def bundle_of(group: str, epoch: int, rnd: Round, ranks: Sequence[int]) -> Relay
 
 
 def parse_ranks(text: str) -> frozenset[int]:
-    """`"0-3,8"` -> {0, 1, 2, 3, 8}; ValueError for anything else."""
+    """`"0-3,8"` -> {0, 1, 2, 3, 8}; `"8@2"` (8 ranks a node, node 2) -> 16..23, the form a
+    pod template fills in from its index; ValueError for anything else."""
+    size, at, index = text.strip().partition("@")
+    if at:
+        if not size.isdigit() or not index.isdigit() or int(size) < 1:
+            raise ValueError(f"{text!r}: SIZE@INDEX needs two numbers, like 8@2")
+        first = int(size) * int(index)
+        return frozenset(range(first, first + int(size)))
     ranks: set[int] = set()
     for part in text.split(","):
         part = part.strip()
@@ -150,7 +157,9 @@ class RelayCoordinator(Coordinator):
 
     # -- registration ------------------------------------------------------------------------
 
-    def _on_hello(self, peer: bytes, hello: Hello, now: float) -> Sequence[Send]:
+    def _on_hello(
+        self, peer: bytes, hello: Hello, now: float, resize_deadline: float | None = None
+    ) -> Sequence[Send]:
         if hello.dp_rank not in self.ranks and 0 <= hello.dp_rank < self.dp_size:
             error = Rejected(
                 RejectReason.RANK_RANGE.value,
@@ -161,7 +170,7 @@ class RelayCoordinator(Coordinator):
             )
             return (Send((peer,), reject_message(error)),)
         if self.registered:
-            return super()._on_hello(peer, hello, now)
+            return super()._on_hello(peer, hello, now, resize_deadline)
         self._pending = [(p, h) for p, h in self._pending if p != peer]
         self._pending.append((peer, hello))
         if not self._asking:

@@ -24,6 +24,7 @@ The group's states and moves are `coordd.proto.group_state`'s table.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import NamedTuple
 
 from coordd.proto.coordinator import LEFT_THE_GROUP
@@ -45,6 +46,7 @@ from coordd.proto.messages import (
     POLICY_KINDS,
     PROTOCOL_VERSION,
     GatherResult,
+    Hello,
     RejectReason,
     StepDecision,
     StepFailed,
@@ -65,6 +67,7 @@ from coordd.proto.relay_messages import (
     RelayUp,
 )
 from coordd.proto.rounds import majority
+from coordd.proto.snapshot import GroupSnapshot, Member, OnRankLoss
 
 _E, _S = GroupEvent, GroupState
 _GATHER = StepKind.GATHER
@@ -161,6 +164,42 @@ class TreeCoordinator:
     @property
     def last_failure(self) -> StepFailed | None:
         return self._failure
+
+    def snapshot(self) -> GroupSnapshot:
+        """The group as readiness and status read a flat group: a member per rank a relay
+        speaks for (built on demand: it is read by probes, never per round)."""
+        members: dict[int, Member] = {}
+        for member in self._relays.values():
+            h = member.hello
+            for r in member.ranks:
+                hello = Hello(
+                    dp_size=h.dp_size,
+                    dp_rank=r,
+                    config_fingerprint=h.config_fingerprint,
+                    incarnation=h.incarnation,
+                    group=h.group,
+                    num_ubatches=h.num_ubatches,
+                )
+                members[r] = Member(member.peer, hello, 0.0)
+        return GroupSnapshot(
+            state=self._state,
+            dp_size=self.dp_size,
+            max_dp_size=self.dp_size,
+            on_rank_loss=OnRankLoss.FAIL,
+            step_timeout=self.step_timeout,
+            epoch=self._epoch,
+            seq=self._seq,
+            members=MappingProxyType(dict(sorted(members.items()))),
+            dead=frozenset(),
+            round=None,
+            last_failure=self._failure,
+            failures=self._failures,
+            decisions=self._decisions,
+            last_round=None,
+            left=frozenset(self._left),
+            reforming=self._reforming,
+            held=sum(len(m.ranks) for m in self._held.values()),
+        )
 
     def relays(self) -> dict[bytes, RelayMember]:
         return dict(self._relays)

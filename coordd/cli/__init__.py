@@ -179,8 +179,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--relay-ranks",
         default=_env("relay_ranks", None),
-        help="with --relay-to: the DP ranks this node serves, like 0-7 or 0,2,4 (required "
-        "with --relay-to)",
+        help="with --relay-to: the DP ranks this node serves, like 0-7 or 0,2,4, or SIZE@INDEX "
+        "(8@2: ranks 16-23, from a pod's index) (required with --relay-to)",
     )
     p.add_argument(
         "--relay-name",

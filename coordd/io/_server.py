@@ -81,7 +81,7 @@ from coordd.proto.messages import (
     encode,
     reject_message,
 )
-from coordd.proto.snapshot import OnRankLoss
+from coordd.proto.snapshot import GroupSnapshot, OnRankLoss
 
 __all__ = [
     "MAX_GROUP_NAME",
@@ -314,6 +314,10 @@ class CoordServer:
         return shell_counters(
             self.stats, self.connections, self.memory, self.gate, self.curve_refused
         )
+
+    def relayed_snapshots(self) -> dict[str, GroupSnapshot]:
+        """The groups served through relays, as readiness reads a group."""
+        return {name: tree.snapshot() for name, tree in self.relays.trees.items()}
 
     def takeovers_refused(self) -> Counter[tuple[str, str]]:
         return self.takeovers.refused

@@ -18,6 +18,7 @@ from coordd.proto.messages import StepDecision
 from coordd.proto.policy import decide
 from coordd.testing import CoorddProcess
 from coordd.tools.chaos.seeded_reports import kind_for, report_for
+from tests.integration.scrape import free_port
 
 DP = 4
 LAYOUT = {0: "0-1", 1: "2-3"}  # relay -> its ranks
@@ -30,6 +31,7 @@ class TreeProcs:
         self.root: CoorddProcess | None = None
         self.relays: dict[int, CoorddProcess] = {}
         self.started: list[CoorddProcess] = []
+        self.port = 0
 
     def start_root(self, *args: str) -> CoorddProcess:
         self.root = CoorddProcess(DP, self.root_address, ["--log-level", "warning", *args])
@@ -55,12 +57,24 @@ class TreeProcs:
 @pytest.fixture
 def tree(tmp_path: Path) -> Iterator[TreeProcs]:
     procs = TreeProcs(tmp_path)
-    procs.start_root("--step-timeout", "3")
+    procs.port = free_port()
+    procs.start_root("--step-timeout", "3", "--metrics-port", str(procs.port))
     procs.start_relay(0)
     procs.start_relay(1)
     yield procs
     for proc in procs.started:
         proc.stop()
+
+
+def readyz(port: int) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as answer:
+            return answer.status, answer.read().decode().strip()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode().strip()
 
 
 def clients(tree: TreeProcs) -> list[CoordClient]:
@@ -102,8 +116,11 @@ def connect_all(cs: list[CoordClient]) -> list[int]:
 @pytest.mark.timeout(90)
 def test_ranks_through_relays_get_the_flat_policys_decisions(tree: TreeProcs) -> None:
     cs = clients(tree)
+    assert readyz(tree.port) == (503, "no group has registered yet")
     try:
         first, epoch = connect_all(cs)
+        # the root's /readyz counts a group served through relays as it counts a flat one
+        assert readyz(tree.port) == (200, "1/1 groups formed (default: 4/4 ranks registered)")
         rounds = 80
 
         def steps(rank: int) -> list[StepDecision]:

@@ -68,6 +68,9 @@ class Daemon:
     counters = CoordServer.counters
     takeovers_refused = CoordServer.takeovers_refused
 
+    def relayed_snapshots(self) -> dict[str, GroupSnapshot]:
+        return {}
+
     def wall(self) -> float:
         return 1_700_000_000.0 + self.now
 

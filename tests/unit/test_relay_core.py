@@ -201,7 +201,8 @@ def test_a_relay_fault_blaming_another_relays_rank_is_its_own_protocol_error() -
 
 def test_rank_lists_parse() -> None:
     assert parse_ranks("0-3,8") == {0, 1, 2, 3, 8}
-    for bad in ("", "3-1", "a", "1-"):
+    assert parse_ranks("8@2") == set(range(16, 24))
+    for bad in ("", "3-1", "a", "1-", "0@1", "8@", "@2"):
         with pytest.raises(ValueError):
             parse_ranks(bad)
 
