@@ -212,9 +212,135 @@ def run_scale_dp(
     }
 
 
+def run_root_alone(dp: int, opts: ScaleOptions, log: Any = print) -> dict[str, Any]:
+    """The root by itself: its relays simulated in this process (as the flat rows' ranks are
+    simulated, many per process), each sending its bundle every round, then reading the
+    answer. What the root costs per round with no relay process sharing its cores."""
+    import zmq
+
+    from coordd.proto.messages import StepKind, encode
+    from coordd.proto.relay_messages import RelayBundle, RelayHello, decode_from_root
+    from coordd.tools.bench.workload import report_table
+
+    k = opts.relay_ranks
+    spans = [list(range(lo, min(dp, lo + k))) for lo in range(0, dp, k)]
+    tables = [report_table(r, opts.seed) for r in range(dp)]
+    with (
+        tempfile.TemporaryDirectory(prefix="coordd-bench-root-") as tmp,
+        CoorddProcess(dp, f"ipc://{tmp}/coordd.sock", ["--log-level", "error"]) as coordd,
+    ):
+        context = zmq.Context()
+        socks = []
+        try:
+            for i, ranks in enumerate(spans):
+                sock = context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.ROUTING_ID, b"relay:%d" % i)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVTIMEO, 60_000)
+                sock.connect(coordd.address)
+                hello = RelayHello(
+                    group="default",
+                    dp_size=dp,
+                    ranks=ranks,
+                    config_fingerprint="coordd-bench",
+                    incarnation="bench",
+                    relay=f"node{i}",
+                )
+                sock.send(encode(hello))
+                socks.append(sock)
+            welcome = decode_from_root(socks[0].recv()).message
+            for sock in socks[1:]:
+                sock.recv()
+            epoch, seq = welcome.epoch, welcome.next_seq  # type: ignore[union-attr]
+
+            def bundles(n: int) -> list[list[bytes]]:
+                out = []
+                for r in range(n):
+                    row = []
+                    for ranks in spans:
+                        reps = [tables[x][(seq + r) % len(tables[x])] for x in ranks]
+                        padded = [p.num_tokens_padded for p in reps]
+                        row.append(
+                            encode(
+                                RelayBundle(
+                                    group="default",
+                                    epoch=epoch,
+                                    seq=seq + r,
+                                    kind=StepKind.FORWARD,
+                                    ranks=ranks,
+                                    padded=padded,
+                                    max_padded=max(padded),
+                                    min_tokens=min(p.num_tokens for p in reps),
+                                    cudagraph_mode=min(p.cudagraph_mode for p in reps),
+                                    all_ubatch=all(p.want_ubatch for p in reps),
+                                    all_idle=not any(p.num_tokens for p in reps),
+                                    any_unfinished=any(p.has_unfinished for p in reps),
+                                )
+                            )
+                        )
+                    out.append(row)
+                return out
+
+            payload = bundles(opts.warmup + opts.rounds)
+            latency: list[int] = []
+
+            def run(rows: list[list[bytes]], timed: bool) -> None:
+                for row in rows:
+                    t0 = time.perf_counter_ns()
+                    for sock, data in zip(socks, row, strict=True):
+                        sock.send(data)
+                    for sock in socks:
+                        sock.recv()
+                    if timed:
+                        latency.append(time.perf_counter_ns() - t0)
+
+            log(
+                f"scale dp={dp}: the root alone, {len(spans)} relays simulated, "
+                f"{opts.rounds} rounds"
+            )
+            run(payload[: opts.warmup], False)
+            before = procstat.sample(coordd.pid)
+            began = time.perf_counter()
+            run(payload[opts.warmup :], True)
+            wall = time.perf_counter() - began
+            after = procstat.sample(coordd.pid)
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+            context.term()
+    per_thread = procstat.cpu_delta_ns(before, after)
+    cpu_us = sum(per_thread.values()) / opts.rounds / 1000.0
+    return {
+        "dp": dp,
+        "client": "lean",
+        "layout": f"{len(spans)} relays simulated",
+        "relays": len(spans),
+        "relay_cpu_us_per_round": [],
+        "relay_cpu_us_per_round_mean": 0.0,
+        "relay_rss_mb": [],
+        "procs": 1,
+        "rounds": opts.rounds,
+        "completed": opts.rounds,
+        "checked": 0,
+        "mismatches": 0,
+        **stats.summary(latency),
+        "rounds_per_s": opts.rounds / wall,
+        "coordd_cpu_us_per_round": cpu_us,
+        "coordd_cpu_us_per_rank_round": cpu_us / dp,
+        "coordd_cpu_us_per_round_by_thread": {
+            name: ns / opts.rounds / 1000.0 for name, ns in sorted(per_thread.items())
+        },
+        "coordd_ctx_switches_per_round": (after.ctx_switches - before.ctx_switches) / opts.rounds,
+        "ranks_cpu_us_per_rank_round_by_thread": {},
+        "coordd_rss_mb": after.rss_bytes / 2**20,
+        "coordd_peak_rss_mb": after.hwm_bytes / 2**20,
+    }
+
+
 def run_scale(opts: ScaleOptions, log: Any = print) -> list[dict[str, Any]]:
     """Every dp and client, flat and (with `relay_ranks`) through relays: the two layouts of
-    one dp run back to back, the first of them alternating from one dp to the next."""
+    one dp run back to back, the first of them alternating from one dp to the next, then the
+    root alone with its relays simulated (`run_root_alone`)."""
     rows = []
     for client in opts.clients:
         for i, dp in enumerate(opts.dps):
@@ -223,4 +349,6 @@ def run_scale(opts: ScaleOptions, log: Any = print) -> list[dict[str, Any]]:
                 layouts = [0, opts.relay_ranks] if i % 2 == 0 else [opts.relay_ranks, 0]
             for relay_ranks in layouts:
                 rows.append(run_scale_dp(dp, client, opts, log, relay_ranks))
+            if len(layouts) > 1 and client == opts.clients[0]:
+                rows.append(run_root_alone(dp, opts, log))
     return rows
