@@ -34,6 +34,11 @@ from coordd.tools.bench.simranks import (
     sim_main,
 )
 
+#: Every coordd of the phase: quiet, and with no handshake pacing: 1024 simulated ranks of a
+#: few processes would otherwise connect at --max-handshake-rate's pace (20 a second, an ipc
+#: process 1/8 of it), minutes on a loaded machine; the rounds are what is measured.
+COORDD_ARGS = ["--log-level", "error", "--max-handshake-rate", "0"]
+
 
 @dataclass
 class ScaleOptions:
@@ -146,7 +151,7 @@ def run_scale_dp(
     layout = f"relays of {relay_ranks}" if relay_ranks else "flat"
     with (
         tempfile.TemporaryDirectory(prefix="coordd-bench-scale-") as tmp,
-        CoorddProcess(dp, f"ipc://{tmp}/coordd.sock", ["--log-level", "error"]) as coordd,
+        CoorddProcess(dp, f"ipc://{tmp}/coordd.sock", COORDD_ARGS) as coordd,
         contextlib.ExitStack() as stack,
     ):
         relays: list[CoorddProcess] = []
@@ -227,7 +232,7 @@ def run_root_alone(dp: int, opts: ScaleOptions, log: Any = print) -> dict[str, A
     tables = [report_table(r, opts.seed) for r in range(dp)]
     with (
         tempfile.TemporaryDirectory(prefix="coordd-bench-root-") as tmp,
-        CoorddProcess(dp, f"ipc://{tmp}/coordd.sock", ["--log-level", "error"]) as coordd,
+        CoorddProcess(dp, f"ipc://{tmp}/coordd.sock", COORDD_ARGS) as coordd,
     ):
         context = zmq.Context()
         socks = []
