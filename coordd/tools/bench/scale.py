@@ -34,10 +34,12 @@ from coordd.tools.bench.simranks import (
     sim_main,
 )
 
-#: Every coordd of the phase: quiet, and with no handshake pacing: 1024 simulated ranks of a
-#: few processes would otherwise connect at --max-handshake-rate's pace (20 a second, an ipc
-#: process 1/8 of it), minutes on a loaded machine; the rounds are what is measured.
-COORDD_ARGS = ["--log-level", "error", "--max-handshake-rate", "0"]
+#: Every coordd of the phase: quiet, with no handshake pacing and no memory budget: 1024
+#: simulated ranks of a few processes would otherwise connect at --max-handshake-rate's pace
+#: (20 a second, an ipc process 1/8 of it), and a flat coordd of 1024 ranks holds about 110 MB,
+#: over --max-rss-mb's 64, where it refuses new handshakes: registration stalls. The rounds are
+#: what is measured (the relays hold 32 ranks each: both defaults are theirs).
+COORDD_ARGS = ["--log-level", "error", "--max-handshake-rate", "0", "--max-rss-mb", "0"]
 
 
 @dataclass
