@@ -427,6 +427,7 @@ def serve(args: argparse.Namespace) -> int:
     import zmq
 
     from coordd.core._logs import setup_logging
+    from coordd.core._settings import ServerSettings
     from coordd.io._curve import CurveGate, SecurityConfigError
     from coordd.io._gate import SWITCH_INTERVAL
     from coordd.io._listen import IPC_MODES, BindError
@@ -449,31 +450,26 @@ def serve(args: argparse.Namespace) -> int:
                 gate = CurveGate.start(context, args.curve_secret_key, args.curve_client_keys)
             except (KeyFileError, SecurityConfigError) as exc:
                 raise SystemExit(f"coordd: {exc}") from None
+        settings = ServerSettings(
+            address=bind,
+            dp_size=args.dp,
+            step_timeout=args.step_timeout,
+            on_rank_loss=OnRankLoss(args.on_rank_loss),
+            max_groups=args.max_groups,
+            expect_groups=args.expect_groups,
+            groups=tuple(args.groups),
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
+            max_connections=caps.zmq,
+            ipc_mode=IPC_MODES[args.ipc_mode],
+            max_rss_mb=args.max_rss_mb,
+            max_handshake_rate=args.max_handshake_rate,
+            handshake_ipv4_prefix=args.handshake_ipv4_prefix,
+        )
         try:
-            server = CoordServer(
-                bind,
-                dp_size=args.dp,
-                step_timeout=args.step_timeout,
-                on_rank_loss=OnRankLoss(args.on_rank_loss),
-                max_groups=args.max_groups,
-                expect_groups=args.expect_groups,
-                groups=args.groups,
-                heartbeat_interval=args.heartbeat_interval,
-                heartbeat_timeout=args.heartbeat_timeout,
-                context=context,
-                configure_socket=gate.configure if gate else None,
-                max_connections=caps.zmq,
-                ipc_mode=IPC_MODES[args.ipc_mode],
-                max_rss_mb=args.max_rss_mb,
-                max_handshake_rate=args.max_handshake_rate,
-                handshake_ipv4_prefix=args.handshake_ipv4_prefix,
-            )
+            server = CoordServer(settings, context=context, curve=gate)
         except BindError as exc:
             raise SystemExit(f"coordd: {exc}") from None
-        if gate is not None:
-            server.curve_refused = lambda: gate.refused
-            if gate.binds:
-                server.registry.key_refusal = gate.key_refusal
 
         async def main() -> None:
             stop = asyncio.Event()

@@ -30,7 +30,7 @@ The rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Generic, Protocol, TypeVar
@@ -66,6 +66,18 @@ def shown(name: str) -> str:
 
 
 _GLOB = frozenset("*?[")
+
+# How a message stands with the registry (`Registry.standing`).
+STRANGER = 0  # its peer belongs to no group: a stranger's message
+MEMBER = 1  # over the connection that registered its peer
+DETACHED = 2  # its peer's registering connection closed: it counts, and as a stranger's too
+OTHER_CONNECTION = 3  # over another connection while the registering one is open: refused
+
+
+def _speaks(registered: int | None, fd: int | None) -> bool:
+    """The rule: a message speaks for a peer over the connection that said its Hello, or
+    once that connection (`registered`; None: closed) is gone."""
+    return registered is None or registered == fd
 
 
 class GroupRules:
@@ -190,6 +202,7 @@ class Registry(Generic[G]):
         on_rank_loss: OnRankLoss,
         takeovers: Takeovers | None = None,
         rules: GroupRules | None = None,
+        key_refusal: Callable[[str, str, int], str | None] | None = None,
     ) -> None:
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
@@ -204,9 +217,9 @@ class Registry(Generic[G]):
         self.takeovers = takeovers or Takeovers()
         #: With CURVE keys bound to ranks or groups: why a connection's key may not register as
         #: a rank of a group, or None (`coordd.io._curve.CurveGate.key_refusal`).
-        self.key_refusal: Callable[[str, str, int], str | None] | None = None
+        self.key_refusal = key_refusal
         self.groups: dict[str, G] = {}
-        # The maps below are changed in place, never replaced: the shell's drain holds them.
+        # The shell reads the maps below only through the methods under "where a message goes".
         #: The group each peer registered with (its reports go there).
         self.peer_group: dict[bytes, G] = {}
         #: The descriptor each peer's Hello came over, while that connection is open, and back.
@@ -219,11 +232,36 @@ class Registry(Generic[G]):
     def speaks_for(self, peer: bytes, fd: int) -> bool:
         """Whether a message from `peer` over descriptor `fd` may speak for it: it came over
         the connection that said the peer's Hello, or that connection is closed. A message
-        that may not goes to `other_connection`. (The shell's drain inlines this for the
-        peers of a group, one lookup and a compare, to keep the hot path free of calls;
-        tests/unit/test_shell.py checks that copy.)"""
+        that may not goes to `other_connection`."""
+        return _speaks(self.peer_fd.get(peer), fd)
+
+    def standing(self, peer: bytes, fd: int) -> tuple[G | None, int]:
+        """Where a message from `peer` over descriptor `fd` goes, for the shell's drain: its
+        group (None: a stranger's message) and how it stands there (MEMBER, DETACHED or
+        OTHER_CONNECTION; `speaks_for` is the rule)."""
+        group = self.peer_group.get(peer)
+        if group is None:
+            return None, STRANGER
         registered = self.peer_fd.get(peer)
-        return registered is None or registered == fd
+        if registered is None:
+            return group, DETACHED
+        return group, MEMBER if _speaks(registered, fd) else OTHER_CONNECTION
+
+    def group_of(self, peer: bytes) -> G | None:
+        """The group `peer` registered with, or None."""
+        return self.peer_group.get(peer)
+
+    def introduced_fds(self) -> Collection[int]:
+        """The descriptors of open connections that registered a peer (a live view)."""
+        return self.fd_peer.keys()
+
+    def holds_fd(self, fd: int) -> bool:
+        """Whether the connection on `fd` registered a peer."""
+        return fd in self.fd_peer
+
+    def connections_held(self) -> int:
+        """How many open connections registered a peer."""
+        return len(self.peer_fd)
 
     def other_connection(
         self, peer: bytes, message: ToCoordinator, address: str, now: float

@@ -341,7 +341,7 @@ def test_a_members_share_counts_its_groups_rounds_in_this_window_only() -> None:
     2 in it, allows MEMBER_SLACK + 4 messages, not 100,000 more."""
     from types import SimpleNamespace
 
-    from coordd.io._deadlines import Group
+    from coordd.io._group import Group
     from coordd.io._guard import Guard
 
     host = Host()
@@ -354,10 +354,20 @@ def test_a_members_share_counts_its_groups_rounds_in_this_window_only() -> None:
         shut.append(fd)
         return True
 
-    guard = Guard(
-        admission, clock=lambda: 1.0, current=lambda: True, introduced=lambda: (),
-        backlog=lambda: False, stranger_grace=0, max_rss_mb=0, gate=None, shutdown=shutdown,
-    )
+    class Server:
+        """The server as the guard calls it: its monitor caught up, nothing queued."""
+
+        def catch_up_monitor(self) -> bool:
+            return True
+
+        def messages_queued(self) -> bool:
+            return False
+
+        def introduced_fds(self) -> tuple[int, ...]:
+            return ()
+
+    guard = Guard(admission, Server(), clock=lambda: 1.0, stranger_grace=0, max_rss_mb=0,
+                  gate=None, shutdown=shutdown)
     busy = SimpleNamespace(decisions=50_000, failures=3)
     group = Group("g", busy, None)  # type: ignore[arg-type]
     guard.new_window(1.0, [group])

@@ -189,11 +189,14 @@ def test_every_import_points_the_allowed_way() -> None:
     assert not wrong, "wrong import arrows:\n" + "\n".join(wrong)
 
 
-def cycles(package_dir: Path, package: str = PACKAGE) -> list[list[str]]:
+def cycles(
+    package_dir: Path, package: str = PACKAGE, *, typing_too: bool = False
+) -> list[list[str]]:
     """Every import circle among our modules (each found once, as the modules in its order);
     imports inside functions count: a lazy import that closes a circle hides it, not breaks it.
-    Imports under TYPE_CHECKING do not (types may name each other; the layers still hold them),
-    nor does a package importing its own submodules (`from . import x` in `__init__`)."""
+    With `typing_too`, so do imports under TYPE_CHECKING (two modules that need each other's
+    types are one job, or one of them names what it reads as a Protocol). A package importing
+    its own submodules (`from . import x` in `__init__`) never counts."""
     modules = modules_of(package_dir, package)
     known = set(modules)
     graph: dict[str, set[str]] = {m: set() for m in modules}
@@ -201,7 +204,7 @@ def cycles(package_dir: Path, package: str = PACKAGE) -> list[list[str]]:
         for imp in imports_of(module, path, known):
             own_submodule = path.name == "__init__.py" and imp.target.startswith(module + ".")
             ours = imp.target in known and imp.target != module
-            if ours and not imp.typing_only and not own_submodule:
+            if ours and not own_submodule and (typing_too or not imp.typing_only):
                 graph[module].add(imp.target)
     found: list[list[str]] = []
     seen: set[frozenset[str]] = set()
@@ -233,6 +236,17 @@ def test_no_import_circle() -> None:
     assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
+def test_no_type_only_circle_in_the_daemon_or_proto() -> None:
+    """Not even for types: the guard and the server, proto's errors and messages each name
+    what they read of the other as a Protocol or a module of its own (issue 31)."""
+    found = [
+        c
+        for c in cycles(PACKAGE_DIR, typing_too=True)
+        if not all(m.startswith("coordd.tools.") for m in c)
+    ]
+    assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
 def test_the_cycle_finder_finds_a_lazy_circle(tmp_path: Path) -> None:
     package_dir = _write(
         tmp_path,
@@ -248,6 +262,10 @@ def test_the_cycle_finder_finds_a_lazy_circle(tmp_path: Path) -> None:
         },
     )
     assert cycles(package_dir) == [["coordd.io.server", "coordd.ops.status"]]
+    assert cycles(package_dir, typing_too=True) == [
+        ["coordd.io.server", "coordd.ops.status"],
+        ["coordd.ops.observer", "coordd.ops.view"],
+    ]
 
 
 def test_the_daemon_layers_point_one_way(tmp_path: Path) -> None:
