@@ -120,9 +120,6 @@ FLOOD_PROCESS = "flood_process"  # another stranger connection of that peer's pr
 SILENT = "silent"  # no Hello within the stranger grace
 VIOLATION = "violation"  # a member over its share of messages (or flooding junk)
 
-Ident = Callable[[int], "int | None"]
-Pid = Callable[[int, "int | None"], "int | None"]
-
 
 @dataclass(frozen=True, slots=True)
 class Shut:
@@ -147,17 +144,15 @@ class Pressure:
 class Admission:
     """The connections that hold no rank: counts, grace, cap and pressure, as `Shut`s.
 
-    `registered()` gives the descriptors of registered ranks (never shut); `ident(fd)` the
-    identity of the socket a descriptor names now (None: no socket); `pid(fd, ident)` the
-    process at the other end of a unix socket (None: tcp, or not that socket any more)."""
+    `registered()` gives the descriptors of registered ranks (never shut). What only the OS
+    knows comes in from the shell: a descriptor's socket identity (`ident`: None, no socket)
+    and the process at the other end of a unix socket (`pid`: None, tcp)."""
 
     def __init__(
         self,
         cap: int,
         registered: Callable[[], Collection[int]],
         *,
-        ident: Ident,
-        pid: Pid,
         flood: int = STRANGER_MESSAGES_PER_S,
         answers_per_s: float = STRANGER_ANSWERS_PER_S,
         now: float = float("-inf"),
@@ -171,11 +166,11 @@ class Admission:
         self._evictable = evictable
         #: members shut over the cap (`evictable`)
         self.evicted_members = 0
-        self._ident = ident
-        self._pid = pid
         self.pressure = Pressure()
         #: open descriptor -> its socket's identity (insertion order = accept order)
         self.open: OrderedDict[int, int | None] = OrderedDict()
+        #: open descriptor -> the process at its other end (ipc), as accepted
+        self._pids: dict[int, int | None] = {}
         #: when each open connection's ACCEPTED event was read
         self.accepted_at: dict[int, float] = {}
         self.peak = 0
@@ -213,10 +208,10 @@ class Admission:
 
     # -- the connections ----------------------------------------------------------------------
 
-    def accepted(self, fd: int, now: float) -> list[Shut]:
-        """A connection was accepted (its ACCEPTED event); one under memory pressure, or from a
-        process cut off for flooding within BAN_SECONDS, is shut at once."""
-        ident = self._ident(fd)
+    def accepted(self, fd: int, now: float, *, ident: int | None, pid: int | None) -> list[Shut]:
+        """A connection was accepted (its ACCEPTED event) on `fd`, which names socket `ident`
+        from process `pid` now; one under memory pressure, or from a process cut off for
+        flooding within BAN_SECONDS, is shut at once."""
         if ident is not None and self.open.get(fd) == ident:
             # this socket was taken already: a closed connection's late event, read once the
             # number named this one (deciding twice made a rank's process busy under pressure)
@@ -226,7 +221,6 @@ class Admission:
         # every accept counts, under pressure or not: a rank's connection accepted just
         # before the pressure came on was shed before its handshake was answered, and its
         # process was busy from then on (a connect() failed in 1 to 4 of 40 tries)
-        pid = self._pid(fd, ident)
         quiet = self._quiet_process(fd, ident, pid, now)
         if self.pressure.on:
             if not quiet:
@@ -242,6 +236,7 @@ class Admission:
                 del self.banned[pid]
         self.open.pop(fd, None)
         self.open[fd] = ident
+        self._pids[fd] = pid
         self.accepted_at[fd] = now
         self.peak = max(self.peak, len(self.open))
         return []
@@ -270,6 +265,7 @@ class Admission:
     def closed_fd(self, fd: int) -> None:
         """The connection on `fd` was closed (its DISCONNECTED event)."""
         self.open.pop(fd, None)
+        self._pids.pop(fd, None)
         self.accepted_at.pop(fd, None)
         self.spared.pop(fd, None)
 
@@ -278,15 +274,15 @@ class Admission:
         self.shut[shut.fd] = shut.ident
         self.closed[shut.reason] += 1
 
-    def from_shut(self, fd: int | None) -> bool:
-        """Whether a message that came over descriptor `fd` (its SRCFD) was queued by a
-        connection shut down here: the number still names that socket, or none. A new
-        connection under the number (its ACCEPTED not read yet) names another socket: no."""
-        ident = self.shut.get(fd) if fd is not None else None
-        if ident is None:
+    def from_shut(self, fd: int | None, ident: int | None) -> bool:
+        """Whether a message that came over descriptor `fd` (its SRCFD), which names socket
+        `ident` now, was queued by a connection shut down here: the number still names that
+        socket, or none. A new connection under the number (its ACCEPTED not read yet) names
+        another socket: no. (The shell asks the OS for `ident` only for a number in `shut`.)"""
+        shut = self.shut.get(fd) if fd is not None else None
+        if shut is None:
             return False
-        now = self._ident(fd)  # type: ignore[arg-type]
-        if now is not None and now != ident:
+        if ident is not None and ident != shut:
             return False
         self.dropped_shut += 1
         return True
@@ -396,18 +392,27 @@ class Admission:
 
     def stranger_message(self, peer: bytes, fd: int, now: float) -> bool:
         """Count one message from `peer`, which holds no rank, over descriptor `fd`; True when
-        the count reaches `flood` (then `cut`, with the monitor read)."""
+        the count reaches `flood` (then `cut`, with the monitor read). When `wants_socket`,
+        the shell tells `first_socket` which socket `fd` names."""
         # spared for its handshake and Hello, not what follows: a multipart flood from one
         # process's only connection (a quiet process) was spared 7 s and grew coordd to 160 MB
         if self.spared:
             self.spared.pop(fd, None)
         count = self.counts.get(peer, 0) + 1
         self.counts[peer] = count
-        if count == 1:
-            seen = self._first_socket.get(peer)
-            if seen is None or now - seen[1] > STRANGER_SOCKET_TTL:
-                self._first_socket.put(peer, (self._ident(fd), now))
         return count == self.flood
+
+    def wants_socket(self, peer: bytes, now: float) -> bool:
+        """Whether the socket of `peer`'s message just counted is to be kept (`first_socket`):
+        its first of the window, with none kept or the kept one STRANGER_SOCKET_TTL old."""
+        if self.counts.get(peer) != 1:
+            return False
+        seen = self._first_socket.get(peer)
+        return seen is None or now - seen[1] > STRANGER_SOCKET_TTL
+
+    def first_socket(self, peer: bytes, ident: int | None, now: float) -> None:
+        """`peer`'s first message of the window came over socket `ident`."""
+        self._first_socket.put(peer, (ident, now))
 
     def cut(self, peer: bytes, fd: int, now: float) -> list[Shut]:
         """Cut off flooding `peer` on `fd`: its connection (once; never a registered rank's;
@@ -425,7 +430,7 @@ class Admission:
         if ident is None:
             return []
         shuts = [Shut(fd, ident, FLOOD, peer)]
-        pid = self._pid(fd, ident)
+        pid = self._pids.get(fd)
         if pid is None:
             return shuts
         if len(self.banned) >= MAX_BANNED:
@@ -434,7 +439,7 @@ class Admission:
         # and the same process's other connections that hold no rank (one flood, many sockets)
         keep = set(self._registered())
         for other, other_ident in [(f, i) for f, i in self.open.items() if f != fd]:
-            if other not in keep and self._pid(other, other_ident) == pid:
+            if other not in keep and self._pids.get(other) == pid:
                 del self.open[other]
                 shuts += _shut(other, other_ident, FLOOD_PROCESS)
         return shuts

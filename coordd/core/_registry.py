@@ -3,7 +3,7 @@ to, creating groups up to `max_groups` (dropping one without members to make roo
 what no group may admit, and which group and connection each peer (routing id) belongs to.
 
 It returns actions that the shell carries out (`Deliver` a group's sends, `Refuse` a Hello,
-tell a group's observer, answer a peer as a stranger); the groups' state machines
+tell a group's observer, answer a peer as a stranger, log a `LogEvent`); the groups' state machines
 (`coordd.proto.coordinator.Coordinator`) are driven here, so their sends come back inside
 `Deliver`.
 
@@ -36,6 +36,7 @@ from fnmatch import fnmatchcase
 from typing import Generic, Protocol, TypeVar
 
 from coordd.core._daemon_defaults import DEFAULT_GROUPS
+from coordd.core._logs import LogEvent
 from coordd.core._peers import Takeovers
 from coordd.proto.coordinator import Coordinator, Send
 from coordd.proto.errors import Rejected
@@ -184,7 +185,14 @@ class GroupDropped(Generic[G]):
 
 
 Action = (
-    Deliver[G] | Refuse | Registering[G] | AsStranger | Lost[G] | GroupCreated[G] | GroupDropped[G]
+    Deliver[G]
+    | Refuse
+    | Registering[G]
+    | AsStranger
+    | Lost[G]
+    | GroupCreated[G]
+    | GroupDropped[G]
+    | LogEvent
 )
 
 
@@ -265,13 +273,13 @@ class Registry(Generic[G]):
 
     def other_connection(
         self, peer: bytes, message: ToCoordinator, address: str, now: float
-    ) -> list[AsStranger]:
+    ) -> list[Action[G]]:
         """`message` came from routing id `peer` over another connection than the one that
         said its Hello, which is open: it does not count for the rank (refused, counted and
         logged with the address), and is answered as a stranger's."""
         group = self.peer_group.get(peer)
         rank = group.coordinator.snapshot().rank_of(peer) if group is not None else None
-        self.takeovers.refuse(
+        line = self.takeovers.refuse(
             group.name if group is not None else "-",
             Takeovers.OTHER_CONNECTION,
             rank=rank,
@@ -281,7 +289,7 @@ class Registry(Generic[G]):
             "registered: not counted",
             now=now,
         )
-        return [AsStranger(peer, message)]
+        return [*_logged(line), AsStranger(peer, message)]
 
     def member(self, peer: bytes, fd: int | None) -> G | None:
         """The group of `peer` if it holds a rank there and `fd` is the descriptor of the
@@ -344,7 +352,7 @@ class Registry(Generic[G]):
         if not self.speaks_for(peer, fd):
             # This routing id's registering connection is open (its close is not reported,
             # and libzmq admits one live connection per id): the Hello came over another one.
-            return list(self.other_connection(peer, hello, address, now))
+            return self.other_connection(peer, hello, address, now)
         # The name first: nothing is kept, logged or counted under a name not validated.
         refused = self._name_refused(peer, hello)
         if refused is not None:
@@ -352,7 +360,7 @@ class Registry(Generic[G]):
         if self.key_refusal is not None:
             why = self.key_refusal(key, hello.group, hello.dp_rank)
             if why is not None:
-                return [self._key_refused(peer, hello, why, address, now)]
+                return self._key_refused(peer, hello, why, address, now)
         actions: list[Action[G]] = []
         bound = self.peer_group.get(peer)
         if bound is not None and bound.name != hello.group:
@@ -384,7 +392,7 @@ class Registry(Generic[G]):
             if type(answer) is Reject and peer in peers:
                 refused_here = True
                 if answer.reason is RejectReason.RANK_TAKEN:
-                    self.takeovers.refuse(
+                    line = self.takeovers.refuse(
                         group.name,
                         Takeovers.RANK_HELD,
                         rank=hello.dp_rank,
@@ -393,6 +401,7 @@ class Registry(Generic[G]):
                         detail=answer.text,
                         now=now,
                     )
+                    actions += _logged(line)
         if refused_here and peer not in group.coordinator.holders():
             # Refused, and holds no rank: it stays a stranger (no peer entry, no descriptor
             # entry: the flood cut-off and the grace apply to it).
@@ -433,7 +442,9 @@ class Registry(Generic[G]):
             return _refuse(peer, hello, error)
         return None
 
-    def _key_refused(self, peer: bytes, hello: Hello, why: str, address: str, now: float) -> Refuse:
+    def _key_refused(
+        self, peer: bytes, hello: Hello, why: str, address: str, now: float
+    ) -> list[Action[G]]:
         """A Hello over a connection whose CURVE key is bound to other ranks or groups: refused
         (one leaked key cannot speak for another rank, or create groups), counted and logged."""
         error = Rejected(
@@ -445,7 +456,7 @@ class Registry(Generic[G]):
         )
         # counted under the group only once it exists (bounded by --max-groups): a name
         # per Hello would be a record, a log line and a metric series per name
-        self.takeovers.refuse(
+        line = self.takeovers.refuse(
             hello.group if hello.group in self.groups else "-",
             Takeovers.KEY_BOUND,
             rank=hello.dp_rank,
@@ -454,7 +465,7 @@ class Registry(Generic[G]):
             detail=error.detail,
             now=now,
         )
-        return _refuse(peer, hello, error)
+        return [*_logged(line), _refuse(peer, hello, error)]
 
     def _create(self, peer: bytes, hello: Hello, wall: float, actions: list[Action[G]]) -> G | None:
         """A new group for `hello`, or None if it was refused (its name, its settings, the
@@ -583,6 +594,10 @@ class Registry(Generic[G]):
     def known_epoch(self, epoch: int) -> bool:
         """Whether `epoch` is some group's current epoch."""
         return any(g.coordinator.snapshot().epoch == epoch for g in self.groups.values())
+
+
+def _logged(line: LogEvent | None) -> list[LogEvent]:
+    return [] if line is None else [line]
 
 
 def _refuse(peer: bytes, hello: Hello, error: Rejected) -> Refuse:

@@ -122,13 +122,18 @@ class Guard:
         process: the event names it)."""
         if self.memory is not None:
             self.memory.poke()  # a burst grows coordd fast: look sooner
-        self.shut(self.admission.accepted(fd, self.clock()))
+        ident = limits.socket_ident(fd)
+        pid = limits.peer_pid(fd, ident)
+        self.shut(self.admission.accepted(fd, self.clock(), ident=ident, pid=pid))
 
     def stranger_sent(self, peer: bytes, fd: int) -> None:
         """Count a message from a peer that holds no rank; at the flood cut-off, cut it off."""
         admission = self.admission
         now = self.clock()
-        if admission.stranger_message(peer, fd, now):
+        flood = admission.stranger_message(peer, fd, now)
+        if admission.wants_socket(peer, now):
+            admission.first_socket(peer, limits.socket_ident(fd), now)
+        if flood:
             self.act(lambda: admission.cut(peer, fd, now))
 
     def cut_member(self, peer: bytes, fd: int, detail: str) -> bool:

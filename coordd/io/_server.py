@@ -41,7 +41,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 import zmq
 
 from coordd.core._admission import MEMBER_CHECK, Admission
-from coordd.core._logs import Aggregated
+from coordd.core._logs import Aggregated, LogEvent, emit
 from coordd.core._peers import peer_label
 from coordd.core._registry import (
     DETACHED,
@@ -161,8 +161,6 @@ class CoordServer:
         self.admission = Admission(
             settings.max_connections,
             self.registry.registered_fds,
-            ident=limits.socket_ident,
-            pid=limits.peer_pid,
             now=clock(),
             evictable=self.registry.evictable_fds,
         )
@@ -345,7 +343,12 @@ class CoordServer:
                 continue
             srcfd = frame.get(_SRCFD)
             group, stands = standing(peer, srcfd)
-            if group is None and shut is not None and shut.from_shut(srcfd):
+            if (
+                group is None
+                and shut is not None
+                and srcfd in shut.shut
+                and shut.from_shut(srcfd, limits.socket_ident(srcfd))
+            ):
                 continue
             try:
                 message = decode_to_coordinator(frame.buffer)
@@ -467,6 +470,8 @@ class CoordServer:
             elif type(action) is GroupDropped:
                 self._deadlines.forget(action.group)
                 self.events.group_dropped(action.group.name, action.epoch)
+            elif type(action) is LogEvent:
+                emit(log, action)
         watch = self._router.watch
         if watch is not None:  # what ranks hold is no storm (the listener pause's marks)
             watch.held = self.registry.connections_held()

@@ -9,7 +9,9 @@ vLLM itself) and `coordd.tools` (bench, chaos, demo, load, device_check). The ru
 
 - proto imports nothing of ours but proto;
 - client imports only proto;
-- core imports only proto, and no zmq: its decisions are tested without sockets;
+- core imports only proto, and no zmq: its decisions are tested without sockets; it parses no
+  options (no argparse), calls no OS (no os, sys, socket) and sets up no log output: it takes
+  values and returns decisions and the lines to log;
 - ops imports core and proto (it reads the server through `coordd.ops.view`, never io);
 - io imports ops, core and proto (it runs the state machine, never the client);
 - cli imports the daemon's layers; nothing imports it but the tools and `python -m coordd`;
@@ -294,6 +296,50 @@ def test_the_daemon_layers_point_one_way(tmp_path: Path) -> None:
     assert any("coordd.core.registry (core) -> coordd.ops.status (ops)" in w for w in wrong)
     assert any("coordd.ops.status (ops) -> coordd.io.server (io)" in w for w in wrong)
     assert any("coordd.io.server (io) -> coordd.cli (cli)" in w for w in wrong)
+
+
+#: What the core may not import: it parses no options, reaches no OS and no process state.
+CORE_NEVER_IMPORTS = frozenset({"argparse", "os", "sys", "socket", "subprocess", "signal"})
+#: ... and never decides where log lines go (it returns `LogEvent`s or logs to a given logger).
+CORE_NEVER_CALLS = ("StreamHandler", "FileHandler", "addHandler", "basicConfig", "setLevel")
+
+
+def core_violations(package_dir: Path, package: str = PACKAGE) -> list[str]:
+    """Where a core module parses options, reaches the OS or sets up log output."""
+    modules = modules_of(package_dir, package)
+    found: list[str] = []
+    for module, path in modules.items():
+        if layer_of(module, package) != "core":
+            continue
+        for imp in imports_of(module, path, set(modules)):
+            if imp.target.split(".")[0] in CORE_NEVER_IMPORTS:
+                found.append(f"{imp.path}:{imp.line}: {module} imports {imp.target}")
+        text = path.read_text()
+        found += [f"{path}: {module} calls {name}" for name in CORE_NEVER_CALLS if name in text]
+    return found
+
+
+def test_the_core_only_decides() -> None:
+    """The shell (io, cli) parses the options, calls the OS and sets up logging; the core takes
+    values and returns decisions (issue 31)."""
+    wrong = core_violations(PACKAGE_DIR)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_core_check_can_fail(tmp_path: Path) -> None:
+    package_dir = _write(
+        tmp_path,
+        {
+            "coordd/__init__.py": "",
+            "coordd/core/__init__.py": "",
+            "coordd/core/options.py": "import argparse\n",
+            "coordd/core/logs.py": "import logging\nlogging.getLogger().addHandler(None)\n",
+        },
+    )
+    wrong = core_violations(package_dir)
+    assert len(wrong) == 2, wrong
+    assert any("coordd.core.options imports argparse" in w for w in wrong)
+    assert any("coordd.core.logs calls addHandler" in w for w in wrong)
 
 
 def test_the_walk_sees_every_layer() -> None:

@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordd.cli._logging import JsonFormatter, setup_logging
 from coordd.cli.status import probe_line, render
 from coordd.core._admission import Admission
 from coordd.core._daemon_defaults import STATUS_RANK_ROWS
-from coordd.core._logs import JsonFormatter, event, fault_fields, setup_logging
+from coordd.core._logs import event, fault_fields
 from coordd.core._peers import Takeovers, peer_label
 from coordd.core._registry import group_name_problem
 from coordd.core._settings import ServerSettings
@@ -58,7 +59,7 @@ class Daemon:
         self.settings = ServerSettings(
             self.bound_address, dp_size=dp, max_groups=64, expect_groups=expect_groups
         )
-        self.admission = Admission(1024, lambda: (), ident=lambda fd: fd, pid=lambda fd, i: None)
+        self.admission = Admission(1024, lambda: ())
         self.started_wall = self.wall()
         self.sent: list[Any] = []
 
