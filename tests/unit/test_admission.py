@@ -36,7 +36,6 @@ from coordd.proto.messages import (
     StepReport,
 )
 
-
 _ASK = object()
 
 
