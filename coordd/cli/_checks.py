@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 def check_serve(args: argparse.Namespace) -> None:
     """Every range of `coordd serve`'s options (`OptionError` for the first one out)."""
-    if args.dp is None:  # one line naming it, not argparse's usage block (issue 30)
+    if args.dp is None:  # one line naming it, not argparse's usage block
         raise OptionError(
             "--dp is required: the data-parallel size, vLLM's --data-parallel-size "
             "(coordd serve --dp 8, or COORDD_DP=8)"

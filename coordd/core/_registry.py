@@ -509,7 +509,7 @@ class Registry(Generic[G]):
         (its ranks all left; a stranger's Hellos cannot hold the slots forever), never one
         the deployment names (--groups or --expect-groups: it has a slot of its own, and an
         expected group that stopped cleanly would read "has not registered" to /readyz once
-        dropped, issue 28). True if one was dropped."""
+        dropped). True if one was dropped."""
         for name, group in self.groups.items():
             if name in self.rules.exact:
                 continue

@@ -86,7 +86,7 @@ __all__ = ["CoordServer"]
 log = logging.getLogger("coordd")
 
 # Plain ints for the hot path: pyzmq's constants are enum.Flag members, and `int & Flag`
-# builds a new Flag through enum's Python code (it was a third of coordd's Python time).
+# builds a new Flag through enum's Python code.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -100,7 +100,7 @@ _MEMBER_MASK = MEMBER_CHECK - 1
 #: timeouts), the HTTP endpoints and the monitor, and the drain goes on at its next turn. One
 #: peer sending as fast as it can no longer holds the loop for the length of its flood.
 DRAIN_BUDGET = 512
-#: Most parts of a refused multipart message dropped in one turn (~25 ms of work).
+#: Most parts of a refused multipart message dropped in one turn of the loop.
 DROP_BUDGET = 50_000
 #: Turns in a row that closed connections may wait for the frames before them to be read
 #: (so a rank's last report counts before its loss), before the monitor goes first anyway.
