@@ -23,8 +23,9 @@ The rules, the same for every shell:
   not in `dead_ranks`, the idle, unfinished, micro-batch and pause flags consistent with its
   own); a gather's site, its dp rows of the length this rank sent, this rank's own row as
   sent (`gather_misfit`). A misfit, or a decision for a round this rank has not reported yet,
-  fails the group with that `InvalidAnswer` (coordd is at fault): none of it is used. An answer for no round this rank asked (an older epoch's, a round already
-  answered, one of a past registration) is dropped and counted (`dropped_answers`), never kept.
+  fails the group with that `InvalidAnswer` (coordd is at fault): none of it is used. An
+  answer for no round this rank asked (an older epoch's, a round already answered, one of a
+  past registration) is dropped and counted (`dropped_answers`), never kept.
 """
 
 from __future__ import annotations
