@@ -355,9 +355,8 @@ class CoordClient(ClientShell):
 
     def _send_report(self, stamped: StepReport | GatherReport) -> None:
         try:
-            # pyzmq's Socket.send without its Python layer (routing_id/group/Frame checks
-            # that a plain bytes send never needs): RankConnection.send, a third cheaper.
-            # (The socket is always a pyzmq Socket: the base method takes no other object.)
+            # pyzmq's Socket.send without its Python layer, whose routing_id/group/Frame checks
+            # a plain bytes send never needs (the socket is always a pyzmq Socket).
             _send(self.connection.socket, encode(stamped), _NOBLOCK)
         except zmq.Again:
             raise self.session.fail(
