@@ -52,7 +52,7 @@ def drain(
         else:
             on_frame(frame)
             taken = 1
-    # EVENTS rather than recv-until-Again: raising zmq.Again costs several times that (~6 us)
+    # EVENTS rather than recv-until-Again: raising zmq.Again costs several times a getsockopt
     if limit is None:
         while int(sock.getsockopt(_EVENTS)) & _POLLIN:
             on_frame(sock.recv(_NOBLOCK))

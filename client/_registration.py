@@ -1,9 +1,9 @@
 """One `connect()`, sans-IO: the Hello, its resends over new connections, the deadline, the verdict.
 
 Both clients (blocking and asyncio) step the same `Registration`, so the rules of a
-registration are written once (before, each shell had its own loop, and a fix reached one of
-them only: 3c6bb09). No sockets and no clocks here: the shell passes in its connection's state
-(what its monitor told it) and the time, and does what each step names:
+registration are written once and a fix reaches both. No sockets and no clocks here: the shell
+passes in its connection's state (what its monitor told it) and the time, and does what each
+step names:
 
 - `REOPEN`: replace the connection with a new one under a fresh routing id
   (`ClientShell.reopen_if_dropped`), and watch the new one;

@@ -22,11 +22,14 @@ The rules, the same for every shell:
   this rank's own count, counts in range, `cudagraph_mode` no higher than this rank's, this rank
   not in `dead_ranks`, the idle, unfinished, micro-batch and pause flags consistent with its
   own); a gather's site, its dp rows of the length this rank sent, this rank's own row as
-  sent. A misfit, or a decision for a round this rank has not reported yet, fails the group
-  with that `InvalidAnswer` (coordd is at fault):
-  none of it is used. An answer for no round this rank asked (an older epoch's, a round already
-  answered, one of a past registration) is dropped and counted (`dropped_answers`), never kept.
+  sent (`gather_misfit`). A misfit, or a decision for a round this rank has not reported yet,
+  fails the group with that `InvalidAnswer` (coordd is at fault): none of it is used. An
+  answer for no round this rank asked (an older epoch's, a round already answered, one of a
+  past registration) is dropped and counted (`dropped_answers`), never kept.
 """
+
+# Whole though over 500 lines: the session's rules (registration, seqs, answers, fail-stop)
+# all read and write one state; split, each part would reach into the others'.
 
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import msgspec
 
@@ -70,11 +73,11 @@ from coordd.proto.messages import (
     error_from_failure,
     error_from_reject,
 )
-from coordd.proto.policy import check_carriable, decision_misfit
+from coordd.proto.policy import check_carriable, decision_misfit, gather_misfit
 
 _replace = msgspec.structs.replace
 _decode_from_coordinator = msgspec.msgpack.Decoder(FromCoordinator).decode
-#: Read once: an enum member read through its class costs ~50 ns in Python 3.11.
+#: Read once: an enum member read through its class is a lookup on every round.
 _GATHER = StepKind.GATHER
 
 #: A round's outcome as a wait finds it: its decision or gathered rows, or its error.
@@ -105,9 +108,8 @@ class RegistrationFailed:
 
 @dataclass(slots=True)
 class Resolved:
-    """One round's own answer: a decision, or an error for this rank's report alone. (Made
-    once per round on the hot path: a plain slots class builds in a third of a frozen one's
-    time.)"""
+    """One round's own answer: a decision, or an error for this rank's report alone (a plain
+    slots class, made once per round: it builds faster than a frozen one)."""
 
     seq: int
     outcome: Outcome
@@ -235,21 +237,7 @@ class RankSession:
         stamped = _replace(
             report, dp_rank=self.dp_rank, epoch=epoch, seq=seq, kind=kind, waited_us=waited_us
         )
-        # What check_carriable accepts, tested inline (exact ints and bools in range); anything
-        # else goes to it for the verdict and the error.
-        tokens, padded, mode = stamped.num_tokens, stamped.num_tokens_padded, stamped.cudagraph_mode
-        if not (
-            type(tokens) is int
-            and type(padded) is int
-            and type(mode) is int
-            and INT64_MIN <= tokens <= INT64_MAX
-            and INT64_MIN <= padded <= INT64_MAX
-            and INT64_MIN <= mode <= INT64_MAX
-            and type(stamped.want_ubatch) is bool
-            and type(stamped.has_unfinished) is bool
-            and type(stamped.want_pause) is bool
-        ):
-            check_carriable(self.dp_rank, stamped)
+        check_carriable(self.dp_rank, stamped)
         self.next_seq = seq + 1
         asked = self._asked
         asked[seq] = stamped
@@ -377,22 +365,10 @@ class RankSession:
             msg = _decode_from_coordinator(frame)
         except msgspec.DecodeError:
             return None
-        if type(msg) is StepDecision:
-            # the awaited round's decision, if it fits the round (`_misfit`'s checks for a
-            # decision, inline: every round of the blocking client comes this way)
-            if msg.seq == seq and msg.epoch == self.epoch and seq not in self._answers:
-                asked = self._asked.pop(seq, None)
-                if (
-                    type(asked) is StepReport
-                    and decision_misfit(msg, asked, self.dp_rank, self.dp_size) is None
-                ):
-                    if self._asked_again:
-                        self._ask_again(seq, asked)
-                    return msg
-                if asked is not None:
-                    self._asked[seq] = asked  # `_decided` judges it
-            return self._decided(msg)
-        if type(msg) is GatherResult:
+        if type(msg) is StepDecision or type(msg) is GatherResult:
+            if msg.seq == seq and seq not in self._answers:
+                judged = self._judged(msg)  # the awaited answer comes back, not kept
+                return msg if judged is True else judged
             return self._decided(msg)
         return self.receive(msg)
 
@@ -471,20 +447,20 @@ class RankSession:
     # -- checking an answer against its round -----------------------------------------------
 
     def _decided(self, msg: StepDecision | GatherResult) -> Event | None:
-        """A decision or gathered rows: its round's answer if it fits the round asked."""
+        """A decision or gathered rows: kept as its round's answer if it fits the round asked."""
+        judged = self._judged(msg)
+        if judged is True:
+            return self._answer(msg.seq, msg)
+        return judged
+
+    def _judged(self, msg: StepDecision | GatherResult) -> Literal[True] | Event | None:
+        """True if `msg` fits the round asked (it is not kept here); else the group's failure
+        it causes, or None for an answer to no round this rank asked."""
         seq = msg.seq
         if msg.epoch != self.epoch or self.registering:
             self.dropped_answers += 1  # an older epoch's (or, registering, the old one's)
             return None
-        asked = self._asked.pop(seq, None)
-        if asked is not None and self._asked_again:
-            self._ask_again(seq, asked)
-        if (  # a decision that fits its report (the asyncio client's every round)
-            type(msg) is StepDecision
-            and type(asked) is StepReport
-            and decision_misfit(msg, asked, self.dp_rank, self.dp_size) is None
-        ):
-            return self._answer(seq, msg)
+        asked = self._take_ask(seq)
         if asked is None:
             if seq >= self.next_seq:  # coordd decided a round this rank has not reported
                 return self._unfit(
@@ -497,9 +473,24 @@ class RankSession:
                 )
             self.dropped_answers += 1  # answered already, or never asked in this registration
             return None
-        if self._misfit(msg, asked) is None:
-            return self._answer(seq, msg)
-        return self._reject(msg, asked)
+        # one answer of each kind fits a round of that kind (`decision_misfit`, `gather_misfit`)
+        error: InvalidAnswer | None
+        if type(msg) is StepDecision:
+            if type(asked) is StepReport:
+                error = decision_misfit(msg, asked, self.dp_rank, self.dp_size)
+            else:
+                assert isinstance(asked, GatherReport)
+                error = InvalidAnswer(
+                    seq, "kind", msg.kind.value, f"a gather of site {asked.site!r}"
+                )
+        elif isinstance(asked, GatherReport):
+            assert isinstance(msg, GatherResult)
+            error = gather_misfit(msg, asked, self.dp_rank, self.dp_size)
+        else:
+            error = InvalidAnswer(seq, "kind", "gather", asked.kind.value)
+        if error is None:
+            return True
+        return self._unfit(error)
 
     def _take_ask(self, seq: int) -> Asked | None:
         asked = self._asked.pop(seq, None)
@@ -518,35 +509,8 @@ class RankSession:
             else:
                 again[seq] = left - 1
 
-    def _misfit(self, msg: StepDecision | GatherResult, asked: Asked) -> bool | None:
-        """None if `msg` fits the round asked (a few int comparisons: every round comes here);
-        else True (`_reject` says how)."""
-        n = self.dp_size
-        if isinstance(msg, StepDecision):
-            if type(asked) is not StepReport:
-                return True
-            return None if decision_misfit(msg, asked, self.dp_rank, n) is None else True
-        if not isinstance(asked, GatherReport) or msg.site != asked.site:
-            return True
-        rows = msg.rows
-        if len(rows) != n or rows[self.dp_rank] != asked.values:
-            return True
-        dead = msg.dead_ranks
-        if not dead:  # every row as long as this rank's
-            return True if len(set(map(len, rows))) != 1 else None
-        if min(dead) < 0 or max(dead) >= n or self.dp_rank in dead:
-            return True
-        want = len(asked.values)
-        for r, row in enumerate(rows):
-            if len(row) != (0 if r in dead else want):
-                return True
-        return None
-
-    def _reject(self, msg: StepDecision | GatherResult, asked: Asked) -> GroupFailed | None:
-        """`msg` does not fit the round asked: say what, and fail the group with it."""
-        return self._unfit(_what_misfits(msg, asked, self.dp_size, self.dp_rank))
-
     def _unfit(self, error: InvalidAnswer) -> GroupFailed | None:
+        """An answer that does not fit its round fails the group, naming coordd."""
         if self.failed is not None:  # the first failure stays the one reported
             self.dropped_answers += 1
             return None
@@ -562,43 +526,6 @@ class RankSession:
         if msg.reason is FailReason.UNAVAILABLE or msg.epoch == self.epoch:
             return self.fail(error)
         return None
-
-
-def _what_misfits(
-    msg: StepDecision | GatherResult, asked: Asked, dp_size: int, dp_rank: int
-) -> InvalidAnswer:
-    """What of `msg` does not fit the round asked (only on that path: `_misfit` found it)."""
-    seq = msg.seq
-    if isinstance(msg, StepDecision):
-        if isinstance(asked, GatherReport):
-            return InvalidAnswer(seq, "kind", msg.kind.value, f"a gather of site {asked.site!r}")
-        error = decision_misfit(msg, asked, dp_rank, dp_size)
-        assert error is not None, "unreachable: _misfit found a misfit"
-        return error
-    if not isinstance(asked, GatherReport):
-        return InvalidAnswer(seq, "kind", "gather", asked.kind.value)
-    if msg.site != asked.site:
-        return InvalidAnswer(seq, "site", msg.site, repr(asked.site))
-    rows = msg.rows
-    if len(rows) != dp_size:
-        return InvalidAnswer(seq, "rows", f"{len(rows)} rows", f"{dp_size} rows, one per rank")
-    dead = msg.dead_ranks
-    if dead and (min(dead) < 0 or max(dead) >= dp_size):
-        return InvalidAnswer(seq, "dead_ranks", dead, f"ranks in 0..{dp_size - 1}")
-    if dp_rank in dead:
-        return InvalidAnswer(seq, "dead_ranks", dead, f"not this rank ({dp_rank}): it reported")
-    if rows[dp_rank] != asked.values:
-        return InvalidAnswer(
-            seq, f"rows[{dp_rank}]", rows[dp_rank], f"{asked.values} (what this rank sent)"
-        )
-    want = len(asked.values)
-    for r, row in enumerate(rows):
-        length = 0 if r in dead else want
-        if len(row) != length:
-            return InvalidAnswer(
-                seq, f"rows[{r}]", f"{len(row)} values", f"{length} (rank {r}'s row)"
-            )
-    raise AssertionError("unreachable: _misfit found a misfit")  # pragma: no cover
 
 
 class SessionView:

@@ -53,14 +53,9 @@ _CONNECTED = int(zmq.EVENT_CONNECTED)
 #: wrong server key, or a rank without CURVE at a coordd with it, fails every retry the same way.
 _NO_DETAIL_LIMIT = 2
 #: A handshake that fails without detail this long (s) or more after its connection was made
-#: stalled: coordd's ZAP check refused it for the moment (over its memory budget or its
-#: handshake rate), which sends the client nothing, and coordd closed it at its HANDSHAKE_IVL
-#: (5 s; shorter in tests). It does not count toward _NO_DETAIL_LIMIT: the next try may be
-#: admitted. A real mismatch fails within a millisecond of the connection (0.3-0.6 ms on
-#: loopback; the monitor is read every 50 ms at worst while connect() waits), so 0.5 s tells
-#: the two apart with room. (Refused with a ZAP reply "300", libzmq 4.3.5 stalls on a direct
-#: loopback connection but closes at once, like a mismatch, through any TCP relay: see
-#: tests/integration/test_handshake_refusals.py.)
+#: stalled (coordd's ZAP check refused it for the moment and closed it at its HANDSHAKE_IVL), so
+#: it does not count toward _NO_DETAIL_LIMIT: a real mismatch fails within milliseconds, far
+#: under this, even with the monitor read only every 50 ms while connect() waits.
 _STALL_AFTER = 0.5
 
 __all__ = [

@@ -23,6 +23,9 @@ Differences from the coordd path, by construction:
 - a lost rank surfaces as the backend's error, so `RankLost` names no rank.
 """
 
+# Whole though over 500 lines: one client shell over one collective, whose parts (connect,
+# rounds, gathers, close) all share that collective's state.
+
 from __future__ import annotations
 
 import collections

@@ -54,6 +54,9 @@ The adapter takes any client with `start(report, kind) -> pending` and `pending.
 `coordd.client.sync.CoordClient`, or the device-path client, which has the same surface.
 """
 
+# Whole though over 500 lines: it is vLLM's one call surface (the adapter, its pending
+# round, the module-level calls), and no part of it means anything without the others.
+
 from __future__ import annotations
 
 import enum

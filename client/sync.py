@@ -182,10 +182,8 @@ class CoordClient(ClientShell):
         if type(kind) is not StepKind:
             kind = StepKind(kind)
         session = self.session
-        self._busy = _get_ident()  # _enter() and _leave(), inlined on this hot path
+        self._enter()
         try:
-            if self._closed:
-                raise CoordinatorUnavailable(_CLOSED)
             if self._open is not None:
                 self._check_open(self._open)
             else:  # what came since: an answer for the round about to be reported is a misfit
@@ -193,9 +191,7 @@ class CoordClient(ClientShell):
             stamped = session.report(report, kind, self._waited_before(session))
             self._send_report(stamped)
         finally:
-            self._busy = None
-            if self._closed:
-                self._close_sockets()
+            self._leave()
         seq = stamped.seq
         registration = session.registration
         self._open = (seq, registration)
@@ -359,9 +355,8 @@ class CoordClient(ClientShell):
 
     def _send_report(self, stamped: StepReport | GatherReport) -> None:
         try:
-            # pyzmq's Socket.send without its Python layer (routing_id/group/Frame checks
-            # that a plain bytes send never needs): RankConnection.send, a third cheaper.
-            # (The socket is always a pyzmq Socket: the base method takes no other object.)
+            # pyzmq's Socket.send without its Python layer, whose routing_id/group/Frame checks
+            # a plain bytes send never needs (the socket is always a pyzmq Socket).
             _send(self.connection.socket, encode(stamped), _NOBLOCK)
         except zmq.Again:
             raise self.session.fail(
@@ -380,10 +375,8 @@ class CoordClient(ClientShell):
     ) -> StepDecision | GatherResult:
         session = self.session
         began = _now_ns()
-        self._busy = _get_ident()  # _enter() and _leave(), inlined on this hot path
+        self._enter()
         try:
-            if self._closed:
-                raise CoordinatorUnavailable(_CLOSED)
             outcome = session.outcome(seq, registration)
             if outcome is None:
                 timeout = self.wait_timeout if timeout is None else timeout
@@ -400,9 +393,7 @@ class CoordClient(ClientShell):
             self._waited = (seq, registration, min((_now_ns() - began) // 1000, MAX_WAITED_US))
             return outcome
         finally:
-            self._busy = None
-            if self._closed:
-                self._close_sockets()
+            self._leave()
 
     def _read_available(self, expect: bool = True) -> None:
         """Receive what is queued (`expect`: as `edge.drain` takes it)."""

@@ -12,13 +12,38 @@ A round's error travels to every rank as one `StepFailed`: each class below decl
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from typing import Self
 
-    from coordd.proto.messages import StepFailed
+
+class WireFailure(Protocol):
+    """The fields of a `coordd.proto.messages.StepFailed` that `from_wire` reads (named here,
+    so that this module and the messages do not import each other)."""
+
+    @property
+    def culprits(self) -> Sequence[int]: ...
+    @property
+    def detail(self) -> str: ...
+    @property
+    def expected(self) -> str: ...
+    @property
+    def expected_kind(self) -> str: ...
+    @property
+    def expected_seq(self) -> int: ...
+    @property
+    def field(self) -> str: ...
+    @property
+    def got_kind(self) -> str: ...
+    @property
+    def got_seq(self) -> int: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def value(self) -> str: ...
+
 
 #: After a failed round, the group stays failed (every later report gets the same error) until
 #: the ranks reconnect; most hints end with this step.
@@ -51,7 +76,7 @@ class CoordError(Exception):
         raise TypeError(f"{type(self).__name__} does not travel in a StepFailed")
 
     @classmethod
-    def from_wire(cls, msg: StepFailed) -> Self:
+    def from_wire(cls, msg: WireFailure) -> Self:
         """The error back from the `StepFailed` fields that `wire_fields` filled."""
         raise TypeError(f"{cls.__name__} does not travel in a StepFailed")
 
@@ -161,7 +186,7 @@ class StepMismatch(CoordError):
         )
 
     @classmethod
-    def from_wire(cls, msg: StepFailed) -> Self:
+    def from_wire(cls, msg: WireFailure) -> Self:
         return cls(msg.culprits[0], msg.expected_seq, msg.expected_kind, msg.got_seq, msg.got_kind)
 
 
@@ -190,7 +215,7 @@ class ConflictingReport(CoordError):
         return dict(culprits=[self.rank], got_seq=self.seq)
 
     @classmethod
-    def from_wire(cls, msg: StepFailed) -> Self:
+    def from_wire(cls, msg: WireFailure) -> Self:
         return cls(msg.culprits[0], msg.got_seq)
 
 
@@ -223,7 +248,7 @@ class InvalidReport(CoordError):
         )
 
     @classmethod
-    def from_wire(cls, msg: StepFailed) -> Self:
+    def from_wire(cls, msg: WireFailure) -> Self:
         return cls(msg.culprits[0], msg.field, _literal(msg.value), msg.expected)
 
 
@@ -259,7 +284,7 @@ class RankLost(CoordError):
         return dict(culprits=list(self.ranks), detail=self.detail)
 
     @classmethod
-    def from_wire(cls, msg: StepFailed) -> Self:
+    def from_wire(cls, msg: WireFailure) -> Self:
         return cls(msg.culprits, msg.detail)
 
 
@@ -296,7 +321,7 @@ class StepTimeout(CoordError):
         return dict(culprits=list(self.ranks), timeout=self.timeout)
 
     @classmethod
-    def from_wire(cls, msg: StepFailed) -> Self:
+    def from_wire(cls, msg: WireFailure) -> Self:
         return cls(msg.culprits, msg.timeout)
 
 
@@ -346,7 +371,7 @@ class CoordinatorUnavailable(CoordError):
         return dict(culprits=[], detail=self.detail)
 
     @classmethod
-    def from_wire(cls, msg: StepFailed) -> Self:
+    def from_wire(cls, msg: WireFailure) -> Self:
         return cls(msg.detail)
 
 
@@ -370,7 +395,7 @@ class ProtocolError(CoordError):
         return dict(culprits=[] if self.rank is None else [self.rank], detail=self.detail)
 
     @classmethod
-    def from_wire(cls, msg: StepFailed) -> Self:
+    def from_wire(cls, msg: WireFailure) -> Self:
         return cls(msg.detail, rank=msg.culprits[0] if msg.culprits else None)
 
 

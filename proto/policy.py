@@ -20,6 +20,8 @@ report arrives; the client refuses before sending only what the wire cannot carr
 A gather round has no rules: its result is the reports' values as they came. Its only check
 (`validate_gather`) is that every rank sends as many values as the round's first report, and
 no more than fit in one frame at the group's dp size.
+
+A rank checks each answer against what it sent: `decision_misfit`, `gather_misfit`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from coordd.proto.messages import (
     INT64_MAX,
     INT64_MIN,
     GatherReport,
+    GatherResult,
     StepDecision,
     StepKind,
     StepReport,
@@ -43,6 +46,7 @@ CUDAGRAPH_MODES = (0, 1, 2)  # NONE, PIECEWISE, FULL
 MAX_TOKENS = 2**31 - 1
 _INT32 = "int32: the engines' token tensors"
 _FLAGS = ("want_ubatch", "has_unfinished", "want_pause")
+_COUNTS = ("num_tokens", "num_tokens_padded", "cudagraph_mode")
 
 
 def validate_report(rank: int, report: StepReport) -> None:
@@ -89,7 +93,27 @@ def check_carriable(rank: int, report: StepReport) -> None:
     no seq. A value the wire carries but the policy refuses (2**31 tokens, mode 7) is sent, so
     that coordd fails the round for every rank, naming this one, instead of leaving the others
     to wait for a report that never comes."""
-    for name in ("num_tokens", "num_tokens_padded", "cudagraph_mode"):
+    # The common case first, exact ints and bools in one expression (half the cost of the
+    # field loop below, on every report); tests/unit/test_rules_once.py pins it to the loop.
+    tokens, padded, mode = report.num_tokens, report.num_tokens_padded, report.cudagraph_mode
+    if (
+        type(tokens) is int
+        and type(padded) is int
+        and type(mode) is int
+        and INT64_MIN <= tokens <= INT64_MAX
+        and INT64_MIN <= padded <= INT64_MAX
+        and INT64_MIN <= mode <= INT64_MAX
+        and type(report.want_ubatch) is bool
+        and type(report.has_unfinished) is bool
+        and type(report.want_pause) is bool
+    ):
+        return
+    _check_carriable_fields(rank, report)
+
+
+def _check_carriable_fields(rank: int, report: StepReport) -> None:
+    """`check_carriable`'s rule field by field, naming the first that breaks it."""
+    for name in _COUNTS:
         value = getattr(report, name)
         if type(value) is not int and not _is_int(value):
             raise InvalidReport(rank, name, value, f"an int in 0..{MAX_TOKENS}")
@@ -282,4 +306,40 @@ def decision_misfit(
             return InvalidAnswer(seq, "dead_ranks", dead, f"ranks in 0..{dp_size - 1}")
         if dp_rank in dead:
             return InvalidAnswer(seq, "dead_ranks", dead, f"not this rank ({dp_rank}): it reported")
+    return None
+
+
+def gather_misfit(
+    result: GatherResult, sent: GatherReport, dp_rank: int, dp_size: int
+) -> InvalidAnswer | None:
+    """None if `result` can be the rows of a gather round in which this rank (`dp_rank`) sent
+    `sent`; else the `InvalidAnswer` naming the first thing that contradicts it: the site,
+    dp rows, `dead_ranks` within 0..dp-1 and never this rank, this rank's own row as sent,
+    every live row as long as it and every dead rank's row empty."""
+    seq = result.seq
+    if result.site != sent.site:
+        return InvalidAnswer(seq, "site", result.site, repr(sent.site))
+    rows = result.rows
+    if len(rows) != dp_size:
+        return InvalidAnswer(seq, "rows", f"{len(rows)} rows", f"{dp_size} rows, one per rank")
+    dead = result.dead_ranks
+    if dead:
+        if min(dead) < 0 or max(dead) >= dp_size:
+            return InvalidAnswer(seq, "dead_ranks", dead, f"ranks in 0..{dp_size - 1}")
+        if dp_rank in dead:
+            return InvalidAnswer(seq, "dead_ranks", dead, f"not this rank ({dp_rank}): it reported")
+    values = sent.values
+    if rows[dp_rank] != values:
+        return InvalidAnswer(
+            seq, f"rows[{dp_rank}]", rows[dp_rank], f"{values} (what this rank sent)"
+        )
+    if not dead and len(set(map(len, rows))) == 1:  # every row as long as this rank's
+        return None
+    want = len(values)
+    for r, row in enumerate(rows):
+        length = 0 if r in dead else want
+        if len(row) != length:
+            return InvalidAnswer(
+                seq, f"rows[{r}]", f"{len(row)} values", f"{length} (rank {r}'s row)"
+            )
     return None

@@ -1,43 +1,27 @@
-"""Admission of the peers that hold no rank, pure: the time is passed in, and what needs the
-OS (a descriptor's socket identity, the pid at the other end of a unix socket) is asked of
-small callables (`coordd.io._limits` gives the real ones). Decisions come back as `Shut`
-actions that the shell carries out (`shutdown(2)` on libzmq's descriptor, only if it still
-names the socket `ident`) and reports back with `done`.
+"""Admission of the peers that hold no rank, pure: the time and what only the OS knows (a
+descriptor's socket identity, the pid at the other end of a unix socket) are passed in.
+Decisions come back as `Shut`s that the shell carries out (`shutdown(2)`, only if the
+descriptor still names socket `ident`) and reports back with `done`.
 
 The rules (`coordd.io._limits` says why each exists):
 
-- Open connections are known by descriptor, oldest first, each with its socket's identity
-  when its ACCEPTED event was read; over `cap`, the oldest that holds no registered rank is
-  shut (`enforce`). The cap is sized from the deployment (`connections_needed`: every rank of
-  every group coordd may serve, and STRANGER_ROOM more for connections on their way to
-  registering); if members crowd into that room anyway (a cap set smaller), the members of
-  groups only a pattern admitted (`evictable`: not named in --groups or --expect-groups) are
-  shut first, newest group first, never the newcomer while they hold slots (issue 28: 1008 junk
-  members in 63 pattern groups filled the cap of 1024 and every newcomer, an `enginecore`
-  rank among them, was the one connection shut). A member of a named group is never chosen by
-  any rule here.
-- Under memory pressure (`pressure`, one flag, which the ZAP gate reads too) every new
-  connection is shut as soon as it is accepted, and `shed` shuts every stranger; but over ipc
-  a connection from a quiet process (none of its connections accepted in the last
-  QUIET_PROCESS seconds: a rank's, not an attacker's that reconnects all the time) is kept,
-  and one accepted so (under pressure or before it) is spared by `shed` for SPARED seconds,
-  time for its handshake and Hello: HELLO_GRACE after the ZAP gate admitted that process's
-  handshake (`handshakes`), or until its first message (the ZAP gate lets in a quiet source
-  under pressure too): the 16-process attack's handshakes in flight kept coordd over its
-  budget with no stranger to close, and every rank's connection was shut.
+- Over `cap`, the oldest connection that holds no registered rank is shut (`enforce`). The cap
+  is sized from the deployment (`connections_needed`); if members crowd the room it keeps for
+  newcomers anyway, members of groups only a pattern admitted (`evictable`) go first, newest
+  group first, so that a named group's newcomer is not the one shut. A member of a named
+  group is never chosen by any rule here.
+- Under memory pressure (`pressure`) a new connection is shut as soon as it is accepted and
+  `shed` shuts every stranger, except, over ipc, a quiet process's connection (QUIET_PROCESS),
+  spared for its handshake and Hello (SPARED, HELLO_GRACE): a rank can still connect while
+  a flood holds coordd over its budget.
 - A connection that said no Hello within the stranger grace is shut (`expire`).
-- A peer that holds no rank and sends more than `flood` messages in a one-second window has
-  its connection shut (`stranger_message`, then `cut`), and over ipc its process's other
-  stranger connections too, and its new ones for BAN_SECONDS; but only if the peer's first
-  message of the window came over the socket now under that descriptor (acfddde: descriptor
-  numbers are reused at once, so what was counted may be a closed connection's backlog, and
-  the cut would ban an honest process).
-- What a stranger's message is answered, rate-limited (`answer`).
-- A member's input is bounded too (`member_over`): a rank sends one report per round (and as
-  much again in resends), plus its registration, pings and Goodbye. One that sends more than
-  MEMBER_SLACK messages in a window beyond twice its group's rounds in it (or floods junk,
-  which counts the same) breaks the protocol: its connection is shut (`member_shut`; its rank
-  is lost) and nothing else (no ban, no other connection).
+- A stranger over `flood` messages in a one-second window is cut off (`stranger_message`,
+  `cut`), over ipc with its process's other stranger connections and its new ones for
+  BAN_SECONDS; only if its first message of the window came over the socket now under that
+  descriptor, as numbers are reused at once and the count may be a closed socket's backlog.
+- A stranger's message is answered at a bounded rate (`answer`).
+- A member that sends more than MEMBER_SLACK messages in a window beyond two per round of its
+  group breaks the protocol (`member_over`): its connection alone is shut (`member_shut`).
 
 Every decision that names descriptors assumes the monitor was read up to now (every
 descriptor in `open` is then one libzmq holds): the shell makes sure of it where it acts.
@@ -79,14 +63,9 @@ MEMBER_CHECK = 1024
 #: Most entries of each table a peer can grow here (first sockets, cut connections).
 MAX_TRACKED = 4096
 #: Under memory pressure, an ipc process none of whose connections was accepted for this long
-#: is quiet: its new connection is kept (a rank connecting), and spared by `shed` until its
-#: handshake must be over (libzmq closes it at HANDSHAKE_TIMEOUT) and its Hello in: spared
-#: 2 s, a rank's connection was shed while the 16-process attack's ZAP queue held its
-#: handshake 2-5 s, and its connect() failed. A process that comes back after this long is
-#: quiet again: a rank's fresh process is refused its first handshake under pressure (quiet
-#: is earned at the gate: `coordd.core._handshake.EARN_WAIT`) and tries again 1.1 s or more
-#: later (the refusal is answered 1 s late); at 5 s it was shut here as busy at every retry.
-#: An attacker that keeps reconnecting (every 100 ms) stays busy.
+#: is quiet (a rank connecting, or retrying after the gate's 1 s-late refusal; a flooder that
+#: keeps reconnecting is not): its new connection is kept, and spared by `shed` until its
+#: handshake must be over (libzmq closes it at HANDSHAKE_TIMEOUT) and its Hello in.
 QUIET_PROCESS = 1.0
 SPARED = HANDSHAKE_TIMEOUT + 2.0
 #: A spared connection's spare after the ZAP gate admitted its process's handshake: a client
@@ -120,9 +99,6 @@ FLOOD_PROCESS = "flood_process"  # another stranger connection of that peer's pr
 SILENT = "silent"  # no Hello within the stranger grace
 VIOLATION = "violation"  # a member over its share of messages (or flooding junk)
 
-Ident = Callable[[int], "int | None"]
-Pid = Callable[[int, "int | None"], "int | None"]
-
 
 @dataclass(frozen=True, slots=True)
 class Shut:
@@ -147,17 +123,15 @@ class Pressure:
 class Admission:
     """The connections that hold no rank: counts, grace, cap and pressure, as `Shut`s.
 
-    `registered()` gives the descriptors of registered ranks (never shut); `ident(fd)` the
-    identity of the socket a descriptor names now (None: no socket); `pid(fd, ident)` the
-    process at the other end of a unix socket (None: tcp, or not that socket any more)."""
+    `registered()` gives the descriptors of registered ranks (never shut). What only the OS
+    knows comes in from the shell: a descriptor's socket identity (`ident`: None, no socket)
+    and the process at the other end of a unix socket (`pid`: None, tcp)."""
 
     def __init__(
         self,
         cap: int,
         registered: Callable[[], Collection[int]],
         *,
-        ident: Ident,
-        pid: Pid,
         flood: int = STRANGER_MESSAGES_PER_S,
         answers_per_s: float = STRANGER_ANSWERS_PER_S,
         now: float = float("-inf"),
@@ -171,11 +145,11 @@ class Admission:
         self._evictable = evictable
         #: members shut over the cap (`evictable`)
         self.evicted_members = 0
-        self._ident = ident
-        self._pid = pid
         self.pressure = Pressure()
         #: open descriptor -> its socket's identity (insertion order = accept order)
         self.open: OrderedDict[int, int | None] = OrderedDict()
+        #: open descriptor -> the process at its other end (ipc), as accepted
+        self._pids: dict[int, int | None] = {}
         #: when each open connection's ACCEPTED event was read
         self.accepted_at: dict[int, float] = {}
         self.peak = 0
@@ -187,13 +161,12 @@ class Admission:
         #: connections shut down and carried out, by reason (`done`)
         self.closed: Counter[str] = Counter()
         #: Connections shut down (descriptor -> socket identity), until the number is
-        #: accepted again: what is still queued from them (a flood's backlog, up to hundreds
-        #: of thousands of messages) is dropped undecoded (`from_shut`).
+        #: accepted again: what is still queued from them is dropped undecoded (`from_shut`).
         self.shut: dict[int, int] = {}
         self.dropped_shut = 0
         #: messages from peers that hold no rank in the current one-second window
         self.counts: dict[bytes, int] = {}
-        #: messages from members in the current window (the drain counts them inline)
+        #: messages from members in the current window (the drain counts them)
         self.member_counts: dict[bytes, int] = {}
         self.window_end = float("-inf")
         #: the socket each stranger's first message came over (its identity then), and when
@@ -213,20 +186,18 @@ class Admission:
 
     # -- the connections ----------------------------------------------------------------------
 
-    def accepted(self, fd: int, now: float) -> list[Shut]:
-        """A connection was accepted (its ACCEPTED event); one under memory pressure, or from a
-        process cut off for flooding within BAN_SECONDS, is shut at once."""
-        ident = self._ident(fd)
+    def accepted(self, fd: int, now: float, *, ident: int | None, pid: int | None) -> list[Shut]:
+        """A connection was accepted (its ACCEPTED event) on `fd`, which names socket `ident`
+        from process `pid` now; one under memory pressure, or from a process cut off for
+        flooding within BAN_SECONDS, is shut at once."""
         if ident is not None and self.open.get(fd) == ident:
-            # this socket was taken already: a closed connection's late event, read once the
-            # number named this one (deciding twice made a rank's process busy under pressure)
+            # this socket was taken already (a late duplicate event): deciding twice would
+            # count its process as busy
             return []
         # a new connection under this number: its messages are read again
         self.shut.pop(fd, None)
-        # every accept counts, under pressure or not: a rank's connection accepted just
-        # before the pressure came on was shed before its handshake was answered, and its
-        # process was busy from then on (a connect() failed in 1 to 4 of 40 tries)
-        pid = self._pid(fd, ident)
+        # every accept counts toward quiet, under pressure or not, so that a rank accepted
+        # just before the pressure came on is still quiet at its retry
         quiet = self._quiet_process(fd, ident, pid, now)
         if self.pressure.on:
             if not quiet:
@@ -242,6 +213,7 @@ class Admission:
                 del self.banned[pid]
         self.open.pop(fd, None)
         self.open[fd] = ident
+        self._pids[fd] = pid
         self.accepted_at[fd] = now
         self.peak = max(self.peak, len(self.open))
         return []
@@ -249,19 +221,16 @@ class Admission:
     def _quiet_process(self, fd: int, ident: int | None, pid: int | None, now: float) -> bool:
         """Whether `fd` is an ipc connection of a process (`pid`) that had none accepted for
         QUIET_PROCESS seconds (then `shed` spares it a while, and under pressure it is kept).
-        Quiet is earned: a process never seen is not (issue 28: under a 64 MB budget, ten
-        fresh processes a second, each spared ~1 s while it streamed a multipart message that
-        never completes, held coordd at 465-555 MB); a rank's process is quiet from its retry
-        (the ZAP gate refuses a fresh process's handshake under pressure too)."""
+        Quiet is earned: a process never seen is not (else fresh processes, each spared, hold
+        coordd over its budget); a rank's process is quiet from its retry (the ZAP gate
+        refuses a fresh process's handshake under pressure too)."""
         if pid is None:
             return False
         last = self._process_seen.get(pid)
         self._process_seen.put(pid, (ident, now))
         if last is None:
             return False
-        # the same socket again is no second connection: events are read late, and a
-        # closed connection's ACCEPTED and DISCONNECTED may be read once its number names
-        # the rank's new socket (taken for it, then dropped, then its own event)
+        # the same socket again is no second connection (its events may be read late)
         if last is not None and last[0] != ident and now - last[1] < QUIET_PROCESS:
             return False
         self.spared[fd] = (now + SPARED, pid)
@@ -270,6 +239,7 @@ class Admission:
     def closed_fd(self, fd: int) -> None:
         """The connection on `fd` was closed (its DISCONNECTED event)."""
         self.open.pop(fd, None)
+        self._pids.pop(fd, None)
         self.accepted_at.pop(fd, None)
         self.spared.pop(fd, None)
 
@@ -278,15 +248,14 @@ class Admission:
         self.shut[shut.fd] = shut.ident
         self.closed[shut.reason] += 1
 
-    def from_shut(self, fd: int | None) -> bool:
-        """Whether a message that came over descriptor `fd` (its SRCFD) was queued by a
-        connection shut down here: the number still names that socket, or none. A new
-        connection under the number (its ACCEPTED not read yet) names another socket: no."""
-        ident = self.shut.get(fd) if fd is not None else None
-        if ident is None:
+    def from_shut(self, fd: int | None, ident: int | None) -> bool:
+        """Whether a message over descriptor `fd` (its SRCFD), which names socket `ident` now
+        (None: no socket), was queued by a connection shut down here: `fd` names that socket
+        still, or none (a new connection under the number names another)."""
+        shut = self.shut.get(fd) if fd is not None else None
+        if shut is None:
             return False
-        now = self._ident(fd)  # type: ignore[arg-type]
-        if now is not None and now != ident:
+        if ident is not None and ident != shut:
             return False
         self.dropped_shut += 1
         return True
@@ -307,8 +276,8 @@ class Admission:
             return []
         keep = set(self._registered())
         victims: list[int] = []
-        # members holding more than the cap leaves them (its room for newcomers taken): the
-        # evictable ones go first, so that the newcomer (an expected group's rank, maybe) stays
+        # members crowding the newcomers' room: the evictable ones go first, so that the
+        # newcomer (an expected group's rank, maybe) stays
         members = sum(1 for fd in self.open if fd in keep)
         crowd = members - (self.cap - min(STRANGER_ROOM, self.cap // 4))
         if crowd > 0:
@@ -337,8 +306,7 @@ class Admission:
 
     def _handshakes_done(self) -> None:
         """A spared connection whose process's handshake the gate admitted is spared only
-        HELLO_GRACE more: time for its Hello, not for what a flood sends after it (the one
-        connection of a multipart flood, spared 7 s, grew coordd to 160 MB; 65 MB shed)."""
+        HELLO_GRACE more: time for its Hello, not for what a flood sends after it."""
         done = self.handshakes
         if not done:
             return
@@ -396,18 +364,26 @@ class Admission:
 
     def stranger_message(self, peer: bytes, fd: int, now: float) -> bool:
         """Count one message from `peer`, which holds no rank, over descriptor `fd`; True when
-        the count reaches `flood` (then `cut`, with the monitor read)."""
-        # spared for its handshake and Hello, not what follows: a multipart flood from one
-        # process's only connection (a quiet process) was spared 7 s and grew coordd to 160 MB
+        the count reaches `flood` (then `cut`, with the monitor read). When `wants_socket`,
+        the shell tells `first_socket` which socket `fd` names."""
+        # spared for its handshake and Hello, not for what follows
         if self.spared:
             self.spared.pop(fd, None)
         count = self.counts.get(peer, 0) + 1
         self.counts[peer] = count
-        if count == 1:
-            seen = self._first_socket.get(peer)
-            if seen is None or now - seen[1] > STRANGER_SOCKET_TTL:
-                self._first_socket.put(peer, (self._ident(fd), now))
         return count == self.flood
+
+    def wants_socket(self, peer: bytes, now: float) -> bool:
+        """Whether the socket of `peer`'s message just counted is to be kept (`first_socket`):
+        its first of the window, with none kept or the kept one STRANGER_SOCKET_TTL old."""
+        if self.counts.get(peer) != 1:
+            return False
+        seen = self._first_socket.get(peer)
+        return seen is None or now - seen[1] > STRANGER_SOCKET_TTL
+
+    def first_socket(self, peer: bytes, ident: int | None, now: float) -> None:
+        """`peer`'s first message of the window came over socket `ident`."""
+        self._first_socket.put(peer, (ident, now))
 
     def cut(self, peer: bytes, fd: int, now: float) -> list[Shut]:
         """Cut off flooding `peer` on `fd`: its connection (once; never a registered rank's;
@@ -425,7 +401,7 @@ class Admission:
         if ident is None:
             return []
         shuts = [Shut(fd, ident, FLOOD, peer)]
-        pid = self._pid(fd, ident)
+        pid = self._pids.get(fd)
         if pid is None:
             return shuts
         if len(self.banned) >= MAX_BANNED:
@@ -434,7 +410,7 @@ class Admission:
         # and the same process's other connections that hold no rank (one flood, many sockets)
         keep = set(self._registered())
         for other, other_ident in [(f, i) for f, i in self.open.items() if f != fd]:
-            if other not in keep and self._pid(other, other_ident) == pid:
+            if other not in keep and self._pids.get(other) == pid:
                 del self.open[other]
                 shuts += _shut(other, other_ident, FLOOD_PROCESS)
         return shuts
@@ -442,12 +418,10 @@ class Admission:
     def answer(
         self, message: ToCoordinator, now: float, known_epoch: Callable[[int], bool]
     ) -> Heartbeat | StepFailed | None:
-        """What a message from a peer that registered with no group (never, before coordd
-        restarted, or so long ago that it was forgotten) is answered: nothing for a Hello or
-        a Goodbye, an echo for a Heartbeat, a failure for a report (`known_epoch(epoch)`: it
-        names some group's current epoch). At most STRANGER_ANSWERS_PER_S a second over all
-        strangers (the rest counted in `answers_dropped`): a flood gets little back, and so
-        queues little."""
+        """What a message from a peer that registered with no group is answered: nothing for a
+        Hello or a Goodbye, an echo for a Heartbeat, a failure for a report (`known_epoch`: it
+        names some group's current epoch); at most STRANGER_ANSWERS_PER_S a second in all, so
+        that a flood gets little back and queues little."""
         if isinstance(message, (Goodbye, Hello)):
             return None
         if not self._answers.take(now):

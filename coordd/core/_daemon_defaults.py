@@ -53,9 +53,8 @@ DEFAULT_HANDSHAKE_RATE = 20.0
 #: A tcp peer's IPv4 address is charged to its /N's group of the rate, which gets half of it
 #: (`--handshake-ipv4-prefix`; see coordd.core._handshake.source_group).
 DEFAULT_HANDSHAKE_IPV4_PREFIX = 24
-#: The memory budget, MB (`--max-rss-mb`). The target is 100 MB; a flood adds 5-20 MB between
-#: reaching the budget and the guard's action (a check, the monitor read, the handshakes
-#: refused) on 2 busy cores, and a quiet coordd holds ~35 MB: room on both sides.
+#: The memory budget, MB (`--max-rss-mb`): above a quiet coordd's own, and low enough that
+#: what a flood adds before the guard acts stays under a 100 MB target.
 DEFAULT_MAX_RSS_MB = 64
 #: Least and most budget `--max-rss-mb` takes (0 turns the guard off).
 MIN_RSS_MB = 32
@@ -63,7 +62,7 @@ MAX_RSS_MB = 1 << 20
 #: The port the deploy files serve metrics and health on, and `coordd status` asks by default.
 DEFAULT_METRICS_PORT = 9180
 #: Most rank rows in one /status answer over all groups (`/status?group=NAME` lists all of
-#: one group's), and most per-rank series in one /metrics answer: a scrape's cost stops
-#: growing with dp x groups (dp 1024 x 63 groups was 16.7 MB and 0.9-4.8 s of the loop).
+#: one group's), and most per-rank series in one /metrics answer: a scrape's cost (and the
+#: loop's time on it) stops growing with dp x groups.
 STATUS_RANK_ROWS = 256
 METRICS_RANK_SERIES = 2048

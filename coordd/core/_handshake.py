@@ -195,9 +195,8 @@ class HandshakeRate:
         bucket = self._bucket(
             self._sources, source, self.rate * self.share, self._source_burst, now
         )
-        # every try counts for whether a source is quiet, admitted or not: 16 attackers
-        # refused at the shared limit spent nothing of their own share, counted as quiet and
-        # took the reserve (a rank's connect() failed in 1 of 10 tries)
+        # every try counts for whether a source is quiet, admitted or not, so that sources
+        # refused at the shared limit are not counted quiet and take the reserve
         tries = self._bucket(self._tries, source, self.rate * self.share, self._source_burst, now)
         tries.ready(now)
         if self._first.get(source) is None:

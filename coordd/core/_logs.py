@@ -3,23 +3,21 @@
 An event (a failed round, a lost or refused rank) is logged with `event()`: a short name and
 its fields (group, epoch, seq, kind, ranks, reason, ...). The text format puts the fields in
 the line as `key=value`; the JSON format gives each field its own key, so a log pipeline can
-select every fault of one group or rank without parsing prose.
+select every fault of one group or rank without parsing prose. Where the lines go, and in which
+format, is the command's to set up (`coordd.cli._logging`); a decision in the core returns a
+`LogEvent` for the shell to log.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from coordd.core._bounds import Throttle
-
-LOG_FORMATS = ("text", "json")
-
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _plain(text: str) -> bool:
@@ -56,6 +54,20 @@ def event(logger: logging.Logger, level: int, name: str, **fields: Any) -> None:
         return
     text = " ".join(f"{key}={_value(value)}" for key, value in fields.items())
     logger.log(level, "%s %s", name, text, extra={"event": name, "fields": fields})
+
+
+@dataclass(frozen=True, slots=True)
+class LogEvent:
+    """A line a decision asks the shell to log (`emit`)."""
+
+    level: int
+    name: str
+    fields: dict[str, Any]
+
+
+def emit(logger: logging.Logger, line: LogEvent) -> None:
+    """Log `line` with `event`."""
+    event(logger, line.level, line.name, **line.fields)
 
 
 def fault_fields(
@@ -128,47 +140,3 @@ class Aggregated:
         event(
             self.logger, self.level, self.name, **fields, detail=f"{more}: {last}" if last else more
         )
-
-
-class TextFormatter(logging.Formatter):
-    """The text format, one record per line whatever a message holds: control characters in
-    the message (from a value a peer chose) are escaped; a traceback keeps its lines."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = one_line(record.message)
-        return super().formatMessage(record)
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per record: time, level, logger, message, then the event's fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-        }
-        fields = getattr(record, "fields", None)
-        if isinstance(fields, dict):
-            out["message"] = getattr(record, "event", record.getMessage())
-            for key, value in fields.items():
-                out.setdefault(key, value)
-        else:
-            out["message"] = record.getMessage()
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
-
-
-def setup_logging(level: str, fmt: str = "text") -> None:
-    """Log to stderr at `level` in format `fmt` ("text" or "json")."""
-    if fmt not in LOG_FORMATS:
-        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(level.upper())

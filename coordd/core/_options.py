@@ -3,12 +3,12 @@ demo's, the chaos runner's and the benchmark's own), each refusal one sentence t
 option, the value and the range.
 
 Times are seconds, finite and positive, and within what libzmq's millisecond options hold;
-counts are whole numbers in their range. `check_serve` holds every rule of `coordd serve`.
+counts are whole numbers in their range. `coordd.cli._checks.check_serve` holds every rule
+of `coordd serve`.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 
 from coordd.proto.messages import MAX_DP_SIZE
@@ -131,25 +131,3 @@ def expected_groups(value: object, groups: list[str], max_groups: int) -> None:
             raise OptionError(
                 f"--expect-groups names {name!r}, which --groups ({rules}) does not admit"
             )
-
-
-def check_serve(args: argparse.Namespace) -> None:
-    """Every range of `coordd serve`'s options (`OptionError` for the first one out)."""
-    if args.dp is None:  # one line naming it, not argparse's usage block (issue 30)
-        raise OptionError(
-            "--dp is required: the data-parallel size, vLLM's --data-parallel-size "
-            "(coordd serve --dp 8, or COORDD_DP=8)"
-        )
-    dp_size("--dp", args.dp)
-    seconds("--step-timeout", args.step_timeout, low=0.001)
-    heartbeats(args.heartbeat_interval, args.heartbeat_timeout)
-    count("--max-groups", args.max_groups, low=1, high=1_000_000)
-    group_patterns(args.groups)
-    expected_groups(args.expect_groups, args.groups, args.max_groups)
-    rss_mb(args.max_rss_mb)
-    handshake_rate(args.max_handshake_rate)
-    count("--handshake-ipv4-prefix", args.handshake_ipv4_prefix, low=8, high=32)
-    if args.metrics_port is not None:
-        count("--metrics-port", args.metrics_port, low=0, high=65535)
-    if not str(args.metrics_host).strip():
-        raise OptionError("--metrics-host must name an address (127.0.0.1, or 0.0.0.0)")

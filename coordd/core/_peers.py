@@ -8,10 +8,8 @@ import logging
 import secrets
 from collections import Counter
 
-from coordd.core import _logs as logs
 from coordd.core._bounds import Throttle
-
-log = logging.getLogger("coordd")
+from coordd.core._logs import LogEvent
 
 _LABEL_KEY = secrets.token_bytes(16)
 #: A refused takeover is logged at most once per this many seconds per group and kind (the
@@ -30,9 +28,10 @@ def peer_label(peer: bytes) -> str:
 
 class Takeovers:
     """Attempts to speak for a rank over a connection that did not register it: refused,
-    counted by group and kind (`coordd_rank_takeovers_refused_total`), logged with the peer's
-    address (rate-limited). What is kept under a group's name goes with the group (`forget`):
-    a peer cycling names through a pattern cannot grow the record or its /metrics series."""
+    counted by group and kind (`coordd_rank_takeovers_refused_total`), with a line for the
+    shell to log with the peer's address (rate-limited). What is kept under a group's name
+    goes with the group (`forget`): a peer cycling names through a pattern cannot grow the
+    record or its /metrics series."""
 
     #: kind values
     RANK_HELD = "rank_held"  # a Hello for a rank another live connection holds
@@ -53,24 +52,24 @@ class Takeovers:
         peer: bytes,
         detail: str,
         now: float,
-    ) -> None:
+    ) -> LogEvent | None:
+        """Count one refused takeover; the line to log, unless the rate limit holds it back."""
         key = (group, kind)
         self.refused[key] += 1
         if not self._throttle.admit(key, now):
-            return
+            return None
         more = self._throttle.held_all()  # held back since the last takeover line
-        logs.event(
-            log,
-            logging.WARNING,
-            "rank takeover refused",
-            group=group,
-            kind=kind,
-            rank=-1 if rank is None else rank,
-            peer=peer_label(peer),
-            address=address or "-",
-            detail=detail,
-            **({"suppressed": more} if more else {}),
-        )
+        fields = {
+            "group": group,
+            "kind": kind,
+            "rank": -1 if rank is None else rank,
+            "peer": peer_label(peer),
+            "address": address or "-",
+            "detail": detail,
+        }
+        if more:
+            fields["suppressed"] = more
+        return LogEvent(logging.WARNING, "rank takeover refused", fields)
 
     def forget(self, group: str) -> None:
         """Group `group` was dropped: its counts go with it (their series end)."""

@@ -3,7 +3,7 @@ to, creating groups up to `max_groups` (dropping one without members to make roo
 what no group may admit, and which group and connection each peer (routing id) belongs to.
 
 It returns actions that the shell carries out (`Deliver` a group's sends, `Refuse` a Hello,
-tell a group's observer, answer a peer as a stranger); the groups' state machines
+tell a group's observer, answer a peer as a stranger, log a `LogEvent`); the groups' state machines
 (`coordd.proto.coordinator.Coordinator`) are driven here, so their sends come back inside
 `Deliver`.
 
@@ -30,12 +30,13 @@ The rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Generic, Protocol, TypeVar
 
 from coordd.core._daemon_defaults import DEFAULT_GROUPS
+from coordd.core._logs import LogEvent
 from coordd.core._peers import Takeovers
 from coordd.proto.coordinator import Coordinator, Send
 from coordd.proto.errors import Rejected
@@ -66,6 +67,18 @@ def shown(name: str) -> str:
 
 
 _GLOB = frozenset("*?[")
+
+# How a message stands with the registry (`Registry.standing`).
+STRANGER = 0  # its peer belongs to no group: a stranger's message
+MEMBER = 1  # over the connection that registered its peer
+DETACHED = 2  # its peer's registering connection closed: it counts, and as a stranger's too
+OTHER_CONNECTION = 3  # over another connection while the registering one is open: refused
+
+
+def _speaks(registered: int | None, fd: int | None) -> bool:
+    """The rule: a message speaks for a peer over the connection that said its Hello, or
+    once that connection (`registered`; None: closed) is gone."""
+    return registered is None or registered == fd
 
 
 class GroupRules:
@@ -172,7 +185,14 @@ class GroupDropped(Generic[G]):
 
 
 Action = (
-    Deliver[G] | Refuse | Registering[G] | AsStranger | Lost[G] | GroupCreated[G] | GroupDropped[G]
+    Deliver[G]
+    | Refuse
+    | Registering[G]
+    | AsStranger
+    | Lost[G]
+    | GroupCreated[G]
+    | GroupDropped[G]
+    | LogEvent
 )
 
 
@@ -190,6 +210,8 @@ class Registry(Generic[G]):
         on_rank_loss: OnRankLoss,
         takeovers: Takeovers | None = None,
         rules: GroupRules | None = None,
+        key_refusal: Callable[[str, str, int], str | None] | None = None,
+        make_coordinator: Callable[[str, int], Coordinator] | None = None,
     ) -> None:
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
@@ -204,12 +226,12 @@ class Registry(Generic[G]):
         self.takeovers = takeovers or Takeovers()
         #: With CURVE keys bound to ranks or groups: why a connection's key may not register as
         #: a rank of a group, or None (`coordd.io._curve.CurveGate.key_refusal`).
-        self.key_refusal: Callable[[str, str, int], str | None] | None = None
+        self.key_refusal = key_refusal
         #: Builds a new group's state machine from its name and epoch (a relay's:
         #: `coordd.proto.relay.RelayCoordinator`); None: a `Coordinator` with the settings above.
-        self.make_coordinator: Callable[[str, int], Coordinator] | None = None
+        self.make_coordinator = make_coordinator
         self.groups: dict[str, G] = {}
-        # The maps below are changed in place, never replaced: the shell's drain holds them.
+        # The shell reads the maps below only through the methods under "where a message goes".
         #: The group each peer registered with (its reports go there).
         self.peer_group: dict[bytes, G] = {}
         #: The descriptor each peer's Hello came over, while that connection is open, and back.
@@ -222,21 +244,46 @@ class Registry(Generic[G]):
     def speaks_for(self, peer: bytes, fd: int) -> bool:
         """Whether a message from `peer` over descriptor `fd` may speak for it: it came over
         the connection that said the peer's Hello, or that connection is closed. A message
-        that may not goes to `other_connection`. (The shell's drain inlines this for the
-        peers of a group, one lookup and a compare, to keep the hot path free of calls;
-        tests/unit/test_shell.py checks that copy.)"""
+        that may not goes to `other_connection`."""
+        return _speaks(self.peer_fd.get(peer), fd)
+
+    def standing(self, peer: bytes, fd: int) -> tuple[G | None, int]:
+        """Where a message from `peer` over descriptor `fd` goes, for the shell's drain: its
+        group (None: a stranger's message) and how it stands there (MEMBER, DETACHED or
+        OTHER_CONNECTION; `speaks_for` is the rule)."""
+        group = self.peer_group.get(peer)
+        if group is None:
+            return None, STRANGER
         registered = self.peer_fd.get(peer)
-        return registered is None or registered == fd
+        if registered is None:
+            return group, DETACHED
+        return group, MEMBER if _speaks(registered, fd) else OTHER_CONNECTION
+
+    def group_of(self, peer: bytes) -> G | None:
+        """The group `peer` registered with, or None."""
+        return self.peer_group.get(peer)
+
+    def introduced_fds(self) -> Collection[int]:
+        """The descriptors of open connections that registered a peer (a live view)."""
+        return self.fd_peer.keys()
+
+    def holds_fd(self, fd: int) -> bool:
+        """Whether the connection on `fd` registered a peer."""
+        return fd in self.fd_peer
+
+    def connections_held(self) -> int:
+        """How many open connections registered a peer."""
+        return len(self.peer_fd)
 
     def other_connection(
         self, peer: bytes, message: ToCoordinator, address: str, now: float
-    ) -> list[AsStranger]:
+    ) -> list[Action[G]]:
         """`message` came from routing id `peer` over another connection than the one that
         said its Hello, which is open: it does not count for the rank (refused, counted and
         logged with the address), and is answered as a stranger's."""
         group = self.peer_group.get(peer)
         rank = group.coordinator.snapshot().rank_of(peer) if group is not None else None
-        self.takeovers.refuse(
+        line = self.takeovers.refuse(
             group.name if group is not None else "-",
             Takeovers.OTHER_CONNECTION,
             rank=rank,
@@ -246,7 +293,7 @@ class Registry(Generic[G]):
             "registered: not counted",
             now=now,
         )
-        return [AsStranger(peer, message)]
+        return [*_logged(line), AsStranger(peer, message)]
 
     def member(self, peer: bytes, fd: int | None) -> G | None:
         """The group of `peer` if it holds a rank there and `fd` is the descriptor of the
@@ -309,7 +356,7 @@ class Registry(Generic[G]):
         if not self.speaks_for(peer, fd):
             # This routing id's registering connection is open (its close is not reported,
             # and libzmq admits one live connection per id): the Hello came over another one.
-            return list(self.other_connection(peer, hello, address, now))
+            return self.other_connection(peer, hello, address, now)
         # The name first: nothing is kept, logged or counted under a name not validated.
         refused = self._name_refused(peer, hello)
         if refused is not None:
@@ -317,7 +364,7 @@ class Registry(Generic[G]):
         if self.key_refusal is not None:
             why = self.key_refusal(key, hello.group, hello.dp_rank)
             if why is not None:
-                return [self._key_refused(peer, hello, why, address, now)]
+                return self._key_refused(peer, hello, why, address, now)
         actions: list[Action[G]] = []
         bound = self.peer_group.get(peer)
         if bound is not None and bound.name != hello.group:
@@ -349,7 +396,7 @@ class Registry(Generic[G]):
             if type(answer) is Reject and peer in peers:
                 refused_here = True
                 if answer.reason is RejectReason.RANK_TAKEN:
-                    self.takeovers.refuse(
+                    line = self.takeovers.refuse(
                         group.name,
                         Takeovers.RANK_HELD,
                         rank=hello.dp_rank,
@@ -358,6 +405,7 @@ class Registry(Generic[G]):
                         detail=answer.text,
                         now=now,
                     )
+                    actions += _logged(line)
         if refused_here and peer not in group.coordinator.holders():
             # Refused, and holds no rank: it stays a stranger (no peer entry, no descriptor
             # entry: the flood cut-off and the grace apply to it).
@@ -398,7 +446,9 @@ class Registry(Generic[G]):
             return _refuse(peer, hello, error)
         return None
 
-    def _key_refused(self, peer: bytes, hello: Hello, why: str, address: str, now: float) -> Refuse:
+    def _key_refused(
+        self, peer: bytes, hello: Hello, why: str, address: str, now: float
+    ) -> list[Action[G]]:
         """A Hello over a connection whose CURVE key is bound to other ranks or groups: refused
         (one leaked key cannot speak for another rank, or create groups), counted and logged."""
         error = Rejected(
@@ -410,7 +460,7 @@ class Registry(Generic[G]):
         )
         # counted under the group only once it exists (bounded by --max-groups): a name
         # per Hello would be a record, a log line and a metric series per name
-        self.takeovers.refuse(
+        line = self.takeovers.refuse(
             hello.group if hello.group in self.groups else "-",
             Takeovers.KEY_BOUND,
             rank=hello.dp_rank,
@@ -419,7 +469,7 @@ class Registry(Generic[G]):
             detail=error.detail,
             now=now,
         )
-        return _refuse(peer, hello, error)
+        return [*_logged(line), _refuse(peer, hello, error)]
 
     def _create(self, peer: bytes, hello: Hello, wall: float, actions: list[Action[G]]) -> G | None:
         """A new group for `hello`, or None if it was refused (its name, its settings, the
@@ -466,7 +516,7 @@ class Registry(Generic[G]):
         (its ranks all left; a stranger's Hellos cannot hold the slots forever), never one
         the deployment names (--groups or --expect-groups: it has a slot of its own, and an
         expected group that stopped cleanly would read "has not registered" to /readyz once
-        dropped, issue 28). True if one was dropped."""
+        dropped). True if one was dropped."""
         for name, group in self.groups.items():
             if name in self.rules.exact:
                 continue
@@ -551,6 +601,10 @@ class Registry(Generic[G]):
     def known_epoch(self, epoch: int) -> bool:
         """Whether `epoch` is some group's current epoch."""
         return any(g.coordinator.snapshot().epoch == epoch for g in self.groups.values())
+
+
+def _logged(line: LogEvent | None) -> list[LogEvent]:
+    return [] if line is None else [line]
 
 
 def _refuse(peer: bytes, hello: Hello, error: Rejected) -> Refuse:

@@ -3,50 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
-from coordd.ops.observer import Observer
-from coordd.proto.coordinator import Coordinator, Send
-
-
-@dataclass(eq=False, slots=True)
-class Group:
-    """One named DP group: its state machine, what is counted about it, and its open round's
-    deadline as the server last scheduled it."""
-
-    name: str
-    coordinator: Coordinator
-    observer: Observer
-    deadline: float | None = None
-    #: its rounds (decided and failed) when the current message-count window began
-    window_rounds: int = 0
+from coordd.io._group import Group
+from coordd.io._hosts import TimerHost
 
 
 class Deadlines:
     """The groups with an open round (`open`: group -> deadline) and the one timer.
 
-    `touched` is the set the drain adds each group that got input to; `drained()` looks at
-    those once per drain: a group failure nobody was sent (a rank lost between rounds) shows
-    only in the failure counter, so the observer is told from there; and the group's deadline
-    may have moved. At a deadline, `send` carries the coordinator's answers and `drain` runs."""
+    `touched` is the set the drain adds each group that got input to; `after_drain()` looks
+    at those once per drain: a group failure nobody was sent (a rank lost between rounds)
+    shows only in the failure counter, so the observer is told from there; and the group's
+    deadline may have moved. At a deadline, the host sends the coordinator's answers and
+    drains."""
 
-    def __init__(
-        self,
-        clock: Callable[[], float],
-        send: Callable[[Sequence[Send], Observer], None],
-        drain: Callable[[], None],
-    ) -> None:
+    def __init__(self, clock: Callable[[], float], host: TimerHost) -> None:
         self.clock = clock
-        self._send = send
-        self._drain = drain
+        self._host = host
         self.touched: set[Group] = set()
         self.open: dict[Group, float] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
-    def drained(self) -> None:
+    def after_drain(self) -> None:
         touched = self.touched
         earlier = False
         if touched:
@@ -82,8 +63,7 @@ class Deadlines:
     def _schedule(self) -> None:
         """Arm the one timer for the earliest open deadline, lazily: a round that ends leaves
         it armed (it fires, finds nothing due and is armed again for what is open then) and a
-        later deadline never moves it, so a round costs no timer call (cancelling and arming
-        it again at each round's start and end cost two; about 4 us a round at dp=8)."""
+        later deadline never moves it, so a round costs no timer call."""
         if not self.open or self.loop is None:
             return
         deadline = min(self.open.values())
@@ -102,5 +82,5 @@ class Deadlines:
         for group, deadline in list(self.open.items()):
             if deadline <= now:
                 self.touched.add(group)
-                self._send(group.coordinator.on_deadline(now), group.observer)
-        self._drain()
+                self._host.send(group.coordinator.on_deadline(now), group.observer)
+        self._host.drain()

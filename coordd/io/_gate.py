@@ -7,11 +7,11 @@ says no for three reasons:
 - an unknown CURVE client key (status 400: the client fails at once; the key will not change);
 - memory pressure (`coordd.io._memory`; status 300: the client's handshake stalls until coordd's
   HANDSHAKE_IVL, then it reconnects and is let in once the pressure is over); with a rate, a
-  quiet source (a rank's process) is still let in within it, as the pressure may be the
-  attack's own handshakes in flight;
+  quiet source (a rank's process) is still let in within it, as the pressure may be a
+  flood's own handshakes in flight;
 - too many handshakes (`coordd.core._handshake.HandshakeRate`; status 300 too).
 
-Why a handshake rate (issue 11): a ROUTER names a connection that brings no routing id
+Why a handshake rate: a ROUTER names a connection that brings no routing id
 `\\x00` + a 32-bit counter, and libzmq aborts the process if that name is already held by a
 connection that chose it (`Assertion failed: ok`, socket_base.cpp:2113, libzmq 4.3.5). The
 counter starts from a secret (`coordd.io._identity.new_router`), but a peer holding C chosen names
@@ -25,8 +25,7 @@ the peer sends, and a name held silently never sends), so both factors are bound
   costs an admitted handshake per grace period, from the same budget.
 
 With R handshakes a second and a grace of T seconds, C * a is at most (R*T/2) * (R/2) =
-R^2*T/4 (`hits_per_second`). Before: about 1,000 names and 6,300 connections a second from one
-process, a hit in ~11 minutes on average. At the defaults (20 a second in all, an eighth of it
+R^2*T/4 (`hits_per_second`). At the defaults (20 a second in all, an eighth of it
 from one source, T = 5 s): ~17 years from one source, ~99 days from many sources together
 (`mean_seconds_to_abort`). Honest ranks need neither more: a whole engine connects within the
 burst, and a rank says Hello as soon as it is connected.
@@ -46,8 +45,8 @@ host (127.0.0.0/8, a /64) count as one, and a source of a busy group never takes
 
 The ZAP thread reads every request queued (up to ZAP_BATCH) and answers one of each quiet
 source first (`HandshakeRate.quiet`), then the rest in turn: libzmq keeps a request whose
-connection has closed, so an attack that reopens its connections every 50 ms queues hundreds
-that nobody waits for, and a rank's request answered in turn waited 2-4 s behind them.
+connection has closed, so a peer that keeps reopening its connections queues many that nobody
+waits for, and a rank's request must not wait behind them.
 """
 
 from __future__ import annotations
@@ -81,9 +80,9 @@ ZAP_VERSION = b"1.0"
 REFUSAL_DELAY = 1.0
 #: Most refusals held REFUSAL_DELAY at once (`HandshakeGate.max_stalled`; the server sets a
 #: quarter of its connection cap). Each holds a descriptor while it waits (and its client's
-#: handshake stalls up to HANDSHAKE_IVL): a reconnect storm (10 processes x 192 DEALERs) kept
-#: ~1,900 of them and libzmq aborted coordd on EMFILE in its ipc accept (ipc_listener.cpp:297)
-#: at a NOFILE of 1024. Past this many, a refusal is answered at once: its connection closes
+#: handshake stalls up to HANDSHAKE_IVL), and a reconnect storm holding too many would make
+#: libzmq abort coordd on EMFILE in its ipc accept. Past this many, a refusal is answered at
+#: once: its connection closes
 #: and frees its descriptor within milliseconds (the client retries after its reconnect
 #: interval); only the storm's own connections go that way, an honest rank's still waits.
 MAX_STALLED = 256
@@ -91,10 +90,8 @@ MAX_STALLED = 256
 ZAP_BATCH = 4096
 #: The interpreter's switch interval in `coordd serve` (Python's default is 5 ms). pyzmq lets
 #: the interpreter lock go around every frame it reads or sends, so the ZAP thread takes it
-#: back once a frame, 16 times a request (8 read, 8 sent); while the loop thread is busy with
-#: an attack's accepts, each take waited up to the interval. At 0.5 ms, 16-process ipc
-#: attacks beside a CI run: 50/50 honest connects, at most 2.9 s (6.3 s at 5 ms); round p50
-#: unchanged (0.27-0.34 ms at dp=4), as only one thread wants the lock when no handshakes come.
+#: back many times a request; a shorter interval lets it answer handshakes while the loop
+#: thread is busy with a flood's accepts, and costs nothing when no handshakes come.
 SWITCH_INTERVAL = 0.0005
 #: How libzmq names an ipc peer to ZAP: `localhost:UID:GID:PID`.
 IPC_SOURCE = b"localhost:"
@@ -126,9 +123,8 @@ class HandshakeGate:
 
     Closing a stranger's connection is not enough under a flood: a ZeroMQ peer reconnects
     within ~100 ms and sends its backlog again, and coordd reads the monitor's ACCEPTED event
-    only after libzmq has started reading the new connection (a burst of 50 peers slipped
-    ~65 MB/s through that gap). Refused here, a connection costs an accept and a handshake,
-    and no queued message.
+    only after libzmq has started reading the new connection. Refused here, a connection
+    costs an accept and a handshake, and no queued message.
 
     Statuses: 200 admitted (with CURVE, the User-Id is the client's z85 key: the key-to-rank
     binding reads it at Hello); 400 an unknown key, whatever else holds; 300 memory pressure
@@ -242,8 +238,7 @@ class HandshakeGate:
                 return reply(b"300", REFUSAL)
         else:
             # over the memory budget only a quiet source gets in (a rank's process, not the
-            # handshakes in flight that may be what grew coordd): all refused, a rank's
-            # connect() failed in 5 of 10 tries under the 16-process attack
+            # handshakes in flight that may be what grew coordd)
             address = request[3]
             group = rate.group_of(address, user)
             if not rate.admit(address, self.clock(), group, quiet_only=pressed):
@@ -298,9 +293,8 @@ class HandshakeGate:
     def _quiet_first(self, batch: list[list[bytes]]) -> list[list[bytes]]:
         """`batch` with one request of each quiet source first (`HandshakeRate.quiet`; a
         source's later ones in the batch wait with the rest), otherwise in the order read.
-        Under the 16-process attack the queue holds hundreds of requests, most from
-        connections their attacker has closed already; answered in turn, a rank's waited
-        2-4 s behind them, its kept connection was shed and its connect() failed."""
+        Under a reconnect flood the queue holds requests of connections closed already, and a
+        rank's answered in turn would wait behind them past its spare."""
         rate = self.rate
         if rate is None or len(batch) < 2:
             return batch

@@ -2,14 +2,13 @@
 decides (`shutdown(2)` through `coordd.io._limits`, only where the descriptor still names its
 socket), runs the stranger-grace timer and the memory watch, and writes the aggregated log
 lines. Every decision that names descriptors goes through `act`, which first has the server
-make its monitor current (`current`): the one place that rule is kept."""
+catch up with its monitor (`GuardHost.catch_up_monitor`): the one place that rule is kept."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 from coordd.core import _daemon_defaults as defaults
 from coordd.core._admission import FLOOD, Admission, Shut
@@ -17,29 +16,23 @@ from coordd.core._logs import Aggregated
 from coordd.core._peers import peer_label
 from coordd.io import _limits as limits
 from coordd.io import _memory as memory
-from coordd.io._deadlines import Group
 from coordd.io._gate import HandshakeGate
-from coordd.ops.view import ShellCounters
-
-if TYPE_CHECKING:
-    from coordd.io._server import ServerStats
+from coordd.io._group import Group
+from coordd.io._hosts import GuardHost
 
 log = logging.getLogger("coordd")
 
 
 class Guard:
-    """Carry out `admission`'s decisions. `current()` reads the server's monitor and says
-    whether it is current; `introduced()` the descriptors that said a Hello; `backlog()`
-    whether messages are queued unread."""
+    """Carry out `admission`'s decisions, asking the server (`host`) to catch up with its
+    monitor first, which descriptors said a Hello, and whether messages wait unread."""
 
     def __init__(
         self,
         admission: Admission,
+        host: GuardHost,
         *,
         clock: Callable[[], float],
-        current: Callable[[], bool],
-        introduced: Callable[[], Collection[int]],
-        backlog: Callable[[], bool],
         stranger_grace: float,
         max_rss_mb: float,
         gate: HandshakeGate | None,
@@ -47,9 +40,7 @@ class Guard:
     ) -> None:
         self.admission = admission
         self.clock = clock
-        self._current = current
-        self._introduced = introduced
-        self._backlog = backlog
+        self._host = host
         self._shutdown = shutdown
         #: A connection that said no Hello this long after it was accepted is shut down (0:
         #: never); see coordd.io._gate for why.
@@ -68,7 +59,7 @@ class Guard:
                 strangers=admission.strangers,
                 pressure=self._memory_pressure,
                 clock=clock,
-                backlog=backlog,
+                backlog=host.messages_queued,
             )
             if gate is not None:
                 gate.over = self.memory.over
@@ -101,7 +92,7 @@ class Guard:
         """The one place where admission decides on descriptors: with the monitor current
         (else None: the decision waits for its next chance), carry out what it decides; how
         many connections were shut down."""
-        if not self._current():
+        if not self._host.catch_up_monitor():
             return None
         return self.shut(decide())
 
@@ -131,13 +122,18 @@ class Guard:
         process: the event names it)."""
         if self.memory is not None:
             self.memory.poke()  # a burst grows coordd fast: look sooner
-        self.shut(self.admission.accepted(fd, self.clock()))
+        ident = limits.socket_ident(fd)
+        pid = limits.peer_pid(fd, ident)
+        self.shut(self.admission.accepted(fd, self.clock(), ident=ident, pid=pid))
 
     def stranger_sent(self, peer: bytes, fd: int) -> None:
         """Count a message from a peer that holds no rank; at the flood cut-off, cut it off."""
         admission = self.admission
         now = self.clock()
-        if admission.stranger_message(peer, fd, now):
+        flood = admission.stranger_message(peer, fd, now)
+        if admission.wants_socket(peer, now):
+            admission.first_socket(peer, limits.socket_ident(fd), now)
+        if flood:
             self.act(lambda: admission.cut(peer, fd, now))
 
     def cut_member(self, peer: bytes, fd: int, detail: str) -> bool:
@@ -206,39 +202,12 @@ class Guard:
         if loop is None:
             return
         self._grace_timer = loop.call_later(self._grace_period(), self._expire_silent)
-        grace = self.stranger_grace * (3 if self._backlog() else 1)
+        grace = self.stranger_grace * (3 if self._host.messages_queued() else 1)
         before = self.clock() - grace
-        closed = self.act(lambda: self.admission.expire(before, self._introduced()))
+        closed = self.act(lambda: self.admission.expire(before, self._host.introduced_fds()))
         if closed:
             self._expired_log(
                 closed=closed,
                 total=self.admission.expired,
                 detail=f"connections that said no Hello within {grace:g}s were closed",
             )
-
-
-def shell_counters(
-    stats: ServerStats,
-    admission: Admission,
-    watch: memory.MemoryWatch | None,
-    gate: HandshakeGate | None,
-    curve_refused: Callable[[], int] | None,
-) -> ShellCounters:
-    """The I/O shell's counts now, as ops reads them (`coordd.ops.view.ShellCounters`)."""
-    return ShellCounters(
-        frames_in=stats.frames_in,
-        frames_out=stats.frames_out,
-        bad_frames=stats.bad_frames,
-        disconnects=stats.disconnects,
-        connections_open=len(admission.open),
-        closed_cap=admission.evicted,
-        closed_flood=admission.cut_off,
-        closed_banned=admission.refused,
-        closed_silent=admission.expired,
-        closed_messages_dropped=admission.dropped_shut,
-        memory_shed=None if watch is None else watch.stats.shed_connections,
-        memory_refused=None if gate is None else gate.refused,
-        rate_refused=None if gate is None or gate.rate is None else gate.rate.refused,
-        curve_refused=None if curve_refused is None else curve_refused(),
-        closed_violation=admission.violations,
-    )

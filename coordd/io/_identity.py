@@ -5,8 +5,7 @@ The binding, over ipc and tcp (+CURVE) alike:
 
 - **One live connection per routing id.** The ROUTER runs with `ROUTER_HANDOVER` off: while a
   connection holds routing id X, libzmq itself drops a second connection that presents X (its
-  frames never reach coordd). With handover on (coordd before this), the newcomer took X over
-  and received the rank's decisions; the rank's own connection was orphaned.
+  frames never reach coordd); with handover on, the newcomer would take the rank's decisions.
 - **The registering connection, by descriptor.** A Hello records the file descriptor its frame
   came in on (the message's `SRCFD`); every later message from that routing id must come in on
   the same descriptor while coordd knows the connection open (the socket monitor reports its
@@ -26,35 +25,27 @@ hold.
 **libzmq's own routing ids** (`new_router`). A peer that presents no routing id gets `\\x00` + a
 32-bit counter from libzmq, and libzmq asserts (aborting coordd: `Assertion failed: ok
 (src/socket_base.cpp:2113)`) if that name is already held by a peer that chose it. The counter
-starts at `generate_random()`, two calls of the C library's `rand()`, and the libzmq that pyzmq
-bundles (4.3.5) never seeds `rand()`: every process started at 0x6B8B4567, so two connections (one
-claiming `\\x00\\x6b\\x8b\\x45\\x67`, then one with no id) killed coordd. coordd now seeds
+starts at `generate_random()`, two calls of the C library's `rand()`, which the libzmq that pyzmq
+bundles (4.3.5) never seeds, so every process's counter would start at the same value. coordd seeds
 `rand()` from the OS just before it creates its ROUTER, and checks at start (an id-less peer over
-inproc) that libzmq's first automatic id is the one that seed gives; if not (another libzmq
-build), it says so in a warning. coordd cannot refuse such peers earlier: libzmq settles a
-connection's routing id when it attaches the connection, before coordd reads anything from it,
-a peer that only holds an id never sends, and neither ZAP nor the monitor sees routing ids
-(ROUTER_NOTIFY is a draft API, absent from the bundled build). What remains: a peer holding C
-ids of the form `\\x00`+4 bytes (C is bounded by the connection cap) hits the counter, which moves
-by one per id-less connection, with probability (C + n) / 2**32 after n id-less connections.
+inproc) that libzmq's first automatic id is the one that seed gives; if not (another libzmq build),
+it says so in a warning. coordd cannot refuse such peers earlier: libzmq settles a connection's
+routing id when it attaches the connection, before coordd reads anything from it, a peer that only
+holds an id never sends, and neither ZAP nor the monitor sees routing ids (ROUTER_NOTIFY is a draft
+API, absent from the bundled build). What remains: a peer holding C ids of the form `\\x00`+4 bytes
+(C is bounded by the connection cap) hits the counter, which moves by one per id-less connection,
+with probability (C + n) / 2**32 after n id-less connections.
 
 **Duplicate routing ids.** With ROUTER_HANDOVER off, a second connection that presents a live
 routing id (a peer's own id twice, or a leaked one) is kept by libzmq as an "anonymous pipe" that
 coordd never reads; what it sends is queued there, unbounded (RCVHWM 0, see `coordd.io._server`),
-until the connection closes. The two libzmq settings that would avoid it abort coordd instead
-(libzmq 4.3.5; the first measured against coordd with handover turned on, by
-tests/integration/test_routing_ids.py, the second on a bare ROUTER):
+until the connection closes. The two libzmq settings that would avoid it let a peer abort coordd
+instead (libzmq 4.3.5, `stream_engine_base.cpp:310`; tests/integration/test_routing_ids.py):
 
-- ROUTER_HANDOVER on: the newcomer takes the id, and the old connection's pipe is dropped while
-  its engine lives on. If the old connection then sends a message, its engine stops reading; if
-  its peer then hangs up, the engine is marked `_io_error`, and coordd's next heartbeat PING
-  aborts in `stream_engine_base.cpp:310` (any peer can do this with its own id: the third try
-  aborted). Without coordd-side heartbeats the same engine is never freed: one descriptor leaked
-  per try (20 tries, +20 descriptors).
-- A finite RCVHWM: a flooding peer fills its pipe, its engine stops reading, it hangs up, and when
-  coordd drains the pipe the engine decodes a PING the peer had sent and aborts the same way; the
-  PINGs come from the peer (its HEARTBEAT_IVL), so no coordd-side setting avoids it (30 peers x 2
-  floods with client heartbeats: abort; the same without client heartbeats: no abort).
+- ROUTER_HANDOVER on: the old connection's engine outlives its pipe; once its peer sends and
+  hangs up, coordd's next heartbeat PING aborts (without heartbeats, a descriptor leaks).
+- A finite RCVHWM: a peer that fills its pipe and hangs up makes the engine abort the same way
+  on the peer's own PING, which no coordd-side setting avoids.
 
 So coordd keeps handover off and RCVHWM 0, and an anonymous pipe is bounded only by closing its
 connection (coordd cannot read it, and never learns its routing id):
@@ -62,13 +53,11 @@ connection (coordd cannot read it, and never learns its routing id):
 - An honest client could make one too: when its side of a connection dies first (a path that
   failed one way), libzmq reconnects it at once under the same routing id while coordd's side is
   still open, and the reconnect stays unread for good, even after coordd's heartbeat timeout
-  closes the old connection (measured: 8 connect() tries over 40 s, none answered). So the
-  client never registers over a reconnect: connect() after a dropped connection opens a new one
-  under a fresh routing id (`ClientShell.reopen_if_dropped`), which coordd reads at once; until
-  its heartbeat timeout closes the old connection, the Hello is refused `rank_taken`. (Shutting
-  down coordd's unread connections from the same process or host when a registered one closed
-  was tried: it also cut honest clients whose Hello was still in flight, such as another rank
-  of the same host, and made such connect() calls time out.)
+  closes the old connection. So the client never registers over a reconnect: connect() after a
+  dropped connection opens a new one under a fresh routing id (`ClientShell.reopen_if_dropped`),
+  which coordd reads at once; until its heartbeat timeout closes the old connection, the Hello
+  is refused `rank_taken`. (coordd does not shut the unread connections of a host whose
+  registered one closed: that would also cut honest clients whose Hello is in flight.)
 - A peer's own id twice, or a leaked one, from elsewhere: the connection cap closes the oldest
   connections that hold no rank (`coordd.io._limits`); a guard on coordd's memory is the other
   lever.

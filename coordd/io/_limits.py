@@ -1,6 +1,6 @@
 """coordd's resource limits: file descriptors, connections, and what a stranger may cost.
 
-Why these exist (issue 11, part B):
+Why these exist:
 
 - libzmq aborts the process when it cannot accept a connection for want of a descriptor on
   ipc (`Too many open files (src/ipc_listener.cpp)`), and its tcp listener spins at 100% CPU
@@ -165,8 +165,7 @@ class DescriptorWatch:
     The marks key on what a storm adds, not on what registered ranks hold (`held`, which the
     server keeps current): with h descriptors held, it pauses past (nofile + h) / 2 and resumes
     below (nofile + 3h) / 4 (at h = 0, `high` and `low`), so the pause lifts once the storm's
-    connections are gone. Issue 28: ~250 ranks held 278 of 1024, over the fixed resume mark
-    of 256; one 3 s reconnect burst paused the listener, and it never reopened."""
+    connections are gone, however many descriptors the ranks hold."""
 
     SLOW_S = 0.1
     FAST_S = 0.002

@@ -1,7 +1,7 @@
 """coordd's memory budget: when its resident memory passes `--max-rss-mb`, the connections that
 hold no rank (strangers) are closed, and freed memory is given back to the OS.
 
-Why (issue 11, part B): libzmq queues what a peer sends before coordd can look at it, and
+Why: libzmq queues what a peer sends before coordd can look at it, and
 nothing in libzmq bounds that queue without risking its abort (RCVHWM, libzmq #4841): a burst
 of garbage from many peers, or one multipart message of millions of parts (held until whole),
 grows coordd by hundreds of MB before any per-message rule sees a frame. The only lever coordd
@@ -11,7 +11,7 @@ which drops them cheaply. glibc keeps freed memory in its arenas, so the guard t
 (`malloc_trim`), which is what brings the RSS back down.
 
 `RssBudget` is the policy (pure, with the time passed in); `MemoryWatch` is the daemon's shell:
-a timer that reads /proc/self/statm (one pread, ~2 us) every FAST_INTERVAL while a stranger is
+a timer that reads /proc/self/statm (one pread) every FAST_INTERVAL while a stranger is
 connected and every SLOW_INTERVAL otherwise.
 """
 
@@ -33,8 +33,8 @@ from coordd.core._logs import Aggregated
 log = logging.getLogger("coordd")
 
 MB = 1 << 20
-#: Check period while some connection holds no rank (a flood builds up fast: ~60 MB/s of
-#: multipart parts, more from many peers), and otherwise (ranks only: cheap).
+#: Check period while some connection holds no rank (a flood builds up fast), and otherwise
+#: (ranks only: cheap).
 FAST_INTERVAL = 0.015
 SLOW_INTERVAL = 0.1
 #: Least time between two trims while over the budget (a trim of a large heap takes ms).
@@ -108,12 +108,10 @@ class RssBudget:
     def check(self, rss: int, now: float, strangers: int, backlog: bool = False) -> Verdict:
         """`backlog`: messages are queued unread. What peers sent before their connections
         closed (or were shut at once: banned, refused) is in the RSS until coordd drops it,
-        so the RSS is not coordd's own level then: taken as such, it ratcheted the threshold
-        up behind a flood whose reconnects were shut as soon as seen (0 strangers open at
-        every check), and coordd grew to 150-190 MB at a 64 MB budget. But a backlog can
-        last (ranks' traffic, a slow drain): once the RSS has stayed within FLAT_MB for
-        SETTLE, dropping it frees nothing more, and the RSS is taken all the same (before, the
-        pressure, and with it the refusal of new ranks, lasted as long as the backlog)."""
+        so the RSS is not coordd's own level then (taken as such, it would ratchet the
+        threshold up behind a flood). But a backlog can last (ranks' traffic, a slow drain):
+        once the RSS has stayed within FLAT_MB for SETTLE, dropping it frees nothing more, and
+        the RSS is taken all the same, so that the pressure does not outlast its cause."""
         self.peak = max(self.peak, rss)
         low, high = self.band
         low, high = min(low, rss), max(high, rss)

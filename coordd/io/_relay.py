@@ -77,14 +77,15 @@ class Relay:
 
     def _make(self, group: str, epoch: int) -> RelayCoordinator:
         server = self.server
+        settings = server.settings
         return RelayCoordinator(
-            server.dp_size,
+            settings.dp_size,
             group=group,
             ranks=self.ranks,
             uplink=self._up,
             epoch=epoch,
-            step_timeout=server.step_timeout,
-            on_rank_loss=server.on_rank_loss,
+            step_timeout=settings.step_timeout,
+            on_rank_loss=settings.on_rank_loss,
             relay=self.name,
         )
 
@@ -131,10 +132,10 @@ class Relay:
             if group is None or not isinstance(group.coordinator, RelayCoordinator):
                 continue
             touched = True
-            server._touched.add(group)
-            server._send(group.coordinator.from_root(answer, server.clock()), group.observer)
+            server._deadlines.touched.add(group)
+            server.send(group.coordinator.from_root(answer, server.clock()), group.observer)
         if touched:
-            server._drained()
+            server._deadlines.after_drain()
 
     def _on_monitor(self) -> None:
         monitor = self._monitor
@@ -147,17 +148,17 @@ class Relay:
                 coordinator = group.coordinator
                 if not isinstance(coordinator, RelayCoordinator):
                     continue
-                server._touched.add(group)
+                server._deadlines.touched.add(group)
                 if event == _UP:
                     coordinator.root_back()
                 elif event == _DOWN:
                     detail = f"connection to {self.root} closed"
-                    server._send(coordinator.root_lost(now, detail), group.observer)
+                    server.send(coordinator.root_lost(now, detail), group.observer)
             if event == _UP:
                 self.connected = True
                 log.info("relay %s connected to the root at %s", self.name, self.root)
             elif event == _DOWN:
                 self.connected = False
                 log.warning("relay %s lost the root at %s", self.name, self.root)
-        server._drained()
+        server._deadlines.after_drain()
         self._on_root()

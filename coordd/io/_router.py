@@ -83,11 +83,9 @@ def open_router(
     sock = new_router(context)
     if endpoint.ipv6:
         sock.setsockopt(zmq.IPV6, 1)
-    # Off: while a connection holds a routing id, libzmq drops a second connection that
-    # presents it (on, the newcomer took the id over, and with it a rank's decisions); a
-    # rank is the connection that registered it (see coordd.io._identity). On, it also lets any
-    # peer abort coordd with its own id twice (libzmq #4841's path, measured in
-    # tests/integration/test_routing_ids.py).
+    # Off: a rank is the connection that registered it, so a second connection presenting a
+    # live routing id must not take it over (and on, any peer can abort coordd with its own
+    # id twice, libzmq #4841; see coordd.io._identity).
     sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
@@ -96,15 +94,9 @@ def open_router(
     # A peer that never reads its answers holds at most SEND_QUEUE of them here (then
     # the ROUTER drops what is sent to it); a rank reads its decision every round.
     sock.setsockopt(zmq.SNDHWM, defaults.SEND_QUEUE)
-    # No inbound queue limit, on purpose: with one, a peer that sends faster than coordd
-    # reads fills its pipe, libzmq stops reading its connection ("input stopped"), and if
-    # the peer then disconnects, libzmq 4.3.5 marks the engine `_io_error` and a later
-    # heartbeat (coordd's PING timer, or a PING still in the read buffer when reading
-    # resumes) calls out_event() -> `Assertion failed: !_io_error
-    # (src/stream_engine_base.cpp:310)`, aborting coordd (libzmq issue #4841; no release
-    # fixes it; the PING can be the peer's own, so no coordd-side heartbeat setting avoids
-    # it). Unbounded, the pipe never fills and that path is never taken; coordd
-    # reads every peer in turn (fair queueing) and drops strangers' frames cheaply.
+    # No inbound queue limit, on purpose: a peer that fills a bounded pipe and then hangs up
+    # can make libzmq 4.3.5 abort coordd at a later heartbeat (libzmq #4841, unfixed);
+    # unbounded, that path is never taken, and coordd reads every peer in turn.
     sock.setsockopt(zmq.RCVHWM, 0)
     # A connection that never finishes its handshake (a key-less tcp+CURVE client, a
     # socket that sends nothing) is closed after this, freeing its descriptor.

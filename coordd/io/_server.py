@@ -25,7 +25,8 @@ What to do is decided in the sans-IO core and carried out here (in the manner of
 group registry (`coordd.core._registry`: Hello -> group, refusals, peer <-> group and
 connection) returns actions (`_carry_out`), and the admission of peers that hold no rank
 (`coordd.core._admission`) returns `Shut`s, which `coordd.io._guard` carries out once the
-monitor is current (`_current`): every descriptor then names a connection libzmq holds.
+server has caught up with its monitor (`catch_up_monitor`): every descriptor then names a
+connection libzmq holds.
 """
 
 from __future__ import annotations
@@ -36,16 +37,15 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
 
 import zmq
 
-from coordd.core import _daemon_defaults as defaults
 from coordd.core._admission import MEMBER_CHECK, Admission
-from coordd.core._logs import Aggregated
+from coordd.core._logs import Aggregated, LogEvent, emit
 from coordd.core._peers import peer_label
 from coordd.core._registry import (
-    MAX_GROUP_NAME,
+    DETACHED,
+    MEMBER,
     Action,
     AsStranger,
     Deliver,
@@ -56,56 +56,45 @@ from coordd.core._registry import (
     Refuse,
     Registering,
     Registry,
-    group_name_problem,
 )
+from coordd.core._settings import ServerSettings
 from coordd.io import _limits as limits
-from coordd.io._deadlines import Deadlines, Group
-from coordd.io._guard import Guard, shell_counters
+from coordd.io._curve import CurveGate
+from coordd.io._deadlines import Deadlines
+from coordd.io._group import Group
+from coordd.io._guard import Guard
 from coordd.io._identity import frame_address
+from coordd.io._outbox import Outbox
 from coordd.io._relay_hub import RelayHub
-from coordd.io._router import drop_parts, open_router, prepare_ipc_path
+from coordd.io._router import drop_parts, open_router
+from coordd.io._stats import ServerStats, shell_counters
 from coordd.ops.observer import Observer, ServerEvents
 from coordd.ops.view import ShellCounters
 from coordd.proto.coordinator import Send
 from coordd.proto.errors import ProtocolError
 from coordd.proto.messages import (
-    MAX_DP_SIZE,
     GatherReport,
-    Heartbeat,
     Hello,
-    Reject,
     StepFailed,
     StepReport,
     ToCoordinator,
     decode_to_coordinator,
-    encode,
     reject_message,
 )
-from coordd.proto.snapshot import GroupSnapshot, OnRankLoss
+from coordd.proto.snapshot import GroupSnapshot
 
-__all__ = [
-    "MAX_GROUP_NAME",
-    "CoordServer",
-    "Group",
-    "ServerStats",
-    "group_name_problem",
-    "prepare_ipc_path",
-]
+__all__ = ["CoordServer"]
 
 log = logging.getLogger("coordd")
 
 # Plain ints for the hot path: pyzmq's constants are enum.Flag members, and `int & Flag`
-# builds a new Flag through enum's Python code (it was a third of coordd's Python time).
+# builds a new Flag through enum's Python code.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 _SRCFD = int(zmq.SRCFD)
 _ACCEPTED = int(zmq.EVENT_ACCEPTED)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
-#: The socket's send without pyzmq's Python wrapper (`zmq.Socket.send` checks its DRAFT
-#: routing_id/group arguments in Python before it calls this): a round sends 2 * dp frames.
-_send_frame = zmq.backend.Socket.send
 #: A member's message count is checked against its share when it is a multiple of this.
 _MEMBER_MASK = MEMBER_CHECK - 1
 
@@ -113,7 +102,7 @@ _MEMBER_MASK = MEMBER_CHECK - 1
 #: timeouts), the HTTP endpoints and the monitor, and the drain goes on at its next turn. One
 #: peer sending as fast as it can no longer holds the loop for the length of its flood.
 DRAIN_BUDGET = 512
-#: Most parts of a refused multipart message dropped in one turn (~25 ms of work).
+#: Most parts of a refused multipart message dropped in one turn of the loop.
 DROP_BUDGET = 50_000
 #: Turns in a row that closed connections may wait for the frames before them to be read
 #: (so a rank's last report counts before its loss), before the monitor goes first anyway.
@@ -123,176 +112,119 @@ MONITOR_PATIENCE = 8
 MONITOR_PASSES = 8
 
 
-@dataclass
-class ServerStats:
-    """Counters the metrics endpoint and the benchmark read."""
-
-    frames_in: int = 0
-    bad_frames: int = 0
-    frames_out: int = 0
-    disconnects: int = 0
-    #: parts of refused multipart messages, dropped without decoding
-    parts_dropped: int = 0
-
-
-def _check_sizes(dp_size: int, max_groups: int, expect_groups: int | Sequence[str]) -> None:
-    if not 1 <= dp_size <= MAX_DP_SIZE:
-        raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
-    if max_groups < 1:
-        raise ValueError(f"max_groups must be >= 1, got {max_groups}")
-    if isinstance(expect_groups, int) and not 0 <= expect_groups <= max_groups:
-        raise ValueError(f"expect_groups must be in 0..max_groups ({max_groups})")
-
-
 class CoordServer:
-    """Serve every DP group on one ROUTER socket bound to `address`: the I/O shell around the
-    group registry (`coordd.core._registry`) and the admission of strangers
+    """Serve every DP group on one ROUTER socket bound to `settings.address`: the I/O shell
+    around the group registry (`coordd.core._registry`) and the admission of strangers
     (`coordd.core._admission`). It drains the socket and the monitor, runs the one timer, and
-    carries out what those decide.
-
-    Groups share `dp_size`, `step_timeout` and `on_rank_loss`; `max_groups` bounds how many
-    exist (a Hello for another one is refused with `group_limit`, unless a group without
-    members can make room, or `groups` names it exactly), `groups` (names and fnmatch
-    patterns) which groups are admitted at all, and `expect_groups` how many must be formed
-    for /readyz, or which (names: each always gets a slot, and only they count)."""
+    carries out what those decide. `curve`: the CURVE gate, when coordd runs with CURVE."""
 
     def __init__(
         self,
-        address: str,
+        settings: ServerSettings,
         *,
-        dp_size: int,
-        step_timeout: float = defaults.STEP_TIMEOUT,
-        on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
-        max_groups: int = defaults.DEFAULT_MAX_GROUPS,
-        expect_groups: int | Sequence[str] = 0,
-        groups: Sequence[str] = defaults.DEFAULT_GROUPS,
-        heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL,
-        heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT,
         context: zmq.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
-        configure_socket: Callable[[zmq.Socket], None] | None = None,
-        max_connections: int = defaults.DEFAULT_MAX_CONNECTIONS,
-        ipc_mode: int = 0o600,
-        max_rss_mb: float = 0,
-        max_handshake_rate: float = 0,
-        handshake_ipv4_prefix: int = defaults.DEFAULT_HANDSHAKE_IPV4_PREFIX,
-        stranger_grace: float = defaults.STRANGER_GRACE,
+        curve: CurveGate | None = None,
     ) -> None:
-        _check_sizes(dp_size, max_groups, expect_groups)
-        self.address = address
-        self.dp_size = dp_size
-        self.step_timeout = step_timeout
-        self.on_rank_loss = on_rank_loss
-        self.max_groups = max_groups
-        #: The groups /readyz waits for by name (empty: `expect_groups` counts any).
-        self.expected_groups: tuple[str, ...] = (
-            () if isinstance(expect_groups, int) else tuple(expect_groups)
-        )
-        self.expect_groups = (
-            expect_groups if isinstance(expect_groups, int) else len(self.expected_groups)
-        )
+        self.settings = settings
         self.clock = clock
         self.wall = wall
         self.started_wall = wall()
+        self._curve = curve
         self.registry: Registry[Group] = Registry(
-            dp_size,
+            settings.dp_size,
             lambda name, c: Group(name, c, Observer(c.snapshot, name=name, wall=wall)),
-            max_groups=max_groups,
-            step_timeout=step_timeout,
-            on_rank_loss=on_rank_loss,
-            rules=GroupRules(groups, always=self.expected_groups),
+            max_groups=settings.max_groups,
+            step_timeout=settings.step_timeout,
+            on_rank_loss=settings.on_rank_loss,
+            rules=GroupRules(settings.groups, always=settings.expected_names),
+            key_refusal=curve.key_refusal if curve is not None and curve.binds else None,
         )
-        #: The groups by name, in the order they were created.
-        self.groups = self.registry.groups
-        #: Attempts to speak for a rank over a connection that did not register it.
-        self.takeovers = self.registry.takeovers
         self.stats = ServerStats()
         #: Refusals outside any group (bad names, the limit, reports from unknown peers).
         self.events = ServerEvents()
-        #: Clients refused by the CURVE gate, when coordd runs with CURVE.
-        self.curve_refused: Callable[[], int] | None = None
         self._router = open_router(
             context or zmq.Context(),
-            address,
-            heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout,
-            max_connections=max_connections,
-            ipc_mode=ipc_mode,
-            gated=bool(max_rss_mb or max_handshake_rate),
-            max_handshake_rate=max_handshake_rate,
-            handshake_ipv4_prefix=handshake_ipv4_prefix,
-            configure_socket=configure_socket,
+            settings.address,
+            heartbeat_interval=settings.heartbeat_interval,
+            heartbeat_timeout=settings.heartbeat_timeout,
+            max_connections=settings.max_connections,
+            ipc_mode=settings.ipc_mode,
+            gated=settings.gated,
+            max_handshake_rate=settings.max_handshake_rate,
+            handshake_ipv4_prefix=settings.handshake_ipv4_prefix,
+            configure_socket=curve.configure if curve is not None else None,
         )
-        self.bound_address = self._router.bound_address
         self._sock = self._router.sock
+        self._outbox = Outbox(self._sock, self.stats)
         self._monitor = self._router.monitor
         #: Relays' registrations and bundles: the groups served through relays.
         self.relays = RelayHub(
             self._sock,
-            dp_size=dp_size,
-            step_timeout=step_timeout,
-            max_groups=max_groups,
+            dp_size=settings.dp_size,
+            step_timeout=settings.step_timeout,
+            max_groups=settings.max_groups,
             rules=self.registry.rules,
-            flat_groups=self.groups,
+            flat_groups=self.registry.groups,
             clock=clock,
             wall=wall,
         )
-        #: Under memory pressure or over the handshake rate, new connections are refused in
-        #: their handshake (see coordd.io._gate).
-        self.gate = self._router.gate
+        if curve is not None and curve.binds:
+            self.relays.key_refusal = curve.key_refusal
         #: The connections that hold no rank: cap, flood cut-off, grace, memory pressure.
-        self.connections = Admission(
-            max_connections,
+        self.admission = Admission(
+            settings.max_connections,
             self._held_fds,
-            ident=limits.socket_ident,
-            pid=limits.peer_pid,
             now=clock(),
             evictable=self.registry.evictable_fds,
         )
         #: Carries out admission's decisions: shutdowns, the grace timer, the memory watch.
         self.guard = Guard(
-            self.connections,
+            self.admission,
+            self,
             clock=clock,
-            current=self._current,
-            introduced=self._introduced,
-            backlog=self._backlog,
-            stranger_grace=stranger_grace,
-            max_rss_mb=max_rss_mb,
-            gate=self.gate,
+            stranger_grace=settings.stranger_grace,
+            max_rss_mb=settings.max_rss_mb,
+            gate=self._router.gate,
         )
-        self.memory = self.guard.memory
         #: Log lines a peer could cause once per message: aggregated.
         self._bad_frame_log = Aggregated(log, "bad frame dropped", clock=clock)
         #: Dropping the rest of a refused multipart message (over several turns).
         self._dropping = False
         self._again_pending = False
         self._monitor_waited = 0
-        #: Set while frames are handled (a close read meanwhile, by `_current`, waits for none).
+        #: Set while frames are handled (a close read meanwhile waits for none).
         self._in_frames = False
         #: Groups with an open round, and the one timer for their deadlines.
-        self._deadlines = Deadlines(clock, self._send, self._drain)
-        #: Groups that got input since the last drain ended (failures and deadlines to check).
-        self._touched = self._deadlines.touched
-        self._drained = self._deadlines.drained
+        self._deadlines = Deadlines(clock, self)
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def bound_address(self) -> str:
+        return self._router.bound_address
+
+    @property
+    def groups(self) -> dict[str, Group]:
+        """The groups by name, in the order they were created."""
+        return self.registry.groups
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then say goodbye to every rank and close."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._sock.fileno(), self._on_frames)
-        self._loop.add_reader(self._monitor.fileno(), self._drain)
+        self._loop.add_reader(self._monitor.fileno(), self.drain)
         self._deadlines.loop = self._loop
         self.relays.loop = self._loop
         for aggregated in (self._bad_frame_log, *self.events.aggregated()):
             aggregated.schedule = self._loop.call_later
         self.guard.start(self._loop)
-        self._drain()
+        self.drain()
         log.info(
             "coordd serving dp=%d on %s (at most %d groups)",
-            self.dp_size,
+            self.settings.dp_size,
             self.bound_address,
-            self.max_groups,
+            self.settings.max_groups,
         )
         try:
             await stop.wait()
@@ -303,7 +235,7 @@ class CoordServer:
             self.relays.cancel()
             self.guard.stop()
             for group in self.groups.values():
-                self._send(group.coordinator.shutdown(), group.observer)
+                self.send(group.coordinator.shutdown(), group.observer)
             self.close(linger=0.5)
 
     def close(self, linger: float = 0.0) -> None:
@@ -311,24 +243,42 @@ class CoordServer:
 
     def counters(self) -> ShellCounters:
         """The shell's counts now, for metrics and /status (`coordd.ops.view.ServerView`)."""
+        curve = self._curve
         return shell_counters(
-            self.stats, self.connections, self.memory, self.gate, self.curve_refused
+            self.stats,
+            self.admission,
+            self.guard.memory,
+            self._router.gate,
+            None if curve is None else lambda: curve.refused,
         )
+
+    def takeovers_refused(self) -> Counter[tuple[str, str]]:
+        """Attempts to speak for a rank over a connection that did not register it."""
+        return self.registry.takeovers.refused
+
+    def group_of(self, peer: bytes) -> Group | None:
+        """The group `peer` registered with, or None."""
+        return self.registry.group_of(peer)
+
+    def introduced_fds(self) -> Collection[int]:
+        """The descriptors of open connections that said a Hello (a rank's or a relay's)."""
+        relays = self.relays.fd_peer
+        if not relays:
+            return self.registry.introduced_fds()
+        return {*self.registry.introduced_fds(), *relays}
+
+    def _held_fds(self) -> set[int]:
+        """Descriptors admission never shuts: registered ranks' and relays'."""
+        fds = self.registry.registered_fds()
+        return fds | self.relays.fds() if self.relays.fd_peer else fds
 
     def relayed_snapshots(self) -> dict[str, GroupSnapshot]:
         """The groups served through relays, as readiness reads a group."""
         return {name: tree.snapshot() for name, tree in self.relays.trees.items()}
 
-    def takeovers_refused(self) -> Counter[tuple[str, str]]:
-        return self.takeovers.refused
-
-    def group_of(self, peer: bytes) -> Group | None:
-        """The group `peer` registered with, or None."""
-        return self.registry.peer_group.get(peer)
-
     # -- the hot path -----------------------------------------------------------------------
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Handle queued frames, then closed connections, until both are empty or this turn's
         budget is spent (then the loop gets a turn and the drain goes on at the next).
 
@@ -348,18 +298,17 @@ class CoordServer:
             if not self._drain_monitor():
                 break
             more = True
-        if self.connections.over():
-            self._current()  # which closes the excess
-        self._drained()
+        if self.admission.over():
+            self.catch_up_monitor()  # which closes the excess
+        self._deadlines.after_drain()
         if more:
             self._again()
 
     def _on_frames(self) -> None:
-        """The ROUTER's FD fired: frames only. The monitor's own FD brings closed connections
-        (to `_drain`), and only work on the monitor socket can swallow its edge; checking it
-        here too cost a syscall and an enum lookup on every wakeup (~4.6 per round at dp=8)."""
+        """The ROUTER's FD fired: frames only (the monitor's own FD brings closed connections
+        to `drain`, and only work on the monitor socket can swallow its edge)."""
         more = self._drain_frames()
-        self._drained()
+        self._deadlines.after_drain()
         if more:
             self._again()
 
@@ -372,7 +321,7 @@ class CoordServer:
     def _resume(self) -> None:
         self._again_pending = False
         if not self._sock.closed:
-            self._drain()
+            self.drain()
 
     def _drain_frames(self) -> bool:
         """Handle up to DRAIN_BUDGET queued messages; True if some may be left."""
@@ -383,9 +332,9 @@ class CoordServer:
             self._in_frames = False
 
     def _handle_frames(self) -> bool:
-        admission = self.connections
+        admission = self.admission
         if admission.pressure.on:
-            self._current()  # memory pressure: new connections are shut at once
+            self.catch_up_monitor()  # memory pressure: new connections are shut at once
         if self._dropping and not self._drop_parts():
             return True
         now = self.clock()
@@ -395,84 +344,84 @@ class CoordServer:
         stats = self.stats
         clock = self.clock
         registry = self.registry
-        peer_group = registry.peer_group
-        peer_fd = registry.peer_fd
-        touched = self._touched
+        standing = registry.standing
+        touched = self._deadlines.touched
         member_counts = admission.member_counts
         relay_peers = self.relays.peer_fd
-        # what connections coordd shut down still have queued: dropped undecoded (a flood's
-        # backlog; ~1 us a message instead of ~4); not at debug level (a line per bad frame)
+        # what connections coordd shut down still have queued is dropped undecoded (a
+        # flood's backlog); not at debug level, which logs a line per bad frame
         shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
         for handled in range(DRAIN_BUDGET):
-            # Until Again, not EVENTS per frame: getsockopt is a syscall plus an enum lookup
-            # in pyzmq each time, Again one exception per drain. But after the first message,
-            # one EVENTS check: most wakeups bring one message, and EVENTS (~1.1 us) is
-            # cheaper than the Again that would end them (~2.6 us): -15 us a round at dp=8.
+            # Most wakeups bring one message: after it, one EVENTS check is cheaper than the
+            # zmq.Again that would end the loop.
             if handled == 1 and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return False
             try:
-                # A ROUTER's first part is the routing id, and a payload part always follows
-                # it (libzmq's router prefetches that part before it hands out the id): read
-                # as bytes, with no Frame object and no RCVMORE check.
+                # A ROUTER's routing id part is always followed by a payload part (libzmq
+                # prefetches it), so the id is read as bytes with no RCVMORE check.
                 peer = sock.recv(_NOBLOCK)
             except zmq.Again:
                 return False
             stats.frames_in += 1
             frame = sock.recv(_NOBLOCK, copy=False)
             if frame.more:
-                # Refused as soon as its second payload part shows: the rest is dropped
-                # part by part (no bytes object, no decoding), DROP_BUDGET parts a turn.
+                # refused at its second payload part; the rest is dropped part by part
                 self._bad_frame(peer, "more than one payload frame", frame)
                 self._dropping = True
                 if not self._drop_parts():
                     return True
                 continue
-            if shut is not None and peer not in peer_group and shut.from_shut(frame.get(_SRCFD)):
+            srcfd = frame.get(_SRCFD)
+            group, stands = standing(peer, srcfd)
+            if (
+                group is None
+                and shut is not None
+                and srcfd in shut.shut
+                and shut.from_shut(srcfd, limits.socket_ident(srcfd))
+            ):
                 continue
             if relay_peers and peer in relay_peers and self.relays.handle(peer, frame):
                 continue  # a registered relay's bundle: no rank decode first
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
-                if peer not in peer_group and self.relays.handle(peer, frame):
+                if group is None and self.relays.handle(peer, frame):
                     continue  # a relay's message (coordd.io._relay_hub)
                 if self._bad_frame(peer, str(exc), frame):
                     return True  # a member cut off: the next drain drops what it queued
                 continue
-            group = peer_group.get(peer)
             if group is None:
                 # a stranger: its Hellos count toward the flood cut-off as much as the rest
-                self.guard.stranger_sent(peer, frame.get(_SRCFD))
+                self.guard.stranger_sent(peer, srcfd)
                 if type(message) is Hello:
                     self._on_hello(peer, message, frame)
                 else:
                     self._from_stranger(peer, message)
                 continue
-            # registry.speaks_for, inlined: only over the connection that said its Hello
-            fd = peer_fd.get(peer)
-            srcfd = frame.get(_SRCFD)
-            if fd is None:
-                # its registering connection closed: a stranger now, for the cut-off
-                self.guard.stranger_sent(peer, srcfd)
-            elif srcfd != fd:
-                address = frame_address(frame)
-                self._carry_out(registry.other_connection(peer, message, address, clock()))
-                continue
-            else:
+            if stands == MEMBER:
                 # a member's input is bounded too (one report per round, and a few more)
                 count = member_counts.get(peer, 0) + 1
                 member_counts[peer] = count
-                if not count & _MEMBER_MASK and self._member_over(peer, group, fd, count):
+                if not count & _MEMBER_MASK and self._member_over(peer, group, srcfd, count):
                     return True  # cut off: the next drain drops what it queued undecoded
+            elif stands == DETACHED:
+                # its registering connection closed: a stranger now, for the cut-off
+                self.guard.stranger_sent(peer, srcfd)
+            else:
+                address = frame_address(frame)
+                self._carry_out(registry.other_connection(peer, message, address, clock()))
+                continue
             if type(message) is Hello:
                 self._on_hello(peer, message, frame)
                 continue
-            if (type(message) is StepReport or type(message) is GatherReport) and fd is not None:
+            if (type(message) is StepReport or type(message) is GatherReport) and (
+                stands == MEMBER
+            ):
                 waited = message.waited_us
-                if waited >= 0:  # the rank's wait for its previous round (issue 30)
+                if waited >= 0:  # the rank's wait for its previous round
                     group.observer.waited(message.dp_rank, message.seq, waited)
             touched.add(group)
-            self._send(group.coordinator.receive(peer, message, clock()), group.observer)
+            self.send(group.coordinator.receive(peer, message, clock()), group.observer)
         return True
 
     def _member_over(self, peer: bytes, group: Group, fd: int, count: int) -> bool:
@@ -496,7 +445,7 @@ class CoordServer:
         """Accepted and closed connections (a rank that registered over a closed one is lost,
         in its own group only). True if any event."""
         monitor = self._monitor
-        fd_peer = self.registry.fd_peer
+        registry = self.registry
         seen = False
         budget = 4 * DRAIN_BUDGET
         while budget and int(monitor.getsockopt(_EVENTS)) & _POLLIN:
@@ -507,17 +456,17 @@ class CoordServer:
             if event == _ACCEPTED:
                 self.guard.accepted(fd)
             elif event == _DISCONNECTED:
-                if fd in fd_peer and not self._in_frames:
+                if not self._in_frames and registry.holds_fd(fd):
                     # what that rank sent just before it closed (a Goodbye, a last report)
                     # can come after the frames' drain, with its close: it counts first
                     self._drain_frames()
-                self.connections.closed_fd(fd)
-                self._carry_out(self.registry.closed(fd, self.clock()))
+                self.admission.closed_fd(fd)
+                self._carry_out(registry.closed(fd, self.clock()))
                 if fd in self.relays.fd_peer:
                     self.relays.closed(fd)
         return seen
 
-    def _current(self) -> bool:
+    def catch_up_monitor(self) -> bool:
         """Read the monitor's events (a bounded number of passes) and tell the groups of ranks
         lost in them; True if none is left, so that every descriptor admission and the
         registry hold is one libzmq holds (a close is announced before its descriptor is
@@ -525,10 +474,10 @@ class CoordServer:
         for _ in range(MONITOR_PASSES):
             if not self._drain_monitor():
                 break
-        self._drained()
+        self._deadlines.after_drain()
         if int(self._monitor.getsockopt(_EVENTS)) & _POLLIN:
             return False
-        if self.connections.over():
+        if self.admission.over():
             self.guard.enforce_cap()
         return True
 
@@ -536,12 +485,12 @@ class CoordServer:
         """Carry out what the registry decided, in order."""
         for action in actions:
             if type(action) is Deliver:
-                self._touched.add(action.group)
-                self._send(action.sends, action.group.observer)
+                self._deadlines.touched.add(action.group)
+                self.send(action.sends, action.group.observer)
             elif type(action) is Refuse:
                 reject = reject_message(action.error)
                 self.events.rejected_hello(action.peer, action.hello, reject, action.group)
-                self._send_one(action.peer, reject)
+                self._outbox.send_one(action.peer, reject)
             elif type(action) is Registering:
                 action.group.observer.registering(action.peer, action.hello, action.address)
             elif type(action) is AsStranger:
@@ -552,38 +501,19 @@ class CoordServer:
                     action.group.observer.lost(action.rank, action.peer, action.detail)
             elif type(action) is GroupCreated:
                 self.events.group_created(
-                    action.group.name, action.epoch, action.groups, self.max_groups
+                    action.group.name, action.epoch, action.groups, self.settings.max_groups
                 )
             elif type(action) is GroupDropped:
                 self._deadlines.forget(action.group)
                 self.events.group_dropped(action.group.name, action.epoch)
+            elif type(action) is LogEvent:
+                emit(log, action)
         watch = self._router.watch
         if watch is not None:  # what ranks hold is no storm (the listener pause's marks)
-            watch.held = len(self.registry.peer_fd)
+            watch.held = self.registry.connections_held()
 
-    def _send(self, sends: Sequence[Send], observer: Observer) -> None:
-        sock = self._sock
-        for peers, message in sends:
-            observer.sent(peers, message)
-            payload = encode(message)
-            for peer in peers:
-                try:
-                    _send_frame(sock, peer, _SNDMORE_NOBLOCK)
-                    _send_frame(sock, payload, _NOBLOCK)
-                except zmq.ZMQError as exc:
-                    log.debug("dropped a frame to %s: %s", peer_label(peer), exc)
-                    continue
-                self.stats.frames_out += 1
-
-    def _send_one(self, peer: bytes, message: Reject | StepFailed | Heartbeat) -> None:
-        """An answer from coordd itself, outside any group."""
-        try:
-            self._sock.send(peer, _SNDMORE_NOBLOCK)
-            self._sock.send(encode(message), _NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("dropped a frame to %s: %s", peer_label(peer), exc)
-            return
-        self.stats.frames_out += 1
+    def send(self, sends: Sequence[Send], observer: Observer) -> None:
+        self._outbox.send(sends, observer)
 
     # -- peers that hold no rank ------------------------------------------------------------
 
@@ -600,7 +530,7 @@ class CoordServer:
                 self.guard.stranger_sent(peer, srcfd)
             else:
                 self._carry_out(self.registry.undecodable(peer, srcfd, why, self.clock()))
-                counts = self.connections.member_counts
+                counts = self.admission.member_counts
                 count = counts[peer] = counts.get(peer, 0) + 1
                 if not count & _MEMBER_MASK:
                     cut = self._member_over(peer, group, srcfd, count)
@@ -614,18 +544,18 @@ class CoordServer:
 
     def _from_stranger(self, peer: bytes, message: ToCoordinator) -> None:
         """Answer a peer that registered with no group (`Admission.answer`)."""
-        answer = self.connections.answer(message, self.clock(), self.registry.known_epoch)
+        answer = self.admission.answer(message, self.clock(), self.registry.known_epoch)
         if type(answer) is StepFailed:
             self.events.refused_report(peer, answer)
         if answer is not None:
-            self._send_one(peer, answer)
+            self._outbox.send_one(peer, answer)
 
     def _on_hello(self, peer: bytes, hello: Hello, frame: zmq.Frame) -> None:
         """Route a Hello to the group it names (`coordd.core._registry.Registry.hello`), with
         the monitor read first: a closed connection's descriptor may be this one's now."""
-        self._current()
+        self.catch_up_monitor()
         if self.relays.holds(hello.group):
-            self._send_one(peer, reject_message(self.relays.flat_refusal(hello.group)))
+            self._outbox.send_one(peer, reject_message(self.relays.flat_refusal(hello.group)))
             return
         key = ""
         if self.registry.key_refusal is not None:
@@ -639,22 +569,12 @@ class CoordServer:
             peer, hello, fd, self.clock(), self.wall(), address=address, key=key
         )
         self._carry_out(actions)
-        gate = self.gate
+        gate = self._router.gate
         if gate is not None and address and self.registry.member(peer, fd) is not None:
             # its process (ipc) or address (tcp) registered a rank: quiet is earned
             gate.earned.append(address.encode())
 
-    def _held_fds(self) -> set[int]:
-        """Descriptors admission never shuts: registered ranks' and relays'."""
-        fds = self.registry.registered_fds()
-        return fds | self.relays.fds() if self.relays.fd_peer else fds
-
-    def _introduced(self) -> Collection[int]:
-        """Descriptors that said a Hello (a rank's or a relay's): past the stranger grace."""
-        relays = self.relays.fd_peer
-        return {**self.registry.fd_peer, **relays} if relays else self.registry.fd_peer
-
-    def _backlog(self) -> bool:
+    def messages_queued(self) -> bool:
         """Whether messages are queued unread (the memory guard's check, between drains)."""
         if int(self._sock.getsockopt(_EVENTS)) & _POLLIN:
             self._again()  # EVENTS may have taken the FD's edge: drain without it

@@ -55,10 +55,12 @@ class CoorddCollector:
             },
         )
         yield info
-        yield _gauge("coordd_dp_size", "Data-parallel size of every group", server.dp_size)
+        yield _gauge("coordd_dp_size", "Data-parallel size of every group", server.settings.dp_size)
         yield _gauge("coordd_groups", "Groups this coordd serves", len(groups))
         yield _gauge(
-            "coordd_max_groups", "Most groups this coordd serves (--max-groups)", server.max_groups
+            "coordd_max_groups",
+            "Most groups this coordd serves (--max-groups)",
+            server.settings.max_groups,
         )
         yield _gauge("coordd_ready", "1 when /readyz answers 200", int(self.ready()[0]))
 

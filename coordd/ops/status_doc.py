@@ -154,7 +154,8 @@ def server_readiness(server: ServerView) -> tuple[bool, str]:
     """`readiness` of a running coordd's groups."""
     snaps = {name: group.coordinator.snapshot() for name, group in server.groups.items()}
     snaps.update(server.relayed_snapshots())  # a root's groups served through relays
-    return readiness(snaps, server.expected_groups or server.expect_groups)
+    settings = server.settings
+    return readiness(snaps, settings.expected_names or settings.expected_count)
 
 
 def group_document(group: GroupView, now: float, rank_rows: int | None = None) -> dict[str, Any]:
@@ -278,10 +279,10 @@ def status_document(
             "pid": os.getpid(),
             "address": server.bound_address,
             "uptime_s": round(server.wall() - server.started_wall, 3),
-            "dp_size": server.dp_size,
-            "max_groups": server.max_groups,
-            "expect_groups": server.expect_groups,
-            "expected_groups": list(server.expected_groups),
+            "dp_size": server.settings.dp_size,
+            "max_groups": server.settings.max_groups,
+            "expect_groups": server.settings.expected_count,
+            "expected_groups": list(server.settings.expected_names),
         },
         "ready": ready,
         "ready_detail": why,

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from coordd.core._settings import ServerSettings
 from coordd.ops.observer import Observer, ServerEvents
 from coordd.proto.coordinator import Coordinator
 from coordd.proto.snapshot import GroupSnapshot
@@ -55,16 +56,7 @@ class ServerView(Protocol):
     """The server as metrics, /status and /readyz read it."""
 
     @property
-    def dp_size(self) -> int: ...
-
-    @property
-    def max_groups(self) -> int: ...
-
-    @property
-    def expect_groups(self) -> int: ...
-
-    @property
-    def expected_groups(self) -> tuple[str, ...]: ...
+    def settings(self) -> ServerSettings: ...
 
     @property
     def bound_address(self) -> str: ...

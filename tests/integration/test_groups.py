@@ -28,6 +28,7 @@ import zmq
 
 from coordd.cli.status import fetch
 from coordd.client import CoordClient
+from coordd.core._settings import ServerSettings
 from coordd.io._server import CoordServer
 from coordd.proto import (
     RankLost,
@@ -427,7 +428,7 @@ def test_the_peer_map_stays_bounded_and_keeps_the_members(tmp_path: Path) -> Non
     """Hellos from many peers (each refused: the rank is taken) fill the peer -> group map; past
     its bound the peers that are no member are forgotten, and the members go on coordinating.
     (A `CoordServer` in this process, on its own event loop thread, to read its map.)"""
-    server = CoordServer(f"ipc://{tmp_path}/s.sock", dp_size=1, groups=("g",))
+    server = CoordServer(ServerSettings(f"ipc://{tmp_path}/s.sock", dp_size=1, groups=("g",)))
     stop = threading.Event()
     serving = threading.Thread(target=run_server, args=(server, stop), daemon=True)
     serving.start()

@@ -17,6 +17,7 @@ import zmq
 
 from coordd.client.sync import CoordClient
 from coordd.core._handshake import HandshakeRate
+from coordd.core._settings import ServerSettings
 from coordd.io._gate import ZAP_DOMAIN, ZAP_ENDPOINT, ZAP_VERSION, HandshakeGate
 from coordd.io._server import CoordServer
 from coordd.proto.messages import Hello, Reject, decode_from_coordinator, encode
@@ -111,7 +112,9 @@ def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def _serve(tmp_path: Path, grace: float) -> tuple[CoordServer, threading.Event, threading.Thread]:
-    server = CoordServer(f"ipc://{tmp_path}/s.sock", dp_size=1, stranger_grace=grace)
+    server = CoordServer(
+        ServerSettings(f"ipc://{tmp_path}/s.sock", dp_size=1, stranger_grace=grace)
+    )
     stop = threading.Event()
     serving = threading.Thread(target=run_server, args=(server, stop), daemon=True)
     serving.start()
@@ -143,9 +146,9 @@ def test_a_connection_that_says_no_hello_is_closed_after_the_grace_and_a_rank_is
         answer = decode_from_coordinator(refused.recv())
         assert isinstance(answer, Reject) and answer.reason.value == "rank_taken"
         assert events.poll(10_000), "the silent connection was not closed"
-        _until(lambda: server.connections.expired >= 1)  # counted just after the shutdown
+        _until(lambda: server.admission.expired >= 1)  # counted just after the shutdown
         time.sleep(1.0)  # more than twice the grace: the claim reconnected, and is closed again
-        _until(lambda: server.connections.expired >= 2)
+        _until(lambda: server.admission.expired >= 2)
         assert rank.coordinate(report(0, 0), timeout=10).seq == 0
         refused.send(encode(Hello(dp_size=1, dp_rank=0, config_fingerprint="", incarnation="x")))
         assert refused.poll(10_000), "the refused peer's connection was closed"

@@ -4,6 +4,9 @@ identities and peer pids are fakes, and the time is passed in."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from coordd.core import _daemon_defaults as defaults
 from coordd.core._admission import (
     BANNED,
@@ -33,6 +36,43 @@ from coordd.proto.messages import (
     StepReport,
 )
 
+_ASK = object()
+
+
+class Shelled(Admission):
+    """Admission as the shell drives it (`coordd.io._guard.Guard`): what only the OS knows (a
+    descriptor's socket identity, the pid at its other end) is asked of `ident` and `pid` and
+    passed in, unless a test passes it itself."""
+
+    def __init__(
+        self,
+        *args: Any,
+        ident: Callable[[int], int | None],
+        pid: Callable[[int, int | None], int | None],
+        **kw: Any,
+    ) -> None:
+        super().__init__(*args, **kw)
+        self.ident_of = ident
+        self.pid_of = pid
+
+    def accepted(self, fd: int, now: float, *, ident: Any = _ASK, pid: Any = _ASK) -> list[Shut]:
+        if ident is _ASK:
+            ident = self.ident_of(fd)
+        if pid is _ASK:
+            pid = self.pid_of(fd, ident)
+        return super().accepted(fd, now, ident=ident, pid=pid)
+
+    def stranger_message(self, peer: bytes, fd: int, now: float) -> bool:
+        flood = super().stranger_message(peer, fd, now)
+        if self.wants_socket(peer, now):
+            self.first_socket(peer, self.ident_of(fd), now)
+        return flood
+
+    def from_shut(self, fd: int | None, ident: Any = _ASK) -> bool:
+        if ident is _ASK:
+            ident = None if fd is None else self.ident_of(fd)
+        return super().from_shut(fd, ident)
+
 
 class Host:
     """The OS as admission sees it: which socket (identity) each descriptor names now, and
@@ -52,7 +92,7 @@ class Host:
         return self.pids.get(fd)
 
     def admission(self, cap: int = 100, flood: int = 10) -> Admission:
-        return Admission(
+        return Shelled(
             cap, lambda: self.ranks, ident=self.ident, pid=self.pid, flood=flood, now=0.0
         )
 
@@ -341,7 +381,7 @@ def test_a_members_share_counts_its_groups_rounds_in_this_window_only() -> None:
     2 in it, allows MEMBER_SLACK + 4 messages, not 100,000 more."""
     from types import SimpleNamespace
 
-    from coordd.io._deadlines import Group
+    from coordd.io._group import Group
     from coordd.io._guard import Guard
 
     host = Host()
@@ -354,10 +394,20 @@ def test_a_members_share_counts_its_groups_rounds_in_this_window_only() -> None:
         shut.append(fd)
         return True
 
-    guard = Guard(
-        admission, clock=lambda: 1.0, current=lambda: True, introduced=lambda: (),
-        backlog=lambda: False, stranger_grace=0, max_rss_mb=0, gate=None, shutdown=shutdown,
-    )
+    class Server:
+        """The server as the guard calls it: its monitor caught up, nothing queued."""
+
+        def catch_up_monitor(self) -> bool:
+            return True
+
+        def messages_queued(self) -> bool:
+            return False
+
+        def introduced_fds(self) -> tuple[int, ...]:
+            return ()
+
+    guard = Guard(admission, Server(), clock=lambda: 1.0, stranger_grace=0, max_rss_mb=0,
+                  gate=None, shutdown=shutdown)
     busy = SimpleNamespace(decisions=50_000, failures=3)
     group = Group("g", busy, None)  # type: ignore[arg-type]
     guard.new_window(1.0, [group])
@@ -381,7 +431,7 @@ def test_members_crowding_the_cap_go_pattern_groups_first_never_the_newcomer() -
     junk = {fd for group in junk_groups for fd in group}
     host.ranks = real | junk
     newest_first = [fd for group in reversed(junk_groups) for fd in group]
-    admission = Admission(1024, lambda: host.ranks, ident=host.ident, pid=host.pid, now=0.0,
+    admission = Shelled(1024, lambda: host.ranks, ident=host.ident, pid=host.pid, now=0.0,
                           evictable=lambda: [fd for fd in newest_first if fd in host.ranks])
     for fd in sorted(real | junk):
         assert admission.accepted(fd, 0.0) == []
@@ -402,7 +452,7 @@ def test_members_crowding_the_cap_go_pattern_groups_first_never_the_newcomer() -
     assert set(range(6016, 6080)) <= set(admission.open)
     # strangers (no member crowding) go oldest first, as ever
     host.ranks = set()
-    small = Admission(4, lambda: host.ranks, ident=host.ident, pid=host.pid, now=0.0,
+    small = Shelled(4, lambda: host.ranks, ident=host.ident, pid=host.pid, now=0.0,
                       evictable=lambda: [1, 2])
     for fd in (1, 2, 3, 4, 5):
         small.accepted(fd, 0.0)

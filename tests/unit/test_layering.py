@@ -9,7 +9,9 @@ vLLM itself) and `coordd.tools` (bench, chaos, demo, load, device_check). The ru
 
 - proto imports nothing of ours but proto;
 - client imports only proto;
-- core imports only proto, and no zmq: its decisions are tested without sockets;
+- core imports only proto, and no zmq: its decisions are tested without sockets; it parses no
+  options (no argparse), calls no OS (no os, sys, socket) and sets up no log output: it takes
+  values and returns decisions and the lines to log;
 - ops imports core and proto (it reads the server through `coordd.ops.view`, never io);
 - io imports ops, core and proto (it runs the state machine, never the client);
 - cli imports the daemon's layers; nothing imports it but the tools and `python -m coordd`;
@@ -189,11 +191,14 @@ def test_every_import_points_the_allowed_way() -> None:
     assert not wrong, "wrong import arrows:\n" + "\n".join(wrong)
 
 
-def cycles(package_dir: Path, package: str = PACKAGE) -> list[list[str]]:
+def cycles(
+    package_dir: Path, package: str = PACKAGE, *, typing_too: bool = False
+) -> list[list[str]]:
     """Every import circle among our modules (each found once, as the modules in its order);
     imports inside functions count: a lazy import that closes a circle hides it, not breaks it.
-    Imports under TYPE_CHECKING do not (types may name each other; the layers still hold them),
-    nor does a package importing its own submodules (`from . import x` in `__init__`)."""
+    With `typing_too`, so do imports under TYPE_CHECKING (two modules that need each other's
+    types are one job, or one of them names what it reads as a Protocol). A package importing
+    its own submodules (`from . import x` in `__init__`) never counts."""
     modules = modules_of(package_dir, package)
     known = set(modules)
     graph: dict[str, set[str]] = {m: set() for m in modules}
@@ -201,7 +206,7 @@ def cycles(package_dir: Path, package: str = PACKAGE) -> list[list[str]]:
         for imp in imports_of(module, path, known):
             own_submodule = path.name == "__init__.py" and imp.target.startswith(module + ".")
             ours = imp.target in known and imp.target != module
-            if ours and not imp.typing_only and not own_submodule:
+            if ours and not own_submodule and (typing_too or not imp.typing_only):
                 graph[module].add(imp.target)
     found: list[list[str]] = []
     seen: set[frozenset[str]] = set()
@@ -233,6 +238,17 @@ def test_no_import_circle() -> None:
     assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
+def test_no_type_only_circle_in_the_daemon_or_proto() -> None:
+    """Not even for types: the guard and the server, proto's errors and messages each name
+    what they read of the other as a Protocol or a module of its own (issue 31)."""
+    found = [
+        c
+        for c in cycles(PACKAGE_DIR, typing_too=True)
+        if not all(m.startswith("coordd.tools.") for m in c)
+    ]
+    assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
 def test_the_cycle_finder_finds_a_lazy_circle(tmp_path: Path) -> None:
     package_dir = _write(
         tmp_path,
@@ -248,6 +264,10 @@ def test_the_cycle_finder_finds_a_lazy_circle(tmp_path: Path) -> None:
         },
     )
     assert cycles(package_dir) == [["coordd.io.server", "coordd.ops.status"]]
+    assert cycles(package_dir, typing_too=True) == [
+        ["coordd.io.server", "coordd.ops.status"],
+        ["coordd.ops.observer", "coordd.ops.view"],
+    ]
 
 
 def test_the_daemon_layers_point_one_way(tmp_path: Path) -> None:
@@ -276,6 +296,50 @@ def test_the_daemon_layers_point_one_way(tmp_path: Path) -> None:
     assert any("coordd.core.registry (core) -> coordd.ops.status (ops)" in w for w in wrong)
     assert any("coordd.ops.status (ops) -> coordd.io.server (io)" in w for w in wrong)
     assert any("coordd.io.server (io) -> coordd.cli (cli)" in w for w in wrong)
+
+
+#: What the core may not import: it parses no options, reaches no OS and no process state.
+CORE_NEVER_IMPORTS = frozenset({"argparse", "os", "sys", "socket", "subprocess", "signal"})
+#: ... and never decides where log lines go (it returns `LogEvent`s or logs to a given logger).
+CORE_NEVER_CALLS = ("StreamHandler", "FileHandler", "addHandler", "basicConfig", "setLevel")
+
+
+def core_violations(package_dir: Path, package: str = PACKAGE) -> list[str]:
+    """Where a core module parses options, reaches the OS or sets up log output."""
+    modules = modules_of(package_dir, package)
+    found: list[str] = []
+    for module, path in modules.items():
+        if layer_of(module, package) != "core":
+            continue
+        for imp in imports_of(module, path, set(modules)):
+            if imp.target.split(".")[0] in CORE_NEVER_IMPORTS:
+                found.append(f"{imp.path}:{imp.line}: {module} imports {imp.target}")
+        text = path.read_text()
+        found += [f"{path}: {module} calls {name}" for name in CORE_NEVER_CALLS if name in text]
+    return found
+
+
+def test_the_core_only_decides() -> None:
+    """The shell (io, cli) parses the options, calls the OS and sets up logging; the core takes
+    values and returns decisions (issue 31)."""
+    wrong = core_violations(PACKAGE_DIR)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_core_check_can_fail(tmp_path: Path) -> None:
+    package_dir = _write(
+        tmp_path,
+        {
+            "coordd/__init__.py": "",
+            "coordd/core/__init__.py": "",
+            "coordd/core/options.py": "import argparse\n",
+            "coordd/core/logs.py": "import logging\nlogging.getLogger().addHandler(None)\n",
+        },
+    )
+    wrong = core_violations(package_dir)
+    assert len(wrong) == 2, wrong
+    assert any("coordd.core.options imports argparse" in w for w in wrong)
+    assert any("coordd.core.logs calls addHandler" in w for w in wrong)
 
 
 def test_the_walk_sees_every_layer() -> None:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from coordd.cli import _logging as log_setup
 from coordd.core import _logs as logs
 from coordd.io import _curve as keys
 from coordd.testing import FakeClock
@@ -21,7 +22,7 @@ def captured() -> Iterator[tuple[logging.Logger, io.StringIO]]:
     """A logger whose records go through coordd's text format into a buffer."""
     out = io.StringIO()
     handler = logging.StreamHandler(out)
-    handler.setFormatter(logs.TextFormatter(logs.TEXT_FORMAT))
+    handler.setFormatter(log_setup.TextFormatter(log_setup.TEXT_FORMAT))
     logger = logging.getLogger("coordd.test_logs")
     logger.handlers[:] = [handler]
     logger.setLevel(logging.DEBUG)
@@ -61,7 +62,7 @@ def test_json_lines_carry_peer_values_escaped() -> None:
     record = logging.LogRecord("coordd", logging.WARNING, __file__, 1, "x", None, None)
     record.event = "registration rejected"
     record.fields = {"group": FORGED}
-    line = logs.JsonFormatter().format(record)
+    line = log_setup.JsonFormatter().format(record)
     assert "\n" not in line
     assert json.loads(line)["group"] == FORGED
 

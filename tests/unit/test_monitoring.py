@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from coordd.core._settings import ServerSettings
 from coordd.io._server import CoordServer
 from coordd.ops.collector import CoorddCollector, make_registry
 from coordd.ops.status_doc import server_readiness
@@ -37,9 +38,9 @@ PROMQL_WORDS = {
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
     """Every series name coordd's /metrics can hold -> its labels, from the real exporter."""
-    server = CoordServer(f"ipc://{tmp_path_factory.mktemp('mon')}/c.sock", dp_size=2)
+    address = f"ipc://{tmp_path_factory.mktemp('mon')}/c.sock"
+    server = CoordServer(ServerSettings(address, dp_size=2))
     try:
-        server.curve_refused = lambda: 0
         real = server.counters
         # the families a memory guard, a handshake gate and CURVE add: all on
         server.counters = lambda: dataclasses.replace(  # type: ignore[method-assign]

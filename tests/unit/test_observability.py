@@ -10,6 +10,7 @@ test_groups.py) check the same against a real process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import socket
@@ -18,12 +19,16 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordd.cli._logging import JsonFormatter, setup_logging
 from coordd.cli.status import probe_line, render
 from coordd.core._admission import Admission
 from coordd.core._daemon_defaults import STATUS_RANK_ROWS
-from coordd.core._logs import JsonFormatter, event, fault_fields, setup_logging
+from coordd.core._logs import event, fault_fields
 from coordd.core._peers import Takeovers, peer_label
-from coordd.io._server import CoordServer, Group, ServerStats, group_name_problem
+from coordd.core._registry import group_name_problem
+from coordd.core._settings import ServerSettings
+from coordd.io._group import Group
+from coordd.io._stats import ServerStats, shell_counters
 from coordd.ops.endpoints import HttpEndpoints, coordd_routes
 from coordd.ops.observer import DURATION_BUCKETS, Observer, ServerEvents
 from coordd.ops.status_doc import group_readiness, readiness, status_document
@@ -51,13 +56,10 @@ class Daemon:
         self.events = ServerEvents()
         self.takeovers = Takeovers()
         self.bound_address = "ipc:///run/coordd/coordd.sock"
-        self.max_groups = 64
-        self.expect_groups = expect_groups
-        self.expected_groups: tuple[str, ...] = ()
-        self.curve_refused = None
-        self.memory = None
-        self.gate = None
-        self.connections = Admission(1024, lambda: (), ident=lambda fd: fd, pid=lambda fd, i: None)
+        self.settings = ServerSettings(
+            self.bound_address, dp_size=dp, max_groups=64, expect_groups=expect_groups
+        )
+        self.admission = Admission(1024, lambda: ())
         self.started_wall = self.wall()
         self.sent: list[Any] = []
 
@@ -65,8 +67,11 @@ class Daemon:
         return self.now
 
     #: what the server gives metrics and /status, from this fake's stats and guard
-    counters = CoordServer.counters
-    takeovers_refused = CoordServer.takeovers_refused
+    def counters(self) -> Any:
+        return shell_counters(self.stats, self.admission, None, None, None)
+
+    def takeovers_refused(self) -> Any:
+        return self.takeovers.refused
 
     def relayed_snapshots(self) -> dict[str, GroupSnapshot]:
         return {}
@@ -757,7 +762,7 @@ def test_a_crash_stays_in_readyz_and_status_after_a_strangers_hello_and_goodbye(
     Goodbye made the group `stopped`: /readyz 200 "every rank left cleanly", /status failure
     None. The crash now stands, culprit and all, until every rank is back."""
     d = registered(2)
-    d.expected_groups = () if expect == 0 else expect
+    d.settings = dataclasses.replace(d.settings, expect_groups=expect)
     d.report(0, 0, 101.0)
     d.report(1, 0, 101.0)
     d.lose(1, 102.0)

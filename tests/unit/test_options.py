@@ -14,7 +14,7 @@ import pytest
 
 from coordd import cli
 from coordd.client._config import ClientConfig
-from coordd.io._server import CoordServer
+from coordd.core._settings import ServerSettings
 from coordd.proto.messages import MAX_DP_SIZE
 
 
@@ -236,7 +236,7 @@ def test_bench_refuses_dp_0() -> None:
 
 def test_the_server_itself_refuses_a_dp_its_clients_cannot_decode() -> None:
     with pytest.raises(ValueError, match=f"1..{MAX_DP_SIZE}"):
-        CoordServer("ipc:///nonexistent-never-made/x.sock", dp_size=MAX_DP_SIZE + 1)
+        ServerSettings("ipc:///nonexistent-never-made/x.sock", dp_size=MAX_DP_SIZE + 1)
 
 
 @pytest.mark.parametrize("field", ["wait_timeout", "heartbeat_interval", "heartbeat_timeout"])

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from coordd.core._logs import LogEvent
 from coordd.core._peers import Takeovers
 from coordd.core._registry import (
     MAX_GROUP_NAME,
@@ -56,6 +57,8 @@ def hello(rank: int = 0, group: str = "g", dp: int = 2, **kw: object) -> Hello:
 
 
 def refusal(actions: list[object]) -> Refuse:
+    """The one Refuse among `actions`, beside at most the lines to log."""
+    actions = [a for a in actions if type(a) is not LogEvent]
     assert len(actions) == 1 and type(actions[0]) is Refuse, actions
     return actions[0]
 
@@ -91,8 +94,10 @@ def test_a_message_counts_only_over_the_connection_that_registered_its_rank() ->
     report = StepReport(epoch=1, seq=0, kind=StepKind.FORWARD, dp_rank=0, num_tokens=1,
                         num_tokens_padded=1, want_ubatch=False, cudagraph_mode=0,
                         has_unfinished=False)
-    answer = reg.other_connection(b"r0", report, "10.0.0.9", now=2.0)
-    assert answer == [AsStranger(b"r0", report)]
+    line, answer = reg.other_connection(b"r0", report, "10.0.0.9", now=2.0)
+    assert answer == AsStranger(b"r0", report)
+    assert type(line) is LogEvent and line.name == "rank takeover refused"
+    assert line.fields["address"] == "10.0.0.9" and line.fields["kind"] == "other_connection"
     assert reg.takeovers.refused[("g", Takeovers.OTHER_CONNECTION)] == 1
     # once the registering connection closed, the routing id is not bound to any
     reg.closed(7, now=3.0)
@@ -103,7 +108,7 @@ def test_a_hello_over_another_connection_while_the_registering_one_is_open_is_re
     reg = registry()
     reg.hello(b"r0", hello(0), fd=7, now=1.0, wall=WALL)
     actions = reg.hello(b"r0", hello(0), fd=9, now=2.0, wall=WALL, address="10.0.0.9")
-    assert actions == [AsStranger(b"r0", hello(0))]
+    assert [a for a in actions if type(a) is not LogEvent] == [AsStranger(b"r0", hello(0))]
     assert reg.takeovers.refused[("g", Takeovers.OTHER_CONNECTION)] == 1
     assert reg.peer_fd[b"r0"] == 7 and 9 not in reg.fd_peer  # the rank's connection is kept
 
@@ -377,20 +382,18 @@ def test_key_bound_refusals_under_many_admitted_names_keep_one_record() -> None:
     assert not reg.groups and not reg.peer_group and not reg.peer_fd
 
 
-def test_rank_held_refusals_under_cycled_names_go_with_their_groups(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_rank_held_refusals_under_cycled_names_go_with_their_groups() -> None:
     """Issue 28, defect 5: one peer cycling group names a pattern admits, each with a Hello for
     a rank another of its connections holds (`rank_held`): the refusal was counted under the
     group's name and never dropped with the group (400 names a second: 4,800 series of
     coordd_rank_takeovers_refused_total in 12 s, a WARNING line per name). Now the record holds
-    only live groups' names (at most --max-groups x kinds), and the lines are bounded."""
-    import logging
-
+    only live groups' names (at most --max-groups x kinds), and the lines it returns for the
+    shell to log are bounded."""
+    from coordd.core._logs import LogEvent
     from coordd.core._peers import LOG_LINES
 
     reg = registry(max_groups=4, groups=("dp-tp*-pp*",))
-    caplog.set_level(logging.WARNING, logger="coordd")
+    lines: list[LogEvent] = []
     names = 2000
     for n in range(names):
         name = f"dp-tp{n}-pp0"
@@ -400,11 +403,11 @@ def test_rank_held_refusals_under_cycled_names_go_with_their_groups(
                             wall=WALL)
         assert any(type(m) is Reject and m.reason is RejectReason.RANK_TAKEN
                    for _, m in sent(actions))
+        lines += [a for a in actions if type(a) is LogEvent and a.name == "rank takeover refused"]
         reg.closed(2 * n + 10, now=1.0 + n / 400)  # the holder leaves: the group may go
     assert len(reg.groups) <= 4
     assert set(reg.takeovers.refused) <= {(g, Takeovers.RANK_HELD) for g in reg.groups}
     assert sum(reg.takeovers.refused.values()) <= 4
-    lines = [r for r in caplog.records if r.getMessage().startswith("rank takeover refused")]
     seconds = names / 400
     assert 1 <= len(lines) <= LOG_LINES * (seconds // 10 + 1), len(lines)
 

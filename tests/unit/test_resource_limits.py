@@ -19,8 +19,10 @@ from coordd.io import _limits as limits
 
 
 def real(cap: int, registered: Callable[[], set[int]] = set) -> Admission:
-    """Admission asking the OS, as the server builds it."""
-    return Admission(cap, registered, ident=limits.socket_ident, pid=limits.peer_pid)
+    """Admission given what the OS says, as the server's guard asks it."""
+    from tests.unit.test_admission import Shelled
+
+    return Shelled(cap, registered, ident=limits.socket_ident, pid=limits.peer_pid)
 
 
 def carry_out(admission: Admission, shuts: list[Shut]) -> int:

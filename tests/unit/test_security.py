@@ -20,7 +20,7 @@ from coordd.io._curve import (
     write_keypair,
 )
 from coordd.io._listen import BindError
-from coordd.io._server import prepare_ipc_path
+from coordd.io._router import prepare_ipc_path
 from coordd.proto.address import default_address, runtime_dir
 from coordd.proto.keyfile import KeyFileError, is_z85, parse_key_text, read_key_file
 

@@ -1,10 +1,10 @@
 """CoordServer's drain with a fake socket under it: what the shell itself decides per message.
 
-The drain inlines the registry's rule "a message counts only over the connection that said
-its Hello" (`Registry.speaks_for`) for registered ranks, to keep the hot path free of calls;
-libzmq drops the frames of a second connection presenting a live routing id before coordd
-reads them, so no test over real sockets reaches that check. Here the frames carry the
-descriptors (SRCFD) the test chooses."""
+The drain asks the registry how each message stands (`Registry.standing`, whose rule is
+`speaks_for`: a message counts only over the connection that said its Hello); libzmq drops
+the frames of a second connection presenting a live routing id before coordd reads them, so
+no test over real sockets reaches that check. Here the frames carry the descriptors (SRCFD)
+the test chooses."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pytest
 import zmq
 
 from coordd.core._peers import Takeovers
-from coordd.io import _server as server_module
+from coordd.core._settings import ServerSettings
+from coordd.io import _outbox as outbox_module
 from coordd.io._server import CoordServer
 from coordd.proto.group_state import GroupState
 from coordd.proto.messages import (
@@ -84,11 +85,12 @@ class FakeSocket:
 
 @pytest.fixture
 def shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    server = CoordServer(f"ipc://{tmp_path}/c.sock", dp_size=1)
+    server = CoordServer(ServerSettings(f"ipc://{tmp_path}/c.sock", dp_size=1))
     fake = FakeSocket()
     real = server._sock
     monkeypatch.setattr(server, "_sock", fake)
-    monkeypatch.setattr(server_module, "_send_frame", lambda sock, data, flags: sock.send(data))
+    monkeypatch.setattr(server._outbox, "sock", fake)
+    monkeypatch.setattr(outbox_module, "_send_frame", lambda sock, data, flags: sock.send(data))
     yield server, fake
     server._sock = real
     server.close()
@@ -108,7 +110,7 @@ def test_a_report_counts_only_over_the_connection_that_registered_its_rank(shell
     # the same routing id over another descriptor: refused, not counted for the rank
     sock.put(b"rank0", report(welcome), 6)
     server._drain_frames()
-    assert server.takeovers.refused[("default", Takeovers.OTHER_CONNECTION)] == 1
+    assert server.takeovers_refused()[("default", Takeovers.OTHER_CONNECTION)] == 1
     assert server.groups["default"].coordinator.snapshot().round is None
     assert all(not isinstance(m, StepDecision) for m in sock.out.get(b"rank0", []))
     sock.out.clear()
@@ -117,7 +119,7 @@ def test_a_report_counts_only_over_the_connection_that_registered_its_rank(shell
     server._drain_frames()
     (decision,) = sock.out.pop(b"rank0")
     assert isinstance(decision, StepDecision) and decision.seq == welcome.next_seq
-    assert server.takeovers.refused[("default", Takeovers.OTHER_CONNECTION)] == 1
+    assert server.takeovers_refused()[("default", Takeovers.OTHER_CONNECTION)] == 1
 
 
 def test_a_strangers_report_is_answered_not_counted(shell) -> None:  # type: ignore[no-untyped-def]
@@ -127,7 +129,7 @@ def test_a_strangers_report_is_answered_not_counted(shell) -> None:  # type: ign
     server._drain_frames()
     (failed,) = sock.out[b"nobody"]
     assert isinstance(failed, StepFailed) and "epoch 1" in failed.text
-    assert server.connections.counts == {b"nobody": 1}
+    assert server.admission.counts == {b"nobody": 1}
 
 
 class FakeMonitor:

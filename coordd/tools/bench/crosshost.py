@@ -90,8 +90,8 @@ def _base(
     method: str, dp: int, measured: Sequence[dict[str, Any]], local: Sequence[dict[str, Any]]
 ) -> tuple[float, str] | None:
     """The method's local p50: the lower of its p50 across namespaces (tcp) and on one host
-    (a crowded machine only ever adds, and it adds most to whatever spins: gloo's p2p swings
-    between ~0.1 and ~4 ms from run to run on 2 cores), and where it was measured."""
+    (a crowded machine only ever adds, and it adds most to whatever spins, as gloo's p2p
+    does), and where it was measured."""
     found: list[tuple[float, str]] = []
     for row in measured:
         if row["dp"] == dp and row["method"] == method:

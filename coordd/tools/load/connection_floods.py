@@ -18,8 +18,8 @@ from coordd.tools.load._zmq import term_soon
 
 def storm(address: str, processes: int = 10, sockets: int = 192, seconds: float = 5.0) -> int:
     """A reconnect storm: `processes` processes of `sockets` DEALERs each that send nothing
-    (libzmq reconnects each 100 ms after coordd closes it), for `seconds` (issue 21: at a
-    hard NOFILE of 1024 libzmq aborted coordd on EMFILE in its ipc accept). Returns sockets."""
+    (libzmq reconnects each 100 ms after coordd closes it), for `seconds`: coordd must
+    outlive running out of descriptors in its accept. Returns sockets."""
     import signal
 
     kids = []

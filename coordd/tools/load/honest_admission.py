@@ -1,4 +1,4 @@
-"""Issue 21, 5 in full: while attackers keep handshakes in flight, does an honest rank get in?
+"""While attackers keep handshakes in flight, does an honest rank get in?
 
     python -m coordd.tools.load.honest_admission --transport ipc --attackers 16 --tries 10
     python -m coordd.tools.load.honest_admission --transport tcp --attackers 16 --tries 10

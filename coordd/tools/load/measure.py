@@ -12,6 +12,7 @@ from coordd.tools.load.gauge import ProcessGauge
 from coordd.tools.load.honest_rounds import HonestRounds, p50_ms
 from coordd.tools.load.processes import start_load
 
+#: The loads `measure` runs, with their arguments (each bounded in count and time).
 MEASURED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("garbage", ("--peers", "50", "--messages", "20000", "--repeat", "2")),
     ("fast", ("--seconds", "4")),

@@ -17,9 +17,9 @@ from coordd.tools.load._zmq import dealer, term_soon
 
 def garbage(address: str, peers: int = 50, messages: int = 20_000, repeat: int = 1) -> int:
     """`peers` DEALERs (pinging every 100 ms) each queue `messages` bad frames as fast as they
-    can, then all disconnect at once; `repeat` times. The libzmq 4.3.5 abort
-    (`!_io_error`, stream_engine_base.cpp:310) came from exactly this. A peer coordd refused
-    in its handshake has nowhere to queue and stops. Returns frames queued."""
+    can, then all disconnect at once; `repeat` times: the pattern behind libzmq 4.3.5's
+    `!_io_error` abort. A peer coordd refused in its handshake has nowhere to queue and
+    stops. Returns frames queued."""
     rng = random.Random(11)
     frames = [bad_frame(rng, rng.choice(APP_LEVEL), 4) for _ in range(64)]
     sent = 0
@@ -69,10 +69,10 @@ def fast(address: str, seconds: float = 5.0) -> int:
 
 def member(address: str, seconds: float = 5.0, group: str = "enginecore", dp: int = 1) -> int:
     """A member that floods: registers as rank 0 of `group` (dp `dp`; with a leaked rank key
-    over CURVE, see `dealer`), then sends 1 KiB of junk as fast as it can for `seconds`
-    (issue 21: the cut-off applied only to peers that held no rank, and coordd grew from 34
-    to 700+ MB in 4 s). Its DEALER reconnects under the same routing id when cut off (then a
-    stranger). Returns frames sent."""
+    over CURVE, see `dealer`), then sends 1 KiB of junk as fast as it can for `seconds`: a
+    member must be cut off like a stranger, or coordd's memory grows with the flood. Its
+    DEALER reconnects under the same routing id when cut off (then a stranger). Returns frames
+    sent."""
     from coordd.proto.messages import Hello, Welcome, decode_from_coordinator
 
     context = zmq.Context()

@@ -79,6 +79,3 @@ def wait_stopped(url: str, groups: Sequence[str], timeout: float = 20.0) -> dict
         if done or time.monotonic() > deadline:
             return states
         time.sleep(0.2)
-
-
-#: The check's two runs: stock vLLM, then the plugin (overlap as by default: on).

@@ -18,8 +18,8 @@ from coordd.testing.rogue import RoguePeer
 from coordd.tools.chaos.spec import WorkerSpec
 
 now = time.monotonic
-#: The rogue's probe (three questions) may take this long in all: an answer can come seconds
-#: late on busy cores, and a coordd that does not answer still fails within the scenario's budget.
+#: The rogue's probe (three questions) may take this long in all: on busy cores an answer can
+#: come seconds late, and a coordd that does not answer still fails within the scenario's budget.
 PROBE_TIMEOUT = 15.0
 
 

@@ -24,6 +24,9 @@ from coordd.tools.chaos.roles._common import client_config, now, read_answers, w
 from coordd.tools.chaos.spec import WorkerSpec
 from coordd.tools.load.claims import attack
 
+#: The group the claimer's zero-led Hello asks for (as rank 0, coordd's dp_size): one of its
+#: own, so that nothing but the routing id stands between it and a Welcome (a registered name
+#: is exempt from the stranger grace).
 CLAIMER_GROUP = "id-claims"
 
 
@@ -82,7 +85,3 @@ def run_claimer(spec: WorkerSpec, log: HistoryWriter) -> int:
             log.write(Note(t=now(), what="violation", detail=f"a Hello got {answer}"))
     log.write(Done(t=now(), next_seq=0, reason="claimer"))
     return 0
-
-
-#: The longest the squatter's member floods before it gives up on being cut off: coordd cuts
-#: a member past ~2k messages in its one-second window (MEMBER_SLACK), which takes well under

@@ -174,9 +174,8 @@ class RankWorker:
         """With `until_file`, the runner's "stop" reaches every rank in one round: a rank that
         has seen the file says so in its report's want_pause (drawn at random otherwise), and
         the first decision with any_pause, the same for all, ends every rank at one seq: the
-        end the runner wrote, or the next one if that is past. Each rank reading the file on
-        its own raced (a rank began the end seq just before the file appeared, the other
-        stopped there, and the first got RankLost): seen under load on 2 cores."""
+        end the runner wrote, or the next one if that is past. (A rank reading the file on its
+        own could stop a round before the others, which then lose it.)"""
         if not self.spec.until_file or not decision.any_pause or self.until_end is not None:
             return
         with open(self.spec.until_file) as f:  # it exists: some rank saw it

@@ -31,6 +31,8 @@ from coordd.tools.chaos.roles._common import (
 from coordd.tools.chaos.seeded_reports import kind_for
 from coordd.tools.chaos.spec import WorkerSpec
 
+#: The longest the squatter's member floods before it gives up on being cut off, far past
+#: what coordd's per-member message window (MEMBER_SLACK) takes to cut it.
 FLOOD_SECONDS = 8.0
 
 

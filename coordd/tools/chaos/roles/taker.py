@@ -120,8 +120,3 @@ def run_taker(spec: WorkerSpec, log: HistoryWriter) -> int:
         claim.close()
     log.write(Done(t=now(), next_seq=0, reason="taker"))
     return 0
-
-
-#: The group the claimer's zero-led Hello asks for (as rank 0, coordd's dp_size): one of its
-#: own, so that nothing but the routing id stands between it and a Welcome (a registered name
-#: is exempt from the stranger grace). Checked: with the routing-id refusal taken out of

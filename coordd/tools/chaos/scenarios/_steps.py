@@ -21,12 +21,9 @@ def run_on_until_done(run: ScenarioRun, culprit: Process, start: Callable[[], No
 
 def release_end(run: ScenarioRun) -> None:
     """Let ranks started with `until_file` end: 10 rounds past the furthest one begun (at
-    least `end_seq`), the seq they agree on through the rounds (see the worker). A fault
-    injected once a rank reached `inject_seq` must land while the group runs: with a fixed
-    end, ranks on 2 busy cores finished all their rounds before the runner's SIGSTOP, SIGKILL,
-    link cut or coordd kill took effect (rank_paused: "no rank was running when the fault was
-    injected"; network_cut: "the failure never reached" the others; rank_killed and
-    coordd_restart had the same fixed end)."""
+    least `end_seq`), the seq they agree on through the rounds (see `roles.rank_loop`). The
+    end is set only now so that a fault injected once a rank reached `inject_seq` lands while
+    the group still runs, however slowly the runner got to it."""
     ranks = [p for name, p in run.processes.items() if name.startswith("rank")]
     for p in ranks:
         p.poll_log()

@@ -136,7 +136,7 @@ assert not any(GroupRules().admits(name) for name in _UNEXPECTED)
 
 
 class JunkGroups(Scenario):
-    """Membership is earned (issue 21), against coordd run as deployed (its default --groups,
+    """Membership is earned, against coordd run as deployed (its default --groups,
     --max-groups small enough to fill): the slots filled with names its patterns admit, the
     group, whose name is one --groups gives exactly, still registers; while it runs, Hellos for
     groups the deployment does not expect are refused group_unexpected, one more pattern name
