@@ -41,21 +41,19 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 import zmq
 
 from coordd.core._admission import MEMBER_CHECK, Admission
+from coordd.core._group_names import GroupRules
 from coordd.core._logs import Aggregated, LogEvent, emit
 from coordd.core._peers import peer_label
-from coordd.core._registry import (
-    DETACHED,
-    MEMBER,
+from coordd.core._registry import DETACHED, MEMBER, Registry
+from coordd.core._registry_actions import (
     Action,
     AsStranger,
     Deliver,
     GroupCreated,
     GroupDropped,
-    GroupRules,
     Lost,
     Refuse,
     Registering,
-    Registry,
 )
 from coordd.core._settings import ServerSettings
 from coordd.io import _limits as limits
