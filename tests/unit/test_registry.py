@@ -9,19 +9,16 @@ import pytest
 
 from coordd.core._logs import LogEvent
 from coordd.core._peers import Takeovers
-from coordd.core._registry import (
-    MAX_GROUP_NAME,
+from coordd.core._group_names import MAX_GROUP_NAME, GroupRules, group_name_problem, shown
+from coordd.core._registry import Registry
+from coordd.core._registry_actions import (
     AsStranger,
     Deliver,
     GroupCreated,
     GroupDropped,
-    GroupRules,
     Lost,
     Refuse,
     Registering,
-    Registry,
-    group_name_problem,
-    shown,
 )
 from coordd.proto.coordinator import Coordinator
 from coordd.proto.messages import (
