@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from coordd.core._group_names import MAX_GROUP_NAME, GroupRules, group_name_problem, shown
 from coordd.core._logs import LogEvent
 from coordd.core._peers import Takeovers
-from coordd.core._group_names import MAX_GROUP_NAME, GroupRules, group_name_problem, shown
 from coordd.core._registry import Registry
 from coordd.core._registry_actions import (
     AsStranger,
