@@ -43,6 +43,9 @@ came in on). After a failure the next Hello passes the same checks as the first 
 against the ranks still connected (`_held`): see `coordd.proto.membership.check_membership`.
 """
 
+# Whole though over 500 lines: one state machine; every input moves the group's one state
+# through `_move`, and split, each part would reach into the others' membership and round.
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -125,7 +125,7 @@ def deployment_connections(args: argparse.Namespace) -> int:
     """The connections every rank of every group `coordd serve` may serve holds, plus room
     for newcomers (`coordd.core._admission.connections_needed`)."""
     from coordd.core._admission import connections_needed
-    from coordd.core._registry import GroupRules
+    from coordd.core._group_names import GroupRules
 
     expected = args.expect_groups if not isinstance(args.expect_groups, int) else ()
     try:

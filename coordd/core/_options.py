@@ -94,7 +94,7 @@ def handshake_rate(value: float) -> float:
 
 def group_patterns(patterns: list[str]) -> list[str]:
     """`--groups`: at least one name or pattern, each one a valid group name."""
-    from coordd.core._registry import MAX_GROUP_NAME, group_name_problem, shown
+    from coordd.core._group_names import MAX_GROUP_NAME, group_name_problem, shown
 
     if not patterns:
         raise OptionError("--groups must name at least one group (or pattern; '*': any)")
@@ -110,7 +110,7 @@ def group_patterns(patterns: list[str]) -> list[str]:
 
 def expected_groups(value: object, groups: list[str], max_groups: int) -> None:
     """`--expect-groups`: a count in 0..--max-groups, or names --groups admits."""
-    from coordd.core._registry import GroupRules, group_name_problem, shown
+    from coordd.core._group_names import GroupRules, group_name_problem, shown
 
     if type(value) is int:
         if not 0 <= value <= max_groups:

@@ -2,10 +2,10 @@
 to, creating groups up to `max_groups` (dropping one without members to make room), refusing
 what no group may admit, and which group and connection each peer (routing id) belongs to.
 
-It returns actions that the shell carries out (`Deliver` a group's sends, `Refuse` a Hello,
-tell a group's observer, answer a peer as a stranger, log a `LogEvent`); the groups' state machines
-(`coordd.proto.coordinator.Coordinator`) are driven here, so their sends come back inside
-`Deliver`.
+It returns actions (`coordd.core._registry_actions`) that the shell carries out (`Deliver` a
+group's sends, `Refuse` a Hello, tell a group's observer, answer a peer as a stranger, log a
+`LogEvent`); the groups' state machines (`coordd.proto.coordinator.Coordinator`) are driven
+here, so their sends come back inside `Deliver`.
 
 The rules:
 - a group name is 1..MAX_GROUP_NAME printable characters without whitespace, and names a
@@ -30,43 +30,28 @@ The rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
-from fnmatch import fnmatchcase
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable, Collection
+from typing import Generic
 
-from coordd.core._daemon_defaults import DEFAULT_GROUPS
+from coordd.core._group_names import MAX_GROUP_NAME, GroupRules, group_name_problem, shown
 from coordd.core._logs import LogEvent
 from coordd.core._peers import Takeovers
-from coordd.proto.coordinator import Coordinator, Send
+from coordd.core._registry_actions import (
+    Action,
+    AsStranger,
+    Deliver,
+    G,
+    GroupCreated,
+    GroupDropped,
+    Lost,
+    Refuse,
+    Registering,
+)
+from coordd.proto.coordinator import Coordinator
 from coordd.proto.errors import Rejected
 from coordd.proto.membership import check_basics
 from coordd.proto.messages import Hello, Reject, RejectReason, ToCoordinator
 from coordd.proto.snapshot import OnRankLoss
-
-#: Longest group name; names are printable and hold no whitespace (they are metric labels and
-#: log fields).
-MAX_GROUP_NAME = 64
-
-
-def group_name_problem(name: str) -> str | None:
-    """Why `name` cannot name a group, or None if it can."""
-    if not 1 <= len(name) <= MAX_GROUP_NAME:
-        return f"it has {len(name)} characters"
-    for char in name:
-        if char.isspace() or not char.isprintable():
-            return f"it holds {char!r}"
-    return None
-
-
-def shown(name: str) -> str:
-    """A group name as logs and answers show it: itself when valid, else its ascii() (cut)."""
-    if group_name_problem(name) is None:
-        return name
-    return ascii(name[: MAX_GROUP_NAME + 1])
-
-
-_GLOB = frozenset("*?[")
 
 # How a message stands with the registry (`Registry.standing`).
 STRANGER = 0  # its peer belongs to no group: a stranger's message
@@ -79,121 +64,6 @@ def _speaks(registered: int | None, fd: int | None) -> bool:
     """The rule: a message speaks for a peer over the connection that said its Hello, or
     once that connection (`registered`; None: closed) is gone."""
     return registered is None or registered == fd
-
-
-class GroupRules:
-    """The groups a deployment expects: exact names and fnmatch patterns (`--groups`).
-    `"*"` admits any valid name (the explicit rule for a deployment that names its own).
-    `always`: names the patterns admit that also get a slot each (`--expect-groups` names: a
-    peer's pattern-admitted junk groups cannot take the slots of the groups /readyz waits for)."""
-
-    def __init__(
-        self, patterns: Iterable[str] = DEFAULT_GROUPS, always: Iterable[str] = ()
-    ) -> None:
-        self.patterns = tuple(patterns)
-        if not self.patterns:
-            raise ValueError("at least one group name or pattern is needed")
-        for pattern in self.patterns:
-            problem = group_name_problem(pattern)
-            if problem is not None:
-                raise ValueError(f"group pattern {shown(pattern)}: {problem}")
-        self._globs = tuple(p for p in self.patterns if not _GLOB.isdisjoint(p))
-        #: names without a wildcard, and the `always` names: each always gets a group slot
-        self.exact = frozenset(p for p in self.patterns if _GLOB.isdisjoint(p))
-        for name in always:
-            if group_name_problem(name) is not None or not self.admits(name):
-                raise ValueError(f"group {shown(name)} is not one --groups {self} admits")
-        self.exact |= frozenset(always)
-
-    def admits(self, name: str) -> bool:
-        """Whether `name` (a valid group name) is one the deployment expects."""
-        return name in self.exact or any(fnmatchcase(name, glob) for glob in self._globs)
-
-    def __str__(self) -> str:
-        return ",".join(self.patterns)
-
-
-class GroupLike(Protocol):
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def coordinator(self) -> Coordinator: ...
-
-
-G = TypeVar("G", bound=GroupLike)
-
-
-@dataclass(frozen=True, slots=True)
-class Deliver(Generic[G]):
-    """Send what `group`'s coordinator answered (and look at the group after the drain)."""
-
-    group: G
-    sends: Sequence[Send]
-
-
-@dataclass(frozen=True, slots=True)
-class Refuse:
-    """Answer `hello` from `peer` with a Reject, counted outside any group (`group`: the
-    name it asked for, shown safely)."""
-
-    peer: bytes
-    hello: Hello
-    error: Rejected
-    group: str
-
-
-@dataclass(frozen=True, slots=True)
-class Registering(Generic[G]):
-    """A Hello from `peer` goes to `group` (its observer is told before any answer)."""
-
-    group: G
-    peer: bytes
-    hello: Hello
-    address: str
-
-
-@dataclass(frozen=True, slots=True)
-class AsStranger:
-    """Answer `message` as a stranger's (the peer holds no rank it may speak for)."""
-
-    peer: bytes
-    message: ToCoordinator
-
-
-@dataclass(frozen=True, slots=True)
-class Lost(Generic[G]):
-    """The connection that registered `peer` closed; `group` (None: none) lost it."""
-
-    group: G | None
-    peer: bytes
-    rank: int | None
-    detail: str = "connection closed"
-
-
-@dataclass(frozen=True, slots=True)
-class GroupCreated(Generic[G]):
-    group: G
-    epoch: int
-    groups: int
-
-
-@dataclass(frozen=True, slots=True)
-class GroupDropped(Generic[G]):
-    group: G
-    epoch: int
-
-
-Action = (
-    Deliver[G]
-    | Refuse
-    | Registering[G]
-    | AsStranger
-    | Lost[G]
-    | GroupCreated[G]
-    | GroupDropped[G]
-    | LogEvent
-)
 
 
 class Registry(Generic[G]):

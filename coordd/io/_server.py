@@ -2,31 +2,22 @@
 `Coordinator`s.
 
 One coordd serves several named groups (vLLM builds one DP group per TP/PP position of its
-workers, plus one for its engine cores): each its own `Coordinator` (state, epoch, seq) and
-`Observer` (metrics label), all with the same dp size and options. A group is created by the
-first `Hello` naming it, up to `max_groups`; a peer (ZeroMQ routing id) belongs to the group it
-registered with, and its reports go there by one dict lookup, so a fault in one group never
-touches another's rounds.
+workers, plus one for its engine cores), each with its own `Coordinator` and `Observer`; a peer
+(ZeroMQ routing id) belongs to the group it registered with, so a fault in one group never
+touches another's rounds. The loop watches the socket's descriptor and drains every queued
+frame in one callback; a decision is encoded once for every rank; the only timer is the earliest
+deadline over the groups.
 
-The loop watches the socket's file descriptor and drains every queued frame in one callback,
-with no asyncio future per message; a round's decision is encoded once and the same bytes go
-to every rank. The only timer is the earliest deadline over the groups.
-
-Liveness comes from libzmq: ZMTP heartbeats (PING/PONG, answered by each rank's ZeroMQ I/O
-thread) on every connection, so a rank that stops answering has its connection closed; a socket
-monitor reports the closed connection's file descriptor, and the descriptor a rank registered
-from (the SRCFD of its Hello) names the rank, which becomes `Coordinator.peer_lost`.
-
-A rank is the connection that registered it (`coordd.io._identity`): ROUTER_HANDOVER is off, so a
-live connection's routing id cannot be taken over, and a message from a routing id counts only
-if it came over the descriptor its Hello came in on; routing ids are never logged or shown.
+Liveness comes from libzmq's ZMTP heartbeats: a rank that stops answering has its connection
+closed, the socket monitor reports the closed descriptor, and the descriptor a rank registered
+from (the SRCFD of its Hello) names the rank lost. A rank is the connection that registered it
+(`coordd.io._identity`); routing ids are never logged or shown.
 
 What to do is decided in the sans-IO core and carried out here (in the manner of h11): the
-group registry (`coordd.core._registry`: Hello -> group, refusals, peer <-> group and
-connection) returns actions (`_carry_out`), and the admission of peers that hold no rank
-(`coordd.core._admission`) returns `Shut`s, which `coordd.io._guard` carries out once the
-server has caught up with its monitor (`catch_up_monitor`): every descriptor then names a
-connection libzmq holds.
+group registry (`coordd.core._registry`) returns actions (`coordd.io._carry_out`), and the
+admission of peers that hold no rank (`coordd.core._admission`) returns `Shut`s, which
+`coordd.io._guard` carries out once the server has caught up with its monitor
+(`catch_up_monitor`): every descriptor then names a connection libzmq holds.
 """
 
 from __future__ import annotations
@@ -36,29 +27,18 @@ import logging
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import zmq
 
 from coordd.core._admission import MEMBER_CHECK, Admission
-from coordd.core._logs import Aggregated, LogEvent, emit
+from coordd.core._group_names import GroupRules
+from coordd.core._logs import Aggregated
 from coordd.core._peers import peer_label
-from coordd.core._registry import (
-    DETACHED,
-    MEMBER,
-    Action,
-    AsStranger,
-    Deliver,
-    GroupCreated,
-    GroupDropped,
-    GroupRules,
-    Lost,
-    Refuse,
-    Registering,
-    Registry,
-)
+from coordd.core._registry import DETACHED, MEMBER, Registry
 from coordd.core._settings import ServerSettings
 from coordd.io import _limits as limits
+from coordd.io._carry_out import CarryOut
 from coordd.io._curve import CurveGate
 from coordd.io._deadlines import Deadlines
 from coordd.io._group import Group
@@ -75,11 +55,8 @@ from coordd.proto.errors import ProtocolError
 from coordd.proto.messages import (
     GatherReport,
     Hello,
-    StepFailed,
     StepReport,
-    ToCoordinator,
     decode_to_coordinator,
-    reject_message,
 )
 from coordd.proto.snapshot import GroupSnapshot
 
@@ -198,6 +175,18 @@ class CoordServer:
         self._in_frames = False
         #: Groups with an open round, and the one timer for their deadlines.
         self._deadlines = Deadlines(clock, self)
+        #: Carries out what the registry decides.
+        self._carry_out = CarryOut(
+            self.registry,
+            self.admission,
+            self._deadlines,
+            self._outbox,
+            events=self.events,
+            stats=self.stats,
+            watch=self._router.watch,
+            max_groups=settings.max_groups,
+            clock=clock,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -396,7 +385,7 @@ class CoordServer:
                 if type(message) is Hello:
                     self._on_hello(peer, message, frame)
                 else:
-                    self._from_stranger(peer, message)
+                    self._carry_out.stranger(peer, message)
                 continue
             if stands == MEMBER:
                 # a member's input is bounded too (one report per round, and a few more)
@@ -481,37 +470,6 @@ class CoordServer:
             self.guard.enforce_cap()
         return True
 
-    def _carry_out(self, actions: Iterable[Action[Group]]) -> None:
-        """Carry out what the registry decided, in order."""
-        for action in actions:
-            if type(action) is Deliver:
-                self._deadlines.touched.add(action.group)
-                self.send(action.sends, action.group.observer)
-            elif type(action) is Refuse:
-                reject = reject_message(action.error)
-                self.events.rejected_hello(action.peer, action.hello, reject, action.group)
-                self._outbox.send_one(action.peer, reject)
-            elif type(action) is Registering:
-                action.group.observer.registering(action.peer, action.hello, action.address)
-            elif type(action) is AsStranger:
-                self._from_stranger(action.peer, action.message)
-            elif type(action) is Lost:
-                self.stats.disconnects += 1
-                if action.group is not None:
-                    action.group.observer.lost(action.rank, action.peer, action.detail)
-            elif type(action) is GroupCreated:
-                self.events.group_created(
-                    action.group.name, action.epoch, action.groups, self.settings.max_groups
-                )
-            elif type(action) is GroupDropped:
-                self._deadlines.forget(action.group)
-                self.events.group_dropped(action.group.name, action.epoch)
-            elif type(action) is LogEvent:
-                emit(log, action)
-        watch = self._router.watch
-        if watch is not None:  # what ranks hold is no storm (the listener pause's marks)
-            watch.held = self.registry.connections_held()
-
     def send(self, sends: Sequence[Send], observer: Observer) -> None:
         self._outbox.send(sends, observer)
 
@@ -541,14 +499,6 @@ class CoordServer:
         log.debug("dropped a bad frame from %s: %s", label, why)
         self._bad_frame_log(peer=label, why=why, total=self.stats.bad_frames)
         return cut
-
-    def _from_stranger(self, peer: bytes, message: ToCoordinator) -> None:
-        """Answer a peer that registered with no group (`Admission.answer`)."""
-        answer = self.admission.answer(message, self.clock(), self.registry.known_epoch)
-        if type(answer) is StepFailed:
-            self.events.refused_report(peer, answer)
-        if answer is not None:
-            self._outbox.send_one(peer, answer)
 
     def _on_hello(self, peer: bytes, hello: Hello, frame: zmq.Frame) -> None:
         """Route a Hello to the group it names (`coordd.core._registry.Registry.hello`), with

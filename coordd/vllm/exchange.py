@@ -18,6 +18,9 @@ rows, this rank's own row as sent, every row's length, the dead ranks): a misfit
 `InvalidAnswer`, a `ProtocolError` naming coordd, never a tensor reduced from wrong values.
 """
 
+# Whole though over 500 lines: one sync's path (prepare, start, collect, reduce) over one
+# link per group; split, the hot path would cross modules for the state it keeps per group.
+
 from __future__ import annotations
 
 import atexit

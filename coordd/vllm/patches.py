@@ -35,6 +35,9 @@ logs one warning naming why and patches nothing, so vLLM keeps its own collectiv
 non-integer all-reduces, and other groups, always take vLLM's path.
 """
 
+# Whole though over 500 lines: every patch point of both vLLM versions, installed and undone
+# together; split, an install and its undo would live apart.
+
 from __future__ import annotations
 
 import inspect

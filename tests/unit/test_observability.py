@@ -23,9 +23,9 @@ from coordd.cli._logging import JsonFormatter, setup_logging
 from coordd.cli.status import probe_line, render
 from coordd.core._admission import Admission
 from coordd.core._daemon_defaults import STATUS_RANK_ROWS
+from coordd.core._group_names import group_name_problem
 from coordd.core._logs import event, fault_fields
 from coordd.core._peers import Takeovers, peer_label
-from coordd.core._registry import group_name_problem
 from coordd.core._settings import ServerSettings
 from coordd.io._group import Group
 from coordd.io._stats import ServerStats, shell_counters

@@ -7,21 +7,18 @@ from dataclasses import dataclass
 
 import pytest
 
+from coordd.core._group_names import MAX_GROUP_NAME, GroupRules, group_name_problem, shown
 from coordd.core._logs import LogEvent
 from coordd.core._peers import Takeovers
-from coordd.core._registry import (
-    MAX_GROUP_NAME,
+from coordd.core._registry import Registry
+from coordd.core._registry_actions import (
     AsStranger,
     Deliver,
     GroupCreated,
     GroupDropped,
-    GroupRules,
     Lost,
     Refuse,
     Registering,
-    Registry,
-    group_name_problem,
-    shown,
 )
 from coordd.proto.coordinator import Coordinator
 from coordd.proto.messages import (
@@ -443,3 +440,20 @@ def test_only_pattern_groups_members_are_evictable_newest_group_first() -> None:
     for fd, name in enumerate(["dp-tp0-pp0", "dp-tp5-pp0", "dp-tp6-pp0", "enginecore"], 1):
         reg.hello(b"p%d" % fd, hello(0, group=name, dp=1), fd=fd, now=1.0, wall=WALL)
     assert reg.evictable_fds() == [3, 2]
+
+
+def test_standing_tells_the_drain_where_a_message_goes_by_the_speaks_for_rule() -> None:
+    """Issue 31: the drain asks `standing` instead of re-typing `speaks_for` on the registry's
+    maps; every case agrees with the rule."""
+    from coordd.core._registry import DETACHED, MEMBER, OTHER_CONNECTION, STRANGER
+
+    reg = registry()
+    reg.hello(b"r0", hello(0), fd=7, now=1.0, wall=WALL)
+    group = reg.groups["g"]
+    assert reg.standing(b"nobody", 7) == (None, STRANGER)
+    assert reg.standing(b"r0", 7) == (group, MEMBER) and reg.speaks_for(b"r0", 7)
+    assert reg.standing(b"r0", 9) == (group, OTHER_CONNECTION) and not reg.speaks_for(b"r0", 9)
+    assert reg.holds_fd(7) and not reg.holds_fd(9) and list(reg.introduced_fds()) == [7]
+    reg.closed(7, now=2.0)  # the rank is lost; its peer entry stays until it is forgotten
+    assert reg.standing(b"r0", 9) == (group, DETACHED) and reg.speaks_for(b"r0", 9)
+    assert reg.connections_held() == 0 and reg.group_of(b"r0") is group

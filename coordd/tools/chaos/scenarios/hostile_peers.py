@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from coordd.core._daemon_defaults import DEFAULT_GROUPS
-from coordd.core._registry import GroupRules
+from coordd.core._group_names import GroupRules
 from coordd.testing.history import Note
 from coordd.testing.scenario import Expect
 from coordd.tools.chaos.scenario_run import Scenario, ScenarioRun
