@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
-from coordd.core._registry import GroupRules, group_name_problem, shown
+from coordd.core._group_names import GroupRules, group_name_problem, shown
 from coordd.proto.errors import ProtocolError, Rejected
 from coordd.proto.messages import RejectReason, encode, reject_message
 from coordd.proto.relay_messages import (

@@ -57,6 +57,7 @@ from coordd.proto.messages import (
     Hello,
     StepReport,
     decode_to_coordinator,
+    reject_message,
 )
 from coordd.proto.snapshot import GroupSnapshot
 
