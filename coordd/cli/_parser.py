@@ -165,6 +165,37 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         "ipc://$XDG_RUNTIME_DIR/coordd/coordd.sock, else /tmp/coordd-$UID/coordd.sock)",
     )
     p.add_argument(
+        "--relay-to",
+        default=_env("relay_to", None),
+        help="run as a relay: serve this node's ranks at --bind and speak for all of them to "
+        "the root coordd at this address (tcp://ROOT:PORT), one message per round (default: "
+        "none, this coordd decides)",
+    )
+    p.add_argument(
+        "--relay-ranks",
+        default=_env("relay_ranks", None),
+        help="with --relay-to: the DP ranks this node serves, like 0-7 or 0,2,4, or SIZE@INDEX "
+        "(8@2: ranks 16-23, from a pod's index) (required with --relay-to)",
+    )
+    p.add_argument(
+        "--relay-name",
+        default=_env("relay_name", ""),
+        help="with --relay-to: the relay's name in the root's errors and logs (default: the "
+        "host name)",
+    )
+    p.add_argument(
+        "--relay-curve-server-key",
+        default=_env("relay_curve_server_key", None),
+        help="with --relay-to over tcp: the root's public key file, and this relay's own key "
+        "pair from --relay-curve-key (default: none; then tcp needs --insecure)",
+    )
+    p.add_argument(
+        "--relay-curve-key",
+        default=_env("relay_curve_key", None),
+        help="with --relay-curve-server-key: this relay's secret key file (coordd keygen), "
+        "which the root binds to the ranks it may speak for (default: none)",
+    )
+    p.add_argument(
         "--ipc-mode",
         choices=["600", "660"],
         default=_env("ipc_mode", "600"),

@@ -64,6 +64,7 @@ def serve(args: argparse.Namespace) -> int:
             server = CoordServer(settings, context=context, curve=gate)
         except BindError as exc:
             raise SystemExit(f"coordd: {exc}") from None
+        relay = _relay(args, server, context)
 
         async def main() -> None:
             stop = asyncio.Event()
@@ -95,9 +96,13 @@ def serve(args: argparse.Namespace) -> int:
             print(f"coordd ready on {server.bound_address}", flush=True)
             if endpoints.url:
                 print(f"coordd metrics on {endpoints.url}", flush=True)
+            if relay is not None:
+                relay.start(loop)
             try:
                 await server.serve(stop)
             finally:
+                if relay is not None:
+                    relay.close()
                 await endpoints.close()
 
         _run(main)
@@ -106,6 +111,46 @@ def serve(args: argparse.Namespace) -> int:
             gate.stop()
     stopped(log, {name: group.observer.decided for name, group in server.groups.items()})
     return 0
+
+
+def _relay(args: argparse.Namespace, server: Any, context: Any) -> Any:
+    """With --relay-to: the connection to the root (`coordd.io._relay.Relay`), else None."""
+    if not args.relay_to:
+        return None
+    from coordd.io._relay import Relay
+    from coordd.proto.relay import parse_ranks
+
+    if not args.relay_ranks:
+        raise SystemExit("coordd: --relay-to needs --relay-ranks: the DP ranks this node serves")
+    try:
+        ranks = parse_ranks(args.relay_ranks)
+    except ValueError as exc:
+        raise SystemExit(f"coordd: --relay-ranks {args.relay_ranks}: {exc}") from None
+    if max(ranks) >= args.dp:
+        raise SystemExit(f"coordd: --relay-ranks {args.relay_ranks}: ranks are 0..{args.dp - 1}")
+    configure = None
+    if args.relay_curve_server_key:
+        from coordd.io._curve import SecurityConfigError, relay_curve_client
+
+        try:
+            configure = relay_curve_client(args.relay_curve_server_key, args.relay_curve_key)
+        except SecurityConfigError as exc:
+            raise SystemExit(f"coordd: {exc}") from None
+    elif args.relay_to.startswith("tcp://") and not args.insecure:
+        raise SystemExit(
+            "coordd: --relay-to over tcp needs --relay-curve-server-key and --relay-curve-key "
+            "(or --insecure)"
+        )
+    return Relay(
+        server,
+        args.relay_to,
+        ranks,
+        context=context,
+        name=args.relay_name,
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_timeout=args.heartbeat_timeout,
+        configure_socket=configure,
+    )
 
 
 def stopped(log: logging.Logger, decided: dict[str, dict[str, int]]) -> None:

@@ -81,6 +81,7 @@ class Registry(Generic[G]):
         takeovers: Takeovers | None = None,
         rules: GroupRules | None = None,
         key_refusal: Callable[[str, str, int], str | None] | None = None,
+        make_coordinator: Callable[[str, int], Coordinator] | None = None,
     ) -> None:
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
@@ -96,6 +97,9 @@ class Registry(Generic[G]):
         #: With CURVE keys bound to ranks or groups: why a connection's key may not register as
         #: a rank of a group, or None (`coordd.io._curve.CurveGate.key_refusal`).
         self.key_refusal = key_refusal
+        #: Builds a new group's state machine from its name and epoch (a relay's:
+        #: `coordd.proto.relay.RelayCoordinator`); None: a `Coordinator` with the settings above.
+        self.make_coordinator = make_coordinator
         self.groups: dict[str, G] = {}
         # The shell reads the maps below only through the methods under "where a message goes".
         #: The group each peer registered with (its reports go there).
@@ -363,12 +367,15 @@ class Registry(Generic[G]):
             return None
         # Epochs grow across the groups too: a report's epoch names one group's epoch at most.
         epoch = self._last_epoch = max(int(wall * 1000), self._last_epoch + 1)
-        coordinator = Coordinator(
-            self.dp_size,
-            epoch=epoch,
-            step_timeout=self.step_timeout,
-            on_rank_loss=self.on_rank_loss,
-        )
+        if self.make_coordinator is not None:
+            coordinator = self.make_coordinator(name, epoch)
+        else:
+            coordinator = Coordinator(
+                self.dp_size,
+                epoch=epoch,
+                step_timeout=self.step_timeout,
+                on_rank_loss=self.on_rank_loss,
+            )
         group = self._make_group(name, coordinator)
         self.groups[name] = group
         actions.append(GroupCreated(group, epoch, len(self.groups)))

@@ -328,3 +328,25 @@ class CurveGate:
         self._auth = None
         if auth is not None:
             auth.stop()
+
+
+def relay_curve_client(server_key: str, secret_key: str | None) -> Callable[[zmq.Socket], None]:
+    """A relay's CURVE client setup: the root's public key (`server_key`, a .key file) and the
+    relay's own key pair (`secret_key`, a .key_secret file, which the root binds to the ranks
+    the relay may speak for). `SecurityConfigError` if one is missing or unreadable."""
+    if not secret_key:
+        raise SecurityConfigError(
+            "--relay-curve-server-key needs --relay-curve-key: the relay's own secret key"
+        )
+    try:
+        server_public, _ = read_key_file(server_key)
+        public, secret = load_secret_key(secret_key)
+    except KeyFileError as exc:
+        raise SecurityConfigError(str(exc)) from None
+
+    def configure(sock: zmq.Socket) -> None:
+        sock.curve_serverkey = server_public
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+
+    return configure

@@ -45,6 +45,7 @@ from coordd.io._group import Group
 from coordd.io._guard import Guard
 from coordd.io._identity import frame_address
 from coordd.io._outbox import Outbox
+from coordd.io._relay_hub import RelayHub
 from coordd.io._router import drop_parts, open_router
 from coordd.io._stats import ServerStats, shell_counters
 from coordd.ops.observer import Observer, ServerEvents
@@ -56,7 +57,9 @@ from coordd.proto.messages import (
     Hello,
     StepReport,
     decode_to_coordinator,
+    reject_message,
 )
+from coordd.proto.snapshot import GroupSnapshot
 
 __all__ = ["CoordServer"]
 
@@ -134,10 +137,23 @@ class CoordServer:
         self._sock = self._router.sock
         self._outbox = Outbox(self._sock, self.stats)
         self._monitor = self._router.monitor
+        #: Relays' registrations and bundles: the groups served through relays.
+        self.relays = RelayHub(
+            self._sock,
+            dp_size=settings.dp_size,
+            step_timeout=settings.step_timeout,
+            max_groups=settings.max_groups,
+            rules=self.registry.rules,
+            flat_groups=self.registry.groups,
+            clock=clock,
+            wall=wall,
+        )
+        if curve is not None and curve.binds:
+            self.relays.key_refusal = curve.key_refusal
         #: The connections that hold no rank: cap, flood cut-off, grace, memory pressure.
         self.admission = Admission(
             settings.max_connections,
-            self.registry.registered_fds,
+            self._held_fds,
             now=clock(),
             evictable=self.registry.evictable_fds,
         )
@@ -189,6 +205,7 @@ class CoordServer:
         self._loop.add_reader(self._sock.fileno(), self._on_frames)
         self._loop.add_reader(self._monitor.fileno(), self.drain)
         self._deadlines.loop = self._loop
+        self.relays.loop = self._loop
         for aggregated in (self._bad_frame_log, *self.events.aggregated()):
             aggregated.schedule = self._loop.call_later
         self.guard.start(self._loop)
@@ -205,6 +222,7 @@ class CoordServer:
             self._loop.remove_reader(self._sock.fileno())
             self._loop.remove_reader(self._monitor.fileno())
             self._deadlines.cancel()
+            self.relays.cancel()
             self.guard.stop()
             for group in self.groups.values():
                 self.send(group.coordinator.shutdown(), group.observer)
@@ -233,8 +251,20 @@ class CoordServer:
         return self.registry.group_of(peer)
 
     def introduced_fds(self) -> Collection[int]:
-        """The descriptors of open connections that said a Hello."""
-        return self.registry.introduced_fds()
+        """The descriptors of open connections that said a Hello (a rank's or a relay's)."""
+        relays = self.relays.fd_peer
+        if not relays:
+            return self.registry.introduced_fds()
+        return {*self.registry.introduced_fds(), *relays}
+
+    def _held_fds(self) -> set[int]:
+        """Descriptors admission never shuts: registered ranks' and relays'."""
+        fds = self.registry.registered_fds()
+        return fds | self.relays.fds() if self.relays.fd_peer else fds
+
+    def relayed_snapshots(self) -> dict[str, GroupSnapshot]:
+        """The groups served through relays, as readiness reads a group."""
+        return {name: tree.snapshot() for name, tree in self.relays.trees.items()}
 
     # -- the hot path -----------------------------------------------------------------------
 
@@ -307,6 +337,7 @@ class CoordServer:
         standing = registry.standing
         touched = self._deadlines.touched
         member_counts = admission.member_counts
+        relay_peers = self.relays.peer_fd
         # what connections coordd shut down still have queued is dropped undecoded (a
         # flood's backlog); not at debug level, which logs a line per bad frame
         shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
@@ -339,9 +370,13 @@ class CoordServer:
                 and shut.from_shut(srcfd, limits.socket_ident(srcfd))
             ):
                 continue
+            if relay_peers and peer in relay_peers and self.relays.handle(peer, frame):
+                continue  # a registered relay's bundle: no rank decode first
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
+                if group is None and self.relays.handle(peer, frame):
+                    continue  # a relay's message (coordd.io._relay_hub)
                 if self._bad_frame(peer, str(exc), frame):
                     return True  # a member cut off: the next drain drops what it queued
                 continue
@@ -417,6 +452,8 @@ class CoordServer:
                     self._drain_frames()
                 self.admission.closed_fd(fd)
                 self._carry_out(registry.closed(fd, self.clock()))
+                if fd in self.relays.fd_peer:
+                    self.relays.closed(fd)
         return seen
 
     def catch_up_monitor(self) -> bool:
@@ -468,6 +505,9 @@ class CoordServer:
         """Route a Hello to the group it names (`coordd.core._registry.Registry.hello`), with
         the monitor read first: a closed connection's descriptor may be this one's now."""
         self.catch_up_monitor()
+        if self.relays.holds(hello.group):
+            self._outbox.send_one(peer, reject_message(self.relays.flat_refusal(hello.group)))
+            return
         key = ""
         if self.registry.key_refusal is not None:
             try:

@@ -153,6 +153,7 @@ def _named_readiness(
 def server_readiness(server: ServerView) -> tuple[bool, str]:
     """`readiness` of a running coordd's groups."""
     snaps = {name: group.coordinator.snapshot() for name, group in server.groups.items()}
+    snaps.update(server.relayed_snapshots())  # a root's groups served through relays
     settings = server.settings
     return readiness(snaps, settings.expected_names or settings.expected_count)
 

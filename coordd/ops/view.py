@@ -13,6 +13,7 @@ from typing import Protocol
 from coordd.core._settings import ServerSettings
 from coordd.ops.observer import Observer, ServerEvents
 from coordd.proto.coordinator import Coordinator
+from coordd.proto.snapshot import GroupSnapshot
 
 
 class GroupView(Protocol):
@@ -76,5 +77,9 @@ class ServerView(Protocol):
     def events(self) -> ServerEvents: ...
 
     def takeovers_refused(self) -> Counter[tuple[str, str]]: ...
+
+    def relayed_snapshots(self) -> Mapping[str, GroupSnapshot]:
+        """The groups served through relays (`coordd serve --relay-to` on the nodes)."""
+        ...
 
     def counters(self) -> ShellCounters: ...

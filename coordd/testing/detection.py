@@ -85,6 +85,8 @@ def _group_detection(
     for log in logs:
         if log.role not in PARTICIPANTS or log.name == info.culprit_name:
             continue
+        if log.name in info.also_culprits:
+            continue
         if log.header.t > t_inject or not log.records or log.records[-1].t < t_inject:
             continue  # started after the fault (a replacement), or ended before it
         errors = [

@@ -50,7 +50,8 @@ def check_rounds(
             _check_decisions(info, epoch, seq, decided, reports.get((epoch, seq), {}), found)
         if failed:
             result.failed_rounds += 1
-        group_failed = [s for s in failed if not (own_view and s.process == info.culprit_name)]
+        culprits = {info.culprit_name, *info.also_culprits}
+        group_failed = [s for s in failed if not (own_view and s.process in culprits)]
         if decided and group_failed:
             types = {s.end.error.type for s in group_failed if s.end and s.end.error}
             if expect.split_allowed and crashed and types == {"CoordinatorUnavailable"}:

@@ -58,3 +58,6 @@ class ScenarioInfo(msgspec.Struct, frozen=True, kw_only=True):
     #: An `InvalidReport` the fault explains must name this report field ("": any).
     culprit_field: str = ""
     skipped: str = ""
+    #: Rank processes whose own view counts as the culprit's (`Expect.culprit_view`): the
+    #: ranks behind a relay that is the fault (the culprit rank is the relay's lowest).
+    also_culprits: list[str] = []

@@ -691,3 +691,20 @@ def test_a_forged_answer_must_raise_invalid_answer_and_an_unsolicited_one_be_dro
         "forged_answers does not explain" in v
         for v in check(failed, twice_failed, EXTRA, MISFIT)
     )
+
+
+def test_the_ranks_behind_a_lost_relay_have_the_culprits_own_view() -> None:
+    """relay_killed: the other relay's ranks get RankLost naming the lost relay's ranks; the
+    lost relay's own ranks (`also_culprits`) any typed error, here CoordinatorUnavailable.
+    Without `also_culprits` the same history is two errors for one round."""
+    lost = ErrorInfo(type="RankLost", reason="lost", culprits=[0], text="rank(s) [0] lost")
+    gone = ErrorInfo(type="CoordinatorUnavailable", reason="unavailable", culprits=[],
+                     text="connection to coordd dropped")
+    h0 = replace_end(rank_history(0), FAIL_SEQ, error=gone)
+    h1 = replace_end(rank_history(1), FAIL_SEQ, error=lost)
+    relayed = info(Fault.RELAY_KILLED, culprit_name="relay0", also_culprits=["rank0"])
+    result = check_history(relayed, logs(h0, h1), [])
+    assert result.ok, result.violations
+    flat = info(Fault.RELAY_KILLED, culprit_name="relay0")
+    result = check_history(flat, logs(h0, h1), [])
+    assert any("different errors" in v for v in result.violations), result.violations

@@ -15,6 +15,7 @@ import argparse
 import configparser
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -119,9 +120,23 @@ def container_env(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
-def coordd_argv(container: dict[str, Any]) -> list[str]:
-    """What the container runs: its command, else the image's ENTRYPOINT (coordd), plus args."""
-    return [*(container.get("command") or ["coordd"]), *container.get("args", [])]
+def coordd_argv(container: dict[str, Any], pod_env: dict[str, str] | None = None) -> list[str]:
+    """What the container runs: its command, else the image's ENTRYPOINT (coordd), plus args,
+    with the kubelet's $(VAR) expansion from `pod_env` (the LWS variables, the downward API)."""
+    argv = [*(container.get("command") or ["coordd"]), *container.get("args", [])]
+    if pod_env is None:
+        return argv
+    return [re.sub(r"\$\((\w+)\)", lambda m: pod_env.get(m[1], m[0]), a) for a in argv]
+
+
+#: What LeaderWorkerSet and the downward API give pod `index` (a relay's --relay-ranks).
+def lws_env(index: int = 0) -> dict[str, str]:
+    return {"LWS_LEADER_ADDRESS": "leader.vllm-dp", "LWS_WORKER_INDEX": str(index),
+            "NODE_INDEX": str(index)}
+
+
+def is_relay(container: dict[str, Any]) -> bool:
+    return "--relay-to" in container.get("args", [])
 
 
 def mount_source(spec: dict[str, Any], container: dict[str, Any], path: str
@@ -243,10 +258,16 @@ def test_every_coordd_container_runs_a_valid_coordd_command(monkeypatch: pytest.
                 if not is_coordd(container):
                     continue
                 env = {**base_env, **container_env(container)}
-                _, chosen = parse_coordd(coordd_argv(container), env, monkeypatch)
+                argv = coordd_argv(container, lws_env())
+                args, chosen = parse_coordd(argv, env, monkeypatch)
                 assert chosen is None, f"{name} {where}: coordd should serve"
+                if args.relay_to:
+                    from coordd.proto.relay import parse_ranks
+
+                    assert max(parse_ranks(args.relay_ranks)) < args.dp, (name, where)
                 seen += 1
-    assert seen == 2
+    assert seen == 4, "the single-node coordd, and the multi-node root and a relay per pod"
+
 
 
 @pytest.mark.parametrize("name", [f.name for f in K8S_FILES])
@@ -254,23 +275,28 @@ def test_coordd_is_a_probed_native_sidecar(name: str, monkeypatch: pytest.Monkey
     docs = [d for n, d in k8s_docs() if n == name]
     sidecars = [(spec, c, init) for d in docs for _, spec in pod_specs(d)
                 for c, init in containers(spec) if is_coordd(c)]
-    assert len(sidecars) == 1, "one coordd per manifest, beside rank 0"
-    spec, container, init = sidecars[0]
-    assert init and container.get("restartPolicy") == "Always", "a native sidecar"
-    args, _ = parse_coordd(coordd_argv(container), {**image_env(), **container_env(container)},
-                           monkeypatch)
-    assert args.metrics_port == DEFAULT_METRICS_PORT
-    assert args.metrics_host == "0.0.0.0", "the kubelet probes the pod IP"
-    probes = probe_paths(container)
-    assert probes["livenessProbe"][0] == "/livez"
-    assert probes["startupProbe"][0] == "/livez"
-    assert probes["readinessProbe"][0] == "/readyz"
-    for path, port in probes.values():
-        assert port_number(container, port) == args.metrics_port, path
-    security = container["securityContext"]
-    assert security["allowPrivilegeEscalation"] is False
-    assert security["readOnlyRootFilesystem"] is True
-    assert spec["securityContext"]["runAsNonRoot"] is True
+    roots = [s for s in sidecars if not is_relay(s[1])]
+    assert len(roots) == 1, "one deciding coordd per manifest, beside rank 0"
+    for spec, container, init in sidecars:
+        assert init and container.get("restartPolicy") == "Always", "a native sidecar"
+        args, _ = parse_coordd(coordd_argv(container, lws_env()),
+                               {**image_env(), **container_env(container)}, monkeypatch)
+        assert args.metrics_host == "0.0.0.0", "the kubelet probes the pod IP"
+        probes = probe_paths(container)
+        assert probes["livenessProbe"][0] == "/livez"
+        assert probes["startupProbe"][0] == "/livez"
+        if container is roots[0][1]:
+            assert args.metrics_port == DEFAULT_METRICS_PORT
+            assert probes["readinessProbe"][0] == "/readyz"
+        else:
+            assert "readinessProbe" not in probes, "the root's /readyz says when the tree formed"
+        for path, port in probes.values():
+            assert port_number(container, port) == args.metrics_port, path
+        security = container["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["readOnlyRootFilesystem"] is True
+        assert spec["securityContext"]["runAsNonRoot"] is True
+
 
 
 def test_single_node_ranks_share_the_ipc_socket_directory(monkeypatch: pytest.MonkeyPatch
@@ -292,41 +318,57 @@ def test_single_node_ranks_share_the_ipc_socket_directory(monkeypatch: pytest.Mo
     assert int(dp_flag) == args.dp
 
 
-def test_multi_node_uses_curve_keys_from_one_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_multi_node_relays_use_curve_keys_from_one_secret(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """The root on the leader listens on tcp with CURVE; every pod (the leader's too) runs a
+    relay that authenticates to it with the admitted key pair, and its ranks reach the relay
+    over ipc in a shared emptyDir."""
     (doc,) = [d for _, d in k8s_docs() if d["kind"] == "LeaderWorkerSet"]
     assert doc["spec"].get("startupPolicy") != "LeaderReady", (
         "the leader is ready only once every rank registered: LeaderReady would deadlock"
     )
     lwt = doc["spec"]["leaderWorkerTemplate"]
     leader = lwt["leaderTemplate"]["spec"]
-    coordd = next(c for c, _ in containers(leader) if is_coordd(c))
-    args, _ = parse_coordd(coordd_argv(coordd), {**image_env(), **container_env(coordd)},
+    root = next(c for c, _ in containers(leader) if is_coordd(c) and not is_relay(c))
+    args, _ = parse_coordd(coordd_argv(root), {**image_env(), **container_env(root)},
                            monkeypatch)
     assert args.bind.startswith("tcp://") and not args.insecure
-    secret_key = secret_holds(*mount_source(leader, coordd, args.curve_secret_key))
+    secret_key = secret_holds(*mount_source(leader, root, args.curve_secret_key))
     assert secret_key.endswith(".key_secret")
     (clients,) = args.curve_client_keys
-    client_public = secret_holds(*mount_source(leader, coordd, clients))
+    client_public = secret_holds(*mount_source(leader, root, clients))
     assert client_public.endswith(".key")
-    secrets = set()
     port = int(args.bind.rsplit(":", 1)[1])
-    for where, spec in pod_specs(doc):
-        vllm = [c for c, _ in containers(spec) if not is_coordd(c)]
-        assert vllm, where
-        for c in vllm:
+    secrets = set()
+    for index, (where, spec) in enumerate(pod_specs(doc)):
+        relays = [c for c, _ in containers(spec) if is_coordd(c) and is_relay(c)]
+        assert len(relays) == 1, f"{where}: one relay per pod"
+        relay = relays[0]
+        rargs, _ = parse_coordd(coordd_argv(relay, lws_env(index)),
+                                {**image_env(), **container_env(relay)}, monkeypatch)
+        assert rargs.relay_to == f"tcp://leader.vllm-dp:{port}"
+        assert rargs.dp == args.dp
+        server = secret_holds(*mount_source(spec, relay, rargs.relay_curve_server_key))
+        own = secret_holds(*mount_source(spec, relay, rargs.relay_curve_key))
+        assert server == secret_key.removesuffix("_secret"), "the root's public key"
+        assert own == client_public + "_secret", "the admitted relay key's own pair"
+        assert rargs.bind.startswith("ipc://")
+        socket_path = rargs.bind[len("ipc://"):]
+        volume, _ = mount_source(spec, relay, socket_path)
+        assert "emptyDir" in volume
+        for c in [c for c, _ in containers(spec) if not is_coordd(c)]:
             env = container_env(c)
-            server = secret_holds(*mount_source(spec, c, env["COORDD_CURVE_SERVER_KEY"]))
-            client = secret_holds(*mount_source(spec, c, env["COORDD_CURVE_CLIENT_KEY"]))
-            assert server == secret_key.removesuffix("_secret"), "coordd's public key"
-            assert client == client_public + "_secret", "the admitted client's own pair"
-            script = " ".join(c.get("command", []) + c.get("args", []))
-            assert f"COORDD_ADDRESS=\"tcp://${{LWS_LEADER_ADDRESS}}:{port}\"" in script
-            for volume in spec["volumes"]:
-                if "secret" in volume:
-                    secrets.add(volume["secret"]["secretName"])
-                    assert volume["secret"]["defaultMode"] & 0o007 == 0, "not world-readable"
+            assert env["COORDD_ADDRESS"] == rargs.bind, "the ranks talk to their pod's relay"
+            assert mount_source(spec, c, socket_path)[0] is volume
+            assert "COORDD_CURVE_CLIENT_KEY" not in env, "ipc: no keys in the engines"
+        for volume in spec["volumes"]:
+            if "secret" in volume:
+                secrets.add(volume["secret"]["secretName"])
+                assert volume["secret"]["defaultMode"] & 0o007 == 0, "not world-readable"
     assert len(secrets) == 1
-    assert not any(is_coordd(c) for c, _ in containers(lwt["workerTemplate"]["spec"]))
+    worker = lwt["workerTemplate"]["spec"]
+    assert not any(is_coordd(c) and not is_relay(c) for c, _ in containers(worker))
+
 
 
 # -- container image, systemd, compose ------------------------------------------------------------
@@ -533,21 +575,28 @@ def test_multi_node_ranks_come_from_vllms_flags_and_the_worker_index(
     args, _ = parse_coordd(coordd_argv(coordd), {**image_env(), **container_env(coordd)},
                            monkeypatch)
     assert args.expect_groups == ["dp-tp0-pp0", "enginecore"]
-    port = int(args.bind.rsplit(":", 1)[1])
+    from coordd.proto.relay import parse_ranks
+
     ranks: list[int] = []
     for index in range(size):
         template = lwt["leaderTemplate"] if index == 0 else lwt["workerTemplate"]
         (vllm,) = [c for c, _ in containers(template["spec"]) if is_vllm(c)]
+        (relay,) = [c for c, _ in containers(template["spec"]) if is_coordd(c) and is_relay(c)]
+        rargs, _ = parse_coordd(coordd_argv(relay, lws_env(index)),
+                                {**image_env(), **container_env(relay)}, monkeypatch)
         ran = run_vllm_command(vllm, {"LWS_WORKER_INDEX": str(index),
                                       "LWS_LEADER_ADDRESS": "leader.vllm-dp"}, tmp_path)
         flags = vllm_flags(ran["argv"])
-        assert ran["COORDD_ADDRESS"] == f"tcp://leader.vllm-dp:{port}"
+        assert ran["COORDD_ADDRESS"] == rargs.bind, "the pod's ranks talk to its relay"
         assert int(str(flags["--data-parallel-size"])) == args.dp
         local = int(str(flags["--data-parallel-size-local"]))
         start = int(str(flags.get("--data-parallel-start-rank", 0)))
         assert gpus(vllm) == local, f"pod {index}: one GPU per local DP rank (TP=1)"
         assert (index == 0) != bool(flags.get("--headless")), "the leader serves the API"
         assert flags["--data-parallel-address"] == "leader.vllm-dp"
+        assert sorted(parse_ranks(rargs.relay_ranks)) == list(range(start, start + local)), (
+            f"pod {index}: the relay speaks for exactly the pod's DP ranks"
+        )
         ranks += range(start, start + local)
     assert ranks == list(range(args.dp)), "every DP rank exactly once, in pod order"
 

@@ -73,6 +73,9 @@ class Daemon:
     def takeovers_refused(self) -> Any:
         return self.takeovers.refused
 
+    def relayed_snapshots(self) -> dict[str, GroupSnapshot]:
+        return {}
+
     def wall(self) -> float:
         return 1_700_000_000.0 + self.now
 

@@ -189,6 +189,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--crosshost-rounds", type=int, default=None, help="rounds across namespaces (500)"
     )
     p.add_argument("--scale-procs", type=int, default=None, help="simulator processes (4)")
+    p.add_argument(
+        "--scale-relay-ranks",
+        type=int,
+        default=0,
+        help="also run each scale dp through relays of this many ranks each, in separate "
+        "processes, interleaved with the flat run (0: flat only)",
+    )
     p.add_argument("--scale-rounds", type=int, default=None, help="rounds per scale case (300)")
     p.add_argument(
         "--vllm-engine",
@@ -387,6 +394,7 @@ def run(args: argparse.Namespace) -> int:
                     procs=args.scale_procs,
                     rounds=args.scale_rounds,
                     seed=args.seed,
+                    relay_ranks=args.scale_relay_ranks,
                 ),
                 log,
             )

@@ -275,14 +275,16 @@ def render(results: dict[str, Any]) -> str:
     scale = results.get("scale", [])
     if scale:
         parts.append(
-            "\nScale: simulated ranks on one coordd over ipc (coordd CPU from its /proc; "
-            "us per rank per round)"
+            "\nScale: simulated ranks on one coordd over ipc, flat or through relays (one "
+            "process each; coordd: the root's CPU from its /proc; per rank, main and zmq io: "
+            "us per rank per round; relay: mean/max over the relays)"
         )
         parts.append(
             table(
                 [
                     "dp",
                     "ranks",
+                    "layout",
                     "procs",
                     "p50 ms",
                     "p99 ms",
@@ -292,6 +294,8 @@ def render(results: dict[str, Any]) -> str:
                     "main",
                     "zmq io",
                     "RSS MB",
+                    "relay us/round",
+                    "relay RSS MB",
                     "sim ranks' own",
                     "done",
                 ],
@@ -299,6 +303,7 @@ def render(results: dict[str, Any]) -> str:
                     [
                         r["dp"],
                         r["client"],
+                        r.get("layout", "flat"),
                         r["procs"],
                         r["p50_us"] / 1000,
                         r["p99_us"] / 1000,
@@ -313,6 +318,8 @@ def render(results: dict[str, Any]) -> str:
                         )
                         / r["dp"],
                         r["coordd_rss_mb"],
+                        _mean_max(r.get("relay_cpu_us_per_round", [])),
+                        _mean_max(r.get("relay_rss_mb", [])),
                         sum(r["ranks_cpu_us_per_rank_round_by_thread"].values()),
                         f"{r['completed']}/{r['rounds']}",
                     ]
@@ -408,3 +415,10 @@ def write_json(results: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
         json.dump(_finite(results), f, indent=1, allow_nan=False, default=str)
         f.write("\n")
+
+
+def _mean_max(values: list[float]) -> str:
+    """ "mean/max" of the relays' figures; "-" for a flat run."""
+    if not values:
+        return "-"
+    return f"{sum(values) / len(values):.0f}/{max(values):.0f}"

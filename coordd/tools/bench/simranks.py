@@ -40,6 +40,12 @@ class SimSetup(msgspec.Struct, frozen=True):
     ranks: list[int]
     client: str = "lean"
     seed: int = 0
+    #: Each rank's address (in `ranks` order), where ranks go to their node's relay; empty:
+    #: every rank at `address`.
+    addresses: list[str] = []
+
+    def address_of(self, index: int) -> str:
+        return self.addresses[index] if self.addresses else self.address
 
 
 class Rounds(msgspec.Struct, frozen=True, tag="rounds"):
@@ -104,13 +110,13 @@ async def _simulate_aio(conn: Connection, setup: SimSetup) -> None:
     tables = [report_table(r, setup.seed) for r in range(setup.dp)]
     clients = [
         AsyncCoordClient(
-            setup.address,
+            setup.address_of(k),
             dp_rank=r,
             dp_size=setup.dp,
             config_fingerprint="coordd-bench",
             wait_timeout=ROUND_TIMEOUT,
         )
-        for r in setup.ranks
+        for k, r in enumerate(setup.ranks)
     ]
     loop = asyncio.get_running_loop()
     try:
@@ -164,12 +170,12 @@ class _LeanRanks:
         self.pairs = [
             open_dealer(
                 context,
-                setup.address,
+                setup.address_of(k),
                 s.identity,
                 heartbeat_interval=1.0,
                 heartbeat_timeout=5.0,
             )
-            for s in self.sessions
+            for k, s in enumerate(self.sessions)
         ]
         self.socks = [sock for sock, _monitor in self.pairs]
         self.epoll = select.epoll()
@@ -224,7 +230,7 @@ def _simulate_lean(conn: Connection, setup: SimSetup) -> None:
     tables = [report_table(r, setup.seed) for r in range(setup.dp)]
     ranks = _LeanRanks(setup)
     try:
-        ranks.register(60.0)
+        ranks.register(240.0)
         conn.send_bytes(msgspec.msgpack.encode(SimReady(ranks=len(ranks.socks))))
         round_index = 0
         forward = StepKind.FORWARD

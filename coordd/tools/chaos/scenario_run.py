@@ -143,6 +143,8 @@ class ScenarioRun:
         self.bind_host = "127.0.0.1"
         self.culprit_name = ""
         self.culprit_field = ""
+        #: `ScenarioInfo.also_culprits`: ranks behind a relay that is the fault.
+        self.also_culprits: list[str] = []
         self.harness_kills: set[str] = set()
         #: Seconds a scenario's fault may take past the usual detection bound, by design.
         self.detection_slack = 0.0
@@ -442,6 +444,7 @@ class ScenarioRun:
             harness_kills=sorted(self.harness_kills),
             culprit_field=self.culprit_field,
             skipped=skipped,
+            also_culprits=self.also_culprits,
         )
         with open(os.path.join(self.dir, "scenario.json"), "wb") as f:
             f.write(msgspec.json.encode(info))

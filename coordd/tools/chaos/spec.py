@@ -33,6 +33,9 @@ class Fault(str, enum.Enum):
     JUNK_GROUPS = "junk_groups"
     FORGED_ANSWERS = "forged_answers"
     ABANDONED_ROUND = "abandoned_round"
+    RELAY_KILLED = "relay_killed"
+    RELAY_PAUSED = "relay_paused"
+    RELAY_CUT = "relay_cut"
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):

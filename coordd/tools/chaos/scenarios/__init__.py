@@ -32,6 +32,7 @@ from coordd.tools.chaos.scenarios.rank_faults import (
     Straggler,
     WrongKind,
 )
+from coordd.tools.chaos.scenarios.relays import RelayCut, RelayKilled, RelayPaused
 from coordd.tools.chaos.spec import Fault
 
 _MISMATCH = Expect(failure=True, errors=["StepMismatch"])
@@ -86,6 +87,9 @@ SCENARIOS: dict[Fault, Scenario] = {
         JunkGroups(),
         ForgedAnswers(),
         AbandonedRound(),
+        RelayKilled(),
+        RelayPaused(),
+        RelayCut(),
     ]
 }
 assert set(SCENARIOS) == set(Fault), "one scenario per fault kind"

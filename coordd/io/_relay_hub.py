@@ -1,0 +1,248 @@
+"""The root's side of relays, in the shell: relay messages that arrive on coordd's ROUTER go to
+one `TreeCoordinator` per relayed group, and its answers go back, encoded once per round.
+
+A relay is a connection, as a rank is: its registration (`RelayHello`) binds its routing id
+to the descriptor it came over, and only messages over that descriptor count for it; the
+monitor's close of that descriptor is the relay's loss (`RankLost` naming all its ranks). With
+CURVE keys bound to ranks (`coordd keygen`, `--curve-client-keys`), a relay's key must be bound
+to every rank it claims (`key_refusal`): one node's key cannot speak for another node's ranks.
+
+A group is served flat (ranks connect to this coordd) or through relays, never both: a Hello
+for a relayed group, or a relay's registration for a flat group, is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+import zmq
+
+from coordd.core._group_names import GroupRules, group_name_problem, shown
+from coordd.proto.errors import ProtocolError, Rejected
+from coordd.proto.messages import RejectReason, encode, reject_message
+from coordd.proto.relay_messages import (
+    RelayAnswer,
+    RelayHello,
+    RelayUp,
+    decode_from_relay,
+)
+from coordd.proto.tree import RelaySend, TreeCoordinator
+
+log = logging.getLogger("coordd")
+
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+_SRCFD = int(zmq.SRCFD)
+_send_frame = zmq.backend.Socket.send
+
+
+class RelayHub:
+    """Every relayed group of one coordd (the root), its relays' connections and the timer."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        *,
+        dp_size: int,
+        step_timeout: float,
+        max_groups: int,
+        rules: GroupRules,
+        flat_groups: Mapping[str, object],
+        clock: Callable[[], float],
+        wall: Callable[[], float],
+    ) -> None:
+        self._sock = sock
+        self.dp_size = dp_size
+        self.step_timeout = step_timeout
+        self.max_groups = max_groups
+        self.rules = rules
+        self._flat = flat_groups
+        self.clock = clock
+        self.wall = wall
+        self.trees: dict[str, TreeCoordinator] = {}
+        self.peer_fd: dict[bytes, int] = {}
+        self.fd_peer: dict[int, bytes] = {}
+        #: With CURVE keys bound to ranks: why key (z85) may not speak for these ranks of this
+        #: group, or None (`coordd.io._curve.CurveGate.key_refusal`, asked for every rank).
+        self.key_refusal: Callable[[str, str, int], str | None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._last_epoch = 0
+        #: Messages from relays handled, and refused (undecodable as a relay's, or not over
+        #: the connection that registered).
+        self.messages = 0
+        self.refused = 0
+
+    # -- input ------------------------------------------------------------------------------
+
+    def handle(self, peer: bytes, frame: zmq.Frame) -> bool:
+        """A frame the rank wire did not decode from a peer that holds no rank: True if it is
+        a relay's message (handled here), False if not (a bad frame, as before)."""
+        try:
+            message = decode_from_relay(frame.buffer)
+        except ProtocolError:
+            return False
+        self.messages += 1
+        fd = frame.get(_SRCFD)
+        now = self.clock()
+        if type(message) is RelayHello:
+            key = ""
+            if self.key_refusal is not None:
+                try:
+                    key = str(frame.get("User-Id"))
+                except zmq.ZMQError:
+                    key = ""
+            self.send(self._hello(peer, message, fd, key, now))
+        else:
+            registered = self.peer_fd.get(peer)
+            tree = self.trees.get(message.group)
+            if registered != fd or tree is None:
+                self.refused += 1
+                return True
+            self.send(tree.receive(peer, message, now))
+        self.arm()
+        return True
+
+    def _hello(
+        self, peer: bytes, hello: RelayHello, fd: int, key: str, now: float
+    ) -> Sequence[RelaySend]:
+        registered = self.peer_fd.get(peer)
+        if peer[:1] == b"\x00" or (registered is not None and registered != fd):
+            self.refused += 1
+            return ()
+        error = self._refusal(hello, key)
+        if error is not None:
+            log.warning("relay %s refused: %s", shown(hello.relay), error.detail)
+            return (
+                RelaySend(
+                    (peer,),
+                    RelayAnswer(group=shown(hello.group)[:256], message=reject_message(error)),
+                ),
+            )
+        tree = self.trees.get(hello.group)
+        if tree is None:
+            epoch = self._last_epoch = max(int(self.wall() * 1000), self._last_epoch + 1)
+            tree = self.trees[hello.group] = TreeCoordinator(
+                self.dp_size, group=hello.group, epoch=epoch, step_timeout=self.step_timeout
+            )
+            log.info("relayed group %s created (epoch %d)", hello.group, epoch)
+        sends = tree.receive(peer, hello, now)
+        if peer in tree.holders():
+            self.peer_fd[peer] = fd
+            self.fd_peer[fd] = peer
+        return sends
+
+    def _refusal(self, hello: RelayHello, key: str) -> Rejected | None:
+        name = hello.group
+        problem = group_name_problem(name)
+        if problem is not None:
+            return Rejected(
+                RejectReason.GROUP.value, f"{shown(name)} cannot name a group ({problem})"
+            )
+        if name not in self.trees and not self.rules.admits(name):
+            return Rejected(
+                RejectReason.GROUP_UNEXPECTED.value,
+                f"group {name!r} is not one this deployment expects (coordd --groups {self.rules})",
+                expected=str(self.rules),
+                got=name,
+            )
+        if name in self._flat:
+            return Rejected(
+                RejectReason.GROUP.value,
+                f"group {name!r} is served flat by this coordd (its ranks connect here): a "
+                "group is served flat or through relays, not both",
+                expected="a group served through relays",
+                got=name,
+            )
+        if name not in self.trees and len(self.trees) >= self.max_groups:
+            return Rejected(
+                RejectReason.GROUP_LIMIT.value,
+                f"coordd serves {len(self.trees)} relayed groups, its limit (--max-groups)",
+                expected=f"at most {self.max_groups} groups",
+                got=f"{len(self.trees) + 1} groups",
+            )
+        if self.key_refusal is not None:
+            for rank in hello.ranks:
+                why = self.key_refusal(key, name, rank)
+                if why is not None:
+                    return Rejected(
+                        RejectReason.CURVE_KEY.value,
+                        f"relay {shown(hello.relay)} may not speak for dp_rank {rank} of group "
+                        f"{name} (it claims ranks {hello.ranks}): {why}",
+                        expected="ranks its CURVE key is bound to",
+                        got=f"ranks {hello.ranks} of group {name}",
+                    )
+        return None
+
+    def closed(self, fd: int) -> None:
+        """The connection on `fd` closed: if a relay registered over it, its groups lose it."""
+        peer = self.fd_peer.pop(fd, None)
+        if peer is None or self.peer_fd.get(peer) != fd:
+            return
+        del self.peer_fd[peer]
+        now = self.clock()
+        for tree in self.trees.values():
+            self.send(tree.relay_lost(peer, now, "connection closed"))
+        self.arm()
+
+    def fds(self) -> set[int]:
+        return set(self.fd_peer)
+
+    def holds(self, group: str) -> bool:
+        return group in self.trees
+
+    def flat_refusal(self, group: str) -> Rejected:
+        """Why a rank's own Hello for relayed `group` is refused."""
+        return Rejected(
+            RejectReason.GROUP.value,
+            f"group {group!r} is served through relays: register with your node's relay",
+            expected="your node's relay (coordd serve --relay-to)",
+            got=group,
+        )
+
+    # -- output and the timer ---------------------------------------------------------------
+
+    def send(self, sends: Sequence[RelaySend]) -> None:
+        sock = self._sock
+        for peers, message in sends:
+            payload = encode(message)
+            for peer in peers:
+                try:
+                    _send_frame(sock, peer, _SNDMORE_NOBLOCK)
+                    _send_frame(sock, payload, _NOBLOCK)
+                except zmq.ZMQError as exc:
+                    log.debug("dropped a frame to a relay: %s", exc)
+
+    def arm(self) -> None:
+        """Arm the timer for the earliest relayed round's deadline (a few groups: a scan)."""
+        deadlines = [d for t in self.trees.values() if (d := t.next_deadline()) is not None]
+        at = min(deadlines) if deadlines else None
+        if at == self._timer_at or self.loop is None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = at
+        if at is not None:
+            self._timer = self.loop.call_later(max(0.0, at - self.clock()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        now = self.clock()
+        for tree in self.trees.values():
+            self.send(tree.on_deadline(now))
+        self.arm()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def relay_message(message: RelayUp) -> bytes:
+    """A relay's message as it goes on the wire (tests and tools)."""
+    return encode(message)

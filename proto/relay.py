@@ -1,0 +1,404 @@
+"""A relay's group, sans-IO: one node's ranks served as coordd serves them, and one message up
+to the root per round (the per-node partial round).
+
+`RelayCoordinator` is the rank-facing `Coordinator` with four changes:
+- registration goes up first: the first Hello of an epoch (the group's first, or the first
+  after a failure or a stop) is held while the relay registers its ranks with the root
+  (`RelayHello`), and the root's Welcome sets the epoch and seq the node's ranks get, so a
+  rank's report, the relay's bundle and the root's decision all carry the same numbers;
+- a round is complete on the node when every rank of the relay reported: it goes up as one
+  `RelayBundle` (`bundle_of`), and the round stays open until the root's answer comes back
+  (`from_root`), which goes to every rank of the node unchanged;
+- a fault found on the node (a rank lost, late, skipping, conflicting, invalid) fails the
+  node's group as coordd would, naming the rank, and goes up as a `RelayFault`; a failure
+  from the root fails the node's group with the root's very message;
+- the root lost (`root_lost`) or silent past the step timeout and its grace fails the node's
+  group with `CoordinatorUnavailable`; ranks then register again, and with them the relay.
+
+Upstream messages leave through `uplink`, a callable the shell gives (a list's append in tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from coordd.proto.coordinator import Coordinator, Send, _Decided
+from coordd.proto.defaults import STEP_TIMEOUT
+from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
+from coordd.proto.group_state import GroupEvent, GroupState
+from coordd.proto.messages import (
+    GatherResult,
+    Hello,
+    Reject,
+    RejectReason,
+    StepDecision,
+    StepFailed,
+    StepKind,
+    StepReport,
+    Welcome,
+    reject_message,
+)
+from coordd.proto.relay_messages import (
+    RelayAnswer,
+    RelayBundle,
+    RelayFault,
+    RelayHello,
+    RelayLeave,
+    RelayUp,
+)
+from coordd.proto.rounds import CompletedRound, Round
+from coordd.proto.snapshot import OnRankLoss
+
+_E, _S = GroupEvent, GroupState
+_NOTHING: tuple[Send, ...] = ()
+
+#: How much longer than the step timeout the root waits for a relay's bundle: the relay's own
+#: timeout, which names the late rank, comes first. The relay waits twice this for the root.
+RELAY_GRACE = 0.5
+
+
+def bundle_of(group: str, epoch: int, rnd: Round, ranks: Sequence[int]) -> RelayBundle:
+    """The one message for a round every rank in `ranks` reported (`rnd.reports` by rank):
+    the reports reduced as `decide` reduces them, or a gather round's rows."""
+    reports = [rnd.reports[r] for r in ranks]
+    labels = [rep.label for rep in reports]  # type: ignore[union-attr]
+    disputed = rnd.disputed and len(set(labels)) > 1
+    common = {
+        "group": group,
+        "epoch": epoch,
+        "seq": rnd.seq,
+        "kind": rnd.kind,
+        "ranks": list(ranks),
+        "site": rnd.site,
+        "labels": labels if disputed else [],
+    }
+    if disputed:
+        return RelayBundle(**common)  # type: ignore[arg-type]
+    if rnd.kind is StepKind.GATHER:
+        return RelayBundle(rows=[rep.values for rep in reports], **common)  # type: ignore[union-attr, arg-type]
+    steps: list[StepReport] = reports  # type: ignore[assignment]
+    tokens = [r.num_tokens for r in steps]
+    padded = [r.num_tokens_padded for r in steps]
+    return RelayBundle(
+        padded=padded,
+        max_padded=max(padded),
+        min_tokens=min(tokens),
+        cudagraph_mode=min(r.cudagraph_mode for r in steps),
+        all_ubatch=all(r.want_ubatch for r in steps),
+        all_idle=not any(tokens),
+        any_unfinished=any(r.has_unfinished for r in steps),
+        all_pause=all(r.want_pause for r in steps),
+        any_pause=any(r.want_pause for r in steps),
+        **common,  # type: ignore[arg-type]
+    )
+
+
+def parse_ranks(text: str) -> frozenset[int]:
+    """`"0-3,8"` -> {0, 1, 2, 3, 8}; `"8@2"` (8 ranks a node, node 2) -> 16..23, the form a
+    pod template fills in from its index; ValueError for anything else."""
+    size, at, index = text.strip().partition("@")
+    if at:
+        if not size.isdigit() or not index.isdigit() or int(size) < 1:
+            raise ValueError(f"{text!r}: SIZE@INDEX needs two numbers, like 8@2")
+        first = int(size) * int(index)
+        return frozenset(range(first, first + int(size)))
+    ranks: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{part!r} is not a rank or a range of ranks (like 0-3)")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"{part!r}: the range runs backwards")
+        ranks.update(range(first, last + 1))
+    if not ranks:
+        raise ValueError("no ranks")
+    return frozenset(ranks)
+
+
+class RelayCoordinator(Coordinator):
+    """One group on a relay: its node's ranks (`ranks`), rounds decided by the root."""
+
+    def __init__(
+        self,
+        dp_size: int,
+        *,
+        group: str,
+        ranks: frozenset[int],
+        uplink: Callable[[RelayUp], None],
+        epoch: int,
+        step_timeout: float = STEP_TIMEOUT,
+        on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
+        relay: str = "",
+    ) -> None:
+        if on_rank_loss is not OnRankLoss.FAIL:
+            raise ValueError("a relay serves fail-stop groups only (--on-rank-loss fail)")
+        super().__init__(dp_size, epoch=epoch, step_timeout=step_timeout)
+        if not ranks or min(ranks) < 0 or max(ranks) >= dp_size:
+            raise ValueError(f"a relay's ranks must be in 0..{dp_size - 1}, got {sorted(ranks)}")
+        self.group = group
+        self.ranks = tuple(sorted(ranks))
+        self.relay = relay
+        self._uplink = uplink
+        #: The root welcomed this relay for the current epoch.
+        self.registered = False
+        #: A RelayHello is out and not yet answered.
+        self._asking = False
+        #: Hellos held until the root answers the relay's registration: (peer, hello).
+        self._pending: list[tuple[bytes, Hello]] = []
+        #: The root's Welcome that the held Hellos are admitted under.
+        self._welcome: Welcome | None = None
+        #: The open round went up as a bundle: the root decides it now.
+        self.forwarded = False
+        self._from_root = False
+        #: Answers from the root for no round of this node (an older epoch's, a closed round's).
+        self.stale_answers = 0
+
+    # -- registration ------------------------------------------------------------------------
+
+    def _on_hello(
+        self, peer: bytes, hello: Hello, now: float, resize_deadline: float | None = None
+    ) -> Sequence[Send]:
+        if hello.dp_rank not in self.ranks and 0 <= hello.dp_rank < self.dp_size:
+            error = Rejected(
+                RejectReason.RANK_RANGE.value,
+                f"dp_rank {hello.dp_rank} is not served by this relay{self._named()}: it "
+                f"serves ranks {_span(self.ranks)} (register with the relay of that rank's node)",
+                expected=_span(self.ranks),
+                got=str(hello.dp_rank),
+            )
+            return (Send((peer,), reject_message(error)),)
+        if self.registered:
+            return super()._on_hello(peer, hello, now, resize_deadline)
+        self._pending = [(p, h) for p, h in self._pending if p != peer]
+        self._pending.append((peer, hello))
+        if not self._asking:
+            self._ask(hello)
+        return _NOTHING
+
+    def _ask(self, hello: Hello) -> None:
+        self._asking = True
+        self._uplink(
+            RelayHello(
+                group=self.group,
+                dp_size=hello.dp_size,
+                ranks=list(self.ranks),
+                config_fingerprint=hello.config_fingerprint,
+                incarnation=hello.incarnation,
+                num_ubatches=hello.num_ubatches,
+                relay=self.relay,
+                protocol_version=hello.protocol_version,
+            )
+        )
+
+    def root_back(self) -> None:
+        """The connection to the root is up again: ask for the registration Hellos wait on."""
+        if self._pending and not self.registered:
+            self._ask(self._pending[0][1])
+
+    def _welcomed(self, welcome: Welcome, now: float) -> Sequence[Send]:
+        self._asking = False
+        if welcome.dp_size != self.dp_size:
+            return self._refuse_pending(
+                Rejected(
+                    RejectReason.DP_SIZE.value,
+                    f"the root coordd serves dp={welcome.dp_size}, this relay --dp {self.dp_size}",
+                    expected=str(self.dp_size),
+                    got=str(welcome.dp_size),
+                )
+            )
+        self.registered = True
+        self._welcome = welcome
+        if self._state is _S.EMPTY:
+            self._adopt(welcome)
+        sends: list[Send] = []
+        pending, self._pending = self._pending, []
+        for peer, hello in pending:
+            sends.extend(super()._on_hello(peer, hello, now))
+        return sends
+
+    def _adopt(self, welcome: Welcome) -> None:
+        """The node's epoch and next seq are the root's."""
+        self._epoch = welcome.epoch
+        self._seq = welcome.next_seq
+        self.step_timeout = welcome.step_timeout or self.step_timeout
+        self._members_changed()
+
+    def _reform(self) -> None:
+        super()._reform()
+        if self._welcome is not None:
+            self._adopt(self._welcome)
+
+    def _restart(self) -> None:
+        super()._restart()
+        if self._welcome is not None:
+            self._adopt(self._welcome)
+
+    def _refuse_pending(self, error: Rejected) -> Sequence[Send]:
+        """The root refused the relay's registration: so are the Hellos that asked for it
+        (with the root's reason), except those with other settings, which ask again."""
+        sent = self._pending[0][1] if self._pending else None
+        refused = [
+            (p, h) for p, h in self._pending if sent is None or _settings(h) == _settings(sent)
+        ]
+        self._pending = [item for item in self._pending if item not in refused]
+        if self._pending:
+            self._ask(self._pending[0][1])
+        reject = reject_message(error)
+        return [Send((p,), reject) for p, _ in refused]
+
+    # -- rounds ------------------------------------------------------------------------------
+
+    def _complete_if_ready(self, now: float, last_rank: int | None) -> Sequence[Send]:
+        rnd = self._round
+        if rnd is None or self.forwarded or rnd.reported < len(self.ranks):
+            return _NOTHING
+        self.forwarded = True
+        self._uplink(bundle_of(self.group, self._epoch, rnd, self.ranks))
+        return _NOTHING
+
+    def next_deadline(self) -> float | None:
+        if self._round is None:
+            return None
+        if self.forwarded:
+            return self._round.started + self.step_timeout + 2 * RELAY_GRACE
+        return self._round.started + self.step_timeout
+
+    def on_deadline(self, now: float) -> Sequence[Send]:
+        rnd = self._round
+        if rnd is not None and self.forwarded:
+            if now < rnd.started + self.step_timeout + 2 * RELAY_GRACE:
+                return _NOTHING
+            return self._fail_quietly(
+                CoordinatorUnavailable(
+                    f"the root coordd did not answer round {rnd.seq} within the step timeout "
+                    f"({self.step_timeout:g}s) and {2 * RELAY_GRACE:g}s"
+                ),
+                now,
+            )
+        if rnd is None or now < rnd.started + self.step_timeout or rnd.disputed:
+            return super().on_deadline(now)
+        missing = [r for r in self.ranks if rnd.reports[r] is None]
+        return self._fail(StepTimeout(missing, self.step_timeout), now)
+
+    def _settle(self, outcome: StepDecision | GatherResult, now: float) -> Sequence[Send]:
+        rnd = self._round
+        assert rnd is not None
+        self.forwarded = False
+        self._move(_E.DECIDE)
+        self._round = None
+        self._seq += 1
+        self._decisions += 1
+        self._last_round = CompletedRound(
+            rnd.seq, rnd.kind, rnd.started, now, None, rnd.arrivals, rnd.site
+        )
+        self._decided = _Decided(rnd, outcome)
+        return (Send(self.peers(), outcome),)
+
+    # -- faults ------------------------------------------------------------------------------
+
+    def _fail(self, error: CoordError, now: float, report=None) -> Sequence[Send]:  # type: ignore[no-untyped-def]
+        self.forwarded = False
+        self.registered = False
+        sends = super()._fail(error, now, report)
+        if not self._from_root and self._failure is not None:
+            self._uplink(RelayFault(group=self.group, failure=self._failure))
+        return sends
+
+    def _fail_quietly(self, error: CoordError, now: float) -> Sequence[Send]:
+        """Fail the node's group without telling the root (it is gone, or is the source)."""
+        self._from_root = True
+        try:
+            return self._fail(error, now)
+        finally:
+            self._from_root = False
+
+    def _fail_with(self, failure: StepFailed, now: float) -> Sequence[Send]:
+        """Fail the node's group with the root's own message (the same for every node)."""
+        waiting = self._state is _S.ROUND_OPEN
+        self.forwarded = False
+        self.registered = False
+        self._move(_E.FAIL)
+        self._round = None
+        self._failure = failure
+        self._failures += 1
+        self._reforming = True
+        # between rounds nobody waits: each rank gets the failure when it next reports
+        return (Send(self.peers(), failure),) if waiting else _NOTHING
+
+    def root_lost(self, now: float, detail: str) -> Sequence[Send]:
+        """The connection to the root dropped: every rank of the node gets
+        `CoordinatorUnavailable` (now if a round is open, else at its next report)."""
+        self.registered = False
+        self._asking = False
+        if self._state in (_S.EMPTY, _S.FAILED, _S.STOPPED):
+            return _NOTHING
+        waiting = self._state is _S.ROUND_OPEN
+        sends = self._fail_quietly(
+            CoordinatorUnavailable(f"the relay lost its root coordd ({detail}): register again"),
+            now,
+        )
+        return sends if waiting else _NOTHING
+
+    def _on_goodbye(self, peer: bytes, now: float) -> Sequence[Send]:
+        before = self._state
+        sends = super()._on_goodbye(peer, now)
+        if self._state is _S.STOPPED and before is not _S.STOPPED:
+            self.registered = False
+            self._uplink(RelayLeave(group=self.group, epoch=self._epoch))
+        return sends
+
+    def peer_lost(self, peer: bytes, now: float, detail: str = "disconnected") -> Sequence[Send]:
+        self._pending = [(p, h) for p, h in self._pending if p != peer]
+        return super().peer_lost(peer, now, detail)
+
+    # -- the root's answers ------------------------------------------------------------------
+
+    def from_root(self, answer: RelayAnswer, now: float) -> Sequence[Send]:
+        """What the root answered for this group: the registration's outcome, the open round's
+        outcome, or a failure of the group."""
+        msg = answer.message
+        if type(msg) is Welcome:
+            return self._welcomed(msg, now)
+        if type(msg) is Reject:
+            self._asking = False
+            return self._refuse_pending(
+                Rejected(msg.reason.value, msg.text, expected=msg.expected, got=msg.got)
+            )
+        if type(msg) is StepFailed:
+            if msg.epoch != self._epoch or self._state in (_S.FAILED, _S.EMPTY, _S.STOPPED):
+                self.stale_answers += 1
+                return _NOTHING
+            return self._fail_with(msg, now)
+        rnd = self._round
+        if (
+            rnd is None
+            or not self.forwarded
+            or msg.epoch != self._epoch  # type: ignore[union-attr]
+            or msg.seq != rnd.seq  # type: ignore[union-attr]
+        ):
+            self.stale_answers += 1
+            return _NOTHING
+        return self._settle(msg, now)  # type: ignore[arg-type]
+
+    def _named(self) -> str:
+        return f" ({self.relay})" if self.relay else ""
+
+
+def _settings(hello: Hello) -> tuple[int, str, int, int]:
+    return (hello.dp_size, hello.config_fingerprint, hello.num_ubatches, hello.protocol_version)
+
+
+def _span(ranks: Sequence[int]) -> str:
+    """(0, 1, 2, 3) -> "0-3"; gaps as commas."""
+    parts: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(parts)

@@ -1,0 +1,660 @@
+"""The root's side of a group served through relays, sans-IO: relays register for the DP ranks
+they speak for, each sends one bundle per round, and the root decides from the bundles.
+
+The root's work per round grows with the number of relays, not of ranks: a policy round is
+decided from each bundle's reductions (max padded, min tokens, min mode, the ANDs and ORs:
+`decide`'s rules over partial results), and a list of dp counts or rows is assembled by slices
+for relays of contiguous ranks; one answer is encoded once for every relay.
+
+The rules are the flat coordinator's (`coordd.proto.coordinator`), per relay:
+- a relay's registration is checked as a rank's Hello is (version, dp size, settings, ranks in
+  range and held by no other relay: `rank_taken` names the relay and the ranks);
+- a round completes when every rank is covered by a bundle; a bundle of another seq, a second
+  different one, or invalid reductions fail the group naming the relay's lowest rank; bundles
+  that disagree on the kind (or site) fail it by the evidence over every rank (`majority`);
+- a relay lost is `RankLost` naming every rank it spoke for; a relay silent past the step
+  timeout and `RELAY_GRACE` is `StepTimeout` naming its ranks (the relay's own timeout, which
+  names the late rank, comes first); a fault a relay found (`RelayFault`) fails the group for
+  every relay with that relay's error, whose culprits must be its own ranks;
+- fail-stop: the group stays FAILED until a relay registers again, which opens a new epoch
+  (seq after the failed one); relays of the failed epoch still connected keep their ranks.
+The group's states and moves are `coordd.proto.group_state`'s table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import MappingProxyType
+from typing import NamedTuple
+
+from coordd.proto.coordinator import LEFT_THE_GROUP
+from coordd.proto.defaults import STEP_TIMEOUT
+from coordd.proto.errors import (
+    ConflictingReport,
+    CoordError,
+    CoordinatorUnavailable,
+    InvalidReport,
+    ProtocolError,
+    RankLost,
+    Rejected,
+    StepMismatch,
+    StepTimeout,
+)
+from coordd.proto.group_state import GroupEvent, GroupState, next_state
+from coordd.proto.messages import (
+    MAX_DP_SIZE,
+    POLICY_KINDS,
+    PROTOCOL_VERSION,
+    GatherResult,
+    Hello,
+    RejectReason,
+    StepDecision,
+    StepFailed,
+    StepKind,
+    Welcome,
+    failure_message,
+    max_gather_values,
+    reject_message,
+)
+from coordd.proto.policy import CUDAGRAPH_MODES, MAX_TOKENS, last_ubatch_empty
+from coordd.proto.relay import RELAY_GRACE
+from coordd.proto.relay_messages import (
+    RelayAnswer,
+    RelayBundle,
+    RelayFault,
+    RelayHello,
+    RelayLeave,
+    RelayUp,
+)
+from coordd.proto.rounds import majority
+from coordd.proto.snapshot import GroupSnapshot, Member, OnRankLoss
+
+_E, _S = GroupEvent, GroupState
+_GATHER = StepKind.GATHER
+
+
+class RelaySend(NamedTuple):
+    """Send `message` to every relay in `peers` (encode it once)."""
+
+    peers: tuple[bytes, ...]
+    message: RelayAnswer
+
+
+_NOTHING: tuple[RelaySend, ...] = ()
+
+
+class RelayMember(NamedTuple):
+    """A registered relay: its connection, its Hello, its ranks (ascending), and the first of
+    them if they are contiguous (-1 if not): then its part of a list is one slice."""
+
+    peer: bytes
+    hello: RelayHello
+    ranks: tuple[int, ...]
+    first: int
+
+    @property
+    def name(self) -> str:
+        return self.hello.relay or f"ranks {self.ranks[0]}..{self.ranks[-1]}"
+
+
+class _TreeRound:
+    __slots__ = ("bundles", "covered", "disputed", "first", "seq", "started")
+
+    def __init__(self, first: RelayBundle, started: float) -> None:
+        self.seq = first.seq
+        self.first = first
+        self.started = started
+        self.bundles: dict[bytes, RelayBundle] = {}
+        self.covered = 0
+        self.disputed = bool(first.labels)
+
+
+class TreeCoordinator:
+    """One DP group at the root, served through relays."""
+
+    def __init__(
+        self, dp_size: int, *, group: str, epoch: int, step_timeout: float = STEP_TIMEOUT
+    ) -> None:
+        if not 1 <= dp_size <= MAX_DP_SIZE:
+            raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
+        self.dp_size = dp_size
+        self.group = group
+        self.step_timeout = step_timeout
+        self._state = _S.EMPTY
+        self._epoch = epoch
+        self._seq = 0
+        self._relays: dict[bytes, RelayMember] = {}
+        self._owner: list[bytes | None] = [None] * dp_size
+        self._covered = 0
+        #: Relays of a failed epoch still connected that have not registered again.
+        self._held: dict[bytes, RelayMember] = {}
+        #: Ranks of relays that left cleanly in this epoch.
+        self._left: set[int] = set()
+        self._round: _TreeRound | None = None
+        self._decided: tuple[dict[bytes, RelayBundle], RelayAnswer] | None = None
+        self._decided_seq = -1
+        self._failure: StepFailed | None = None
+        self._failures = 0
+        self._decisions = 0
+        self._reforming = False
+        self._peers: tuple[bytes, ...] | None = None
+
+    # -- queries ----------------------------------------------------------------------------
+
+    @property
+    def state(self) -> GroupState:
+        return self._state
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    @property
+    def failures(self) -> int:
+        return self._failures
+
+    @property
+    def decisions(self) -> int:
+        return self._decisions
+
+    @property
+    def last_failure(self) -> StepFailed | None:
+        return self._failure
+
+    def snapshot(self) -> GroupSnapshot:
+        """The group as readiness and status read a flat group: a member per rank a relay
+        speaks for (built on demand: it is read by probes, never per round)."""
+        members: dict[int, Member] = {}
+        for member in self._relays.values():
+            h = member.hello
+            for r in member.ranks:
+                hello = Hello(
+                    dp_size=h.dp_size,
+                    dp_rank=r,
+                    config_fingerprint=h.config_fingerprint,
+                    incarnation=h.incarnation,
+                    group=h.group,
+                    num_ubatches=h.num_ubatches,
+                )
+                members[r] = Member(member.peer, hello, 0.0)
+        return GroupSnapshot(
+            state=self._state,
+            dp_size=self.dp_size,
+            max_dp_size=self.dp_size,
+            on_rank_loss=OnRankLoss.FAIL,
+            step_timeout=self.step_timeout,
+            epoch=self._epoch,
+            seq=self._seq,
+            members=MappingProxyType(dict(sorted(members.items()))),
+            dead=frozenset(),
+            round=None,
+            last_failure=self._failure,
+            failures=self._failures,
+            decisions=self._decisions,
+            last_round=None,
+            left=frozenset(self._left),
+            reforming=self._reforming,
+            held=sum(len(m.ranks) for m in self._held.values()),
+        )
+
+    def relays(self) -> dict[bytes, RelayMember]:
+        return dict(self._relays)
+
+    def holders(self) -> list[bytes]:
+        return [*self._relays, *self._held]
+
+    def peers(self) -> tuple[bytes, ...]:
+        if self._peers is None:
+            self._peers = tuple(self._relays)
+        return self._peers
+
+    def next_deadline(self) -> float | None:
+        if self._round is None:
+            return None
+        return self._round.started + self.step_timeout + RELAY_GRACE
+
+    # -- inputs -----------------------------------------------------------------------------
+
+    def receive(self, peer: bytes, message: RelayUp, now: float) -> Sequence[RelaySend]:
+        if type(message) is RelayBundle:
+            return self._on_bundle(peer, message, now)
+        if type(message) is RelayHello:
+            return self._on_hello(peer, message, now)
+        if type(message) is RelayFault:
+            return self._on_fault(peer, message, now)
+        if type(message) is RelayLeave:
+            return self._on_leave(peer, message, now)
+        raise TypeError(f"not a message from a relay: {message!r}")
+
+    def relay_lost(
+        self, peer: bytes, now: float, detail: str = "connection closed"
+    ) -> Sequence[RelaySend]:
+        """The connection of relay `peer` closed (or missed heartbeats)."""
+        if self._held.pop(peer, None) is not None:
+            return _NOTHING
+        member = self._relays.get(peer)
+        if member is None:
+            return _NOTHING
+        self._remove(member)
+        if self._state is _S.FAILED:
+            self._move(_E.LEAVE)
+            return _NOTHING
+        if not self._relays and self._reforming:
+            self._move(_E.ABANDON)
+            self._round = None
+            return _NOTHING
+        if not self._relays and not self._left:
+            self._move(_E.DISBAND)
+            self._round = None
+            return _NOTHING
+        # every relay hears of it: a relay's ranks may wait on a round only it has open
+        return self._fail(RankLost(list(member.ranks), f"relay {member.name} lost ({detail})"), now)
+
+    def on_deadline(self, now: float) -> Sequence[RelaySend]:
+        rnd = self._round
+        if rnd is None or now < rnd.started + self.step_timeout + RELAY_GRACE:
+            return _NOTHING
+        if rnd.disputed:
+            return self._fail_disputed(rnd, now)
+        missing = [r for r, owner in enumerate(self._owner) if owner not in rnd.bundles]
+        return self._fail(StepTimeout(missing, self.step_timeout), now)
+
+    # -- registration -----------------------------------------------------------------------
+
+    def _on_hello(self, peer: bytes, hello: RelayHello, now: float) -> Sequence[RelaySend]:
+        try:
+            ranks = self._check(peer, hello)
+        except Rejected as error:
+            return (RelaySend((peer,), self._answer(reject_message(error))),)
+        if self._state is _S.FAILED:
+            self._reform()
+        elif self._state is _S.STOPPED:
+            self._move(_E.REFORM)
+            self._epoch += 1
+            self._left = set()
+        old = self._relays.get(peer)
+        if old is not None:
+            if old.ranks == ranks:
+                return (RelaySend((peer,), self._welcome()),)
+            self._remove(old)
+        self._held.pop(peer, None)
+        contiguous = ranks[-1] - ranks[0] + 1 == len(ranks)
+        member = RelayMember(peer, hello, ranks, ranks[0] if contiguous else -1)
+        self._move(_E.JOIN)
+        self._relays[peer] = member
+        for r in ranks:
+            self._owner[r] = peer
+        self._left -= set(ranks)
+        self._covered += len(ranks)
+        self._peers = None
+        if self._reforming and self._covered == self.dp_size:
+            self._reforming = False
+        return (RelaySend((peer,), self._welcome()),)
+
+    def _welcome(self) -> RelayAnswer:
+        return self._answer(
+            Welcome(
+                epoch=self._epoch,
+                next_seq=self._seq,
+                dp_size=self.dp_size,
+                step_timeout=self.step_timeout,
+            )
+        )
+
+    def _check(self, peer: bytes, hello: RelayHello) -> tuple[int, ...]:
+        """The relay's ranks, ascending, if its registration may stand; else `Rejected`."""
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise Rejected(
+                RejectReason.VERSION.value,
+                f"relay protocol {hello.protocol_version}, root {PROTOCOL_VERSION}",
+                expected=str(PROTOCOL_VERSION),
+                got=str(hello.protocol_version),
+            )
+        if hello.dp_size != self.dp_size:
+            raise Rejected(
+                RejectReason.DP_SIZE.value,
+                f"relay {hello.relay or '?'} serves dp={hello.dp_size}, the group "
+                f"dp={self.dp_size}",
+                expected=str(self.dp_size),
+                got=str(hello.dp_size),
+            )
+        ranks = tuple(sorted(set(hello.ranks)))
+        if not ranks or len(ranks) != len(hello.ranks) or ranks[0] < 0 or ranks[-1] >= self.dp_size:
+            raise Rejected(
+                RejectReason.RANK_RANGE.value,
+                f"relay {hello.relay or '?'} claims ranks {hello.ranks}: distinct ranks in "
+                f"0..{self.dp_size - 1} are needed",
+                expected=f"distinct ranks in 0..{self.dp_size - 1}",
+                got=str(hello.ranks),
+            )
+        others = {**self._held, **self._relays}
+        clashes = [
+            (sorted(set(ranks) & set(other.ranks)), other)
+            for other in others.values()
+            if other.peer != peer and not set(ranks).isdisjoint(other.ranks)
+        ]
+        if clashes:
+            clashes.sort(key=lambda c: c[0])
+            taken = sorted(r for held, _ in clashes for r in held)
+            holders = "; ".join(f"{held} by relay {other.name}" for held, other in clashes)
+            raise Rejected(
+                RejectReason.RANK_TAKEN.value,
+                f"relay {hello.relay or '?'} claims ranks {taken}, which other relays hold "
+                f"({holders})",
+                expected="ranks no other relay holds",
+                got=str(taken),
+            )
+        ref = next((m for m in others.values() if m.peer != peer), None)
+        if ref is not None:
+            if hello.num_ubatches != ref.hello.num_ubatches:
+                raise Rejected(
+                    RejectReason.NUM_UBATCHES.value,
+                    f"relay {hello.relay or '?'}: num_ubatches {hello.num_ubatches}, the "
+                    f"group's {ref.hello.num_ubatches}",
+                    expected=str(ref.hello.num_ubatches),
+                    got=str(hello.num_ubatches),
+                )
+            if hello.config_fingerprint != ref.hello.config_fingerprint:
+                raise Rejected(
+                    RejectReason.FINGERPRINT.value,
+                    f"relay {hello.relay or '?'}: config fingerprint differs from the group's",
+                    expected=ref.hello.config_fingerprint,
+                    got=hello.config_fingerprint,
+                )
+        return ranks
+
+    def _reform(self) -> None:
+        assert self._failure is not None
+        self._move(_E.REFORM)
+        self._epoch += 1
+        self._seq = self._failure.seq + 1
+        self._held.update(self._relays)
+        self._relays.clear()
+        self._owner = [None] * self.dp_size
+        self._covered = 0
+        self._left = set()
+        self._peers = None
+
+    def _remove(self, member: RelayMember) -> None:
+        del self._relays[member.peer]
+        for r in member.ranks:
+            if self._owner[r] == member.peer:
+                self._owner[r] = None
+        self._covered -= len(member.ranks)
+        self._peers = None
+
+    def _on_leave(self, peer: bytes, leave: RelayLeave, now: float) -> Sequence[RelaySend]:
+        member = self._relays.get(peer)
+        if member is None or leave.epoch != self._epoch:
+            return _NOTHING
+        if self._state is not _S.IDLE:
+            return self.relay_lost(peer, now, LEFT_THE_GROUP)
+        self._remove(member)
+        self._left |= set(member.ranks)
+        if not self._relays:
+            if self._reforming:
+                self._move(_E.ABANDON)
+            else:
+                self._move(_E.STOP)
+                self._left = set()
+            return _NOTHING
+        self._move(_E.DEPART)
+        return _NOTHING
+
+    # -- rounds -----------------------------------------------------------------------------
+
+    def _on_bundle(self, peer: bytes, bundle: RelayBundle, now: float) -> Sequence[RelaySend]:
+        member = self._relays.get(peer)
+        if member is None or bundle.epoch != self._epoch:
+            return (RelaySend((peer,), self._stranger_failure(member, bundle)),)
+        if self._state is _S.FAILED:
+            assert self._failure is not None
+            return (RelaySend((peer,), self._answer(self._failure)),)
+        first_rank = member.ranks[0]
+        if tuple(bundle.ranks) != member.ranks:
+            error = ProtocolError(
+                f"relay {member.name} registered for ranks {list(member.ranks)} sent a bundle "
+                f"for ranks {bundle.ranks}",
+                rank=first_rank,
+            )
+            return (RelaySend((peer,), self._answer(self._failure_of(error, bundle))),)
+        decided = self._decided
+        if (
+            bundle.seq == self._decided_seq
+            and decided is not None
+            and decided[0].get(peer) == bundle
+        ):
+            return (RelaySend((peer,), decided[1]),)
+        if self._left:
+            return self._fail(RankLost(sorted(self._left), LEFT_THE_GROUP), now, bundle)
+        rnd = self._round
+        if bundle.seq != self._seq:
+            expected = bundle.label if rnd is None else rnd.first.label
+            mismatch = StepMismatch(first_rank, self._seq, expected, bundle.seq, bundle.label)
+            return self._fail(mismatch, now, bundle)
+        if rnd is not None:
+            previous = rnd.bundles.get(peer)
+            if previous is not None:
+                if previous == bundle:
+                    return _NOTHING
+                return self._fail(ConflictingReport(first_rank, bundle.seq), now, bundle)
+            if bundle.labels or bundle.label != rnd.first.label:
+                rnd.disputed = True
+        try:
+            self._validate(member, bundle, None if rnd is None else rnd.first)
+        except InvalidReport as error:
+            return self._fail(error, now, bundle)
+        if rnd is None:
+            self._move(_E.OPEN)
+            rnd = self._round = _TreeRound(bundle, now)
+        else:
+            self._move(_E.REPORT)
+        rnd.bundles[peer] = bundle
+        rnd.covered += len(member.ranks)
+        if rnd.covered < self.dp_size:
+            return _NOTHING
+        return self._complete(rnd, now)
+
+    def _validate(
+        self, member: RelayMember, bundle: RelayBundle, first: RelayBundle | None
+    ) -> None:
+        """Reductions that cannot be a relay's reports (a relay checked each report): the
+        relay's lowest rank is named."""
+        rank = member.ranks[0]
+        n = len(member.ranks)
+        if bundle.labels:
+            if len(bundle.labels) != n:
+                raise InvalidReport(rank, "labels", len(bundle.labels), f"{n} labels")
+            return
+        if bundle.kind is _GATHER:
+            rows = bundle.rows
+            if len(rows) != n:
+                raise InvalidReport(rank, "rows", len(rows), f"{n} rows, one per rank")
+            count = len(rows[0])
+            expected = (
+                len(first.rows[0])
+                if first is not None and first.rows and first.kind is _GATHER
+                else None
+            )
+            if expected is None and count > max_gather_values(self.dp_size):
+                raise InvalidReport(
+                    rank, "values", count, f"at most {max_gather_values(self.dp_size)} values"
+                )
+            want = count if expected is None else expected
+            for offset, row in enumerate(rows):
+                if len(row) != want:
+                    raise InvalidReport(
+                        member.ranks[offset],
+                        "values",
+                        len(row),
+                        f"{want} values, as the round's first report",
+                    )
+            return
+        if bundle.kind not in POLICY_KINDS:
+            raise InvalidReport(rank, "kind", bundle.kind.value, "forward, draft or state")
+        padded = bundle.padded
+        if len(padded) != n or (padded and max(padded) != bundle.max_padded):
+            raise InvalidReport(rank, "num_tokens_padded", bundle.max_padded, "each rank's count")
+        if not 0 <= bundle.min_tokens <= bundle.max_padded <= MAX_TOKENS:
+            raise InvalidReport(
+                rank, "num_tokens", bundle.min_tokens, f"0..num_tokens_padded ({bundle.max_padded})"
+            )
+        if bundle.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise InvalidReport(rank, "cudagraph_mode", bundle.cudagraph_mode, "0, 1 or 2")
+
+    def _complete(self, rnd: _TreeRound, now: float) -> Sequence[RelaySend]:
+        if rnd.disputed:
+            return self._fail_disputed(rnd, now)
+        bundles = rnd.bundles
+        first = rnd.first
+        outcome: StepDecision | GatherResult
+        if first.kind is _GATHER:
+            rows: list[list[int]] = [[]] * self.dp_size
+            for peer, b in bundles.items():
+                self._place(rows, self._relays[peer], b.rows)
+            outcome = GatherResult(epoch=self._epoch, seq=rnd.seq, site=first.site, rows=rows)
+        else:
+            outcome = self._decide(rnd)
+        self._move(_E.DECIDE)
+        self._round = None
+        self._seq += 1
+        self._decisions += 1
+        answer = self._answer(outcome)
+        self._decided = (bundles, answer)
+        self._decided_seq = rnd.seq
+        return (RelaySend(self.peers(), answer),)
+
+    def _decide(self, rnd: _TreeRound) -> StepDecision:
+        """`decide`'s rules over the bundles' reductions."""
+        parts = list(rnd.bundles.values())
+        max_padded = max(b.max_padded for b in parts)
+        min_tokens = min(b.min_tokens for b in parts)
+        mode = min(b.cudagraph_mode for b in parts)
+        n = self._relays[next(iter(rnd.bundles))].hello.num_ubatches
+        should_ubatch = all(b.all_ubatch for b in parts) and not last_ubatch_empty(
+            max_padded, min_tokens, n
+        )
+        should_pad = mode != 0 or should_ubatch
+        if should_pad:
+            across = [max_padded] * self.dp_size
+        else:
+            across = [0] * self.dp_size
+            for peer, b in rnd.bundles.items():
+                self._place(across, self._relays[peer], b.padded)
+        return StepDecision(
+            epoch=self._epoch,
+            seq=rnd.seq,
+            kind=rnd.first.kind,
+            num_tokens_across_dp=across,
+            should_ubatch=should_ubatch,
+            should_pad=should_pad,
+            cudagraph_mode=mode,
+            any_unfinished=any(b.any_unfinished for b in parts),
+            all_idle=all(b.all_idle for b in parts),
+            should_pause=all(b.all_pause for b in parts),
+            any_pause=any(b.any_pause for b in parts),
+        )
+
+    @staticmethod
+    def _place(into: list, member: RelayMember, values: list) -> None:
+        if member.first >= 0:
+            into[member.first : member.first + len(values)] = values
+        else:
+            for r, v in zip(member.ranks, values, strict=True):
+                into[r] = v
+
+    # -- faults -----------------------------------------------------------------------------
+
+    def _labels(self, rnd: _TreeRound) -> list[tuple[int, str, StepKind]]:
+        """Every covered rank's label, in rank order (a disputed round's evidence)."""
+        out: list[tuple[int, str, StepKind]] = []
+        for peer, b in rnd.bundles.items():
+            ranks = self._relays[peer].ranks if peer in self._relays else tuple(b.ranks)
+            labels = b.labels or [b.label] * len(ranks)
+            for r, label in zip(ranks, labels, strict=True):
+                out.append((r, label, _kind_of(label)))
+        out.sort()
+        return out
+
+    def _fail_disputed(self, rnd: _TreeRound, now: float) -> Sequence[RelaySend]:
+        evidence = self._labels(rnd)
+        label = majority([lab for _, lab, _ in evidence])
+        kind = next(k for _, lab, k in evidence if lab == label)
+        culprit, got, _ = next(e for e in evidence if e[1] != label)
+        error = StepMismatch(culprit, rnd.seq, label, rnd.seq, got)
+        return self._fail(error, now, kind=kind)
+
+    def _on_fault(self, peer: bytes, fault: RelayFault, now: float) -> Sequence[RelaySend]:
+        member = self._relays.get(peer)
+        failure = fault.failure
+        if member is None or failure.epoch != self._epoch or self._state is _S.FAILED:
+            return _NOTHING
+        foreign = sorted(set(failure.culprits) - set(member.ranks))
+        if foreign:
+            error = ProtocolError(
+                f"relay {member.name} blamed ranks {foreign}, which it does not serve",
+                rank=member.ranks[0],
+            )
+            return self._fail(error, now)
+        return self._fail_with(failure)
+
+    def _stranger_failure(self, member: RelayMember | None, bundle: RelayBundle) -> RelayAnswer:
+        last = self._failure
+        if last is not None and bundle.epoch == last.epoch:
+            return self._answer(last)
+        error: CoordError
+        if bundle.epoch != self._epoch:
+            error = CoordinatorUnavailable(
+                f"epoch {bundle.epoch} is not the root's current epoch {self._epoch} (the root "
+                "restarted or the group re-formed): register again"
+            )
+        else:
+            error = ProtocolError(
+                "bundle from a relay that has not registered",
+                rank=bundle.ranks[0] if bundle.ranks else 0,
+            )
+        return self._answer(self._failure_of(error, bundle))
+
+    def _failure_of(self, error: CoordError, bundle: RelayBundle) -> StepFailed:
+        return failure_message(error, epoch=self._epoch, seq=bundle.seq, kind=bundle.kind)
+
+    def _fail(
+        self,
+        error: CoordError,
+        now: float,
+        bundle: RelayBundle | None = None,
+        kind: StepKind | None = None,
+    ) -> Sequence[RelaySend]:
+        if kind is None:
+            if self._round is not None:
+                kind = self._round.first.kind
+            else:
+                kind = bundle.kind if bundle is not None else StepKind.FORWARD
+        failure = failure_message(error, epoch=self._epoch, seq=self._seq, kind=kind)
+        return self._fail_with(failure)
+
+    def _fail_with(self, failure: StepFailed) -> Sequence[RelaySend]:
+        self._move(_E.FAIL)
+        self._round = None
+        self._failure = failure
+        self._failures += 1
+        self._reforming = True
+        return (RelaySend(self.peers(), self._answer(failure)),)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _answer(
+        self, message: Welcome | StepDecision | GatherResult | StepFailed | object
+    ) -> RelayAnswer:
+        return RelayAnswer(group=self.group, message=message)  # type: ignore[arg-type]
+
+    def _move(self, event: GroupEvent) -> None:
+        self._state = next_state(self._state, event)
+
+
+def _kind_of(label: str) -> StepKind:
+    return _GATHER if label.startswith("gather:") else StepKind(label)
