@@ -21,6 +21,9 @@ The rules are the flat coordinator's (`coordd.proto.coordinator`), per relay:
 The group's states and moves are `coordd.proto.group_state`'s table.
 """
 
+# Whole though over 500 lines: one state machine, as `coordinator.py` is; every input moves
+# the group's one state through `_move`.
+
 from __future__ import annotations
 
 from collections.abc import Sequence

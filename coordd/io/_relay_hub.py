@@ -52,6 +52,7 @@ class RelayHub:
         flat_groups: Mapping[str, object],
         clock: Callable[[], float],
         wall: Callable[[], float],
+        key_refusal: Callable[[str, str, int], str | None] | None = None,
     ) -> None:
         self._sock = sock
         self.dp_size = dp_size
@@ -66,7 +67,7 @@ class RelayHub:
         self.fd_peer: dict[int, bytes] = {}
         #: With CURVE keys bound to ranks: why key (z85) may not speak for these ranks of this
         #: group, or None (`coordd.io._curve.CurveGate.key_refusal`, asked for every rank).
-        self.key_refusal: Callable[[str, str, int], str | None] | None = None
+        self.key_refusal = key_refusal
         self.loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None

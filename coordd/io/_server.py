@@ -20,6 +20,9 @@ admission of peers that hold no rank (`coordd.core._admission`) returns `Shut`s,
 (`catch_up_monitor`): every descriptor then names a connection libzmq holds.
 """
 
+# Whole though over 500 lines: the drain, the monitor and the sends share the one socket and
+# its counters on the hot path; the parts that do not (actions, outbox, guard) live apart.
+
 from __future__ import annotations
 
 import asyncio
@@ -147,9 +150,8 @@ class CoordServer:
             flat_groups=self.registry.groups,
             clock=clock,
             wall=wall,
+            key_refusal=curve.key_refusal if curve is not None and curve.binds else None,
         )
-        if curve is not None and curve.binds:
-            self.relays.key_refusal = curve.key_refusal
         #: The connections that hold no rank: cap, flood cut-off, grace, memory pressure.
         self.admission = Admission(
             settings.max_connections,
