@@ -294,7 +294,10 @@ _from_coordinator: msgspec.msgpack.Decoder[FromCoordinator] = msgspec.msgpack.De
 encode = _encoder.encode
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview):  # type: ignore[no-untyped-def]
+def decode_frame(  # type: ignore[no-untyped-def]
+    decoder: msgspec.msgpack.Decoder, data: bytes | memoryview, what: str = "frame"
+):
+    """One frame through `decoder`, within the size limit; `ProtocolError` naming `what`."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(
             f"frame of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit"
@@ -302,17 +305,17 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview):  # type
     try:
         return decoder.decode(data)
     except msgspec.DecodeError as exc:
-        raise ProtocolError(f"undecodable frame: {exc}") from None
+        raise ProtocolError(f"undecodable {what}: {exc}") from None
 
 
 def decode_to_coordinator(data: bytes | memoryview) -> ToCoordinator:
     """Decode a frame a rank sent; raises `ProtocolError` for anything else."""
-    return _decode(_to_coordinator, data)
+    return decode_frame(_to_coordinator, data)
 
 
 def decode_from_coordinator(data: bytes | memoryview) -> FromCoordinator:
     """Decode a frame coordd sent; raises `ProtocolError` for anything else."""
-    return _decode(_from_coordinator, data)
+    return decode_frame(_from_coordinator, data)
 
 
 #: The registry: each round error class by its wire reason (`Rejected` travels as `Reject`).

@@ -18,10 +18,8 @@ from typing import Annotated, Union
 
 import msgspec
 
-from coordd.proto.errors import ProtocolError
 from coordd.proto.messages import (
     MAX_DP_SIZE,
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     GatherResult,
     GatherRows,
@@ -32,6 +30,7 @@ from coordd.proto.messages import (
     StepFailed,
     StepKind,
     Welcome,
+    decode_frame,
 )
 
 #: Labels of a disputed bundle: one per rank it speaks for.
@@ -123,22 +122,11 @@ _up = msgspec.msgpack.Decoder(RelayUp)
 _down = msgspec.msgpack.Decoder(RelayAnswer)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview):  # type: ignore[no-untyped-def]
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(
-            f"frame of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit"
-        )
-    try:
-        return decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"undecodable relay frame: {exc}") from None
-
-
 def decode_from_relay(data: bytes | memoryview) -> RelayUp:
     """Decode a frame a relay sent the root; `ProtocolError` for anything else."""
-    return _decode(_up, data)
+    return decode_frame(_up, data, "relay frame")
 
 
 def decode_from_root(data: bytes | memoryview) -> RelayAnswer:
     """Decode a frame the root sent a relay; `ProtocolError` for anything else."""
-    return _decode(_down, data)
+    return decode_frame(_down, data, "relay frame")
