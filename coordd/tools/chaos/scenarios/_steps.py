@@ -1,4 +1,5 @@
-"""Steps more than one scenario takes: let the group end once its culprit is done."""
+"""Steps more than one scenario takes: a network namespace to cut, let the group end once its
+culprit is done."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import time
 from collections.abc import Callable
 
 from coordd.testing.history import Begin, Note
-from coordd.tools.chaos.scenario_run import Process, ScenarioRun
+from coordd.tools.chaos import netns
+from coordd.tools.chaos.scenario_run import Process, ScenarioRun, Skip
 
 
 def run_on_until_done(run: ScenarioRun, culprit: Process, start: Callable[[], None]) -> None:
@@ -33,3 +35,16 @@ def release_end(run: ScenarioRun) -> None:
         f.write(str(end))
     os.replace(run.until_file + ".tmp", run.until_file)
     run.event(Note(t=time.monotonic(), what="released", detail=f"until seq {end}"))
+
+
+def prepare_cut(run: ScenarioRun, what: str) -> None:
+    """A fresh network namespace whose link `what` cuts (`run.resources["netns"]`), coordd bound
+    on its host side; `Skip` where namespaces cannot be made here."""
+    reason = netns.unavailable()
+    if reason is not None:
+        raise Skip(f"{what} needs a network namespace: {reason}")
+    netns.remove_stale()
+    cut = netns.CutNamespace()
+    run.resources["netns"] = cut
+    cut.create()
+    run.bind_host = cut.host_ip

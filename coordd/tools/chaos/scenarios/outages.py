@@ -8,8 +8,8 @@ import time
 from coordd.testing.history import Inject, Note
 from coordd.testing.scenario import Expect
 from coordd.tools.chaos import netns
-from coordd.tools.chaos.scenario_run import Scenario, ScenarioRun, Skip
-from coordd.tools.chaos.scenarios._steps import release_end
+from coordd.tools.chaos.scenario_run import Scenario, ScenarioRun
+from coordd.tools.chaos.scenarios._steps import prepare_cut, release_end
 from coordd.tools.chaos.spec import Fault
 
 # -- coordd itself ----------------------------------------------------------------------------
@@ -48,14 +48,7 @@ class NetworkCut(Scenario):
     )
 
     def prepare(self, run: ScenarioRun) -> None:
-        reason = netns.unavailable()
-        if reason is not None:
-            raise Skip(f"network cut needs a network namespace: {reason}")
-        netns.remove_stale()
-        cut = netns.CutNamespace()
-        run.resources["netns"] = cut
-        cut.create()
-        run.bind_host = cut.host_ip
+        prepare_cut(run, "network cut")
 
     def run(self, run: ScenarioRun) -> None:
         cut: netns.CutNamespace = run.resources["netns"]

@@ -17,8 +17,8 @@ import time
 from coordd.testing.history import Inject, Note
 from coordd.testing.scenario import Expect
 from coordd.tools.chaos import netns
-from coordd.tools.chaos.scenario_run import ChaosCoordd, Scenario, ScenarioRun, Skip
-from coordd.tools.chaos.scenarios._steps import release_end
+from coordd.tools.chaos.scenario_run import ChaosCoordd, Scenario, ScenarioRun
+from coordd.tools.chaos.scenarios._steps import prepare_cut, release_end
 from coordd.tools.chaos.spec import Fault
 
 _EXPECT = Expect(
@@ -151,14 +151,7 @@ class RelayCut(_RelayScenario):
     summary = "over tcp, one relay's link to the root goes down (network namespace), then up"
 
     def prepare(self, run: ScenarioRun) -> None:
-        reason = netns.unavailable()
-        if reason is not None:
-            raise Skip(f"a relay cut needs a network namespace: {reason}")
-        netns.remove_stale()
-        cut = netns.CutNamespace()
-        run.resources["netns"] = cut
-        cut.create()
-        run.bind_host = cut.host_ip
+        prepare_cut(run, "a relay cut")
 
     def run(self, run: ScenarioRun) -> None:
         cut: netns.CutNamespace = run.resources["netns"]
