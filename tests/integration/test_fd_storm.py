@@ -50,13 +50,19 @@ def storm_then_connect(proc: subprocess.Popen[str], address: str) -> str:
             time.sleep(0.1)
         storm.terminate()
         storm.wait(10)
-        assert proc.poll() is None, f"coordd exited with {proc.returncode}"
+        assert proc.poll() is None, died(proc)
         with CoordClient(address, dp_rank=0, dp_size=1) as client:
             client.connect(timeout=15)
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     return err
+
+
+def died(proc: subprocess.Popen[str]) -> str:
+    """What a coordd that exited said last."""
+    _, err = proc.communicate(timeout=10)
+    return f"coordd exited with {proc.returncode}: {err[-1500:]}"
 
 
 def _nofile(limit: int) -> Callable[[], None]:
@@ -99,7 +105,9 @@ def test_the_pause_lifts_after_a_storm_while_ranks_hold_descriptors(tmp_path: Pa
     56 registered ranks keep coordd over 64 descriptors. Before, one reconnect storm paused
     the listener for good: the 57th rank's connect() failed ("no socket file ... coordd is not
     running there") while coordd was up and deciding. Now the marks move up by what the ranks
-    hold, and the rank connects once the storm is over."""
+    hold, and the rank connects once the storm is over. The storm (2 x 80) fits in the ~170
+    descriptors left above the ranks': 3 x 120 could reach the limit before a starved watch
+    looked (libzmq's abort, 1 run in 10 under three CPU hogs); the first test is the abort's."""
     dp = 57
     address = f"ipc://{tmp_path}/c.sock"
     proc = subprocess.Popen(
@@ -115,13 +123,13 @@ def test_the_pause_lifts_after_a_storm_while_ranks_hold_descriptors(tmp_path: Pa
         for r in range(dp - 1):
             ranks.append(CoordClient(address, dp_rank=r, dp_size=dp))
             ranks[-1].connect(timeout=15)
-        storm = start_load("storm", address, "--peers", "3", "--count", "120", "--seconds", "4")
+        storm = start_load("storm", address, "--peers", "2", "--count", "80", "--seconds", "4")
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
         storm.terminate()
         storm.wait(10)
-        assert proc.poll() is None, f"coordd exited with {proc.returncode}"
+        assert proc.poll() is None, died(proc)
         with CoordClient(address, dp_rank=dp - 1, dp_size=dp) as last:
             last.connect(timeout=15)
     finally:

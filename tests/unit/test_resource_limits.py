@@ -208,6 +208,22 @@ def test_the_descriptor_watch_pauses_past_high_and_resumes_below_low() -> None:
         watch.poke()
 
 
+def test_the_descriptor_watch_looks_fast_as_soon_as_a_storm_begins() -> None:
+    """A look every SLOW_S (100 ms) below `low` let a storm's burst of accepts reach NOFILE
+    between two looks (libzmq's abort, 4 runs in 10 of the fd-storm test under CPU hogs):
+    the looks are FAST_S once more descriptors are open than coordd and its ranks hold."""
+    from coordd.io._limits import DescriptorWatch
+
+    counts = iter([30, 86, 86 + DescriptorWatch.QUIET_SLACK + 1, 90])
+    watch = DescriptorWatch(256, lambda: True, lambda: True, count=lambda: next(counts))
+    watch.base = 30  # what `start` counts, here without its thread
+    assert watch.check() == DescriptorWatch.SLOW_S
+    watch.held = 56  # ranks registered: quiet still
+    assert watch.check() == DescriptorWatch.SLOW_S
+    assert watch.check() == DescriptorWatch.FAST_S, "strangers beyond the ranks: a storm"
+    assert not watch.paused and watch.check() == DescriptorWatch.SLOW_S
+
+
 def test_an_ipc_socket_paused_refuses_new_connections_and_keeps_the_open_ones(
     tmp_path: Path,
 ) -> None:
