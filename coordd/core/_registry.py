@@ -137,6 +137,10 @@ class Registry(Generic[G]):
         """The descriptors of open connections that registered a peer (a live view)."""
         return self.fd_peer.keys()
 
+    def peer_on(self, fd: int) -> bytes | None:
+        """The peer whose open connection on `fd` registered it, or None."""
+        return self.fd_peer.get(fd)
+
     def holds_fd(self, fd: int) -> bool:
         """Whether the connection on `fd` registered a peer."""
         return fd in self.fd_peer

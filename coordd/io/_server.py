@@ -176,6 +176,12 @@ class CoordServer:
         self._monitor_waited = 0
         #: Set while frames are handled (a close read meanwhile waits for none).
         self._in_frames = False
+        #: Set while a monitor event is carried out (a catch-up meanwhile reads no other).
+        self._in_monitor = False
+        #: Descriptors whose close was read and waits for what its connection sent first;
+        #: and those whose close was carried out before it was read (see `_fd_reused`).
+        self._closing: set[int] = set()
+        self._closed_early: set[int] = set()
         #: Groups with an open round, and the one timer for their deadlines.
         self._deadlines = Deadlines(clock, self)
         #: Carries out what the registry decides.
@@ -340,6 +346,8 @@ class CoordServer:
         touched = self._deadlines.touched
         member_counts = admission.member_counts
         relay_peers = self.relays.peer_fd
+        relay_fds = self.relays.fd_peer
+        peer_on = registry.peer_on
         # what connections coordd shut down still have queued is dropped undecoded (a
         # flood's backlog); not at debug level, which logs a line per bad frame
         shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
@@ -364,6 +372,11 @@ class CoordServer:
                     return True
                 continue
             srcfd = frame.get(_SRCFD)
+            owner = peer_on(srcfd)
+            if owner is None and relay_fds:
+                owner = relay_fds.get(srcfd)
+            if owner is not None and owner != peer:
+                self._fd_reused(srcfd)
             group, stands = standing(peer, srcfd)
             if (
                 group is None
@@ -440,29 +453,58 @@ class CoordServer:
         registry = self.registry
         seen = False
         budget = 4 * DRAIN_BUDGET
-        while budget and int(monitor.getsockopt(_EVENTS)) & _POLLIN:
-            budget -= 1
-            seen = True
-            frames = monitor.recv_multipart(_NOBLOCK)
-            event, fd = struct.unpack("=HI", frames[0][:6])
-            if event == _ACCEPTED:
-                self.guard.accepted(fd)
-            elif event == _DISCONNECTED:
-                if not self._in_frames and registry.holds_fd(fd):
-                    # what that rank sent just before it closed (a Goodbye, a last report)
-                    # can come after the frames' drain, with its close: it counts first
-                    self._drain_frames()
-                self.admission.closed_fd(fd)
-                self._carry_out(registry.closed(fd, self.clock()))
-                if fd in self.relays.fd_peer:
-                    self.relays.closed(fd)
+        self._in_monitor = True
+        try:
+            while budget and int(monitor.getsockopt(_EVENTS)) & _POLLIN:
+                budget -= 1
+                seen = True
+                frames = monitor.recv_multipart(_NOBLOCK)
+                event, fd = struct.unpack("=HI", frames[0][:6])
+                if event == _ACCEPTED:
+                    self.guard.accepted(fd)
+                elif event == _DISCONNECTED:
+                    if fd in self._closed_early:
+                        self._closed_early.discard(fd)
+                        continue
+                    if not self._in_frames and registry.holds_fd(fd):
+                        # what that rank sent just before it closed (a Goodbye, a last
+                        # report) can come after the frames' drain, with its close: it
+                        # counts first
+                        self._closing.add(fd)
+                        self._drain_frames()
+                        if fd not in self._closing:
+                            continue  # carried out when a new connection spoke over fd
+                        self._closing.discard(fd)
+                    self._connection_closed(fd)
+        finally:
+            self._in_monitor = False
         return seen
+
+    def _connection_closed(self, fd: int) -> None:
+        self.admission.closed_fd(fd)
+        self._carry_out(self.registry.closed(fd, self.clock()))
+        if fd in self.relays.fd_peer:
+            self.relays.closed(fd)
+
+    def _fd_reused(self, fd: int) -> None:
+        """Another peer spoke over `fd` than the one registered over it: the registered
+        connection is closed and `fd` is a new one's (libzmq reports a close before it
+        releases the descriptor), so that close is carried out now, before the newcomer is
+        heard, and skipped when its event is read. Otherwise the newcomer's Hello would be
+        tracked on `fd` and the old close then end it, leaving the old rank held."""
+        if fd in self._closing:
+            self._closing.discard(fd)
+        else:
+            self._closed_early.add(fd)
+        self._connection_closed(fd)
 
     def catch_up_monitor(self) -> bool:
         """Read the monitor's events (a bounded number of passes) and tell the groups of ranks
         lost in them; True if none is left, so that every descriptor admission and the
         registry hold is one libzmq holds (a close is announced before its descriptor is
         released): what acting on a descriptor needs."""
+        if self._in_monitor:
+            return False  # within an event's carrying out: the events after it wait
         for _ in range(MONITOR_PASSES):
             if not self._drain_monitor():
                 break

@@ -23,23 +23,8 @@ SETTINGS = Settings(
 )
 
 
-#: Known open bugs: the kind runs, and its failure does not fail CI until the bug is fixed.
-KNOWN_BUGS = {
-    Fault.RELAY_PAUSED: (
-        "about 1 seed in 6-10: after a relay's SIGSTOP/SIGCONT the relay misses the close of a "
-        "rank's old connection, so the rank's new Hello gets rank_taken until the run ends"
-    ),
-}
-
-
-def _kind(fault: Fault) -> object:
-    if fault in KNOWN_BUGS:
-        return pytest.param(fault, marks=pytest.mark.xfail(reason=KNOWN_BUGS[fault], strict=False))
-    return fault
-
-
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("fault", [_kind(f) for f in Fault], ids=[f.value for f in Fault])
+@pytest.mark.parametrize("fault", list(Fault), ids=[f.value for f in Fault])
 def test_fault_is_detected_with_no_wrong_decision_and_no_hang(fault: Fault) -> None:
     results = run_suite([fault], SEEDS, SETTINGS, parallel=len(SEEDS))
     print("\n" + table(summarize(results)))

@@ -141,6 +141,9 @@ class FakeMonitor:
     def closed(self, fd: int) -> None:
         self.events.append([struct.pack("=HI", zmq.EVENT_DISCONNECTED, fd), b"ipc://c.sock"])
 
+    def accepted(self, fd: int) -> None:
+        self.events.append([struct.pack("=HI", zmq.EVENT_ACCEPTED, fd), b"ipc://c.sock"])
+
     def getsockopt(self, option: int) -> int:
         return int(zmq.POLLIN) if self.events else 0
 
@@ -169,6 +172,38 @@ def test_a_goodbye_queued_with_its_close_counts_before_the_close(shell) -> None:
         coordinator = server.groups["default"].coordinator
         assert coordinator.state is GroupState.STOPPED, coordinator.state
         assert not sock.queue
+    finally:
+        server._monitor = real
+
+
+def test_a_new_connection_on_a_reused_descriptor_is_heard_after_the_old_ones_close(shell) -> None:  # type: ignore[no-untyped-def]
+    """Issue 29's relay_paused (1 seed in 6-10): a rank reconnected while coordd was stopped;
+    on SIGCONT its old connection closed and the new one got the same descriptor, and the
+    new one's Hello was read in the drain before that close was carried out. The Hello was
+    tracked on the descriptor, the old close then ended it, and the old routing id held the
+    rank for good: every later Hello got rank_taken. The old close now counts first."""
+    server, sock = shell
+    monitor, real = FakeMonitor(), server._monitor
+    server._monitor = monitor
+    try:
+        hello = Hello(dp_size=1, dp_rank=0, config_fingerprint="", incarnation="x")
+        sock.put(b"old", hello, 5)
+        server._drain_frames()
+        assert isinstance(sock.out.pop(b"old")[0], Welcome)
+        monitor.closed(5)
+        monitor.accepted(5)
+        sock.put(b"new", hello, 5)
+        assert server._drain_monitor()
+        assert not monitor.events and not sock.queue
+        (answer,) = sock.out.pop(b"new")
+        assert isinstance(answer, Welcome), answer
+        snapshot = server.groups["default"].coordinator.snapshot()
+        assert snapshot.rank_of(b"new") == 0 and snapshot.rank_of(b"old") is None
+        assert server.registry.peer_on(5) == b"new"
+        # the new connection's own close ends it in turn
+        monitor.closed(5)
+        assert server._drain_monitor()
+        assert server.registry.peer_on(5) is None
     finally:
         server._monitor = real
 
