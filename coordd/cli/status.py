@@ -327,7 +327,8 @@ def render(doc: dict[str, Any]) -> str:
         shown = ", ".join(f"{k} {n}" for k, n in sorted(refused.items()))
         lines.append(f"refused outside any group: {shown}")
     for group in doc["groups"]:
-        lines += ["", *_group_block(group)]
+        block = _relayed_block if group.get("served") == "relays" else _group_block
+        lines += ["", *block(group)]
     return "\n".join(lines)
 
 
@@ -398,4 +399,34 @@ def _group_block(doc: dict[str, Any]) -> list[str]:
                 f"    {when} epoch {f['epoch']} seq {f['seq']} {f['kind']} {f['reason']} "
                 f"ranks {f['ranks']}: {f['text']}"
             )
+    return lines
+
+
+def _relayed_block(doc: dict[str, Any]) -> list[str]:
+    """A group the root serves through relays: its relays and the ranks none speaks for
+    (per-rank timing is in each relay's own status)."""
+    rounds = doc["rounds"]
+    lines = [
+        f"group {doc['name']}  dp {doc['dp_size']}  state {doc['state']}"
+        f"  epoch {doc['epoch']}  seq {doc['seq']}  through {len(doc['relays'])} relays"
+        f"  step timeout {_seconds(doc['step_timeout_s'])}",
+        f"  ready: {_group_ready(doc)} ({doc['ready_detail']})",
+        f"  rounds decided: {rounds['decided']}; failed: {rounds['failed']}",
+    ]
+    if doc["failure"]:
+        f = doc["failure"]
+        lines.append(
+            f"  FAILED: epoch {f['epoch']} seq {f['seq']} {f['kind']} {f['reason']} "
+            f"ranks {f['ranks']}: {f['text']}"
+        )
+    rows = [[r["name"], r["ranks"], r["address"] or "-"] for r in doc["relays"]]
+    lines += ["  " + line for line in _table(["RELAY", "RANKS", "ADDRESS"], rows)]
+    missing = [r["rank"] for r in doc["ranks"] if r["state"] == "missing"]
+    if missing:
+        lines.append(f"  no relay speaks for ranks {missing}")
+    summary = doc["ranks_summary"]
+    if summary["shown"] < doc["dp_size"]:
+        lines.append(
+            f"  ({summary['missing']} ranks missing in all; coordd status --group {doc['name']})"
+        )
     return lines

@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 import zmq
 
 from coordd.core._group_names import GroupRules, group_name_problem, shown
+from coordd.io._identity import frame_address
+from coordd.ops.view import RelayedGroup, RelayRow
 from coordd.proto.errors import ProtocolError, Rejected
 from coordd.proto.messages import RejectReason, encode, reject_message
 from coordd.proto.relay_messages import (
@@ -65,6 +67,8 @@ class RelayHub:
         self.trees: dict[str, TreeCoordinator] = {}
         self.peer_fd: dict[bytes, int] = {}
         self.fd_peer: dict[int, bytes] = {}
+        #: Each registered relay's connection address (shown in /status)
+        self.addresses: dict[bytes, str] = {}
         #: With CURVE keys bound to ranks: why key (z85) may not speak for these ranks of this
         #: group, or None (`coordd.io._curve.CurveGate.key_refusal`, asked for every rank).
         self.key_refusal = key_refusal
@@ -97,6 +101,8 @@ class RelayHub:
                 except zmq.ZMQError:
                     key = ""
             self.send(self._hello(peer, message, fd, key, now))
+            if self.peer_fd.get(peer) == fd:
+                self.addresses[peer] = frame_address(frame)
         else:
             registered = self.peer_fd.get(peer)
             tree = self.trees.get(message.group)
@@ -184,10 +190,24 @@ class RelayHub:
         if peer is None or self.peer_fd.get(peer) != fd:
             return
         del self.peer_fd[peer]
+        self.addresses.pop(peer, None)
         now = self.clock()
         for tree in self.trees.values():
             self.send(tree.relay_lost(peer, now, "connection closed"))
         self.arm()
+
+    def views(self) -> dict[str, RelayedGroup]:
+        """Every relayed group as ops reads it (built when asked: probes and scrapes)."""
+        return {
+            name: RelayedGroup(
+                tree.snapshot(),
+                tuple(
+                    RelayRow(member.name, member.ranks, self.addresses.get(peer, ""))
+                    for peer, member in tree.relays().items()
+                ),
+            )
+            for name, tree in self.trees.items()
+        }
 
     def fds(self) -> set[int]:
         return set(self.fd_peer)

@@ -52,7 +52,7 @@ from coordd.io._relay_hub import RelayHub
 from coordd.io._router import drop_parts, open_router
 from coordd.io._stats import ServerStats, shell_counters
 from coordd.ops.observer import Observer, ServerEvents
-from coordd.ops.view import ShellCounters
+from coordd.ops.view import RelayedGroup, ShellCounters
 from coordd.proto.coordinator import Send
 from coordd.proto.errors import ProtocolError
 from coordd.proto.messages import (
@@ -62,7 +62,6 @@ from coordd.proto.messages import (
     decode_to_coordinator,
     reject_message,
 )
-from coordd.proto.snapshot import GroupSnapshot
 
 __all__ = ["CoordServer"]
 
@@ -270,9 +269,9 @@ class CoordServer:
         fds = self.registry.registered_fds()
         return fds | self.relays.fds() if self.relays.fd_peer else fds
 
-    def relayed_snapshots(self) -> dict[str, GroupSnapshot]:
-        """The groups served through relays, as readiness reads a group."""
-        return {name: tree.snapshot() for name, tree in self.relays.trees.items()}
+    def relayed_groups(self) -> dict[str, RelayedGroup]:
+        """The groups served through relays, as readiness, /status and metrics read them."""
+        return self.relays.views()
 
     # -- the hot path -----------------------------------------------------------------------
 

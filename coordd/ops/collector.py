@@ -43,6 +43,9 @@ class CoorddCollector:
         server = self.server
         s = server.counters()
         groups = [(name, g.observer, g.coordinator.snapshot()) for name, g in server.groups.items()]
+        relayed = server.relayed_groups()
+        #: the state of every group, flat or through relays (only flat ones have an observer)
+        every = [*groups, *((name, None, one.snapshot) for name, one in relayed.items())]
         info = InfoMetricFamily("coordd_build", "coordd's version and what it was built with")
         info.add_metric(
             [],
@@ -56,7 +59,7 @@ class CoorddCollector:
         )
         yield info
         yield _gauge("coordd_dp_size", "Data-parallel size of every group", server.settings.dp_size)
-        yield _gauge("coordd_groups", "Groups this coordd serves", len(groups))
+        yield _gauge("coordd_groups", "Groups this coordd serves", len(every))
         yield _gauge(
             "coordd_max_groups",
             "Most groups this coordd serves (--max-groups)",
@@ -66,7 +69,7 @@ class CoorddCollector:
 
         def per_group(name: str, doc: str, value: Callable[[GroupSnapshot], float]) -> Any:
             family = GaugeMetricFamily(name, doc, labels=["group"])
-            for group, _, snap in groups:
+            for group, _, snap in every:
                 family.add_metric([group], value(snap))
             return family
 
@@ -100,13 +103,13 @@ class CoorddCollector:
             lambda c: int(c.state is GroupState.STOPPED),
         )
         yield _counter_per_group(
-            groups,
+            every,
             "coordd_departures",
             "Ranks that left cleanly (Goodbye between rounds): orderly departures, not faults",
             lambda c: c.departures,
         )
         yield _counter_per_group(
-            groups,
+            every,
             "coordd_group_stops",
             "Times every rank of the group left cleanly (the group stopped, not failed)",
             lambda c: c.stops,
@@ -119,10 +122,28 @@ class CoorddCollector:
         state = GaugeMetricFamily(
             "coordd_group_state", "1 for the group's current state", labels=["group", "state"]
         )
-        for group, _, snap in groups:
+        for group, _, snap in every:
             for each in GroupState:
                 state.add_metric([group, each.value], int(each is snap.state))
         yield state
+        if relayed:
+            relays = GaugeMetricFamily(
+                "coordd_group_relays",
+                "Relays registered for a group served through relays",
+                labels=["group"],
+            )
+            relayed_rounds = CounterMetricFamily(
+                "coordd_relayed_rounds",
+                "Rounds of a group served through relays, by outcome (per-kind counts and "
+                "per-rank timing are in each relay's own metrics)",
+                labels=["group", "outcome"],
+            )
+            for name, one in relayed.items():
+                relays.add_metric([name], len(one.relays))
+                relayed_rounds.add_metric([name, "decided"], one.snapshot.decisions)
+                relayed_rounds.add_metric([name, "failed"], one.snapshot.failures)
+            yield relays
+            yield relayed_rounds
 
         rounds = CounterMetricFamily(
             "coordd_rounds",

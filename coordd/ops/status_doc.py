@@ -21,7 +21,7 @@ from coordd.proto.messages import PROTOCOL_VERSION, FailReason, StepFailed
 from coordd.proto.snapshot import GroupSnapshot, OnRankLoss
 
 if TYPE_CHECKING:
-    from coordd.ops.view import GroupView, ServerView
+    from coordd.ops.view import GroupView, RelayedGroup, RelayRow, ServerView
 
 
 def departed(failure: StepFailed) -> bool:
@@ -153,7 +153,8 @@ def _named_readiness(
 def server_readiness(server: ServerView) -> tuple[bool, str]:
     """`readiness` of a running coordd's groups."""
     snaps = {name: group.coordinator.snapshot() for name, group in server.groups.items()}
-    snaps.update(server.relayed_snapshots())  # a root's groups served through relays
+    # a root's groups served through relays
+    snaps.update((name, one.snapshot) for name, one in server.relayed_groups().items())
     settings = server.settings
     return readiness(snaps, settings.expected_names or settings.expected_count)
 
@@ -208,6 +209,7 @@ def group_document(group: GroupView, now: float, rank_rows: int | None = None) -
     failure = snap.failure
     return {
         "name": group.name,
+        "served": "flat",
         "dp_size": snap.dp_size,
         "state": snap.state.value,
         "epoch": snap.epoch,
@@ -226,16 +228,7 @@ def group_document(group: GroupView, now: float, rank_rows: int | None = None) -
             "reported": open_round.reported if open_round is not None else 0,
             "age_s": None if open_round is None else round(now - open_round.started, 6),
         },
-        "failure": None
-        if failure is None
-        else {
-            "epoch": failure.epoch,
-            "seq": failure.seq,
-            "kind": failure.kind.value,
-            "reason": failure.reason.value,
-            "ranks": list(failure.culprits),
-            "text": failure.text,
-        },
+        "failure": None if failure is None else _failure_fields(failure),
         "rounds": {
             "completed": observer.rounds_completed,
             "decided": dict(observer.decided),
@@ -251,6 +244,72 @@ def group_document(group: GroupView, now: float, rank_rows: int | None = None) -
     }
 
 
+def relayed_group_document(
+    name: str, group: RelayedGroup, rank_rows: int | None = None
+) -> dict[str, Any]:
+    """A relayed group's part of /status at the root: its state, its relays and which relay
+    speaks for each rank (at most `rank_rows` rows). The root hears one message per relay
+    per round, so per-rank timing is in each relay's own /status, not here."""
+    snap = group.snapshot
+    ready, why = group_readiness(snap)
+    shown = snap.dp_size if rank_rows is None else max(0, min(rank_rows, snap.dp_size))
+    relay_of: dict[int, RelayRow] = {r: row for row in group.relays for r in row.ranks}
+    ranks = []
+    for rank in range(shown):
+        row = relay_of.get(rank)
+        ranks.append(
+            {
+                "rank": rank,
+                "state": "registered" if row is not None else "missing",
+                "relay": row.name if row is not None else None,
+                "address": row.address or None if row is not None else None,
+            }
+        )
+    failure = snap.failure
+    return {
+        "name": name,
+        "served": "relays",
+        "dp_size": snap.dp_size,
+        "state": snap.state.value,
+        "epoch": snap.epoch,
+        "seq": snap.seq,
+        "step_timeout_s": snap.step_timeout,
+        "members": len(snap.members),
+        "ready": ready,
+        "ready_detail": why,
+        "failure": None if failure is None else _failure_fields(failure),
+        "rounds": {"decided": snap.decisions, "failed": snap.failures},
+        "relays": [
+            {"name": row.name, "ranks": _span(row.ranks), "address": row.address or None}
+            for row in group.relays
+        ],
+        "ranks": ranks,
+        "ranks_summary": {
+            "registered": len(snap.members),
+            "missing": snap.dp_size - len(snap.members),
+            "shown": shown,
+        },
+    }
+
+
+def _failure_fields(failure: StepFailed) -> dict[str, Any]:
+    return {
+        "epoch": failure.epoch,
+        "seq": failure.seq,
+        "kind": failure.kind.value,
+        "reason": failure.reason.value,
+        "ranks": list(failure.culprits),
+        "text": failure.text,
+    }
+
+
+def _span(ranks: tuple[int, ...]) -> str:
+    """`0-7` for a contiguous run, else the ranks listed (`0,2,4`)."""
+    if ranks and ranks[-1] - ranks[0] == len(ranks) - 1:
+        return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+    return ",".join(map(str, ranks))
+
+
 def status_document(
     server: ServerView, *, group: str | None = None, rank_rows: int = STATUS_RANK_ROWS
 ) -> dict[str, Any]:
@@ -263,12 +322,18 @@ def status_document(
     now = server.clock()
     if group is not None:
         chosen = server.groups.get(group)
+        relayed = server.relayed_groups().get(group)
         documents = [] if chosen is None else [group_document(chosen, now)]
+        if relayed is not None:
+            documents.append(relayed_group_document(group, relayed))
     else:
         documents = []
         budget = rank_rows
         for one in server.groups.values():
             documents.append(group_document(one, now, budget))
+            budget -= documents[-1]["ranks_summary"]["shown"]
+        for name, through in server.relayed_groups().items():
+            documents.append(relayed_group_document(name, through, budget))
             budget -= documents[-1]["ranks_summary"]["shown"]
     counters = server.counters()
     ready, why = server_readiness(server)

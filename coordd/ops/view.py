@@ -52,6 +52,25 @@ class ShellCounters:
     closed_violation: int = 0
 
 
+@dataclass(frozen=True)
+class RelayRow:
+    """A relay registered for a group at the root: its name, the ranks it speaks for and the
+    address of its connection (a tcp peer's IP, or `localhost:PID` over ipc)."""
+
+    name: str
+    ranks: tuple[int, ...]
+    address: str
+
+
+@dataclass(frozen=True)
+class RelayedGroup:
+    """A group the root serves through relays, as ops reads it: the root sees one message
+    per relay per round, so there is no per-rank timing here (a relay's own /status has it)."""
+
+    snapshot: GroupSnapshot
+    relays: tuple[RelayRow, ...]
+
+
 class ServerView(Protocol):
     """The server as metrics, /status and /readyz read it."""
 
@@ -78,7 +97,7 @@ class ServerView(Protocol):
 
     def takeovers_refused(self) -> Counter[tuple[str, str]]: ...
 
-    def relayed_snapshots(self) -> Mapping[str, GroupSnapshot]:
+    def relayed_groups(self) -> Mapping[str, RelayedGroup]:
         """The groups served through relays (`coordd serve --relay-to` on the nodes)."""
         ...
 

@@ -73,7 +73,7 @@ class Daemon:
     def takeovers_refused(self) -> Any:
         return self.takeovers.refused
 
-    def relayed_snapshots(self) -> dict[str, GroupSnapshot]:
+    def relayed_groups(self) -> dict[str, Any]:
         return {}
 
     def wall(self) -> float:
