@@ -68,6 +68,8 @@ def refusal(argv: list[str]) -> str:
         (["--dp", "2", "--bind", "tcp://127.0.0.1", "--insecure"], "has no port"),
         (["--dp", "2", "--bind", "tcp://::1:5555", "--insecure"], "goes in brackets"),
         (["--dp", "2", "--bind", "ipc:///tmp/" + "x" * 120], "longer than a UNIX socket"),
+        (["--dp", "2", "--relay-to", "ipc:///tmp/r.sock", "--relay-ranks", "0",
+          "--on-rank-loss", "neutralize"], "a relay serves fail-stop groups only"),
         (["demo", "--dp", "1"], "--dp must be >= 2"),
         (["demo", "--bind", "tcp://127.0.0.1:*"], "needs CURVE"),
         (["demo", "--bind", "127.0.0.1:5555"], "has no scheme"),
