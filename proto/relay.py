@@ -372,6 +372,11 @@ class RelayCoordinator(Coordinator):
 
     def _on_lost(self, peer: bytes, now: float, detail: str) -> Sequence[Send]:
         sends = super()._on_lost(peer, now, detail)
+        if self._state is _S.EMPTY and self._at_root is not None:
+            # the node's last rank lost: coordd's own group disbands, the root's lost them
+            self.registered = False
+            self._uplink(RelayLeave(group=self.group, epoch=self._at_root, lost=True))
+            self._at_root = None
         self._leave_if_unheld()
         return sends
 

@@ -497,7 +497,8 @@ class TreeCoordinator:
 
     def _on_leave(self, peer: bytes, leave: RelayLeave, now: float) -> Sequence[RelaySend]:
         """Every rank of the relay left: between rounds that is no fault; a relay of a failed
-        epoch that no rank holds any more holds the group no longer either."""
+        epoch that no rank holds any more holds the group no longer either. Every rank of the
+        relay lost (`lost`) is their loss, as a flat coordd's."""
         held = self._held.get(peer)
         if held is not None and peer not in self._relays:
             del self._held[peer]
@@ -505,6 +506,8 @@ class TreeCoordinator:
         member = self._relays.get(peer)
         if member is None or leave.epoch != self._epoch:
             return _NOTHING
+        if leave.lost:
+            return self._on_lost(peer, now, f"every rank under relay {member.name} lost")
         if self._state is not _S.IDLE:
             return self._on_lost(peer, now, LEFT_THE_GROUP)
         self._remove(member)

@@ -205,3 +205,40 @@ def test_after_a_failure_relays_whose_ranks_left_block_no_reform_at_another_size
     two = formed_at(tree, 2, 3.0)
     assert two.epoch > four.epoch and two.next_seq == four.next_seq + 1
     one_round(tree, two, two.next_seq, 4.0)
+
+
+def test_the_last_rank_lost_under_a_relay_is_rank_lost_at_once_and_blocks_no_reform() -> None:
+    tree = Tree([[0, 1], [2, 3]], TIMEOUT, dp=4)
+    three = formed_at(tree, 3)  # relay 1 serves rank 2 alone
+    tree.lose_rank(2, 1.0)
+    assert b"relay-1" not in tree.root.holders()
+    for r in (0, 1):  # no round waits out the step timeout: the root heard of the loss
+        tree.send(r, tree.report(r, three.next_seq, three.epoch), 1.5)
+    failure = failure_at(tree, (0, 1))
+    error = error_from_failure(failure)
+    assert isinstance(error, RankLost) and list(error.ranks) == [2]
+    assert "node1" in error.detail
+    for r in (0, 1):
+        tree.goodbye(r, 2.0)
+    two = formed_at(tree, 2, 3.0)
+    assert two.epoch > three.epoch
+    one_round(tree, two, two.next_seq, 4.0)
+
+
+def test_dp_16_to_8_after_the_second_node_was_killed() -> None:
+    tree = Tree([list(range(8)), list(range(8, 16))], TIMEOUT, dp=16)
+    big = formed_at(tree, 16)
+    for r in range(8, 16):
+        tree.lose_rank(r, 1.0)
+    for r in range(8):
+        tree.goodbye(r, 2.0)
+    assert tree.root.holders() == []
+    eight = formed_at(tree, 8, 3.0)
+    assert eight.epoch > big.epoch
+    one_round(tree, eight, eight.next_seq, 4.0)
+
+
+def failure_at(tree: Tree, ranks: tuple[int, ...]) -> StepFailed:
+    failures = [tree.last(r) for r in ranks]
+    assert all(type(f) is StepFailed for f in failures) and len(set(map(repr, failures))) == 1
+    return failures[0]  # type: ignore[return-value]
