@@ -282,13 +282,16 @@ class RelayCoordinator(Coordinator):
         return _NOTHING
 
     def next_deadline(self) -> float | None:
-        if self._round is None:
-            return None
-        if self.forwarded:
-            return self._round.started + self.step_timeout + 2 * RELAY_GRACE
-        return self._round.started + self.step_timeout
+        rnd = self._round
+        due = None
+        if rnd is not None:
+            due = rnd.started + self.step_timeout + (2 * RELAY_GRACE if self.forwarded else 0.0)
+        if self._resizing:  # a Hello at another size waits for the node's own ranks
+            waiting = min(w.deadline for w in self._resizing)
+            due = waiting if due is None else min(due, waiting)
+        return due
 
-    def on_deadline(self, now: float) -> Sequence[Send]:
+    def _round_deadline(self, now: float) -> Sequence[Send]:
         rnd = self._round
         if rnd is not None and self.forwarded:
             if now < rnd.started + self.step_timeout + 2 * RELAY_GRACE:
@@ -301,7 +304,7 @@ class RelayCoordinator(Coordinator):
                 now,
             )
         if rnd is None or now < rnd.started + self.step_timeout or rnd.disputed:
-            return super().on_deadline(now)
+            return super()._round_deadline(now)
         missing = [r for r in self.serving if rnd.reports[r] is None]
         return self._fail(StepTimeout(missing, self.step_timeout), now)
 

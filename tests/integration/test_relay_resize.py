@@ -1,7 +1,8 @@
 """A relayed group re-formed at another size with real processes (a root coordd, two relays
 `coordd serve --relay-to`, real clients over ipc://): shrink 4 -> 2 and grow 2 -> 3 are new
 epochs that decide rounds at their size; a rank at another size while the group's ranks stay
-is refused naming them, and a size over --dp at once."""
+is refused naming them (by the root, or by the relay whose own ranks stay), and a size over
+--dp at once."""
 
 from __future__ import annotations
 
@@ -85,6 +86,15 @@ def test_a_relayed_group_shrinks_and_grows_through_new_epochs(tree: TreeProcs) -
             "dp_size", "2", "3")
         assert "ranks [0, 1] still hold it" in refused.value.detail
         assert "relay node0: [0, 1]" in refused.value.detail
+        stray.close()
+        # The same on the node whose own ranks hold the group: its relay refuses it.
+        stray = rank(1, 3)
+        began = time.monotonic()
+        with pytest.raises(Rejected) as refused:
+            stray.connect(timeout=10)
+        assert time.monotonic() - began >= STEP_TIMEOUT - 0.1
+        assert (refused.value.expected, refused.value.got) == ("2", "3")
+        assert "ranks [0, 1] still hold it" in refused.value.detail
         stray.close()
         rounds_at(two, 1)  # the group never noticed
         # Over --dp: refused at once.

@@ -242,3 +242,22 @@ def failure_at(tree: Tree, ranks: tuple[int, ...]) -> StepFailed:
     failures = [tree.last(r) for r in ranks]
     assert all(type(f) is StepFailed for f in failures) and len(set(map(repr, failures))) == 1
     return failures[0]  # type: ignore[return-value]
+
+
+def test_the_nodes_own_ranks_that_stay_get_a_waiting_rank_refused_by_its_relay() -> None:
+    tree = Tree([[0, 1], [2, 3]], TIMEOUT, dp=4)
+    four = formed_at(tree, 4)
+    tree.root_inputs = 0
+    relay0 = tree.relays[b"relay-0"]
+    h = Hello(dp_size=2, dp_rank=0, config_fingerprint="f", incarnation="new")
+    tree._deliver(relay0.receive(b"rank-100", h, 1.0))
+    assert relay0.next_deadline() == 1.0 + TIMEOUT and tree.up == []
+    tree.deadlines(1.0 + TIMEOUT - 0.01)
+    assert tree.inbox[100] == []
+    tree.deadlines(1.0 + TIMEOUT)
+    refused = tree.last(100)
+    assert type(refused) is Reject and refused.reason is RejectReason.DP_SIZE
+    assert (refused.expected, refused.got) == ("4", "2")
+    assert "ranks [0, 1] still hold it" in refused.text
+    assert relay0.next_deadline() is None and tree.root_inputs == 0
+    one_round(tree, four, four.next_seq, 7.0)
