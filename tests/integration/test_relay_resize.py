@@ -15,7 +15,8 @@ import pytest
 
 from coordd.client import CoordClient
 from coordd.proto import Rejected, StepDecision, StepReport
-from tests.integration.test_relays import TreeProcs
+from tests.integration.scrape import free_port
+from tests.integration.test_relays import TreeProcs, readyz
 
 STEP_TIMEOUT = 2.0
 
@@ -24,7 +25,8 @@ STEP_TIMEOUT = 2.0
 def tree(tmp_path: Path) -> Iterator[TreeProcs]:
     procs = TreeProcs(tmp_path)
     try:
-        procs.start_root("--step-timeout", str(STEP_TIMEOUT))
+        procs.port = free_port()
+        procs.start_root("--step-timeout", str(STEP_TIMEOUT), "--metrics-port", str(procs.port))
         procs.start_relay(0)  # ranks 0-1
         procs.start_relay(1)  # ranks 2-3
         yield procs
@@ -75,6 +77,7 @@ def test_a_relayed_group_shrinks_and_grows_through_new_epochs(tree: TreeProcs) -
             c.connect(timeout=10)
         assert two[0].epoch == two[1].epoch and two[0].epoch > four[0].epoch
         rounds_at(two, 3)
+        assert readyz(tree.port) == (200, "1/1 groups formed (default: 2/2 ranks registered)")
         # A rank at another size while the group's ranks stay: refused after the step timeout,
         # naming the ranks and the relay that hold the group.
         stray = rank(2, 3)
@@ -127,6 +130,7 @@ def test_a_relayed_group_shrinks_and_grows_through_new_epochs(tree: TreeProcs) -
         three = [*rebuilt, new]
         assert {c.epoch for c in three} == {rebuilt[0].epoch} and rebuilt[0].epoch > two[0].epoch
         rounds_at(three, 3)
+        assert readyz(tree.port) == (200, "1/1 groups formed (default: 3/3 ranks registered)")
     finally:
         for c in made:
             c.close()
