@@ -374,8 +374,9 @@ class RelayCoordinator(Coordinator):
         return sends
 
     def _on_lost(self, peer: bytes, now: float, detail: str) -> Sequence[Send]:
+        before = self._state
         sends = super()._on_lost(peer, now, detail)
-        if self._state is _S.EMPTY and self._at_root is not None:
+        if self._state is _S.EMPTY and before is not _S.EMPTY and self._at_root is not None:
             # the node's last rank lost: coordd's own group disbands, the root's lost them
             self.registered = False
             self._uplink(RelayLeave(group=self.group, epoch=self._at_root, lost=True))

@@ -261,3 +261,16 @@ def test_the_nodes_own_ranks_that_stay_get_a_waiting_rank_refused_by_its_relay()
     assert "ranks [0, 1] still hold it" in refused.text
     assert relay0.next_deadline() is None and tree.root_inputs == 0
     one_round(tree, four, four.next_seq, 7.0)
+
+
+def test_a_relay_welcomed_after_its_waiting_rank_went_tells_the_root_nothing_more() -> None:
+    """A peer that never registered going away is no loss of the relay's ranks."""
+    tree = Tree([[0, 1], [2, 3]], TIMEOUT, dp=4)
+    relay0 = tree.relays[b"relay-0"]
+    h = Hello(dp_size=4, dp_rank=0, config_fingerprint="f", incarnation="i")
+    relay0.receive(b"rank-0", h, 0.0)
+    tree._deliver(relay0.peer_lost(b"rank-0", 0.5))
+    tree.pump(1.0)  # the root's Welcome comes after the rank went: nobody to admit
+    assert relay0.registered and b"relay-0" in tree.root.holders()
+    tree._deliver(relay0.peer_lost(b"rank-9", 2.0))
+    assert tree.up == [] and b"relay-0" in tree.root.holders()
