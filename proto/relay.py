@@ -184,6 +184,8 @@ class RelayCoordinator(Coordinator):
                 got=str(hello.dp_rank),
             )
             return (Send((peer,), reject_message(error)),)
+        if self.registered and hello.dp_size != self.dp_size and not self._members:
+            self._leave_root()  # welcomed at the old size, no rank came: ask at the new one
         if self.registered:
             return super()._on_hello(peer, hello, now, resize_deadline)
         if hello.dp_size != self.dp_size and (self._members or self._held):
@@ -376,11 +378,8 @@ class RelayCoordinator(Coordinator):
     def _on_lost(self, peer: bytes, now: float, detail: str) -> Sequence[Send]:
         before = self._state
         sends = super()._on_lost(peer, now, detail)
-        if self._state is _S.EMPTY and before is not _S.EMPTY and self._at_root is not None:
-            # the node's last rank lost: coordd's own group disbands, the root's lost them
-            self.registered = False
-            self._uplink(RelayLeave(group=self.group, epoch=self._at_root, lost=True))
-            self._at_root = None
+        if self._state is _S.EMPTY and before is not _S.EMPTY:
+            self._leave_root(lost=True)  # coordd's own group disbands; the root lost them
         self._leave_if_unheld()
         return sends
 
@@ -388,12 +387,16 @@ class RelayCoordinator(Coordinator):
         """Every rank of the node left (the group stopped), or the group failed and none of
         its ranks is connected: the relay leaves the group at the root, where it would
         otherwise hold its ranks and keep a re-form at another size waiting."""
-        if self._at_root is None or self._members:
+        if self._members:
             return
         if self._state is _S.STOPPED or (self._state is _S.FAILED and not self._held):
-            self.registered = False
-            self._uplink(RelayLeave(group=self.group, epoch=self._at_root))
+            self._leave_root()
+
+    def _leave_root(self, lost: bool = False) -> None:
+        if self._at_root is not None:
+            self._uplink(RelayLeave(group=self.group, epoch=self._at_root, lost=lost))
             self._at_root = None
+        self.registered = False
 
     def peer_lost(self, peer: bytes, now: float, detail: str = "disconnected") -> Sequence[Send]:
         self._pending = [(p, h) for p, h in self._pending if p != peer]

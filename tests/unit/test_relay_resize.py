@@ -274,3 +274,16 @@ def test_a_relay_welcomed_after_its_waiting_rank_went_tells_the_root_nothing_mor
     assert relay0.registered and b"relay-0" in tree.root.holders()
     tree._deliver(relay0.peer_lost(b"rank-9", 2.0))
     assert tree.up == [] and b"relay-0" in tree.root.holders()
+
+
+def test_a_relay_welcomed_with_no_rank_asks_again_at_another_size() -> None:
+    tree = Tree([[0, 1], [2, 3]], TIMEOUT, dp=4)
+    relay0 = tree.relays[b"relay-0"]
+    h = Hello(dp_size=4, dp_rank=0, config_fingerprint="f", incarnation="i")
+    relay0.receive(b"rank-0", h, 0.0)
+    tree._deliver(relay0.peer_lost(b"rank-0", 0.5))
+    tree.pump(1.0)
+    assert relay0.registered and tree.root.dp_size == 4
+    two = formed_at(tree, 2, 2.0)
+    assert tree.root.dp_size == 2 and tree.root.relays()[b"relay-0"].ranks == (0, 1)
+    one_round(tree, two, two.next_seq, 3.0)
