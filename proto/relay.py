@@ -393,6 +393,8 @@ class RelayCoordinator(Coordinator):
             self._leave_root()
 
     def _leave_root(self, lost: bool = False) -> None:
+        """Tell the root this relay holds no rank of the group any more (`lost`: they were
+        lost, which the root's other relays hear as `RankLost`); the next Hello asks again."""
         if self._at_root is not None:
             self._uplink(RelayLeave(group=self.group, epoch=self._at_root, lost=lost))
             self._at_root = None
