@@ -13,7 +13,12 @@ to the root per round (the per-node partial round).
   node's group as coordd would, naming the rank, and goes up as a `RelayFault`; a failure
   from the root fails the node's group with the root's very message;
 - the root lost (`root_lost`) or silent past the step timeout and its grace fails the node's
-  group with `CoordinatorUnavailable`; ranks then register again, and with them the relay.
+  group with `CoordinatorUnavailable`; ranks then register again, and with them the relay;
+- resize: a Hello at another size (up to the relay's --dp) first waits, as coordd's would, for
+  the node's own ranks of the old epoch to leave; then it goes up as the relay's registration
+  at that size, for the relay's ranks that exist at that size (`serving`): `--relay-ranks
+  8-15` speak for no rank of a group re-formed at dp 8. Once no rank of the node holds the
+  group, the relay leaves it at the root (`RelayLeave`), so it blocks no re-form there.
 
 Upstream messages leave through `uplink`, a callable the shell gives (a list's append in tests).
 """
@@ -26,6 +31,7 @@ from coordd.proto.coordinator import Coordinator, Send, _Decided
 from coordd.proto.defaults import STEP_TIMEOUT
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
 from coordd.proto.group_state import GroupEvent, GroupState
+from coordd.proto.membership import check_basics
 from coordd.proto.messages import (
     GatherResult,
     Hello,
@@ -138,11 +144,16 @@ class RelayCoordinator(Coordinator):
         if not ranks or min(ranks) < 0 or max(ranks) >= dp_size:
             raise ValueError(f"a relay's ranks must be in 0..{dp_size - 1}, got {sorted(ranks)}")
         self.group = group
+        #: Every rank the relay may speak for (--relay-ranks).
         self.ranks = tuple(sorted(ranks))
+        #: The ranks it speaks for in this epoch: those that exist at the epoch's size.
+        self.serving = self.ranks
         self.relay = relay
         self._uplink = uplink
         #: The root welcomed this relay for the current epoch.
         self.registered = False
+        #: The epoch in which the root counts this relay as holding ranks, until it leaves.
+        self._at_root: int | None = None
         #: A RelayHello is out and not yet answered.
         self._asking = False
         #: Hellos held until the root answers the relay's registration: (peer, hello).
@@ -160,7 +171,11 @@ class RelayCoordinator(Coordinator):
     def _on_hello(
         self, peer: bytes, hello: Hello, now: float, resize_deadline: float | None = None
     ) -> Sequence[Send]:
-        if hello.dp_rank not in self.ranks and 0 <= hello.dp_rank < self.dp_size:
+        try:
+            check_basics(hello, self.max_dp_size)
+        except Rejected as refused:
+            return (Send((peer,), reject_message(refused)),)
+        if hello.dp_rank not in self.ranks:
             error = Rejected(
                 RejectReason.RANK_RANGE.value,
                 f"dp_rank {hello.dp_rank} is not served by this relay{self._named()}: it "
@@ -169,8 +184,15 @@ class RelayCoordinator(Coordinator):
                 got=str(hello.dp_rank),
             )
             return (Send((peer,), reject_message(error)),)
+        if self.registered and hello.dp_size != self.dp_size and not self._members:
+            self._leave_root()  # welcomed at the old size, no rank came: ask at the new one
         if self.registered:
             return super()._on_hello(peer, hello, now, resize_deadline)
+        if hello.dp_size != self.dp_size and (self._members or self._held):
+            try:  # the node's own ranks of the old size leave first
+                return self._wait_to_resize(peer, hello, now, resize_deadline)
+            except Rejected as holding:
+                return (Send((peer,), reject_message(holding)),)
         self._pending = [(p, h) for p, h in self._pending if p != peer]
         self._pending.append((peer, hello))
         if not self._asking:
@@ -183,7 +205,7 @@ class RelayCoordinator(Coordinator):
             RelayHello(
                 group=self.group,
                 dp_size=hello.dp_size,
-                ranks=list(self.ranks),
+                ranks=[r for r in self.ranks if r < hello.dp_size],
                 config_fingerprint=hello.config_fingerprint,
                 incarnation=hello.incarnation,
                 num_ubatches=hello.num_ubatches,
@@ -199,17 +221,20 @@ class RelayCoordinator(Coordinator):
 
     def _welcomed(self, welcome: Welcome, now: float) -> Sequence[Send]:
         self._asking = False
-        if welcome.dp_size != self.dp_size:
+        if not 1 <= welcome.dp_size <= self.max_dp_size:
             return self._refuse_pending(
                 Rejected(
                     RejectReason.DP_SIZE.value,
-                    f"the root coordd serves dp={welcome.dp_size}, this relay --dp {self.dp_size}",
-                    expected=str(self.dp_size),
+                    f"the root coordd welcomed dp={welcome.dp_size}, this relay serves at most "
+                    f"--dp {self.max_dp_size}",
+                    expected=f"1..{self.max_dp_size}",
                     got=str(welcome.dp_size),
                 )
             )
         self.registered = True
+        self._at_root = welcome.epoch
         self._welcome = welcome
+        self.serving = tuple(r for r in self.ranks if r < welcome.dp_size)
         if self._state is _S.EMPTY:
             self._adopt(welcome)
         sends: list[Send] = []
@@ -252,20 +277,23 @@ class RelayCoordinator(Coordinator):
 
     def _complete_if_ready(self, now: float, last_rank: int | None) -> Sequence[Send]:
         rnd = self._round
-        if rnd is None or self.forwarded or rnd.reported < len(self.ranks):
+        if rnd is None or self.forwarded or rnd.reported < len(self.serving):
             return _NOTHING
         self.forwarded = True
-        self._uplink(bundle_of(self.group, self._epoch, rnd, self.ranks))
+        self._uplink(bundle_of(self.group, self._epoch, rnd, self.serving))
         return _NOTHING
 
     def next_deadline(self) -> float | None:
-        if self._round is None:
-            return None
-        if self.forwarded:
-            return self._round.started + self.step_timeout + 2 * RELAY_GRACE
-        return self._round.started + self.step_timeout
+        rnd = self._round
+        due = None
+        if rnd is not None:
+            due = rnd.started + self.step_timeout + (2 * RELAY_GRACE if self.forwarded else 0.0)
+        if self._resizing:  # a Hello at another size waits for the node's own ranks
+            waiting = min(w.deadline for w in self._resizing)
+            due = waiting if due is None else min(due, waiting)
+        return due
 
-    def on_deadline(self, now: float) -> Sequence[Send]:
+    def _round_deadline(self, now: float) -> Sequence[Send]:
         rnd = self._round
         if rnd is not None and self.forwarded:
             if now < rnd.started + self.step_timeout + 2 * RELAY_GRACE:
@@ -278,8 +306,8 @@ class RelayCoordinator(Coordinator):
                 now,
             )
         if rnd is None or now < rnd.started + self.step_timeout or rnd.disputed:
-            return super().on_deadline(now)
-        missing = [r for r in self.ranks if rnd.reports[r] is None]
+            return super()._round_deadline(now)
+        missing = [r for r in self.serving if rnd.reports[r] is None]
         return self._fail(StepTimeout(missing, self.step_timeout), now)
 
     def _settle(self, outcome: StepDecision | GatherResult, now: float) -> Sequence[Send]:
@@ -332,6 +360,7 @@ class RelayCoordinator(Coordinator):
         `CoordinatorUnavailable` (now if a round is open, else at its next report)."""
         self.registered = False
         self._asking = False
+        self._at_root = None  # the root let go of this relay with its connection
         if self._state in (_S.EMPTY, _S.FAILED, _S.STOPPED):
             return _NOTHING
         waiting = self._state is _S.ROUND_OPEN
@@ -342,12 +371,34 @@ class RelayCoordinator(Coordinator):
         return sends if waiting else _NOTHING
 
     def _on_goodbye(self, peer: bytes, now: float) -> Sequence[Send]:
-        before = self._state
         sends = super()._on_goodbye(peer, now)
-        if self._state is _S.STOPPED and before is not _S.STOPPED:
-            self.registered = False
-            self._uplink(RelayLeave(group=self.group, epoch=self._epoch))
+        self._leave_if_unheld()
         return sends
+
+    def _on_lost(self, peer: bytes, now: float, detail: str) -> Sequence[Send]:
+        before = self._state
+        sends = super()._on_lost(peer, now, detail)
+        if self._state is _S.EMPTY and before is not _S.EMPTY:
+            self._leave_root(lost=True)  # coordd's own group disbands; the root lost them
+        self._leave_if_unheld()
+        return sends
+
+    def _leave_if_unheld(self) -> None:
+        """Every rank of the node left (the group stopped), or the group failed and none of
+        its ranks is connected: the relay leaves the group at the root, where it would
+        otherwise hold its ranks and keep a re-form at another size waiting."""
+        if self._members:
+            return
+        if self._state is _S.STOPPED or (self._state is _S.FAILED and not self._held):
+            self._leave_root()
+
+    def _leave_root(self, lost: bool = False) -> None:
+        """Tell the root this relay holds no rank of the group any more (`lost`: they were
+        lost, which the root's other relays hear as `RankLost`); the next Hello asks again."""
+        if self._at_root is not None:
+            self._uplink(RelayLeave(group=self.group, epoch=self._at_root, lost=lost))
+            self._at_root = None
+        self.registered = False
 
     def peer_lost(self, peer: bytes, now: float, detail: str = "disconnected") -> Sequence[Send]:
         self._pending = [(p, h) for p, h in self._pending if p != peer]

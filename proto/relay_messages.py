@@ -102,10 +102,12 @@ class RelayFault(_RelayMessage, tag="relay_fault", frozen=True):
 
 
 class RelayLeave(_RelayMessage, tag="relay_leave", frozen=True):
-    """Every rank of the relay said Goodbye between rounds: the relay leaves the group."""
+    """No rank of the relay holds the group any more: every one said Goodbye between rounds,
+    or left a failed group; with `lost`, every one was lost (the root's loss of those ranks)."""
 
     group: ShortStr
     epoch: int
+    lost: bool = False
 
 
 class RelayAnswer(_RelayMessage, tag="relay_answer", frozen=True):

@@ -17,7 +17,11 @@ The rules are the flat coordinator's (`coordd.proto.coordinator`), per relay:
   names the late rank, comes first); a fault a relay found (`RelayFault`) fails the group for
   every relay with that relay's error, whose culprits must be its own ranks;
 - fail-stop: the group stays FAILED until a relay registers again, which opens a new epoch
-  (seq after the failed one); relays of the failed epoch still connected keep their ranks.
+  (seq after the failed one); relays of the failed epoch still connected keep their ranks;
+- resize, as the flat coordinator's: the root's `--dp` bounds the size and each epoch has the
+  size its first registration says; a registration at another size while relays hold ranks
+  of the group waits until they have all left (or were lost), then opens the new epoch at its
+  size, or is refused after the step timeout naming the relays and ranks that stay.
 The group's states and moves are `coordd.proto.group_state`'s table.
 """
 
@@ -100,6 +104,15 @@ class RelayMember(NamedTuple):
         return self.hello.relay or f"ranks {self.ranks[0]}..{self.ranks[-1]}"
 
 
+class _Waiting(NamedTuple):
+    """A registration at another size, waiting for the group's relays to leave until
+    `deadline`."""
+
+    peer: bytes
+    hello: RelayHello
+    deadline: float
+
+
 class _TreeRound:
     __slots__ = ("bundles", "covered", "disputed", "first", "seq", "started")
 
@@ -120,6 +133,9 @@ class TreeCoordinator:
     ) -> None:
         if not 1 <= dp_size <= MAX_DP_SIZE:
             raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
+        #: The root's --dp: the most ranks an epoch may have.
+        self.max_dp_size = dp_size
+        #: This epoch's size, set by the first registration of an epoch.
         self.dp_size = dp_size
         self.group = group
         self.step_timeout = step_timeout
@@ -133,6 +149,7 @@ class TreeCoordinator:
         self._held: dict[bytes, RelayMember] = {}
         #: Ranks of relays that left cleanly in this epoch.
         self._left: set[int] = set()
+        self._resizing: list[_Waiting] = []
         self._round: _TreeRound | None = None
         self._decided: tuple[dict[bytes, RelayBundle], RelayAnswer] | None = None
         self._decided_seq = -1
@@ -187,7 +204,7 @@ class TreeCoordinator:
         return GroupSnapshot(
             state=self._state,
             dp_size=self.dp_size,
-            max_dp_size=self.dp_size,
+            max_dp_size=self.max_dp_size,
             on_rank_loss=OnRankLoss.FAIL,
             step_timeout=self.step_timeout,
             epoch=self._epoch,
@@ -208,7 +225,9 @@ class TreeCoordinator:
         return dict(self._relays)
 
     def holders(self) -> list[bytes]:
-        return [*self._relays, *self._held]
+        """Every relay the shell binds to its connection and tells the loss of: registered,
+        held from a failed epoch, or waiting to re-form the group at another size."""
+        return [*self._relays, *self._held, *(w.peer for w in self._resizing)]
 
     def peers(self) -> tuple[bytes, ...]:
         if self._peers is None:
@@ -216,9 +235,11 @@ class TreeCoordinator:
         return self._peers
 
     def next_deadline(self) -> float | None:
-        if self._round is None:
-            return None
-        return self._round.started + self.step_timeout + RELAY_GRACE
+        due = None if self._round is None else self._round.started + self.step_timeout + RELAY_GRACE
+        if self._resizing:
+            waiting = min(w.deadline for w in self._resizing)
+            due = waiting if due is None else min(due, waiting)
+        return due
 
     # -- inputs -----------------------------------------------------------------------------
 
@@ -230,13 +251,20 @@ class TreeCoordinator:
         if type(message) is RelayFault:
             return self._on_fault(peer, message, now)
         if type(message) is RelayLeave:
-            return self._on_leave(peer, message, now)
+            sends = self._on_leave(peer, message, now)
+            return [*sends, *self._admit_resizes(now)] if self._resizing else sends
         raise TypeError(f"not a message from a relay: {message!r}")
 
     def relay_lost(
         self, peer: bytes, now: float, detail: str = "connection closed"
     ) -> Sequence[RelaySend]:
         """The connection of relay `peer` closed (or missed heartbeats)."""
+        if not self._resizing:
+            return self._on_lost(peer, now, detail)
+        self._resizing = [w for w in self._resizing if w.peer != peer]
+        return [*self._on_lost(peer, now, detail), *self._admit_resizes(now)]
+
+    def _on_lost(self, peer: bytes, now: float, detail: str) -> Sequence[RelaySend]:
         if self._held.pop(peer, None) is not None:
             return _NOTHING
         member = self._relays.get(peer)
@@ -258,6 +286,11 @@ class TreeCoordinator:
         return self._fail(RankLost(list(member.ranks), f"relay {member.name} lost ({detail})"), now)
 
     def on_deadline(self, now: float) -> Sequence[RelaySend]:
+        if self._resizing and now >= min(w.deadline for w in self._resizing):
+            return [*self._refuse_resizes(now), *self._round_deadline(now)]
+        return self._round_deadline(now)
+
+    def _round_deadline(self, now: float) -> Sequence[RelaySend]:
         rnd = self._round
         if rnd is None or now < rnd.started + self.step_timeout + RELAY_GRACE:
             return _NOTHING
@@ -268,17 +301,27 @@ class TreeCoordinator:
 
     # -- registration -----------------------------------------------------------------------
 
-    def _on_hello(self, peer: bytes, hello: RelayHello, now: float) -> Sequence[RelaySend]:
+    def _on_hello(
+        self, peer: bytes, hello: RelayHello, now: float, deadline: float | None = None
+    ) -> Sequence[RelaySend]:
         try:
+            if self._must_wait(peer, hello):
+                return self._wait_to_resize(peer, hello, now, deadline)
             ranks = self._check(peer, hello)
         except Rejected as error:
             return (RelaySend((peer,), self._answer(reject_message(error))),)
+        resized = hello.dp_size != self.dp_size
+        if resized:  # no relay holds a rank of the group: it forms at this size
+            self.dp_size = hello.dp_size
+            self._owner = [None] * hello.dp_size
         if self._state is _S.FAILED:
             self._reform()
         elif self._state is _S.STOPPED:
             self._move(_E.REFORM)
             self._epoch += 1
             self._left = set()
+        elif resized:
+            self._epoch += 1  # an epoch has one size
         old = self._relays.get(peer)
         if old is not None:
             if old.ranks == ranks:
@@ -308,8 +351,9 @@ class TreeCoordinator:
             )
         )
 
-    def _check(self, peer: bytes, hello: RelayHello) -> tuple[int, ...]:
-        """The relay's ranks, ascending, if its registration may stand; else `Rejected`."""
+    def _must_wait(self, peer: bytes, hello: RelayHello) -> bool:
+        """Whether a registration that may stand must first wait for the group's relays to
+        leave (another size than the epoch's); `Rejected` if it may never stand."""
         if hello.protocol_version != PROTOCOL_VERSION:
             raise Rejected(
                 RejectReason.VERSION.value,
@@ -317,21 +361,82 @@ class TreeCoordinator:
                 expected=str(PROTOCOL_VERSION),
                 got=str(hello.protocol_version),
             )
-        if hello.dp_size != self.dp_size:
+        if not 1 <= hello.dp_size <= self.max_dp_size:
             raise Rejected(
                 RejectReason.DP_SIZE.value,
-                f"relay {hello.relay or '?'} serves dp={hello.dp_size}, the group "
-                f"dp={self.dp_size}",
+                f"relay {hello.relay or '?'} asks dp_size={hello.dp_size}, the root coordd "
+                f"serves groups of at most --dp {self.max_dp_size} ranks",
+                expected=f"1..{self.max_dp_size}",
+                got=str(hello.dp_size),
+            )
+        if hello.dp_size == self.dp_size or not (self._relays or self._held):
+            return False
+        holding = self._relays.get(peer) or self._held.get(peer)
+        if holding is not None:
+            raise Rejected(
+                RejectReason.DP_SIZE.value,
+                f"relay {holding.name} holds ranks {list(holding.ranks)} of the group at "
+                f"dp_size={self.dp_size}: its ranks must leave before it registers at "
+                f"dp_size={hello.dp_size}",
                 expected=str(self.dp_size),
                 got=str(hello.dp_size),
             )
+        return True
+
+    def _wait_to_resize(
+        self, peer: bytes, hello: RelayHello, now: float, deadline: float | None
+    ) -> Sequence[RelaySend]:
+        if deadline is None:
+            deadline = now + self.step_timeout
+        self._resizing = [w for w in self._resizing if w.peer != peer]
+        self._resizing.append(_Waiting(peer, hello, deadline))
+        return _NOTHING
+
+    def _admit_resizes(self, now: float) -> list[RelaySend]:
+        """Once no relay holds the group, the waiting registrations count, in their order."""
+        if self._relays or self._held:
+            return []
+        waiting, self._resizing = self._resizing, []
+        sends: list[RelaySend] = []
+        for peer, hello, deadline in waiting:
+            sends.extend(self._on_hello(peer, hello, now, deadline))
+        return sends
+
+    def _refuse_resizes(self, now: float) -> list[RelaySend]:
+        holders = sorted({**self._held, **self._relays}.values(), key=lambda m: m.ranks)
+        ranks = sorted(r for m in holders for r in m.ranks)
+        who = "; ".join(f"relay {m.name}: {list(m.ranks)}" for m in holders)
+        sends: list[RelaySend] = []
+        kept: list[_Waiting] = []
+        for waiting in self._resizing:
+            if now < waiting.deadline:
+                kept.append(waiting)
+                continue
+            hello = waiting.hello
+            error = Rejected(
+                RejectReason.DP_SIZE.value,
+                f"relay {hello.relay or '?'} asks dp_size={hello.dp_size} for ranks "
+                f"{hello.ranks}, the group runs at dp_size={self.dp_size} and ranks {ranks} "
+                f"still hold it ({who}): a group re-forms at another size only once its ranks "
+                f"leave (waited {self.step_timeout:g} s)",
+                expected=str(self.dp_size),
+                got=str(hello.dp_size),
+            )
+            sends.append(RelaySend((waiting.peer,), self._answer(reject_message(error))))
+        self._resizing = kept
+        return sends
+
+    def _check(self, peer: bytes, hello: RelayHello) -> tuple[int, ...]:
+        """The relay's ranks, ascending, if its registration may stand at its size (no relay
+        holds the group at another); else `Rejected`."""
+        dp = hello.dp_size
         ranks = tuple(sorted(set(hello.ranks)))
-        if not ranks or len(ranks) != len(hello.ranks) or ranks[0] < 0 or ranks[-1] >= self.dp_size:
+        if not ranks or len(ranks) != len(hello.ranks) or ranks[0] < 0 or ranks[-1] >= dp:
             raise Rejected(
                 RejectReason.RANK_RANGE.value,
                 f"relay {hello.relay or '?'} claims ranks {hello.ranks}: distinct ranks in "
-                f"0..{self.dp_size - 1} are needed",
-                expected=f"distinct ranks in 0..{self.dp_size - 1}",
+                f"0..{dp - 1} are needed (dp_size={dp})",
+                expected=f"distinct ranks in 0..{dp - 1}",
                 got=str(hello.ranks),
             )
         others = {**self._held, **self._relays}
@@ -391,11 +496,20 @@ class TreeCoordinator:
         self._peers = None
 
     def _on_leave(self, peer: bytes, leave: RelayLeave, now: float) -> Sequence[RelaySend]:
+        """Every rank of the relay left: between rounds that is no fault; a relay of a failed
+        epoch that no rank holds any more holds the group no longer either. Every rank of the
+        relay lost (`lost`) is their loss, as a flat coordd's."""
+        held = self._held.get(peer)
+        if held is not None and peer not in self._relays:
+            del self._held[peer]
+            return _NOTHING
         member = self._relays.get(peer)
         if member is None or leave.epoch != self._epoch:
             return _NOTHING
+        if leave.lost:
+            return self._on_lost(peer, now, f"every rank under relay {member.name} lost")
         if self._state is not _S.IDLE:
-            return self.relay_lost(peer, now, LEFT_THE_GROUP)
+            return self._on_lost(peer, now, LEFT_THE_GROUP)
         self._remove(member)
         self._left |= set(member.ranks)
         if not self._relays:

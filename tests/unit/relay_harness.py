@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from coordd.proto.coordinator import Send
-from coordd.proto.messages import FromCoordinator, Hello, StepReport
+from coordd.proto.messages import FromCoordinator, Goodbye, Hello, StepReport
 from coordd.proto.relay import RelayCoordinator
 from coordd.proto.relay_messages import RelayUp
 from coordd.proto.tree import TreeCoordinator
@@ -17,11 +17,21 @@ def peer(rank: int) -> bytes:
 
 
 class Tree:
-    """`layout`: each relay's ranks; rank r's peer is peer(r) on its relay."""
+    """`layout`: each relay's ranks; rank r's peer is peer(r) on its relay. `dp` is every
+    relay's and the root's --dp (the ranks of the layout unless told), `root_dp` the root's
+    if another."""
 
-    def __init__(self, layout: list[list[int]], step_timeout: float = 5.0) -> None:
-        self.dp = sum(len(r) for r in layout)
-        self.root = TreeCoordinator(self.dp, group="g", epoch=1000, step_timeout=step_timeout)
+    def __init__(
+        self,
+        layout: list[list[int]],
+        step_timeout: float = 5.0,
+        dp: int | None = None,
+        root_dp: int | None = None,
+    ) -> None:
+        self.dp = dp or sum(len(r) for r in layout)
+        self.root = TreeCoordinator(
+            root_dp or self.dp, group="g", epoch=1000, step_timeout=step_timeout
+        )
         self.up: list[tuple[bytes, RelayUp]] = []
         self.relays: dict[bytes, RelayCoordinator] = {}
         self.relay_of: dict[int, RelayCoordinator] = {}
@@ -57,8 +67,13 @@ class Tree:
                     self._deliver(self.relays[p].from_root(answer, now))  # type: ignore[arg-type]
 
     def hello(self, rank: int, now: float = 0.0, **fields: object) -> None:
-        h = Hello(dp_size=self.dp, dp_rank=rank, config_fingerprint="f", incarnation="i", **fields)  # type: ignore[arg-type]
+        fields.setdefault("dp_size", self.dp)
+        h = Hello(dp_rank=rank, config_fingerprint="f", incarnation="i", **fields)  # type: ignore[arg-type]
         self._deliver(self.relay_of[rank].receive(peer(rank), h, now))
+        self.pump(now)
+
+    def goodbye(self, rank: int, now: float = 0.0) -> None:
+        self._deliver(self.relay_of[rank].receive(peer(rank), Goodbye(), now))
         self.pump(now)
 
     def send(self, rank: int, report: object, now: float = 0.0) -> None:
