@@ -157,9 +157,9 @@ class DescriptorWatch:
 
     This process's descriptors are counted at every POKE_EVERY-th handshake (`poke`, from
     the ZAP gate's thread) and by a thread every SLOW_S (every FAST_S while paused, past
-    `low`, for ALERT_S after a resume, and while more than QUIET_SLACK descriptors are open
-    beyond what coordd held at start and the ranks hold: a storm is seen as it begins, not
-    up to SLOW_S later, when a burst of accepts may have reached the limit); past
+    `low`, for ALERT_S after a resume, and while more than QUIET_SLACK descriptors beyond
+    the ranks' are open than at the last quiet look, for up to SETTLE_S: a storm is seen as it
+    begins, not up to SLOW_S later, when a burst of accepts may have reached the limit); past
     `high` the watch calls `pause()` (the ipc socket's file renamed aside: a connect() finds
     no file and retries; the open connections are untouched), and below `low` `resume()`.
     No ZeroMQ call: safe beside the event loop.
@@ -175,8 +175,10 @@ class DescriptorWatch:
     POKE_EVERY = 4
     #: looks stay FAST_S this long after a resume
     ALERT_S = 1.0
-    #: descriptors beyond the quiet count (at start, plus the ranks') that make looks FAST_S
+    #: descriptors beyond the ranks' grown since the last quiet look that make looks FAST_S
     QUIET_SLACK = 8
+    #: a level held this long is the new quiet one (connections coordd keeps: HTTP, a relay's)
+    SETTLE_S = 1.0
 
     def __init__(
         self,
@@ -205,13 +207,14 @@ class DescriptorWatch:
         self.peak = 0
         self._lock = threading.Lock()
         self._pokes = 0
-        #: descriptors open when the watch started (the listener, libzmq's and the loop's)
-        self.base: int | None = None
+        #: descriptors beyond the ranks' at the last quiet look, and when they grew past it
+        self.quiet: int | None = None
+        self._grew_at: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="coordd-fds", daemon=True)
 
     def start(self) -> DescriptorWatch:
-        self.base = self._count()
+        self.quiet = self._count()
         self._thread.start()
         return self
 
@@ -258,13 +261,23 @@ class DescriptorWatch:
             # (100 ms): hundreds of accepts between two slow looks
             self._alert_until = self._clock() + self.ALERT_S
             log.info("descriptors %d of %d: new connections accepted again", n, self.nofile)
-        busy = (
-            self.paused
-            or n >= low
-            or self._clock() < self._alert_until
-            or (self.base is not None and n > self.base + self.held + self.QUIET_SLACK)
-        )
+        now = self._clock()
+        busy = self.paused or n >= low or now < self._alert_until or self._growing(n, now)
         return self.FAST_S if busy else self.SLOW_S
+
+    def _growing(self, n: int, now: float) -> bool:
+        """Whether descriptors beyond the ranks' grew by more than QUIET_SLACK since the last
+        quiet look, less than SETTLE_S ago (a storm beginning)."""
+        beyond = n - max(0, self.held)
+        if self.quiet is None or beyond <= self.quiet + self.QUIET_SLACK:
+            self.quiet, self._grew_at = beyond, None
+            return False
+        if self._grew_at is None:
+            self._grew_at = now
+        elif now - self._grew_at >= self.SETTLE_S:
+            self.quiet, self._grew_at = beyond, None
+            return False
+        return True
 
     def marks(self) -> tuple[int, int]:
         """(pause past, resume below): `high` and `low` moved up by what ranks hold."""

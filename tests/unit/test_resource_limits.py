@@ -211,17 +211,29 @@ def test_the_descriptor_watch_pauses_past_high_and_resumes_below_low() -> None:
 def test_the_descriptor_watch_looks_fast_as_soon_as_a_storm_begins() -> None:
     """A look every SLOW_S (100 ms) below `low` let a storm's burst of accepts reach NOFILE
     between two looks (libzmq's abort, 4 runs in 10 of the fd-storm test under CPU hogs):
-    the looks are FAST_S once more descriptors are open than coordd and its ranks hold."""
+    the looks are FAST_S once descriptors beyond the ranks' grew by more than QUIET_SLACK
+    since the last quiet look, and SLOW_S again once that level has held SETTLE_S (what
+    coordd keeps open: its HTTP listener, a relay's uplink) or fallen back."""
     from coordd.io._limits import DescriptorWatch
 
-    counts = iter([30, 86, 86 + DescriptorWatch.QUIET_SLACK + 1, 90])
-    watch = DescriptorWatch(256, lambda: True, lambda: True, count=lambda: next(counts))
-    watch.base = 30  # what `start` counts, here without its thread
+    now = [0.0]
+    slack = DescriptorWatch.QUIET_SLACK
+    counts = iter([30, 86, 86 + slack + 1, 86 + slack + 5, 86 + slack + 5, 90, 40 + 56 + 20])
+    watch = DescriptorWatch(
+        256, lambda: True, lambda: True, count=lambda: next(counts), clock=lambda: now[0]
+    )
+    watch.quiet = 30  # what `start` counts, here without its thread
     assert watch.check() == DescriptorWatch.SLOW_S
     watch.held = 56  # ranks registered: quiet still
     assert watch.check() == DescriptorWatch.SLOW_S
     assert watch.check() == DescriptorWatch.FAST_S, "strangers beyond the ranks: a storm"
-    assert not watch.paused and watch.check() == DescriptorWatch.SLOW_S
+    now[0] += 0.5
+    assert watch.check() == DescriptorWatch.FAST_S
+    now[0] += DescriptorWatch.SETTLE_S
+    assert watch.check() == DescriptorWatch.SLOW_S, "a level held: the new quiet one"
+    assert watch.check() == DescriptorWatch.SLOW_S and watch.quiet == 90 - 56
+    assert watch.check() == DescriptorWatch.FAST_S, "grown again past the new quiet level"
+    assert not watch.paused
 
 
 def test_an_ipc_socket_paused_refuses_new_connections_and_keeps_the_open_ones(
