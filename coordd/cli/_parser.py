@@ -295,8 +295,9 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         default=_env("curve_client_keys", []),
         help="comma list of client public key files (NAME.key) or directories of them: "
         "coordd admits only these; a file named rank<N>.key, or an entry N=PATH, admits its "
-        "key(s) for dp_rank N only, an entry @GROUP=PATH (GROUP: a name or pattern) for that "
-        "group only, N@GROUP=PATH for rank N of it (default: none)",
+        "key(s) for dp_rank N only, A-B=PATH for dp_ranks A..B (a relay's node), an entry "
+        "@GROUP=PATH (GROUP: a name or pattern) for that group only, N@GROUP=PATH or "
+        "A-B@GROUP=PATH for those ranks of it (default: none)",
     )
     p.add_argument(
         "--insecure",

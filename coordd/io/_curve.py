@@ -76,6 +76,11 @@ def check_security_options(
         raise SecurityConfigError(
             "--curve-client-keys needs --curve-secret-key (coordd's own NAME.key_secret)"
         )
+    for entry in client_keys:
+        try:
+            split_entry(entry)
+        except ValueError as exc:
+            raise SecurityConfigError(f"--curve-client-keys {entry}: {exc}") from None
     if bind.startswith("tcp://") and not secret_key and not insecure:
         raise SecurityConfigError(
             f"a tcp bind ({bind}) needs CURVE: give --curve-secret-key and --curve-client-keys "
@@ -201,9 +206,10 @@ def load_grants(entries: Sequence[str]) -> dict[bytes, frozenset[Grant]]:
             public, _ = read_key_file(file)
             named = _RANK_KEY_FILE.fullmatch(os.path.basename(file))
             rank = given.rank if given is not None else None
+            last = given.last if given is not None else None
             if rank is None and named:
                 rank = int(named.group(1))
-            grant = Grant(given.group if given is not None else None, rank)
+            grant = Grant(given.group if given is not None else None, rank, last)
             grants[public] = grants.get(public, frozenset()) | {grant}
     return grants
 

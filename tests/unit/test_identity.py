@@ -9,6 +9,8 @@ the honest ranks out with rank_taken / fingerprint Rejects).
 
 from __future__ import annotations
 
+import pytest
+
 from coordd.proto import (
     Coordinator,
     Hello,
@@ -181,6 +183,15 @@ def test_curve_keys_bound_to_groups(tmp_path) -> None:  # type: ignore[no-untype
 
     assert split_entry("2@dp-tp*-pp0=/k/a=b.key") == (Grant("dp-tp*-pp0", 2), "/k/a=b.key")
     assert split_entry("/k/plain.key") == (None, "/k/plain.key")
+    # a relay's node: a range of ranks (issue 29), of any group or of one
+    assert split_entry("8-15=/k/node1.key") == (Grant(None, 8, 15), "/k/node1.key")
+    assert split_entry("0-7@dp=/k/n0.key") == (Grant("dp", 0, 7), "/k/n0.key")
+    assert split_entry("3-3=/k/r.key") == (Grant(None, 3), "/k/r.key")
+    node1 = Grant(None, 8, 15)
+    assert node1.allows("g", 8) and node1.allows("g", 15) and not node1.allows("g", 7)
+    assert not node1.allows("g", 16) and str(node1) == "dp_ranks 8-15"
+    with pytest.raises(ValueError, match="low to high"):
+        split_entry("9-3=/k/x.key")
     assert split_entry("x y=/k/odd.key") == (None, "x y=/k/odd.key"), "not a head: a path"
     entries = [f"@dp-tp0-pp0={tmp_path / 'tp0'}", f"@enginecore={tmp_path / 'engine.key'}",
                f"1@dp-tp*-pp1={tmp_path / 'w.key'}"]

@@ -70,6 +70,8 @@ def refusal(argv: list[str]) -> str:
         (["--dp", "2", "--bind", "ipc:///tmp/" + "x" * 120], "longer than a UNIX socket"),
         (["--dp", "2", "--relay-to", "ipc:///tmp/r.sock", "--relay-ranks", "0",
           "--on-rank-loss", "neutralize"], "a relay serves fail-stop groups only"),
+        (["--dp", "2", "--bind", "tcp://127.0.0.1:5555", "--curve-secret-key", "/k/c.key_secret",
+          "--curve-client-keys", "9-3=/k/n.key"], "9-3=/k/n.key: a range of dp_ranks runs low"),
         (["demo", "--dp", "1"], "--dp must be >= 2"),
         (["demo", "--bind", "tcp://127.0.0.1:*"], "needs CURVE"),
         (["demo", "--bind", "127.0.0.1:5555"], "has no scheme"),
