@@ -202,11 +202,15 @@ class TreeCoordinator:
 
     def snapshot(self) -> GroupSnapshot:
         """The group as readiness and status read a flat group: a member per rank a relay
-        speaks for (built on demand: it is read by probes, never per round)."""
+        speaks for and that is not left out (built on demand: it is read by probes, never per
+        round)."""
         members: dict[int, Member] = {}
+        dead = self._dead
         for member in self._relays.values():
             h = member.hello
             for r in member.ranks:
+                if r in dead:
+                    continue
                 hello = Hello(
                     dp_size=h.dp_size,
                     dp_rank=r,

@@ -16,14 +16,26 @@ from coordd.client import CoordClient
 from coordd.proto.messages import StepDecision
 from coordd.proto.policy import decide
 from coordd.tools.chaos.seeded_reports import kind_for, report_for
-from tests.integration.test_relays import DP, TreeProcs, clients, connect_all, on_every_rank
+from tests.integration.scrape import free_port
+from tests.integration.test_relays import (
+    DP,
+    TreeProcs,
+    clients,
+    connect_all,
+    on_every_rank,
+    readyz,
+)
 
 
 @pytest.fixture
 def elastic_tree(tmp_path: Path) -> Iterator[TreeProcs]:
     procs = TreeProcs(tmp_path)
+    procs.port = free_port()
     try:
-        procs.start_root("--step-timeout", "5", "--on-rank-loss", "neutralize")
+        procs.start_root(
+            "--step-timeout", "5", "--on-rank-loss", "neutralize",
+            "--metrics-port", str(procs.port),
+        )
         procs.start_relay(0)
         procs.start_relay(1)
         yield procs
@@ -94,6 +106,10 @@ def test_a_relay_killed_leaves_all_its_ranks_out(elastic_tree: TreeProcs) -> Non
         os.kill(relay.proc.pid, signal.SIGKILL)
         relay.proc.wait(timeout=10)
         rounds(cs, [0, 1], seq, 10, epoch, [2, 3])
+        # the root's /readyz counts ranks left out as a flat elastic coordd does
+        assert readyz(elastic_tree.port) == (
+            200, "1/1 groups formed (default: 2/4 ranks registered, left out: [2, 3])"
+        )
     finally:
         for c in cs:
             c.close(goodbye=False)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from coordd.ops.status_doc import group_readiness
 from coordd.proto.coordinator import Coordinator, Send
 from coordd.proto.group_state import GroupState
 from coordd.proto.messages import (
@@ -115,7 +116,11 @@ def test_a_rank_lost_under_a_relay_is_left_out_as_flat(layout, variant) -> None:
     assert type(last) is StepDecision and last.seq == 2 and last.dead_ranks == [1, 2]
     reports = [None if r in (1, 2) else step(r, 2, variant) for r in range(tree.dp)]
     assert last == decide(reports, epoch=EPOCH, seq=2)
-    assert tree.root.snapshot().dead == {1, 2}
+    snap = tree.root.snapshot()
+    assert snap.dead == {1, 2} and set(snap.members) == set(range(tree.dp)) - {1, 2}
+    assert group_readiness(snap) == (
+        True, f"{tree.dp - 2}/{tree.dp} ranks registered, left out: [1, 2]"
+    )
     assert tree.root.snapshot().on_rank_loss is NEUTRALIZE
     assert all(relay.on_rank_loss is NEUTRALIZE for relay in tree.relays.values())
 
