@@ -234,7 +234,8 @@ class RelayCoordinator(Coordinator):
             )
         self.registered = True
         self.on_rank_loss = answer.on_rank_loss
-        self._dead = frozenset(answer.dead_ranks).intersection(self.ranks) - self._members.keys()
+        # the root's word: a rank still connected from a failed epoch is out until it is back
+        self._dead = frozenset(answer.dead_ranks).intersection(self.ranks)
         self._members_changed()
         self._at_root = welcome.epoch
         self._welcome = welcome

@@ -96,6 +96,11 @@ class Tree:
             for p in peers:
                 self._deliver(self.relays[p].from_root(answer, now))  # type: ignore[arg-type]
 
+    def cut(self, index: int, now: float = 0.0) -> None:
+        """A network cut: the root loses relay `index`, and the relay loses the root."""
+        self.lose_relay(index, now)
+        self._deliver(self.relays[b"relay-%d" % index].root_lost(now, "cut"))
+
     def deadlines(self, now: float) -> None:
         for relay in self.relays.values():
             self._deliver(relay.on_deadline(now))

@@ -285,3 +285,32 @@ def test_a_fail_root_refuses_a_bundle_that_leaves_ranks_out() -> None:
     (answer,) = tree.root.receive(b"relay-1", bundle, 0.0)
     failed = answer.message.message
     assert type(failed) is StepFailed and failed.reason.value == "protocol"
+
+
+def test_a_relay_cut_off_and_back_goes_on_without_the_ranks_not_yet_back() -> None:
+    tree = Tree([[0, 1], [2, 3]], on_rank_loss=NEUTRALIZE)
+    for r in range(4):
+        tree.hello(r)
+    for r in range(4):
+        tree.send(r, step(r, 0, "plain"))
+    tree.cut(1)  # relay 1's ranks are left out at the root
+    for r in (0, 1):
+        tree.send(r, step(r, 1, "plain"))
+    assert tree.inbox[0][-1].dead_ranks == [2, 3]  # type: ignore[union-attr]
+    tree.send(2, step(2, 1, "plain"))  # the relay failed its node's group when the root went
+    assert type(tree.inbox[2][-1]) is StepFailed
+    tree.relays[b"relay-1"].root_back()
+    tree.hello(2)  # rank 2 registers again, rank 3 (still connected) has not yet
+    welcome = tree.inbox[2][-1]
+    assert type(welcome) is Welcome and welcome.next_seq == 2
+    for r in (0, 1, 2):
+        tree.send(r, step(r, 2, "plain"))
+    assert [tree.last(r).dead_ranks for r in (0, 1, 2)] == [[3]] * 3  # type: ignore[union-attr]
+    tree.send(3, step(3, 1, "plain"))  # its old epoch's report: it learns to register again
+    assert type(tree.inbox[3][-1]) is StepFailed
+    tree.hello(3)
+    for r in range(4):
+        tree.send(r, step(r, 3, "plain"))
+    last = tree.last(0)
+    assert type(last) is StepDecision and last.seq == 3 and last.dead_ranks == []
+    assert all(tree.last(r) == last for r in range(4))
