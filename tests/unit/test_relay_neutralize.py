@@ -314,3 +314,19 @@ def test_a_relay_cut_off_and_back_goes_on_without_the_ranks_not_yet_back() -> No
     last = tree.last(0)
     assert type(last) is StepDecision and last.seq == 3 and last.dead_ranks == []
     assert all(tree.last(r) == last for r in range(4))
+
+
+def test_a_rank_queued_to_rejoin_when_the_round_fails_opens_the_next_epoch_as_flat() -> None:
+    def script(g: Tree | Flat) -> None:
+        for r in range(4):
+            g.hello(r)
+        g.lose_rank(1)
+        g.send(0, step(0, 0, "plain"))
+        g.hello(1)  # queued: the round is open
+        g.send(2, step(2, 5, "plain"))  # a skipped seq fails the round
+
+    tree, flat = both([[0, 1], [2, 3]], script)
+    same_inboxes(tree, flat, range(4))
+    welcome = tree.inbox[1][-1]
+    assert type(welcome) is Welcome and welcome.epoch == EPOCH + 1
+    assert type(tree.inbox[0][-1]) is StepFailed
