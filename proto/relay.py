@@ -19,6 +19,9 @@ to the root per round (the per-node partial round).
   at that size, for the relay's ranks that exist at that size (`serving`): `--relay-ranks
   8-15` speak for no rank of a group re-formed at dp 8. Once no rank of the node holds the
   group, the relay leaves it at the root (`RelayLeave`), so it blocks no re-form there.
+- the rank-loss mode is the root's (its Welcome says it): under neutralize a rank the node
+  lost is left out as coordd leaves it out (`_dead`), the bundle carries only live ranks, and
+  a rank back rejoins when the node's round ends (the root's answer came).
 
 Upstream messages leave through `uplink`, a callable the shell gives (a list's append in tests).
 """
@@ -138,9 +141,7 @@ class RelayCoordinator(Coordinator):
         on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
         relay: str = "",
     ) -> None:
-        if on_rank_loss is not OnRankLoss.FAIL:
-            raise ValueError("a relay serves fail-stop groups only (--on-rank-loss fail)")
-        super().__init__(dp_size, epoch=epoch, step_timeout=step_timeout)
+        super().__init__(dp_size, epoch=epoch, step_timeout=step_timeout, on_rank_loss=on_rank_loss)
         if not ranks or min(ranks) < 0 or max(ranks) >= dp_size:
             raise ValueError(f"a relay's ranks must be in 0..{dp_size - 1}, got {sorted(ranks)}")
         self.group = group
@@ -219,7 +220,7 @@ class RelayCoordinator(Coordinator):
         if self._pending and not self.registered:
             self._ask(self._pending[0][1])
 
-    def _welcomed(self, welcome: Welcome, now: float) -> Sequence[Send]:
+    def _welcomed(self, welcome: Welcome, answer: RelayAnswer, now: float) -> Sequence[Send]:
         self._asking = False
         if not 1 <= welcome.dp_size <= self.max_dp_size:
             return self._refuse_pending(
@@ -232,6 +233,10 @@ class RelayCoordinator(Coordinator):
                 )
             )
         self.registered = True
+        self.on_rank_loss = answer.on_rank_loss
+        # the root's word: a rank still connected from a failed epoch is out until it is back
+        self._dead = frozenset(answer.dead_ranks).intersection(self.ranks)
+        self._members_changed()
         self._at_root = welcome.epoch
         self._welcome = welcome
         self.serving = tuple(r for r in self.ranks if r < welcome.dp_size)
@@ -277,11 +282,17 @@ class RelayCoordinator(Coordinator):
 
     def _complete_if_ready(self, now: float, last_rank: int | None) -> Sequence[Send]:
         rnd = self._round
-        if rnd is None or self.forwarded or rnd.reported < len(self.serving):
+        live = self._live()
+        if rnd is None or self.forwarded or not live or rnd.reported < len(live):
             return _NOTHING
         self.forwarded = True
-        self._uplink(bundle_of(self.group, self._epoch, rnd, self.serving))
+        self._uplink(bundle_of(self.group, self._epoch, rnd, live))
         return _NOTHING
+
+    def _live(self) -> tuple[int, ...]:
+        """The ranks a bundle speaks for: those served, less those left out (elastic)."""
+        dead = self._dead
+        return tuple(r for r in self.serving if r not in dead) if dead else self.serving
 
     def next_deadline(self) -> float | None:
         rnd = self._round
@@ -307,7 +318,7 @@ class RelayCoordinator(Coordinator):
             )
         if rnd is None or now < rnd.started + self.step_timeout or rnd.disputed:
             return super()._round_deadline(now)
-        missing = [r for r in self.serving if rnd.reports[r] is None]
+        missing = [r for r in self._live() if rnd.reports[r] is None]
         return self._fail(StepTimeout(missing, self.step_timeout), now)
 
     def _settle(self, outcome: StepDecision | GatherResult, now: float) -> Sequence[Send]:
@@ -322,7 +333,11 @@ class RelayCoordinator(Coordinator):
             rnd.seq, rnd.kind, rnd.started, now, None, rnd.arrivals, rnd.site
         )
         self._decided = _Decided(rnd, outcome)
-        return (Send(self.peers(), outcome),)
+        sends = [Send(self.peers(), outcome)]
+        queued, self._queued = self._queued, []
+        for peer, hello in queued:  # elastic: ranks back since the round opened join now
+            sends.extend(self._join(peer, hello, now))
+        return sends
 
     # -- faults ------------------------------------------------------------------------------
 
@@ -353,7 +368,8 @@ class RelayCoordinator(Coordinator):
         self._failures += 1
         self._reforming = True
         # between rounds nobody waits: each rank gets the failure when it next reports
-        return (Send(self.peers(), failure),) if waiting else _NOTHING
+        sends = [Send(self.peers(), failure)] if waiting else []
+        return [*sends, *self._rejoin_queued(now)]
 
     def root_lost(self, now: float, detail: str) -> Sequence[Send]:
         """The connection to the root dropped: every rank of the node gets
@@ -411,7 +427,7 @@ class RelayCoordinator(Coordinator):
         outcome, or a failure of the group."""
         msg = answer.message
         if type(msg) is Welcome:
-            return self._welcomed(msg, now)
+            return self._welcomed(msg, answer, now)
         if type(msg) is Reject:
             self._asking = False
             return self._refuse_pending(

@@ -32,6 +32,7 @@ from coordd.proto.messages import (
     Welcome,
     decode_frame,
 )
+from coordd.proto.snapshot import OnRankLoss
 
 #: Labels of a disputed bundle: one per rank it speaks for.
 LabelList = Annotated[list[ShortStr], msgspec.Meta(max_length=MAX_DP_SIZE)]
@@ -62,6 +63,9 @@ class RelayHello(_RelayMessage, tag="relay_hello", frozen=True):
 
 class RelayBundle(_RelayMessage, tag="bundle", frozen=True):
     """Every rank of a relay reported for round `seq`: one message for all of them.
+
+    `ranks` are the relay's live ranks: under --on-rank-loss neutralize a rank it lost (or
+    that left) is missing, and the root counts it as left out from that round on.
 
     A policy round carries what `decide` needs, reduced over the bundle's ranks (max padded,
     min tokens, min mode, the ANDs and ORs) and each rank's padded count (the unpadded
@@ -115,6 +119,12 @@ class RelayAnswer(_RelayMessage, tag="relay_answer", frozen=True):
 
     group: ShortStr
     message: Union[Welcome, Reject, StepDecision, GatherResult, StepFailed]
+    #: With a Welcome: the root's --on-rank-loss, which the relay serves the group by (the
+    #: root decides for every rank, so one setting holds for all); a root without it is fail.
+    on_rank_loss: OnRankLoss = OnRankLoss.FAIL
+    #: With a Welcome, elastic: the relay's ranks the group has left out (lost, not back);
+    #: its bundles leave them out until they register again.
+    dead_ranks: RankList = []
 
 
 RelayUp = Union[RelayHello, RelayBundle, RelayFault, RelayLeave]

@@ -18,6 +18,10 @@ The rules are the flat coordinator's (`coordd.proto.coordinator`), per relay:
   every relay with that relay's error, whose culprits must be its own ranks;
 - fail-stop: the group stays FAILED until a relay registers again, which opens a new epoch
   (seq after the failed one); relays of the failed epoch still connected keep their ranks;
+- elastic (`OnRankLoss.NEUTRALIZE`, the root's setting, which its Welcome gives each relay):
+  a rank a relay lost is missing from its bundles, a relay lost (or leaving) takes all its
+  ranks out; those ranks are neutral in every decision and listed in `dead_ranks`, as the
+  flat coordinator's `_dead`, and a rank is back in from the first bundle that carries it;
 - resize, as the flat coordinator's: the root's `--dp` bounds the size and each epoch has the
   size its first registration says; a registration at another size while relays hold ranks
   of the group waits until they have all left (or were lost), then opens the new epoch at its
@@ -129,7 +133,13 @@ class TreeCoordinator:
     """One DP group at the root, served through relays."""
 
     def __init__(
-        self, dp_size: int, *, group: str, epoch: int, step_timeout: float = STEP_TIMEOUT
+        self,
+        dp_size: int,
+        *,
+        group: str,
+        epoch: int,
+        step_timeout: float = STEP_TIMEOUT,
+        on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
     ) -> None:
         if not 1 <= dp_size <= MAX_DP_SIZE:
             raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
@@ -139,6 +149,7 @@ class TreeCoordinator:
         self.dp_size = dp_size
         self.group = group
         self.step_timeout = step_timeout
+        self.on_rank_loss = on_rank_loss
         self._state = _S.EMPTY
         self._epoch = epoch
         self._seq = 0
@@ -149,6 +160,10 @@ class TreeCoordinator:
         self._held: dict[bytes, RelayMember] = {}
         #: Ranks of relays that left cleanly in this epoch.
         self._left: set[int] = set()
+        #: Elastic: the ranks left out: no bundle of the last round carried them, or their
+        #: relay was lost or left since. A relay registering keeps them out (its Welcome says
+        #: which), until a bundle carries them again.
+        self._dead: set[int] = set()
         self._resizing: list[_Waiting] = []
         self._round: _TreeRound | None = None
         self._decided: tuple[dict[bytes, RelayBundle], RelayAnswer] | None = None
@@ -187,11 +202,15 @@ class TreeCoordinator:
 
     def snapshot(self) -> GroupSnapshot:
         """The group as readiness and status read a flat group: a member per rank a relay
-        speaks for (built on demand: it is read by probes, never per round)."""
+        speaks for and that is not left out (built on demand: it is read by probes, never per
+        round)."""
         members: dict[int, Member] = {}
+        dead = self._dead
         for member in self._relays.values():
             h = member.hello
             for r in member.ranks:
+                if r in dead:
+                    continue
                 hello = Hello(
                     dp_size=h.dp_size,
                     dp_rank=r,
@@ -205,12 +224,12 @@ class TreeCoordinator:
             state=self._state,
             dp_size=self.dp_size,
             max_dp_size=self.max_dp_size,
-            on_rank_loss=OnRankLoss.FAIL,
+            on_rank_loss=self.on_rank_loss,
             step_timeout=self.step_timeout,
             epoch=self._epoch,
             seq=self._seq,
             members=MappingProxyType(dict(sorted(members.items()))),
-            dead=frozenset(),
+            dead=frozenset(self._dead),
             round=None,
             last_failure=self._failure,
             failures=self._failures,
@@ -281,9 +300,24 @@ class TreeCoordinator:
         if not self._relays and not self._left:
             self._move(_E.DISBAND)
             self._round = None
+            self._dead = set()
             return _NOTHING
+        if self.on_rank_loss is OnRankLoss.NEUTRALIZE:
+            return self._neutralize(member, now)
         # every relay hears of it: a relay's ranks may wait on a round only it has open
         return self._fail(RankLost(list(member.ranks), f"relay {member.name} lost ({detail})"), now)
+
+    def _neutralize(self, member: RelayMember, now: float) -> Sequence[RelaySend]:
+        """Elastic: the relay's ranks are left out, its bundle of the open round withdrawn."""
+        self._move(_E.LEAVE)
+        self._dead |= set(member.ranks)
+        rnd = self._round
+        if rnd is None:
+            return _NOTHING
+        withdrawn = rnd.bundles.pop(member.peer, None)
+        if withdrawn is not None:
+            rnd.covered -= len(withdrawn.ranks)
+        return self._complete_if_ready(rnd, now)
 
     def on_deadline(self, now: float) -> Sequence[RelaySend]:
         if self._resizing and now >= min(w.deadline for w in self._resizing):
@@ -296,7 +330,11 @@ class TreeCoordinator:
             return _NOTHING
         if rnd.disputed:
             return self._fail_disputed(rnd, now)
-        missing = [r for r, owner in enumerate(self._owner) if owner not in rnd.bundles]
+        missing = [
+            r
+            for r, owner in enumerate(self._owner)
+            if owner not in rnd.bundles and r not in self._dead
+        ]
         return self._fail(StepTimeout(missing, self.step_timeout), now)
 
     # -- registration -----------------------------------------------------------------------
@@ -314,6 +352,7 @@ class TreeCoordinator:
         if resized:  # no relay holds a rank of the group: it forms at this size
             self.dp_size = hello.dp_size
             self._owner = [None] * hello.dp_size
+            self._dead = set()
         if self._state is _S.FAILED:
             self._reform()
         elif self._state is _S.STOPPED:
@@ -325,7 +364,7 @@ class TreeCoordinator:
         old = self._relays.get(peer)
         if old is not None:
             if old.ranks == ranks:
-                return (RelaySend((peer,), self._welcome()),)
+                return (RelaySend((peer,), self._welcome(ranks)),)
             self._remove(old)
         self._held.pop(peer, None)
         contiguous = ranks[-1] - ranks[0] + 1 == len(ranks)
@@ -337,18 +376,27 @@ class TreeCoordinator:
         self._left -= set(ranks)
         self._covered += len(ranks)
         self._peers = None
-        if self._reforming and self._covered == self.dp_size:
+        if self._reforming and self._accounted():
             self._reforming = False
-        return (RelaySend((peer,), self._welcome()),)
+        return (RelaySend((peer,), self._welcome(ranks)),)
 
-    def _welcome(self) -> RelayAnswer:
-        return self._answer(
-            Welcome(
-                epoch=self._epoch,
-                next_seq=self._seq,
-                dp_size=self.dp_size,
-                step_timeout=self.step_timeout,
-            )
+    def _accounted(self) -> bool:
+        """Every rank is a relay's or left out."""
+        if self._covered == self.dp_size:
+            return True
+        dead = self._dead
+        return all(o is not None or r in dead for r, o in enumerate(self._owner))
+
+    def _welcome(self, ranks: tuple[int, ...]) -> RelayAnswer:
+        welcome = Welcome(
+            epoch=self._epoch,
+            next_seq=self._seq,
+            dp_size=self.dp_size,
+            step_timeout=self.step_timeout,
+        )
+        dead = sorted(self._dead.intersection(ranks))
+        return RelayAnswer(
+            group=self.group, message=welcome, on_rank_loss=self.on_rank_loss, dead_ranks=dead
         )
 
     def _must_wait(self, peer: bytes, hello: RelayHello) -> bool:
@@ -486,6 +534,7 @@ class TreeCoordinator:
         self._covered = 0
         self._left = set()
         self._peers = None
+        # `_dead` stays: in elastic mode the new epoch goes on without the ranks that are gone
 
     def _remove(self, member: RelayMember) -> None:
         del self._relays[member.peer]
@@ -511,13 +560,18 @@ class TreeCoordinator:
         if self._state is not _S.IDLE:
             return self._on_lost(peer, now, LEFT_THE_GROUP)
         self._remove(member)
-        self._left |= set(member.ranks)
+        elastic = self.on_rank_loss is OnRankLoss.NEUTRALIZE
+        if elastic:
+            self._dead |= set(member.ranks)  # left out of later rounds, like a lost relay
+        else:
+            self._left |= set(member.ranks)
         if not self._relays:
             if self._reforming:
                 self._move(_E.ABANDON)
             else:
                 self._move(_E.STOP)
                 self._left = set()
+                self._dead = set()
             return _NOTHING
         self._move(_E.DEPART)
         return _NOTHING
@@ -532,7 +586,7 @@ class TreeCoordinator:
             assert self._failure is not None
             return (RelaySend((peer,), self._answer(self._failure)),)
         first_rank = member.ranks[0]
-        if tuple(bundle.ranks) != member.ranks:
+        if tuple(bundle.ranks) != member.ranks and not self._live_subset(member, bundle):
             error = ProtocolError(
                 f"relay {member.name} registered for ranks {list(member.ranks)} sent a bundle "
                 f"for ranks {bundle.ranks}",
@@ -571,8 +625,24 @@ class TreeCoordinator:
         else:
             self._move(_E.REPORT)
         rnd.bundles[peer] = bundle
-        rnd.covered += len(member.ranks)
-        if rnd.covered < self.dp_size:
+        rnd.covered += len(bundle.ranks)
+        return self._complete_if_ready(rnd, now)
+
+    def _live_subset(self, member: RelayMember, bundle: RelayBundle) -> bool:
+        """Elastic: a bundle may leave out ranks its relay lost (ascending, none foreign)."""
+        ranks = bundle.ranks
+        return (
+            self.on_rank_loss is OnRankLoss.NEUTRALIZE
+            and bool(ranks)
+            and list(ranks) == sorted(set(ranks))
+            and set(ranks) <= set(member.ranks)
+        )
+
+    def _complete_if_ready(self, rnd: _TreeRound, now: float) -> Sequence[RelaySend]:
+        """Every relay sent its bundle and every rank is some relay's or left out."""
+        if not rnd.bundles or len(rnd.bundles) < len(self._relays):
+            return _NOTHING
+        if not self._accounted():
             return _NOTHING
         return self._complete(rnd, now)
 
@@ -582,7 +652,7 @@ class TreeCoordinator:
         """Reductions that cannot be a relay's reports (a relay checked each report): the
         relay's lowest rank is named."""
         rank = member.ranks[0]
-        n = len(member.ranks)
+        n = len(bundle.ranks)
         if bundle.labels:
             if len(bundle.labels) != n:
                 raise InvalidReport(rank, "labels", len(bundle.labels), f"{n} labels")
@@ -605,7 +675,7 @@ class TreeCoordinator:
             for offset, row in enumerate(rows):
                 if len(row) != want:
                     raise InvalidReport(
-                        member.ranks[offset],
+                        bundle.ranks[offset],
                         "values",
                         len(row),
                         f"{want} values, as the round's first report",
@@ -628,14 +698,22 @@ class TreeCoordinator:
             return self._fail_disputed(rnd, now)
         bundles = rnd.bundles
         first = rnd.first
+        dead: list[int] = []
+        if rnd.covered < self.dp_size:  # elastic: ranks no bundle carries are left out
+            live = {r for b in bundles.values() for r in b.ranks}
+            dead = [r for r in range(self.dp_size) if r not in live]
+        if dead or self._dead:
+            self._dead = set(dead)
         outcome: StepDecision | GatherResult
         if first.kind is _GATHER:
             rows: list[list[int]] = [[]] * self.dp_size
             for peer, b in bundles.items():
-                self._place(rows, self._relays[peer], b.rows)
-            outcome = GatherResult(epoch=self._epoch, seq=rnd.seq, site=first.site, rows=rows)
+                self._place(rows, self._relays[peer], b)
+            outcome = GatherResult(
+                epoch=self._epoch, seq=rnd.seq, site=first.site, rows=rows, dead_ranks=dead
+            )
         else:
-            outcome = self._decide(rnd)
+            outcome = self._decide(rnd, dead)
         self._move(_E.DECIDE)
         self._round = None
         self._seq += 1
@@ -645,8 +723,8 @@ class TreeCoordinator:
         self._decided_seq = rnd.seq
         return (RelaySend(self.peers(), answer),)
 
-    def _decide(self, rnd: _TreeRound) -> StepDecision:
-        """`decide`'s rules over the bundles' reductions."""
+    def _decide(self, rnd: _TreeRound, dead: list[int]) -> StepDecision:
+        """`decide`'s rules over the bundles' reductions (`dead`: ranks left out, neutral)."""
         parts = list(rnd.bundles.values())
         max_padded = max(b.max_padded for b in parts)
         min_tokens = min(b.min_tokens for b in parts)
@@ -661,7 +739,7 @@ class TreeCoordinator:
         else:
             across = [0] * self.dp_size
             for peer, b in rnd.bundles.items():
-                self._place(across, self._relays[peer], b.padded)
+                self._place(across, self._relays[peer], b)
         return StepDecision(
             epoch=self._epoch,
             seq=rnd.seq,
@@ -674,14 +752,18 @@ class TreeCoordinator:
             all_idle=all(b.all_idle for b in parts),
             should_pause=all(b.all_pause for b in parts),
             any_pause=any(b.any_pause for b in parts),
+            dead_ranks=dead,
         )
 
     @staticmethod
-    def _place(into: list, member: RelayMember, values: list) -> None:
-        if member.first >= 0:
+    def _place(into: list, member: RelayMember, bundle: RelayBundle) -> None:
+        """The bundle's rows or padded counts into their ranks' places (one slice for a relay
+        of contiguous ranks that left none out)."""
+        values = bundle.rows if bundle.kind is _GATHER else bundle.padded
+        if member.first >= 0 and len(values) == len(member.ranks):
             into[member.first : member.first + len(values)] = values
         else:
-            for r, v in zip(member.ranks, values, strict=True):
+            for r, v in zip(bundle.ranks, values, strict=True):
                 into[r] = v
 
     # -- faults -----------------------------------------------------------------------------
@@ -689,8 +771,8 @@ class TreeCoordinator:
     def _labels(self, rnd: _TreeRound) -> list[tuple[int, str, StepKind]]:
         """Every covered rank's label, in rank order (a disputed round's evidence)."""
         out: list[tuple[int, str, StepKind]] = []
-        for peer, b in rnd.bundles.items():
-            ranks = self._relays[peer].ranks if peer in self._relays else tuple(b.ranks)
+        for b in rnd.bundles.values():
+            ranks = tuple(b.ranks)
             labels = b.labels or [b.label] * len(ranks)
             for r, label in zip(ranks, labels, strict=True):
                 out.append((r, label, _kind_of(label)))

@@ -45,12 +45,6 @@ def check_serve(args: argparse.Namespace) -> None:
         count("--metrics-port", args.metrics_port, low=0, high=65535)
     if not str(args.metrics_host).strip():
         raise OptionError("--metrics-host must name an address (127.0.0.1, or 0.0.0.0)")
-    if getattr(args, "relay_to", None) and args.on_rank_loss != "fail":
-        raise OptionError(
-            f"--on-rank-loss {args.on_rank_loss}: a relay serves fail-stop groups only (the "
-            "root decides for every node's ranks, and leaving a rank out is not carried "
-            "through relays): --on-rank-loss fail, or serve the group flat"
-        )
 
 
 def check_server_args(args: argparse.Namespace) -> bool:

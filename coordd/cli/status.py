@@ -409,7 +409,7 @@ def _relayed_block(doc: dict[str, Any]) -> list[str]:
     lines = [
         f"group {doc['name']}  dp {doc['dp_size']}  state {doc['state']}"
         f"  epoch {doc['epoch']}  seq {doc['seq']}  through {len(doc['relays'])} relays"
-        f"  step timeout {_seconds(doc['step_timeout_s'])}",
+        f"  on rank loss: {doc['on_rank_loss']}  step timeout {_seconds(doc['step_timeout_s'])}",
         f"  ready: {_group_ready(doc)} ({doc['ready_detail']})",
         f"  rounds decided: {rounds['decided']}; failed: {rounds['failed']}",
     ]
@@ -424,6 +424,9 @@ def _relayed_block(doc: dict[str, Any]) -> list[str]:
     missing = [r["rank"] for r in doc["ranks"] if r["state"] == "missing"]
     if missing:
         lines.append(f"  no relay speaks for ranks {missing}")
+    left_out = [r["rank"] for r in doc["ranks"] if r["state"] == "left out"]
+    if left_out:
+        lines.append(f"  left out (lost, neutral in every round): ranks {left_out}")
     summary = doc["ranks_summary"]
     if summary["shown"] < doc["dp_size"]:
         lines.append(

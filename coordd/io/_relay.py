@@ -6,6 +6,9 @@ Liveness of the root comes from libzmq as for ranks: ZMTP heartbeats on the conn
 its monitor's DISCONNECTED is the root lost (`RelayCoordinator.root_lost`: every rank of the
 node gets `CoordinatorUnavailable`). libzmq reconnects by itself; once the handshake succeeds
 again, the groups whose ranks wait to register ask the root again (`root_back`).
+
+The rank-loss mode of a relayed group is the root's --on-rank-loss, which its Welcome carries;
+a relay whose own setting differs says so once in its log.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import zmq
 
 from coordd.io._server import CoordServer
 from coordd.proto.errors import ProtocolError
-from coordd.proto.messages import MAX_MESSAGE_BYTES, encode
+from coordd.proto.messages import MAX_MESSAGE_BYTES, Welcome, encode
 from coordd.proto.relay import RelayCoordinator
 from coordd.proto.relay_messages import RelayUp, decode_from_root
 
@@ -74,6 +77,7 @@ class Relay:
         self.bad_answers = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._check_pending = False
+        self._told_mode = False
 
     def _make(self, group: str, epoch: int) -> RelayCoordinator:
         server = self.server
@@ -132,10 +136,24 @@ class Relay:
             if group is None or not isinstance(group.coordinator, RelayCoordinator):
                 continue
             touched = True
+            if type(answer.message) is Welcome and not self._told_mode:
+                self._tell_mode(answer.on_rank_loss.value)
             server._deadlines.touched.add(group)
             server.send(group.coordinator.from_root(answer, server.clock()), group.observer)
         if touched:
             server._deadlines.after_drain()
+
+    def _tell_mode(self, root: str) -> None:
+        own = self.server.settings.on_rank_loss.value
+        if root != own:
+            self._told_mode = True
+            log.warning(
+                "relay %s: the root serves relayed groups with --on-rank-loss %s, this relay's "
+                "setting is %s: the root's holds (set it on the root)",
+                self.name,
+                root,
+                own,
+            )
 
     def _on_monitor(self) -> None:
         monitor = self._monitor

@@ -30,6 +30,7 @@ from coordd.proto.relay_messages import (
     RelayUp,
     decode_from_relay,
 )
+from coordd.proto.snapshot import OnRankLoss
 from coordd.proto.tree import RelaySend, TreeCoordinator
 
 log = logging.getLogger("coordd")
@@ -55,10 +56,13 @@ class RelayHub:
         clock: Callable[[], float],
         wall: Callable[[], float],
         key_refusal: Callable[[str, str, int], str | None] | None = None,
+        on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
     ) -> None:
         self._sock = sock
         self.dp_size = dp_size
         self.step_timeout = step_timeout
+        #: The root's --on-rank-loss: every relayed group's, which relays learn from Welcome.
+        self.on_rank_loss = on_rank_loss
         self.max_groups = max_groups
         self.rules = rules
         self._flat = flat_groups
@@ -133,7 +137,11 @@ class RelayHub:
         if tree is None:
             epoch = self._last_epoch = max(int(self.wall() * 1000), self._last_epoch + 1)
             tree = self.trees[hello.group] = TreeCoordinator(
-                self.dp_size, group=hello.group, epoch=epoch, step_timeout=self.step_timeout
+                self.dp_size,
+                group=hello.group,
+                epoch=epoch,
+                step_timeout=self.step_timeout,
+                on_rank_loss=self.on_rank_loss,
             )
             log.info("relayed group %s created (epoch %d)", hello.group, epoch)
         sends = tree.receive(peer, hello, now)
@@ -203,7 +211,9 @@ class RelayHub:
                 tree.snapshot(),
                 tuple(
                     RelayRow(member.name, member.ranks, self.addresses.get(peer, ""))
-                    for peer, member in tree.relays().items()
+                    for peer, member in sorted(
+                        tree.relays().items(), key=lambda item: item[1].ranks
+                    )
                 ),
             )
             for name, tree in self.trees.items()

@@ -150,6 +150,7 @@ class CoordServer:
             clock=clock,
             wall=wall,
             key_refusal=curve.key_refusal if curve is not None and curve.binds else None,
+            on_rank_loss=settings.on_rank_loss,
         )
         #: The connections that hold no rank: cap, flood cut-off, grace, memory pressure.
         self.admission = Admission(

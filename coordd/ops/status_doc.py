@@ -257,14 +257,21 @@ def relayed_group_document(
     ranks = []
     for rank in range(shown):
         row = relay_of.get(rank)
+        if rank in snap.members:
+            state = "registered"
+        elif rank in snap.dead:
+            state = "left out"
+        else:
+            state = "missing"
         ranks.append(
             {
                 "rank": rank,
-                "state": "registered" if row is not None else "missing",
+                "state": state,
                 "relay": row.name if row is not None else None,
                 "address": row.address or None if row is not None else None,
             }
         )
+    left_out = sum(1 for rank in snap.dead if rank not in snap.members)
     failure = snap.failure
     return {
         "name": name,
@@ -273,6 +280,7 @@ def relayed_group_document(
         "state": snap.state.value,
         "epoch": snap.epoch,
         "seq": snap.seq,
+        "on_rank_loss": snap.on_rank_loss.value,
         "step_timeout_s": snap.step_timeout,
         "members": len(snap.members),
         "ready": ready,
@@ -286,7 +294,8 @@ def relayed_group_document(
         "ranks": ranks,
         "ranks_summary": {
             "registered": len(snap.members),
-            "missing": snap.dp_size - len(snap.members),
+            "left out": left_out,
+            "missing": snap.dp_size - len(snap.members) - left_out,
             "shown": shown,
         },
     }

@@ -9,6 +9,7 @@ from coordd.proto.coordinator import Send
 from coordd.proto.messages import FromCoordinator, Goodbye, Hello, StepReport
 from coordd.proto.relay import RelayCoordinator
 from coordd.proto.relay_messages import RelayUp
+from coordd.proto.snapshot import OnRankLoss
 from coordd.proto.tree import TreeCoordinator
 
 
@@ -19,7 +20,7 @@ def peer(rank: int) -> bytes:
 class Tree:
     """`layout`: each relay's ranks; rank r's peer is peer(r) on its relay. `dp` is every
     relay's and the root's --dp (the ranks of the layout unless told), `root_dp` the root's
-    if another."""
+    if another; `on_rank_loss` the root's (relays learn it from its Welcome)."""
 
     def __init__(
         self,
@@ -27,10 +28,15 @@ class Tree:
         step_timeout: float = 5.0,
         dp: int | None = None,
         root_dp: int | None = None,
+        on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
     ) -> None:
         self.dp = dp or sum(len(r) for r in layout)
         self.root = TreeCoordinator(
-            root_dp or self.dp, group="g", epoch=1000, step_timeout=step_timeout
+            root_dp or self.dp,
+            group="g",
+            epoch=1000,
+            step_timeout=step_timeout,
+            on_rank_loss=on_rank_loss,
         )
         self.up: list[tuple[bytes, RelayUp]] = []
         self.relays: dict[bytes, RelayCoordinator] = {}
@@ -89,6 +95,11 @@ class Tree:
         for peers, answer in self.root.relay_lost(name, now):
             for p in peers:
                 self._deliver(self.relays[p].from_root(answer, now))  # type: ignore[arg-type]
+
+    def cut(self, index: int, now: float = 0.0) -> None:
+        """A network cut: the root loses relay `index`, and the relay loses the root."""
+        self.lose_relay(index, now)
+        self._deliver(self.relays[b"relay-%d" % index].root_lost(now, "cut"))
 
     def deadlines(self, now: float) -> None:
         for relay in self.relays.values():

@@ -68,8 +68,6 @@ def refusal(argv: list[str]) -> str:
         (["--dp", "2", "--bind", "tcp://127.0.0.1", "--insecure"], "has no port"),
         (["--dp", "2", "--bind", "tcp://::1:5555", "--insecure"], "goes in brackets"),
         (["--dp", "2", "--bind", "ipc:///tmp/" + "x" * 120], "longer than a UNIX socket"),
-        (["--dp", "2", "--relay-to", "ipc:///tmp/r.sock", "--relay-ranks", "0",
-          "--on-rank-loss", "neutralize"], "a relay serves fail-stop groups only"),
         (["--dp", "2", "--bind", "tcp://127.0.0.1:5555", "--curve-secret-key", "/k/c.key_secret",
           "--curve-client-keys", "9-3=/k/n.key"], "9-3=/k/n.key: a range of dp_ranks runs low"),
         (["demo", "--dp", "1"], "--dp must be >= 2"),
@@ -212,6 +210,13 @@ def test_good_options_pass() -> None:
     args, _ = cli.parse(["--dp", str(MAX_DP_SIZE), "--step-timeout", "0.5",
                          "--heartbeat-interval", "0.2", "--heartbeat-timeout", "0.2",
                          "--bind", "tcp://[::1]:*", "--insecure"])
+    assert cli.check_server_args(args) is False
+
+
+def test_a_relay_may_run_under_a_neutralize_root() -> None:
+    """A relay takes the mode from its root's Welcome: its own setting is no refusal."""
+    args, _ = cli.parse(["--dp", "2", "--relay-to", "ipc:///tmp/r.sock", "--relay-ranks", "0",
+                         "--on-rank-loss", "neutralize"])
     assert cli.check_server_args(args) is False
 
 
