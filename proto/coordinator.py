@@ -90,6 +90,7 @@ from coordd.proto.messages import (
     reject_message,
 )
 from coordd.proto.policy import decide, validate_gather, validate_report
+from coordd.proto.resize_waits import ResizeWaits
 from coordd.proto.rounds import CompletedRound, Round, Verdict
 from coordd.proto.snapshot import GroupSnapshot, Member, OnRankLoss
 
@@ -102,14 +103,6 @@ class Send(NamedTuple):
 
     peers: tuple[bytes, ...]
     message: FromCoordinator
-
-
-class _Resize(NamedTuple):
-    """A Hello at another size, waiting for the group's ranks to leave until `deadline`."""
-
-    peer: bytes
-    hello: Hello
-    deadline: float
 
 
 class _Decided(NamedTuple):
@@ -163,7 +156,7 @@ class Coordinator:
         self._stops = 0
         self._round: Round | None = None
         self._queued: list[tuple[bytes, Hello]] = []  # lost ranks back mid-round (elastic)
-        self._resizing: list[_Resize] = []
+        self._resizing: ResizeWaits[Hello] = ResizeWaits()
         self._failure: StepFailed | None = None
         self._failures = 0
         #: The group failed and has not re-formed since (no later epoch had every rank
@@ -221,7 +214,7 @@ class Coordinator:
         """The transport says `peer` is gone (closed, or missed heartbeats)."""
         if not self._resizing:
             return self._on_lost(peer, now, detail)
-        self._resizing = [w for w in self._resizing if w.peer != peer]
+        self._resizing.drop(peer)
         return [*self._on_lost(peer, now, detail), *self._admit_resizes(now)]
 
     def _on_lost(self, peer: bytes, now: float, detail: str) -> Sequence[Send]:
@@ -275,13 +268,13 @@ class Coordinator:
     def next_deadline(self) -> float | None:
         """When `on_deadline` must next be called, or None."""
         due = None if self._round is None else self._round.started + self.step_timeout
-        if self._resizing:
-            waiting = min(w.deadline for w in self._resizing)
+        waiting = self._resizing.deadline()
+        if waiting is not None:
             due = waiting if due is None else min(due, waiting)
         return due
 
     def on_deadline(self, now: float) -> Sequence[Send]:
-        if self._resizing and now >= min(w.deadline for w in self._resizing):
+        if self._resizing.due(now):
             return [*self._refuse_resizes(now), *self._round_deadline(now)]
         return self._round_deadline(now)
 
@@ -587,31 +580,24 @@ class Coordinator:
             raise resize_while_holding(hello, held, self.dp_size)
         if deadline is None:
             deadline = now + self.step_timeout
-        self._resizing = [w for w in self._resizing if w.peer != peer]
-        self._resizing.append(_Resize(peer, hello, deadline))
+        self._resizing.wait(peer, hello, deadline)
         return _NOTHING
 
     def _admit_resizes(self, now: float) -> list[Send]:
         """Once no rank holds the group, the waiting Hellos count, in the order they came."""
         if self._members or self._held:
             return []
-        waiting, self._resizing = self._resizing, []
         sends: list[Send] = []
-        for peer, hello, deadline in waiting:
+        for peer, hello, deadline in self._resizing.take():
             sends.extend(self._on_hello(peer, hello, now, resize_deadline=deadline))
         return sends
 
     def _refuse_resizes(self, now: float) -> list[Send]:
         holders = sorted({*self._members, *self._held})
         sends: list[Send] = []
-        kept: list[_Resize] = []
-        for waiting in self._resizing:
-            if now < waiting.deadline:
-                kept.append(waiting)
-                continue
+        for waiting in self._resizing.expire(now):
             error = resize_refused(waiting.hello, self.dp_size, holders, self.step_timeout)
             sends.append(Send((waiting.peer,), reject_message(error)))
-        self._resizing = kept
         return sends
 
     def _queue(self, peer: bytes, hello: Hello) -> Sequence[Send]:

@@ -299,8 +299,8 @@ class RelayCoordinator(Coordinator):
         due = None
         if rnd is not None:
             due = rnd.started + self.step_timeout + (2 * RELAY_GRACE if self.forwarded else 0.0)
-        if self._resizing:  # a Hello at another size waits for the node's own ranks
-            waiting = min(w.deadline for w in self._resizing)
+        waiting = self._resizing.deadline()  # a Hello at another size waits for own ranks
+        if waiting is not None:
             due = waiting if due is None else min(due, waiting)
         return due
 

@@ -77,6 +77,7 @@ from coordd.proto.relay_messages import (
     RelayLeave,
     RelayUp,
 )
+from coordd.proto.resize_waits import ResizeWaits
 from coordd.proto.rounds import majority
 from coordd.proto.snapshot import GroupSnapshot, Member, OnRankLoss
 
@@ -106,15 +107,6 @@ class RelayMember(NamedTuple):
     @property
     def name(self) -> str:
         return self.hello.relay or f"ranks {self.ranks[0]}..{self.ranks[-1]}"
-
-
-class _Waiting(NamedTuple):
-    """A registration at another size, waiting for the group's relays to leave until
-    `deadline`."""
-
-    peer: bytes
-    hello: RelayHello
-    deadline: float
 
 
 class _TreeRound:
@@ -164,7 +156,7 @@ class TreeCoordinator:
         #: relay was lost or left since. A relay registering keeps them out (its Welcome says
         #: which), until a bundle carries them again.
         self._dead: set[int] = set()
-        self._resizing: list[_Waiting] = []
+        self._resizing: ResizeWaits[RelayHello] = ResizeWaits()
         self._round: _TreeRound | None = None
         self._decided: tuple[dict[bytes, RelayBundle], RelayAnswer] | None = None
         self._decided_seq = -1
@@ -246,7 +238,7 @@ class TreeCoordinator:
     def holders(self) -> list[bytes]:
         """Every relay the shell binds to its connection and tells the loss of: registered,
         held from a failed epoch, or waiting to re-form the group at another size."""
-        return [*self._relays, *self._held, *(w.peer for w in self._resizing)]
+        return [*self._relays, *self._held, *self._resizing.peers()]
 
     def peers(self) -> tuple[bytes, ...]:
         if self._peers is None:
@@ -255,8 +247,8 @@ class TreeCoordinator:
 
     def next_deadline(self) -> float | None:
         due = None if self._round is None else self._round.started + self.step_timeout + RELAY_GRACE
-        if self._resizing:
-            waiting = min(w.deadline for w in self._resizing)
+        waiting = self._resizing.deadline()
+        if waiting is not None:
             due = waiting if due is None else min(due, waiting)
         return due
 
@@ -280,7 +272,7 @@ class TreeCoordinator:
         """The connection of relay `peer` closed (or missed heartbeats)."""
         if not self._resizing:
             return self._on_lost(peer, now, detail)
-        self._resizing = [w for w in self._resizing if w.peer != peer]
+        self._resizing.drop(peer)
         return [*self._on_lost(peer, now, detail), *self._admit_resizes(now)]
 
     def _on_lost(self, peer: bytes, now: float, detail: str) -> Sequence[RelaySend]:
@@ -320,7 +312,7 @@ class TreeCoordinator:
         return self._complete_if_ready(rnd, now)
 
     def on_deadline(self, now: float) -> Sequence[RelaySend]:
-        if self._resizing and now >= min(w.deadline for w in self._resizing):
+        if self._resizing.due(now):
             return [*self._refuse_resizes(now), *self._round_deadline(now)]
         return self._round_deadline(now)
 
@@ -436,17 +428,15 @@ class TreeCoordinator:
     ) -> Sequence[RelaySend]:
         if deadline is None:
             deadline = now + self.step_timeout
-        self._resizing = [w for w in self._resizing if w.peer != peer]
-        self._resizing.append(_Waiting(peer, hello, deadline))
+        self._resizing.wait(peer, hello, deadline)
         return _NOTHING
 
     def _admit_resizes(self, now: float) -> list[RelaySend]:
         """Once no relay holds the group, the waiting registrations count, in their order."""
         if self._relays or self._held:
             return []
-        waiting, self._resizing = self._resizing, []
         sends: list[RelaySend] = []
-        for peer, hello, deadline in waiting:
+        for peer, hello, deadline in self._resizing.take():
             sends.extend(self._on_hello(peer, hello, now, deadline))
         return sends
 
@@ -455,11 +445,7 @@ class TreeCoordinator:
         ranks = sorted(r for m in holders for r in m.ranks)
         who = "; ".join(f"relay {m.name}: {list(m.ranks)}" for m in holders)
         sends: list[RelaySend] = []
-        kept: list[_Waiting] = []
-        for waiting in self._resizing:
-            if now < waiting.deadline:
-                kept.append(waiting)
-                continue
+        for waiting in self._resizing.expire(now):
             hello = waiting.hello
             error = Rejected(
                 RejectReason.DP_SIZE.value,
@@ -471,7 +457,6 @@ class TreeCoordinator:
                 got=str(hello.dp_size),
             )
             sends.append(RelaySend((waiting.peer,), self._answer(reject_message(error))))
-        self._resizing = kept
         return sends
 
     def _check(self, peer: bytes, hello: RelayHello) -> tuple[int, ...]:

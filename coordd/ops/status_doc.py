@@ -208,15 +208,7 @@ def group_document(group: GroupView, now: float, rank_rows: int | None = None) -
         ranks.append(entry)
     failure = snap.failure
     return {
-        "name": group.name,
-        "served": "flat",
-        "dp_size": snap.dp_size,
-        "state": snap.state.value,
-        "epoch": snap.epoch,
-        "seq": snap.seq,
-        "on_rank_loss": snap.on_rank_loss.value,
-        "step_timeout_s": snap.step_timeout,
-        "members": len(snap.members),
+        **_group_head(group.name, "flat", snap),
         "left_cleanly": snap.stopped,
         "departures": snap.departures,
         "stops": snap.stops,
@@ -274,15 +266,7 @@ def relayed_group_document(
     left_out = sum(1 for rank in snap.dead if rank not in snap.members)
     failure = snap.failure
     return {
-        "name": name,
-        "served": "relays",
-        "dp_size": snap.dp_size,
-        "state": snap.state.value,
-        "epoch": snap.epoch,
-        "seq": snap.seq,
-        "on_rank_loss": snap.on_rank_loss.value,
-        "step_timeout_s": snap.step_timeout,
-        "members": len(snap.members),
+        **_group_head(name, "relays", snap),
         "ready": ready,
         "ready_detail": why,
         "failure": None if failure is None else _failure_fields(failure),
@@ -298,6 +282,21 @@ def relayed_group_document(
             "missing": snap.dp_size - len(snap.members) - left_out,
             "shown": shown,
         },
+    }
+
+
+def _group_head(name: str, served: str, snap: GroupSnapshot) -> dict[str, Any]:
+    """The fields every group's document opens with, flat or through relays."""
+    return {
+        "name": name,
+        "served": served,
+        "dp_size": snap.dp_size,
+        "state": snap.state.value,
+        "epoch": snap.epoch,
+        "seq": snap.seq,
+        "on_rank_loss": snap.on_rank_loss.value,
+        "step_timeout_s": snap.step_timeout,
+        "members": len(snap.members),
     }
 
 
