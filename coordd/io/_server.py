@@ -179,7 +179,7 @@ class CoordServer:
         #: Set while a monitor event is carried out (a catch-up meanwhile reads no other).
         self._in_monitor = False
         #: Descriptors whose close was read and waits for what its connection sent first;
-        #: and those whose close was carried out before it was read (see `_fd_reused`).
+        #: and those whose close was carried out before it was read (see `_claim_fd`).
         self._closing: set[int] = set()
         self._closed_early: set[int] = set()
         #: Groups with an open round, and the one timer for their deadlines.
@@ -346,8 +346,6 @@ class CoordServer:
         touched = self._deadlines.touched
         member_counts = admission.member_counts
         relay_peers = self.relays.peer_fd
-        relay_fds = self.relays.fd_peer
-        peer_on = registry.peer_on
         # what connections coordd shut down still have queued is dropped undecoded (a
         # flood's backlog); not at debug level, which logs a line per bad frame
         shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
@@ -372,11 +370,6 @@ class CoordServer:
                     return True
                 continue
             srcfd = frame.get(_SRCFD)
-            owner = peer_on(srcfd)
-            if owner is None and relay_fds:
-                owner = relay_fds.get(srcfd)
-            if owner is not None and owner != peer:
-                self._fd_reused(srcfd)
             group, stands = standing(peer, srcfd)
             if (
                 group is None
@@ -390,8 +383,10 @@ class CoordServer:
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
-                if group is None and self.relays.handle(peer, frame):
-                    continue  # a relay's message (coordd.io._relay_hub)
+                if group is None:
+                    self._claim_fd(peer, srcfd)  # it may be a relay's Hello
+                    if self.relays.handle(peer, frame):
+                        continue  # a relay's message (coordd.io._relay_hub)
                 if self._bad_frame(peer, str(exc), frame):
                     return True  # a member cut off: the next drain drops what it queued
                 continue
@@ -486,12 +481,15 @@ class CoordServer:
         if fd in self.relays.fd_peer:
             self.relays.closed(fd)
 
-    def _fd_reused(self, fd: int) -> None:
-        """Another peer spoke over `fd` than the one registered over it: the registered
-        connection is closed and `fd` is a new one's (libzmq reports a close before it
-        releases the descriptor), so that close is carried out now, before the newcomer is
-        heard, and skipped when its event is read. Otherwise the newcomer's Hello would be
-        tracked on `fd` and the old close then end it, leaving the old rank held."""
+    def _claim_fd(self, peer: bytes, fd: int) -> None:
+        """Before a Hello from `peer` over `fd` is tracked on `fd` (a rank's or a relay's): if
+        another peer registered over `fd`, that connection is closed and `fd` is a new one's
+        (libzmq reports a close before it releases the descriptor), so its close is carried
+        out now and skipped when its event is read. Otherwise the newcomer would be tracked on
+        `fd` and the old close then end it, leaving the old rank (or relay) held."""
+        owner = self.registry.peer_on(fd) or self.relays.fd_peer.get(fd)
+        if owner is None or owner == peer:
+            return
         if fd in self._closing:
             self._closing.discard(fd)
         else:
@@ -549,6 +547,8 @@ class CoordServer:
         """Route a Hello to the group it names (`coordd.core._registry.Registry.hello`), with
         the monitor read first: a closed connection's descriptor may be this one's now."""
         self.catch_up_monitor()
+        fd = frame.get(_SRCFD)
+        self._claim_fd(peer, fd)
         if self.relays.holds(hello.group):
             self._outbox.send_one(peer, reject_message(self.relays.flat_refusal(hello.group)))
             return
@@ -559,7 +559,6 @@ class CoordServer:
             except zmq.ZMQError:
                 key = ""
         address = frame_address(frame)
-        fd = frame.get(_SRCFD)
         actions = self.registry.hello(
             peer, hello, fd, self.clock(), self.wall(), address=address, key=key
         )

@@ -208,6 +208,38 @@ def test_a_new_connection_on_a_reused_descriptor_is_heard_after_the_old_ones_clo
         server._monitor = real
 
 
+def test_a_new_relay_on_a_reused_descriptor_is_heard_after_the_old_ones_close(
+    shell, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    """The same race at a root: frames are drained before the monitor, so a new relay's
+    registration over a descriptor whose old relay's close is not read yet was tracked on
+    it, and that close then ended the new relay while the old one kept its ranks."""
+    from coordd.io import _relay_hub
+    from coordd.proto.relay_messages import RelayHello
+
+    server, sock = shell
+    monitor, real = FakeMonitor(), server._monitor
+    server._monitor = monitor
+    monkeypatch.setattr(_relay_hub, "_send_frame", lambda sock, data, flags: None)
+    try:
+        hello = RelayHello(group="default", dp_size=1, ranks=[0], config_fingerprint="",
+                           incarnation="x", relay="node0")
+        sock.put(b"old", hello, 7)
+        server._drain_frames()
+        assert server.relays.fd_peer == {7: b"old"}
+        monitor.closed(7)  # not read yet: the new relay's frame is drained first
+        monitor.accepted(7)
+        sock.put(b"new", hello, 7)
+        server._drain_frames()
+        assert server.relays.fd_peer == {7: b"new"}
+        assert list(server.relays.trees["default"].relays()) == [b"new"]
+        assert server._drain_monitor()  # the old close, read now, is skipped
+        assert server.relays.fd_peer == {7: b"new"}
+        assert list(server.relays.trees["default"].relays()) == [b"new"]
+    finally:
+        server._monitor = real
+
+
 @pytest.mark.timeout(60)
 def test_a_first_connect_to_no_socket_file_fails_at_once(tmp_path: Path) -> None:
     """Issue 30: a client with no coordd waited its whole timeout (5 s in the README) before
