@@ -169,24 +169,10 @@ def group_document(group: GroupView, now: float, rank_rows: int | None = None) -
     lateness = observer.mean_lateness() if shown else []
     last = snap.last_round
     open_round = snap.round
-    left_out = sum(1 for rank in snap.dead if rank not in snap.members)
-    summary = {
-        "registered": len(snap.members),
-        "left out": left_out,
-        "missing": snap.dp_size - len(snap.members) - left_out,
-        "shown": shown,
-    }
     ranks = []
     for rank in range(shown):
         member = snap.members.get(rank)
-        if member:
-            state = "registered"
-        elif rank in snap.left:
-            state = "left"  # said Goodbye; the others are still registered
-        elif rank in snap.dead:
-            state = "left out"
-        else:
-            state = "missing"
+        state = _rank_state(snap, rank)
         arrived = open_round.arrivals[rank] if open_round is not None else None
         seen = arrived
         if seen is None and last is not None:
@@ -231,7 +217,7 @@ def group_document(group: GroupView, now: float, rank_rows: int | None = None) -
         "registrations": observer.registrations,
         "rejected": dict(observer.rejected),
         "ranks": ranks,
-        "ranks_summary": summary,
+        "ranks_summary": _ranks_summary(snap, shown),
         "recent_failures": list(observer.recent_failures),
     }
 
@@ -249,21 +235,14 @@ def relayed_group_document(
     ranks = []
     for rank in range(shown):
         row = relay_of.get(rank)
-        if rank in snap.members:
-            state = "registered"
-        elif rank in snap.dead:
-            state = "left out"
-        else:
-            state = "missing"
         ranks.append(
             {
                 "rank": rank,
-                "state": state,
+                "state": _rank_state(snap, rank),
                 "relay": row.name if row is not None else None,
                 "address": row.address or None if row is not None else None,
             }
         )
-    left_out = sum(1 for rank in snap.dead if rank not in snap.members)
     failure = snap.failure
     return {
         **_group_head(name, "relays", snap),
@@ -276,12 +255,25 @@ def relayed_group_document(
             for row in group.relays
         ],
         "ranks": ranks,
-        "ranks_summary": {
-            "registered": len(snap.members),
-            "left out": left_out,
-            "missing": snap.dp_size - len(snap.members) - left_out,
-            "shown": shown,
-        },
+        "ranks_summary": _ranks_summary(snap, shown),
+    }
+
+
+def _rank_state(snap: GroupSnapshot, rank: int) -> str:
+    if rank in snap.members:
+        return "registered"
+    if rank in snap.left:
+        return "left"  # said Goodbye; the others are still registered
+    return "left out" if rank in snap.dead else "missing"
+
+
+def _ranks_summary(snap: GroupSnapshot, shown: int) -> dict[str, int]:
+    left_out = sum(1 for rank in snap.dead if rank not in snap.members)
+    return {
+        "registered": len(snap.members),
+        "left out": left_out,
+        "missing": snap.dp_size - len(snap.members) - left_out,
+        "shown": shown,
     }
 
 
