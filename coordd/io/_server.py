@@ -182,6 +182,11 @@ class CoordServer:
         #: and those whose close was carried out before it was read (see `_claim_fd`).
         self._closing: set[int] = set()
         self._closed_early: set[int] = set()
+        #: The socket (`limits.socket_ident`) each descriptor's registered peer said its Hello
+        #: over: a frame another peer queued over an older connection on that descriptor is
+        #: read with its number too (see `_claim_fd`).
+        self._fd_sockets: dict[int, tuple[bytes, int | None]] = {}
+        self._socket_ident: Callable[[int], int | None] = limits.socket_ident
         #: Groups with an open round, and the one timer for their deadlines.
         self._deadlines = Deadlines(clock, self)
         #: Carries out what the registry decides.
@@ -383,10 +388,15 @@ class CoordServer:
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
-                if group is None:
-                    self._claim_fd(peer, srcfd)  # it may be a relay's Hello
-                    if self.relays.handle(peer, frame):
-                        continue  # a relay's message (coordd.io._relay_hub)
+                # it may be a relay's Hello (not if an older connection queued it)
+                if (
+                    group is None
+                    and self._claim_fd(peer, srcfd)
+                    and self.relays.handle(peer, frame)
+                ):
+                    if self.relays.peer_fd.get(peer) == srcfd:
+                        self._note_socket(peer, srcfd)
+                    continue  # a relay's message (coordd.io._relay_hub)
                 if self._bad_frame(peer, str(exc), frame):
                     return True  # a member cut off: the next drain drops what it queued
                 continue
@@ -476,25 +486,40 @@ class CoordServer:
         return seen
 
     def _connection_closed(self, fd: int) -> None:
+        self._fd_sockets.pop(fd, None)
         self.admission.closed_fd(fd)
         self._carry_out(self.registry.closed(fd, self.clock()))
         if fd in self.relays.fd_peer:
             self.relays.closed(fd)
 
-    def _claim_fd(self, peer: bytes, fd: int) -> None:
+    def _claim_fd(self, peer: bytes, fd: int) -> bool:
         """Before a Hello from `peer` over `fd` is tracked on `fd` (a rank's or a relay's): if
-        another peer registered over `fd`, that connection is closed and `fd` is a new one's
-        (libzmq reports a close before it releases the descriptor), so its close is carried
-        out now and skipped when its event is read. Otherwise the newcomer would be tracked on
-        `fd` and the old close then end it, leaving the old rank (or relay) held."""
+        another peer registered over `fd` and its socket is gone from `fd`, that connection is
+        closed and `fd` is a new one's (libzmq reports a close before it releases the
+        descriptor), so its close is carried out now and skipped when its event is read.
+        Otherwise the newcomer would be tracked on `fd` and the old close then end it, leaving
+        the old rank (or relay) held. False while the owner's socket is still on `fd`: the
+        frame was queued by an older connection on that number (a garbage backlog is read long
+        after its connection closed), which is gone, and the owner stays."""
         owner = self.registry.peer_on(fd) or self.relays.fd_peer.get(fd)
         if owner is None or owner == peer:
-            return
+            return True
+        held = self._fd_sockets.get(fd)
+        socket = held[1] if held is not None and held[0] == owner else None
+        if socket is not None and socket == self._socket_ident(fd):
+            return False
         if fd in self._closing:
             self._closing.discard(fd)
         else:
             self._closed_early.add(fd)
         self._connection_closed(fd)
+        return True
+
+    def _note_socket(self, peer: bytes, fd: int) -> None:
+        """`peer` registered over `fd`: remember its socket, for `_claim_fd`."""
+        held = self._fd_sockets.get(fd)
+        if held is None or held[0] != peer:
+            self._fd_sockets[fd] = (peer, self._socket_ident(fd))
 
     def catch_up_monitor(self) -> bool:
         """Read the monitor's events (a bounded number of passes) and tell the groups of ranks
@@ -548,7 +573,9 @@ class CoordServer:
         the monitor read first: a closed connection's descriptor may be this one's now."""
         self.catch_up_monitor()
         fd = frame.get(_SRCFD)
-        self._claim_fd(peer, fd)
+        if not self._claim_fd(peer, fd):
+            log.debug("dropped a Hello an older connection on fd %d queued: %s", fd, hello)
+            return
         if self.relays.holds(hello.group):
             self._outbox.send_one(peer, reject_message(self.relays.flat_refusal(hello.group)))
             return
@@ -563,6 +590,8 @@ class CoordServer:
             peer, hello, fd, self.clock(), self.wall(), address=address, key=key
         )
         self._carry_out(actions)
+        if self.registry.peer_on(fd) == peer:
+            self._note_socket(peer, fd)
         gate = self._router.gate
         if gate is not None and address and self.registry.member(peer, fd) is not None:
             # its process (ipc) or address (tcp) registered a rank: quiet is earned
