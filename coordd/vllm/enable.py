@@ -24,6 +24,10 @@ SYNC_TIMEOUT_ENV = "COORDD_VLLM_SYNC_TIMEOUT"
 #: "0" makes every sync start its round at vLLM's sync; on by default: the V1 runner's sync
 #: starts its round before `_prepare_inputs` and collects it at the sync (coordd.vllm.early).
 OVERLAP_ENV = "COORDD_VLLM_OVERLAP"
+#: "0" keeps the fail-stop: coordd's loss raises in vLLM's step. On by default: a group that
+#: loses coordd goes on with vLLM's own collective and returns when coordd is back
+#: (coordd.vllm.fallback).
+FALLBACK_ENV = "COORDD_VLLM_FALLBACK"
 #: A directory: each process appends its per-step sync timings there (coordd.vllm.timings).
 TIMINGS_ENV = "COORDD_VLLM_TIMINGS"
 
@@ -44,6 +48,9 @@ class PluginSettings:
     sync_timeout: float = 120.0
     #: Start the V1 runner's sync round early (COORDD_VLLM_OVERLAP, default on).
     overlap: bool = True
+    #: Go on with vLLM's own collective while coordd is away (COORDD_VLLM_FALLBACK, default
+    #: on; off: coordd's loss raises in vLLM's step, as before).
+    fallback: bool = True
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
@@ -76,6 +83,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings | 
         connect_timeout=_seconds(env, CONNECT_TIMEOUT_ENV, 60.0),
         sync_timeout=_seconds(env, SYNC_TIMEOUT_ENV, 120.0),
         overlap=_switch(env, OVERLAP_ENV, True),
+        fallback=_switch(env, FALLBACK_ENV, True),
     )
 
 

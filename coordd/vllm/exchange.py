@@ -34,6 +34,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import zmq
@@ -44,7 +45,10 @@ from coordd.proto.messages import max_gather_values
 from coordd.vllm import early, sites
 from coordd.vllm.early import EarlyRound
 from coordd.vllm.enable import PluginSettings
+from coordd.vllm.fallback import JOIN_WAIT, GroupPath
 from coordd.vllm.groups import GroupIdentity
+
+_CLOSED = "client closed"
 
 _INTEGER_DTYPES = frozenset(
     {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
@@ -210,6 +214,18 @@ _STRUCT_CODES = {
 _MAX_VIEWS = 256
 
 
+def _close_link(link: GroupLink, goodbye: bool = True) -> None:
+    if link.path is not None:
+        link.path.close()
+    if link.client is not None:
+        link.client.close(goodbye=goodbye)
+
+
+def _copy_reduced(tensor: torch.Tensor, result: torch.Tensor) -> list[int]:
+    tensor.copy_(result)
+    return [int(v) for v in result.reshape(-1).tolist()]
+
+
 def _memory_at(address: int, nbytes: int) -> memoryview:
     """A writable view of `nbytes` of memory at `address` (a live CPU tensor's own)."""
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
@@ -281,12 +297,15 @@ class _Prepared:
 
 @dataclass
 class GroupLink:
-    """This process's client for one coordd group, and how many rounds it has run."""
+    """This process's client for one coordd group, and how many coordd rounds it has run.
+    With the fallback on, `path` says which path the group's syncs take (`client` is None
+    while it is vLLM's own)."""
 
     identity: GroupIdentity
-    client: CoordClient
+    client: CoordClient | None
     lock: threading.Lock = field(default_factory=threading.Lock)
     rounds: int = 0
+    path: GroupPath | None = None
 
 
 #: Seconds `Exchange.close` waits for its ZeroMQ context to end (the Goodbyes to go out).
@@ -428,7 +447,14 @@ class Exchange:
         link = self.link(identity)
         with link.lock:
             self._check_collected(identity, prepared.site)
-            pending = link.client.start_gather(prepared.site, prepared.own)
+            if link.client is None:  # on vLLM's own path (or not joined yet): at the sync
+                return False
+            try:
+                pending = link.client.start_gather(prepared.site, prepared.own)
+            except CoordinatorUnavailable:
+                if link.path is None:
+                    raise
+                return False  # the sync's round meets the same loss and settles
             self._early[identity.name] = EarlyRound(
                 prepared.site, prepared.own, pending, early.now()
             )
@@ -455,7 +481,7 @@ class Exchange:
         went wrong), so every peer is told at once, naming it."""
         link = self._links.pop(identity.name, None)
         if link is not None:
-            link.client.close(goodbye=False)
+            _close_link(link, goodbye=False)
 
     def sync_(
         self,
@@ -465,6 +491,7 @@ class Exchange:
         column: bool,
         skip: int = 0,
         sync: str = "",
+        group: Any = None,
     ) -> bool:
         """The collective on `tensor`, in place, as one gather round: its own column if
         `column` (a worker sync) and the tensor is zero outside it, else the whole tensor,
@@ -475,67 +502,118 @@ class Exchange:
         is one (its values and site checked against this sync's: `EarlyStartMismatch`), else
         a new one. False, with nothing sent and `tensor` untouched, if the tensor is not an
         integer one (`can_gather`) or its values do not fit one round (the caller then takes
-        vLLM's path; decided by dtype and shape alone, so every rank decides the same)."""
+        vLLM's path; decided by dtype and shape alone, so every rank decides the same).
+        With the fallback on (`coordd.vllm.fallback`), `group` is the group's own gloo group,
+        and False also means the group is on vLLM's own path: the caller runs vLLM's own
+        collective, as it does for what cannot be gathered."""
         prepared = self._prepare(tensor, op, identity, column, skip, sync)
         if prepared is None:
             return False
-        plan, flat, own, layout = prepared.plan, prepared.flat, prepared.own, prepared.layout
-        dp_size = identity.dp_size
         link = self.link(identity)
         with link.lock:
-            # The client checks the answer against the round it asked (seq, site, dp rows, this
-            # rank's own row as sent, every row's length, an empty row only for a dead rank): a
-            # misfit raises its InvalidAnswer (a ProtocolError naming coordd) here, before the
-            # tensor is touched.
-            started = self._early.pop(identity.name, None) if self._early else None
-            if started is None:
-                began = early.now() if self.on_sync is not None else 0.0
-                rows = link.client.gather(prepared.site, own, timeout=self.settings.sync_timeout)
-                window = 0.0
-            else:
-                try:
-                    started.check(identity.dp_rank, identity.name, prepared.site, own)
-                except early.EarlyStartMismatch:
-                    self._abort(identity)
-                    raise
-                began = early.now()
-                window = began - started.began
-                rows = started.pending.wait(self.settings.sync_timeout)
-            if self.on_sync is not None:
-                self.on_sync(identity, prepared.site, window, early.now() - began)
-            link.rounds += 1
-            if layout is Layout.COLUMN and op is ReduceOp.SUM:
-                # vLLM's worker syncs: the sum is the columns side by side, value i of rank r
-                # at flat[i * dp + r]; `flat` is this call's own list, written over in place
-                count = plan.count
-                for rank, row in enumerate(rows):
-                    flat[rank::dp_size] = row if row else [0] * count  # left out: zeros
-            else:
-                if not (layout is Layout.WHOLE and own and all(rows)):
-                    # a rank left out of a whole-tensor round, a column MAX/MIN: the general
-                    # path (torch's, as before; no vLLM sync takes it)
-                    tensor.copy_(reduce_rows(rows, tensor, layout, op))
-                    return True
-                if op is ReduceOp.SUM:
-                    flat = [sum(values) for values in zip(*rows, strict=True)]
-                elif op is ReduceOp.MAX:
-                    flat = [max(values) for values in zip(*rows, strict=True)]
-                else:
-                    flat = [min(values) for values in zip(*rows, strict=True)]
-            try:
-                # straight into the tensor's memory (torch's copy_ was the path's costliest
-                # call, ~15 us of CPU a sync in vLLM's rank processes), else via the plan's
-                plan.pack(prepared.memory, 0, *flat)
-            except struct.error:  # past the dtype's range: wrapped, as the collective does
-                tensor.copy_(reduce_rows(rows, tensor, layout, op))
+            path = link.path
+            if path is None:
+                self._round(link, tensor, op, prepared)
                 return True
-            if not prepared.direct:
-                tensor.copy_(plan.view)
+            if link.client is None:
+                if not path.joined:
+                    link.client = path.join(group, min(JOIN_WAIT, self.settings.connect_timeout))
+                else:
+                    link.client = path.own_round(group, self.settings.connect_timeout)
+                if link.client is None:
+                    return False
+            try:
+                result = self._round(link, tensor, op, prepared)
+            except CoordinatorUnavailable as error:
+                if error.detail == _CLOSED:  # this process is closing its links: no switch
+                    raise
+                return self._fall_back(link, path, group, error, tensor, prepared)
+            path.completed_on_coordd(prepared.site, result)
+            return True
+
+    def _fall_back(
+        self,
+        link: GroupLink,
+        path: GroupPath,
+        group: Any,
+        error: CoordinatorUnavailable,
+        tensor: torch.Tensor,
+        prepared: _Prepared,
+    ) -> bool:
+        """coordd was lost in this sync's round: settle over the group's gloo group; True if
+        this rank took the round's result from a rank ahead, else False (vLLM's own path)."""
+        self._early.pop(link.identity.name, None)
+        client, link.client = link.client, None
+        if client is not None:
+            client.close(goodbye=False)
+        answer = path.fall_back(group, error, (prepared.site, prepared.plan.numel))
+        if answer is None:
+            return False
+        tensor.copy_(torch.tensor(answer, dtype=torch.int64).reshape(tensor.shape))
         return True
 
+    def _round(
+        self, link: GroupLink, tensor: torch.Tensor, op: ReduceOp, prepared: _Prepared
+    ) -> list[int]:
+        """The sync as one coordd round (the caller holds the link's lock): the result, in
+        `tensor` and as a flat list."""
+        identity = link.identity
+        assert link.client is not None
+        plan, flat, own, layout = prepared.plan, prepared.flat, prepared.own, prepared.layout
+        dp_size = identity.dp_size
+        # The client checks the answer against the round it asked (seq, site, dp rows, this
+        # rank's own row as sent, every row's length, an empty row only for a dead rank): a
+        # misfit raises its InvalidAnswer (a ProtocolError naming coordd) here, before the
+        # tensor is touched.
+        started = self._early.pop(identity.name, None) if self._early else None
+        if started is None:
+            began = early.now() if self.on_sync is not None else 0.0
+            rows = link.client.gather(prepared.site, own, timeout=self.settings.sync_timeout)
+            window = 0.0
+        else:
+            try:
+                started.check(identity.dp_rank, identity.name, prepared.site, own)
+            except early.EarlyStartMismatch:
+                self._abort(identity)
+                raise
+            began = early.now()
+            window = began - started.began
+            rows = started.pending.wait(self.settings.sync_timeout)
+        if self.on_sync is not None:
+            self.on_sync(identity, prepared.site, window, early.now() - began)
+        link.rounds += 1
+        if layout is Layout.COLUMN and op is ReduceOp.SUM:
+            # vLLM's worker syncs: the sum is the columns side by side, value i of rank r
+            # at flat[i * dp + r]; `flat` is this call's own list, written over in place
+            count = plan.count
+            for rank, row in enumerate(rows):
+                flat[rank::dp_size] = row if row else [0] * count  # left out: zeros
+        else:
+            if not (layout is Layout.WHOLE and own and all(rows)):
+                # a rank left out of a whole-tensor round, a column MAX/MIN: the general
+                # path (torch's, as before; no vLLM sync takes it)
+                return _copy_reduced(tensor, reduce_rows(rows, tensor, layout, op))
+            if op is ReduceOp.SUM:
+                flat = [sum(values) for values in zip(*rows, strict=True)]
+            elif op is ReduceOp.MAX:
+                flat = [max(values) for values in zip(*rows, strict=True)]
+            else:
+                flat = [min(values) for values in zip(*rows, strict=True)]
+        try:
+            # straight into the tensor's memory (torch's copy_ was the path's costliest
+            # call, ~15 us of CPU a sync in vLLM's rank processes), else via the plan's
+            plan.pack(prepared.memory, 0, *flat)
+        except struct.error:  # past the dtype's range: wrapped, as the collective does
+            return _copy_reduced(tensor, reduce_rows(rows, tensor, layout, op))
+        if not prepared.direct:
+            tensor.copy_(plan.view)
+        return flat
+
     def link(self, identity: GroupIdentity) -> GroupLink:
-        """The client for `identity`'s group, connected (within the connect timeout) on first
-        use; raises the client's CoordError (Rejected, CoordinatorUnavailable) if it cannot."""
+        """The client for `identity`'s group. With the fallback on, its path, which registers
+        at the group's first sync (`GroupPath.join`); without, connected (within the connect
+        timeout) on first use, raising the client's CoordError (Rejected,
+        CoordinatorUnavailable) if it cannot."""
         link = self._links.get(identity.name)
         if (
             link is not None
@@ -552,20 +630,19 @@ class Exchange:
             if link is not None and link.identity == identity:
                 return link
             if link is not None:  # vLLM rebuilt the group (elastic EP): a new registration
-                link.client.close()
+                _close_link(link)
                 self._early.pop(identity.name, None)
             if self._context is None:
                 self._context = zmq.Context()
             self._hook_exit()
-            client = CoordClient(
-                self.settings.address,
-                dp_rank=identity.dp_rank,
-                dp_size=identity.dp_size,
-                group=identity.name,
-                config_fingerprint=identity.fingerprint,
-                wait_timeout=self.settings.sync_timeout,
-                context=self._context,
-            )
+            if self.settings.fallback:
+                link = GroupLink(identity, None)
+                link.path = GroupPath(
+                    identity, lambda: self._new_client(identity), self.settings.sync_timeout
+                )
+                self._links[identity.name] = link
+                return link
+            client = self._new_client(identity)
             try:
                 self._connect(client)
             except BaseException:
@@ -574,6 +651,17 @@ class Exchange:
             link = GroupLink(identity, client)
             self._links[identity.name] = link
             return link
+
+    def _new_client(self, identity: GroupIdentity) -> CoordClient:
+        return CoordClient(
+            self.settings.address,
+            dp_rank=identity.dp_rank,
+            dp_size=identity.dp_size,
+            group=identity.name,
+            config_fingerprint=identity.fingerprint,
+            wait_timeout=self.settings.sync_timeout,
+            context=self._context,
+        )
 
     def _connect(self, client: CoordClient) -> None:
         """Register within the connect timeout, waiting for a coordd that has not made its
@@ -598,7 +686,7 @@ class Exchange:
         an exit path never hangs on a socket some other thread still holds."""
         with self._lock:
             for link in self._links.values():
-                link.client.close()
+                _close_link(link)
             self._links = {}
             self._early = {}
             context, self._context = self._context, None

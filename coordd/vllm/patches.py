@@ -141,6 +141,13 @@ def _worker_route(group: Any) -> GroupIdentity | None:
     return _worker_identity(dp)
 
 
+def _worker_cpu_group() -> Any:
+    """The worker DP group's gloo group (a worker sync may run on its device group)."""
+    from vllm.distributed import parallel_state as ps
+
+    return ps._DP.cpu_group
+
+
 def register_engine_group(process_group: Any) -> None:
     """Mark a process group as an engine-state DP group (patch E; C and D do it lazily, since
     a spawned engine core creates its group before vLLM loads plugins)."""
@@ -168,19 +175,27 @@ _SKIP = 2
 
 
 def _sync_(
-    tensor: torch.Tensor, op: ReduceOp, identity: GroupIdentity, column: bool, sync: str = ""
+    tensor: torch.Tensor,
+    op: ReduceOp,
+    identity: GroupIdentity,
+    column: bool,
+    sync: str = "",
+    group: Any = None,
 ) -> bool:
     """Run the collective as a gather round; False (nothing done) if the tensor is not an
     integer one or its values do not fit one round, so the caller takes vLLM's own path
     (decided by dtype and shape: every rank agrees). vLLM's worker syncs (`column`) write
     only their own column, which is all that goes; if one ever does not, the whole tensor
     goes (and its label says so: ranks that disagree fail loudly, never add up wrongly).
-    `sync`: as `site_label`'s."""
+    `sync`: as `site_label`'s; `group`: the group's gloo group, where the fallback settles
+    and votes (`coordd.vllm.fallback`)."""
     exchange = _state.exchange
     if _state.line:
         _say_installed()
     try:
-        return exchange is not None and exchange.sync_(tensor, op, identity, column, _SKIP, sync)
+        return exchange is not None and exchange.sync_(
+            tensor, op, identity, column, _SKIP, sync, group
+        )
     except CoordError as error:
         _say_fault(identity, error)
         raise
@@ -268,7 +283,9 @@ class DistShim(types.ModuleType):
             raise early.NotStarted
         if ours is not None and not async_op and _state.exchange is not None:
             identity = _worker_route(group)
-            if identity is not None and _sync_(tensor, ours, identity, True):
+            if identity is not None and _sync_(
+                tensor, ours, identity, True, group=_worker_cpu_group()
+            ):
                 return None
         return torch_dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -517,7 +534,12 @@ def leave() -> None:
 def _engine_state_sum(dp_group: Any, has_unfinished: bool, pending_pause: bool) -> torch.Tensor:
     tensor = torch.tensor([int(has_unfinished), int(pending_pause)], dtype=torch.int32)
     if not _sync_(
-        tensor, ReduceOp.SUM, _engine_route(dp_group), False, "ParallelConfig.sync_dp_state"
+        tensor,
+        ReduceOp.SUM,
+        _engine_route(dp_group),
+        False,
+        "ParallelConfig.sync_dp_state",
+        dp_group,
     ):
         torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=dp_group)
     return tensor
@@ -543,7 +565,7 @@ def _patch_all(
         def cpu_all_reduce_(self: Any, tensor: torch.Tensor) -> torch.Tensor:
             # (`_sync_` refuses what `can_gather` would, on its first sight of a dtype and shape)
             if self is parallel_state._DP and _sync_(
-                tensor, ReduceOp.SUM, _worker_identity(self), True
+                tensor, ReduceOp.SUM, _worker_identity(self), True, group=self.cpu_group
             ):
                 return tensor
             return original_cpu_all_reduce_(self, tensor)
@@ -561,7 +583,7 @@ def _patch_all(
                 isinstance(group, torch_dist.ProcessGroup)
                 and can_gather(tensor)
                 and _state.exchange is not None
-                and _sync_(tensor, ReduceOp.SUM, _engine_route(group), False)
+                and _sync_(tensor, ReduceOp.SUM, _engine_route(group), False, group=group)
             ):
                 return tensor
             return original_util(tensor, group, timeout)
@@ -596,7 +618,12 @@ def _patch_all(
             return bool(original_unfinished(dp_group, has_unfinished))
         tensor = torch.tensor([has_unfinished], dtype=torch.int32, device="cpu")
         if not _sync_(
-            tensor, ReduceOp.MAX, _engine_route(dp_group), False, "ParallelConfig.has_unfinished_dp"
+            tensor,
+            ReduceOp.MAX,
+            _engine_route(dp_group),
+            False,
+            "ParallelConfig.has_unfinished_dp",
+            dp_group,
         ):
             return bool(original_unfinished(dp_group, has_unfinished))
         return bool(tensor.item())
@@ -618,6 +645,7 @@ def _patch_all(
             _engine_route(dp_group),
             False,
             "ParallelConfig.sync_kv_cache_memory_size",
+            dp_group,
         ):
             return int(original_kv(dp_group, kv_cache_memory))
         return int(tensor.item())
