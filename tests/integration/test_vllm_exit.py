@@ -32,7 +32,7 @@ from coordd.vllm.groups import GroupIdentity
 EXCHANGES = []  # the plugin holds its Exchange for the process's life (patches._state)
 
 def run(rank, address, how):
-    ex = Exchange(PluginSettings(address, connect_timeout=60, sync_timeout=60))
+    ex = Exchange(PluginSettings(address, connect_timeout=60, sync_timeout=60, fallback=False))
     EXCHANGES.append(ex)
     ident = GroupIdentity("dp-tp0-pp0", rank, 2, "fp")
     for _ in range(3):

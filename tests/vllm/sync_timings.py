@@ -67,7 +67,6 @@ def _rank(
             assert patches.install(PluginSettings(address))
             exchange = patches.exchange()
             assert exchange is not None
-            client = exchange.link(worker_group()).client
             column = [v + idx for v in range(7)]
 
             def fresh() -> torch.Tensor:
@@ -87,6 +86,8 @@ def _rank(
                 assert want is None or t.tolist() == want, (way, t.tolist(), want)
                 want = t.tolist()
             rows_want = [[int(v) for v in want[i]] for i in range(7)]
+            client = exchange.link(worker_group()).client  # joined in the warm-up
+            assert client is not None
             for _ in range(warmup):
                 rows = client.gather(_SITE, column)
             assert [[rows[r][i] for r in range(size)] for i in range(7)] == rows_want

@@ -47,7 +47,9 @@ def coordd(tmp_path: Path) -> Iterator[CoorddProcess]:
 def ranks(coordd: CoorddProcess) -> Iterator[list[tuple[Exchange, GroupIdentity]]]:
     made = []
     for rank in range(DP):
-        settings = PluginSettings(coordd.address, connect_timeout=15.0, sync_timeout=40.0)
+        settings = PluginSettings(
+            coordd.address, connect_timeout=15.0, sync_timeout=40.0, fallback=False
+        )
         made.append((Exchange(settings), GroupIdentity(GROUP, rank, DP, "fp")))
     try:
         yield made
@@ -249,7 +251,7 @@ def test_a_first_sync_waits_for_a_coordd_that_starts_after_it(tmp_path: Path) ->
     coordd's socket to appear instead of failing at once."""
     address = f"ipc://{tmp_path}/late.sock"
     ranks = [
-        (Exchange(PluginSettings(address, connect_timeout=30.0)), GroupIdentity(GROUP, r, DP, "fp"))
+        (Exchange(PluginSettings(address, connect_timeout=30.0, fallback=False)), GroupIdentity(GROUP, r, DP, "fp"))
         for r in range(DP)
     ]
     try:

@@ -127,7 +127,7 @@ class Answers:
 
 def _exchange(rank: int, dp: int, client: Answers) -> tuple[Exchange, GroupIdentity]:
     identity = GroupIdentity("dp-tp0-pp0", rank, dp, "fp")
-    exchange = Exchange(PluginSettings("ipc:///nowhere"))
+    exchange = Exchange(PluginSettings("ipc:///nowhere", fallback=False))
     exchange._links[identity.name] = GroupLink(identity, client)  # type: ignore[arg-type]
     return exchange, identity
 

@@ -248,7 +248,11 @@ def plugin_sync(address: str, rank: int, dp: int) -> Any:
     from coordd.vllm.exchange import Exchange, ReduceOp
     from coordd.vllm.groups import GroupIdentity
 
-    exchange = Exchange(PluginSettings(address, connect_timeout=30, sync_timeout=ROUND_TIMEOUT))
+    # the bench's ranks have no gloo group to fall back on: the coordd path alone, fail-stop
+    settings = PluginSettings(
+        address, connect_timeout=30, sync_timeout=ROUND_TIMEOUT, fallback=False
+    )
+    exchange = Exchange(settings)
     identity = GroupIdentity(PLUGIN_GROUP, rank, dp, "coordd-bench")
     exchange.link(identity)  # connected now, not in the first timed round
     sync_, op = exchange.sync_, ReduceOp.SUM
