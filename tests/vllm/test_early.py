@@ -251,7 +251,10 @@ def test_a_first_sync_waits_for_a_coordd_that_starts_after_it(tmp_path: Path) ->
     coordd's socket to appear instead of failing at once."""
     address = f"ipc://{tmp_path}/late.sock"
     ranks = [
-        (Exchange(PluginSettings(address, connect_timeout=30.0, fallback=False)), GroupIdentity(GROUP, r, DP, "fp"))
+        (
+            Exchange(PluginSettings(address, connect_timeout=30.0, fallback=False)),
+            GroupIdentity(GROUP, r, DP, "fp"),
+        )
         for r in range(DP)
     ]
     try:
