@@ -70,7 +70,8 @@ pytestmark = pytest.mark.timeout(900)
 
 REPO = Path(__file__).resolve().parents[2]
 SKIPPER = Path(__file__).resolve().parent / "skipper"
-OPTIONS = Options(dp=2, max_tokens=24, eager=True, device="cpu")
+#: 120 tokens: a run the fallback's faults can happen inside (paced, COORDD_TEST_PAUSE).
+OPTIONS = Options(dp=2, max_tokens=120, eager=True, device="cpu")
 HEARTBEAT_TIMEOUT = 5.0
 STEP_TIMEOUT = 15.0
 #: One pair's start-up and first round on 2 shared cores (40-100 s when the box is quiet).
@@ -115,6 +116,7 @@ class Pair:
         skip_rank: int | None = None,
         overlap: bool = True,
         raising: bool = False,
+        pause: float = 0.0,
     ) -> None:
         self.name = name
         self.dir = work / name
@@ -127,6 +129,9 @@ class Pair:
                 OPTIONS, rank, port, address=address, overlap=overlap, timings=self.timings
             )
             paths = [str(REPO)]
+            if pause:
+                paths.append(str(SKIPPER))
+                env["COORDD_TEST_PAUSE"] = str(pause)
             if rank == skip_rank:
                 paths.append(str(SKIPPER))
                 env["COORDD_TEST_SKIP_FILE"] = str(self.skip_file)
@@ -543,6 +548,102 @@ def test_with_coordd_a_step_that_raises_after_its_early_start_is_named(
     assert "InjectedFault" in pair.log(1), pair.tails()
     assert kind == "RankLost" and "[1]" in text, (kind, text)
     assert took < STEP_TIMEOUT, f"named after {took:.1f} s (a timeout, not the loss)"
+
+
+#: Each forward step of the fallback's run sleeps this long first: 120 tokens take ~16 s, long
+#: enough for a coordd stopped for 10 s (the ranks' heartbeat timeout is 5 s) to come back.
+FALLBACK_PAUSE = 0.12
+FALLBACK_STOP = 10.0
+FALLBACK_RESTART_AFTER = 2.0
+
+
+def _switch_lines(pair: Pair, rank: int, what: str) -> list[str]:
+    return [line for line in pair.log(rank).splitlines() if what in line]
+
+
+def _watch_lines(pair: Pair, what: str, count: int, timeout: float) -> float | None:
+    """When every rank's log holds `count` lines with `what` (None if not within `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(len(_switch_lines(pair, r, what)) >= count for r in range(OPTIONS.dp)):
+            return time.time()
+        if any(p.poll() is not None for p in pair.procs):
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def test_with_coordd_killed_restarted_stopped_the_engines_go_on(
+    work: Path, model: Path, stock_tokens: dict[int, list[list[int]]], pairs: list[Pair]
+) -> None:
+    """coordd SIGKILLed mid-generation and started again on the same socket 2 s later (round 1),
+    then SIGSTOPped for 10 s and resumed (round 2): both engines finish with stock's tokens and
+    exit 0; every group falls back to vLLM's own collective once per fault and the worker group
+    comes back to coordd (the engine cores' group syncs every 32 steps, votes every 8 of its
+    rounds: it may not be back before the run ends)."""
+    fell, back = "falls back to vLLM's own collective", "is back on coordd"
+    proc, url = coordd_for(work, "fallback")
+    address = proc.address
+    coordd = proc.start()
+    second: CoorddProcess | None = None
+    figures: list[str] = []
+    try:
+        pair = Pair(work, model, "coordd-fallback", address=address, jobs=2, pause=FALLBACK_PAUSE)
+        pairs.append(pair)
+        pair.wait_progress(1, 1, 10, START_TIMEOUT)
+        killed_at = time.time()
+        coordd.signal(signal.SIGKILL)
+        coordd.stop()
+        left = _watch_lines(pair, fell, 2, 60)  # the worker group and the engine cores' group
+        time.sleep(FALLBACK_RESTART_AFTER)
+        second, url = coordd_for(work, "fallback")  # the same socket, a new metrics port
+        second.start()
+        started_at = time.time()
+        returned = _watch_lines(pair, back, 1, 60)
+        first = pair.wait_round(1, 120)
+        figures.append(
+            f"coordd SIGKILL:  every rank on vLLM's path "
+            f"{(left or float('nan')) - killed_at:.2f} s after the kill; back on coordd "
+            f"{(returned or float('nan')) - started_at:.2f} s after the restart"
+        )
+        pair.go(2)
+        pair.wait_progress(1, 2, 10, 120)
+        stopped_at = time.time()
+        second.signal(signal.SIGSTOP)
+        left2 = _watch_lines(pair, fell, 4, 60)
+        time.sleep(max(0.0, stopped_at + FALLBACK_STOP - time.time()))
+        second.signal(signal.SIGCONT)
+        resumed_at = time.time()
+        returned2 = _watch_lines(pair, back, 2, 60)
+        results = pair.wait_round(2, 120)
+        rounds = parse_rounds(scrape(url + "/metrics"))
+        pair.release()
+        codes = pair.wait_exit(90)
+    finally:
+        coordd.stop()
+        if second is not None:
+            second.signal(signal.SIGCONT)
+            second.stop()
+    figures.append(
+        f"coordd SIGSTOP {FALLBACK_STOP:.0f} s: every rank on vLLM's path "
+        f"{(left2 or float('nan')) - stopped_at:.2f} s after the stop; back on coordd "
+        f"{(returned2 or float('nan')) - resumed_at:.2f} s after SIGCONT"
+    )
+    figures.append(f"rounds the restarted coordd counted: {json.dumps(rounds, sort_keys=True)}")
+    for line in figures:
+        TABLE.append("fallback: " + line)
+    assert codes == [0, 0], f"{codes}\n{pair.tails()}"
+    for r in range(OPTIONS.dp):
+        assert not first[r]["error"] and not results[r]["error"], (first[r], results[r])
+        if stock_tokens:
+            assert first[r]["tokens"] == stock_tokens[r], f"rank {r}: round 1 differs from stock"
+        assert results[r]["tokens"] == first[r]["tokens"], f"rank {r}: round 2 differs"
+        said = _switch_lines(pair, r, fell)
+        assert len(said) >= 4 and not pair.coordd_errors(r), pair.tails()
+        assert len(_switch_lines(pair, r, back)) >= 2, pair.tails()
+    assert left is not None and returned is not None, figures
+    assert left2 is not None and returned2 is not None, figures
+    assert WORKER_GROUP in rounds, rounds
 
 
 @pytest.mark.skipif(

@@ -9,6 +9,7 @@ the V1 runner's sync module's `dist` (stock torch.distributed or coordd's stand-
 for one all-reduce, which it drops; this rank goes on with its own column only, as if it had
 skipped that sync, and `<file>.skipped` records when. No frame of this module is ever between
 vLLM's sync function and the collective, so every sync it lets through keeps its site label.
+COORDD_TEST_PAUSE=SECONDS (every rank) slows each forward step by that much, and nothing else.
 With COORDD_TEST_RAISE=1 the armed fault is instead an error raised once in `_prepare_inputs`
 (from the block table's commit, its first call), between the early start and the sync.
 Until armed nothing of this module is on the sync's call path (a thread watches for the file),
@@ -77,7 +78,25 @@ def _raise_once(flag: str) -> None:
     MultiGroupBlockTable.commit_block_table = commit_block_table  # type: ignore[method-assign]
 
 
+def _pace(seconds: float) -> None:
+    """Every forward step of this rank's runner sleeps `seconds` first: a run long enough for
+    coordd to be killed and restarted, or stopped and resumed, under it (COORDD_TEST_PAUSE)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner.execute_model
+
+    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(seconds)
+        return original(self, *args, **kwargs)
+
+    GPUModelRunner.execute_model = execute_model  # type: ignore[method-assign]
+
+
 def register() -> None:
+    pause = float(os.environ.get("COORDD_TEST_PAUSE", "0") or 0)
+    if pause > 0 and not getattr(register, "paced", False):
+        register.paced = True  # type: ignore[attr-defined]
+        _pace(pause)
     flag = os.environ.get("COORDD_TEST_SKIP_FILE", "")
     if not flag or getattr(register, "started", False):
         return
