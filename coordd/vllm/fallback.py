@@ -68,9 +68,11 @@ class GroupPath:
         self.rejoiner: Rejoiner | None = None
         self.away_since = 0.0
         self.why = ""
-        #: Falls back and returns so far (tests and the log lines read them).
+        #: Falls back and returns so far, and each switch as ("own" or "coordd", the round it
+        #: came at): the same on every rank of the group (tests compare them).
         self.fallbacks = 0
         self.returns = 0
+        self.switches: list[tuple[str, int]] = []
 
     # -- the first sync ------------------------------------------------------------------------
 
@@ -130,6 +132,7 @@ class GroupPath:
         self.away_since = self._clock()
         self.why = why
         self.fallbacks += not first
+        self.switches.append(("own", at))
         self.pacing.fell_back(self.away_since)
         if self.rejoiner is None:
             self.rejoiner = Rejoiner(
@@ -185,6 +188,7 @@ class GroupPath:
         self.pacing.came_back(now)
         self.on_coordd = True
         self.returns += 1
+        self.switches.append(("coordd", self.completed))
         log.info(
             "coordd: group %s (rank %d) is back on coordd at round %d, after %.1f s on vLLM's "
             "own collective",

@@ -23,6 +23,10 @@ import pytest
 pytest.importorskip("torch")
 
 from coordd.testing import CoorddProcess
+from coordd.testing.dying_coordd import DyingCoordd
+
+#: The coordd round (seq) the dying coordd answers to rank 0 only before it exits.
+PARTIAL_AT = 20
 
 RANK = r"""
 import json, logging, os, sys, time
@@ -83,6 +87,7 @@ while True:
 link = ex._links.get(ident.name)
 out = dict(rank=rank, rounds=n, wrong=wrong[:5], nwrong=len(wrong), events=events,
            paths=paths, coordd_rounds=ex.rounds().get(ident.name, 0),
+           switches=link.path.switches if link and link.path else None,
            fallbacks=link.path.fallbacks if link and link.path else None,
            returns=link.path.returns if link and link.path else None)
 print("RESULT " + json.dumps(out), flush=True)
@@ -115,6 +120,8 @@ def _run(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
     args = ["--log-level", "error"]
     coordd = CoorddProcess(2, address, args)
+    if fault == "partial":
+        coordd = DyingCoordd(2, address, die_at=PARTIAL_AT, answer_to=[0])
     if fault != "absent_at_start":
         coordd.start()
     marks: dict[str, float] = {}
@@ -139,10 +146,20 @@ def _run(
     ]
     second: CoorddProcess | None = None
     try:
-        _wait_progress(progress, 30, ranks)
-        if fault == "absent_at_start":
+        if fault == "partial":  # it dies by itself at round PARTIAL_AT; a real one comes next
+            assert coordd.proc is not None
+            coordd.proc.wait(120)
+            marks["killed"] = time.time()
+            time.sleep(1.5)
+            second = CoorddProcess(2, address, args)
+            second.start()
             marks["started"] = time.time()
-            coordd.start()
+        else:
+            _wait_progress(progress, 30, ranks)
+        if fault in ("absent_at_start", "partial"):
+            if fault == "absent_at_start":
+                marks["started"] = time.time()
+                coordd.start()
         elif fault in ("kill_restart", "kill"):
             marks["killed"] = time.time()
             coordd.signal(signal.SIGKILL)
@@ -177,17 +194,13 @@ def _run(
     return results, logs, marks
 
 
-def _switch_rounds(result: dict[str, Any]) -> list[tuple[int, bool]]:
-    return [(n, path) for n, path, _ in result["paths"]]
-
-
 def _report(name: str, results: list[dict[str, Any]], marks: dict[str, float]) -> None:
     """The figures of the closing note (pytest -s shows them)."""
     for result in results:
         times = {str(path): when for _, path, when in result["paths"]}
         parts = [
             f"rank {result['rank']}: {result['rounds']} rounds, "
-            f"{result['coordd_rounds']} on coordd, switches {_switch_rounds(result)}"
+            f"{result['coordd_rounds']} on coordd, switches {result['switches']}"
         ]
         if "killed" in marks and "False" in times:
             parts.append(f"fault -> own path {times['False'] - marks['killed']:.2f} s")
@@ -207,9 +220,9 @@ def test_coordd_killed_and_restarted_costs_no_round(tmp_path: Path) -> None:
         assert log.count("falls back to vLLM's own collective") == 1, log[-3000:]
         assert log.count("is back on coordd") == 1, log[-3000:]
     # one switch round for all: the same rounds, on the same path, on every rank
-    assert _switch_rounds(results[0]) == _switch_rounds(results[1])
+    assert results[0]["switches"] == results[1]["switches"]
     assert results[0]["rounds"] == results[1]["rounds"]
-    assert [path for _, path in _switch_rounds(results[0])] == [True, False, True]
+    assert [way for way, _ in results[0]["switches"]] == ["own", "coordd"]
 
 
 @pytest.mark.timeout(300)
@@ -222,7 +235,23 @@ def test_a_stopped_coordd_is_left_and_its_resumption_decides_nothing_old(
         assert result["events"] == [], (result, log[-3000:])
         assert result["nwrong"] == 0, result["wrong"]
         assert result["fallbacks"] >= 1 and result["returns"] >= 1, (result, log[-3000:])
-    assert _switch_rounds(results[0]) == _switch_rounds(results[1])
+    assert results[0]["switches"] == results[1]["switches"]
+
+
+@pytest.mark.timeout(300)
+def test_a_round_answered_to_one_rank_only_is_taken_from_it(tmp_path: Path) -> None:
+    """The dying coordd answers round PARTIAL_AT to rank 0 and exits before rank 1's answer
+    leaves: rank 1 takes that round's result from rank 0 over the gloo group, and both run the
+    next round on the own path; no round lost, doubled or different."""
+    results, logs, marks = _run(tmp_path, 100, "partial")
+    _report("partial", results, marks)
+    for result, log in zip(results, logs, strict=True):
+        assert result["events"] == [], (result, log[-3000:])
+        assert result["nwrong"] == 0, result["wrong"]
+        assert (result["fallbacks"], result["returns"]) == (1, 1), (result, log[-3000:])
+        assert "rank(s) [1] took round" in log and "answer from rank 0" in log, log[-3000:]
+    assert results[0]["switches"] == results[1]["switches"]
+    assert results[0]["rounds"] == results[1]["rounds"]
 
 
 @pytest.mark.timeout(300)
@@ -234,8 +263,9 @@ def test_a_coordd_absent_at_start_is_joined_when_it_comes(tmp_path: Path) -> Non
         assert result["nwrong"] == 0, result["wrong"]
         assert (result["fallbacks"], result["returns"]) == (0, 1), (result, log[-3000:])
         assert log.count("starts on vLLM's own collective") == 1, log[-3000:]
-    assert _switch_rounds(results[0]) == _switch_rounds(results[1])
-    assert [path for _, path in _switch_rounds(results[0])] == [False, True]
+    assert results[0]["switches"] == results[1]["switches"]
+    assert [way for way, _ in results[0]["switches"]] == ["own", "coordd"]
+    assert results[0]["switches"][0] == ["own", 0]
 
 
 @pytest.mark.timeout(300)
