@@ -561,11 +561,43 @@ def _switch_lines(pair: Pair, rank: int, what: str) -> list[str]:
     return [line for line in pair.log(rank).splitlines() if what in line]
 
 
+SWITCH = re.compile(
+    r"coordd: group (\S+) \(rank 0\) (?:falls back to|starts on) vLLM's own collective at "
+    r"round (\d+)|coordd: group (\S+) \(rank 0\) is back on coordd at round (\d+), after "
+    r"([\d.]+) s"
+)
+
+
+def _spells(log: str) -> list[str]:
+    """Rank 0's spells on vLLM's own path, per group: from which round, how many rounds, and
+    how long, as its log lines say."""
+    left: dict[str, int] = {}
+    said = []
+    for m in SWITCH.finditer(log):
+        if m.group(1):
+            left[m.group(1)] = int(m.group(2))
+        elif m.group(3) in left:
+            at = left.pop(m.group(3))
+            said.append(
+                f"{m.group(3)}: rounds {at}-{int(m.group(4)) - 1} on vLLM's own path "
+                f"({int(m.group(4)) - at} rounds, {m.group(5)} s)"
+            )
+    said.extend(
+        f"{group}: on vLLM's own path from round {at} to the end" for group, at in left.items()
+    )
+    return said
+
+
+def _seen(pair: Pair, what: str) -> int:
+    """The fewest lines with `what` in any rank's log."""
+    return min(len(_switch_lines(pair, r, what)) for r in range(OPTIONS.dp))
+
+
 def _watch_lines(pair: Pair, what: str, count: int, timeout: float) -> float | None:
     """When every rank's log holds `count` lines with `what` (None if not within `timeout`)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(len(_switch_lines(pair, r, what)) >= count for r in range(OPTIONS.dp)):
+        if _seen(pair, what) >= count:
             return time.time()
         if any(p.poll() is not None for p in pair.procs):
             return None
@@ -608,13 +640,14 @@ def test_with_coordd_killed_restarted_stopped_the_engines_go_on(
         )
         pair.go(2)
         pair.wait_progress(1, 2, 10, 120)
+        fell_before, back_before = _seen(pair, fell), _seen(pair, back)
         stopped_at = time.time()
         second.signal(signal.SIGSTOP)
-        left2 = _watch_lines(pair, fell, 4, 60)
+        left2 = _watch_lines(pair, fell, fell_before + 2, 60)
         time.sleep(max(0.0, stopped_at + FALLBACK_STOP - time.time()))
         second.signal(signal.SIGCONT)
         resumed_at = time.time()
-        returned2 = _watch_lines(pair, back, 2, 60)
+        returned2 = _watch_lines(pair, back, back_before + 1, 60)
         results = pair.wait_round(2, 120)
         rounds = parse_rounds(scrape(url + "/metrics"))
         pair.release()
@@ -630,6 +663,7 @@ def test_with_coordd_killed_restarted_stopped_the_engines_go_on(
         f"{(returned2 or float('nan')) - resumed_at:.2f} s after SIGCONT"
     )
     figures.append(f"rounds the restarted coordd counted: {json.dumps(rounds, sort_keys=True)}")
+    figures.extend(_spells(pair.log(0)))
     for line in figures:
         TABLE.append("fallback: " + line)
     assert codes == [0, 0], f"{codes}\n{pair.tails()}"
