@@ -17,9 +17,13 @@ engine cores, workers). It does nothing unless enabled by the environment of tho
 - ``COORDD_VLLM_TIMINGS=DIR``: each process appends its V1 runner's per-step sync timings
   there, with the plugin on or off (``coordd.vllm.timings``; ``coordd.tools.vllm_steps`` reads
   them).
+- ``COORDD_VLLM_FALLBACK=0`` keeps the fail-stop: coordd's loss raises in vLLM's step. By
+  default a group that loses coordd goes on with vLLM's own collective at one agreed round and
+  returns to coordd when it is back (``coordd.vllm.fallback``).
 - ``COORDD_VLLM_CONNECT_TIMEOUT`` (seconds, default 60): how long a group's first sync waits
-  for coordd's Welcome. ``COORDD_VLLM_SYNC_TIMEOUT`` (default 120): how long one sync waits for
-  its round; keep it above coordd's ``--step-timeout``.
+  for coordd's Welcome (with the fallback on, at most 5 s: the group then starts on vLLM's own
+  collective and joins coordd later). ``COORDD_VLLM_SYNC_TIMEOUT`` (default 120): how long one
+  sync waits for its round; keep it above coordd's ``--step-timeout``.
 - CURVE over tcp: ``COORDD_CURVE_SERVER_KEY`` / ``COORDD_CURVE_CLIENT_KEY`` as for any client.
 - vLLM's own ``VLLM_PLUGINS`` allowlist applies: if it is set, it must include ``coordd``.
 
@@ -64,7 +68,8 @@ What changes for an operator: a rank that skips or adds a sync (every round carr
 the vLLM sync function, its caller, op, dtype and shape) makes every rank raise coordd's typed
 ``StepMismatch`` naming it instead of hanging or silently pairing two different syncs; a dead or
 hung rank is named (``RankLost``, ``StepTimeout``) by coordd's heartbeats and step timeout. The
-errors are ``coordd.proto.errors.CoordError`` subclasses raised inside vLLM's step.
+errors are ``coordd.proto.errors.CoordError`` subclasses raised inside vLLM's step. coordd's
+own loss is no error: the groups go on with vLLM's own collective until it is back.
 
 If vLLM is not a supported release, or its code differs from what that release's patches
 expect, the plugin logs one warning saying why and patches nothing: vLLM keeps its own
