@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
+import sys
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 
 from coordd.core._daemon_defaults import (
     DEFAULT_GROUPS,
@@ -361,15 +363,46 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose every refusal is one line naming the option, exit code 1, as
+    coordd's own checks are (`coordd: --dp takes a whole number, got 'two'`), not argparse's
+    usage block and exit code 2. Its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        name = "coordd" if self.prog == "coordd serve" else self.prog
+        print(f"{name}: {self._one_line(message)}", file=sys.stderr)
+        raise SystemExit(1)
+
+    def _one_line(self, message: str) -> str:
+        bad = re.fullmatch(r"argument ([^:]+): invalid (?:\w+ value|choice): '(.*?)'.*", message)
+        if bad is not None:
+            flag = bad.group(1).split("/")[-1]
+            action = self._option_string_actions.get(flag)
+            if action is not None:
+                return f"{flag} takes {_takes(action)}, got {bad.group(2)!r}"
+        if message.startswith("argument ") and "expected" not in message:
+            return message.removeprefix("argument ")  # a type's own refusal says what it takes
+        return f"{message.removeprefix('argument ')} (`{self.prog} --help` lists the options)"
+
+
+def version_line() -> str:
+    """What `coordd --version` prints: the release and the wire protocol it speaks."""
+    from coordd.ops.observer import version
+    from coordd.proto.messages import PROTOCOL_VERSION
+
+    return f"coordd {version()} (protocol {PROTOCOL_VERSION})"
+
+
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Subcommand | None]:
     """Parse a coordd command line: (args, the chosen subcommand's module or None for serve).
 
     The tests parse every command the deploy files run with this same function."""
     argv = list(argv)
-    known = ("serve", "-h", "--help", *SUBCOMMANDS)
+    known = ("serve", "-h", "--help", "--version", *SUBCOMMANDS)
     if not argv or argv[0] not in known:
         argv.insert(0, "serve")
-    parser = argparse.ArgumentParser(prog="coordd", description=DESCRIPTION)
+    parser = Parser(prog="coordd", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser = sub.add_parser(
         "serve",
@@ -379,12 +412,15 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, Subcommand | None]:
     )
     add_server_options(serve_parser)
     chosen: Subcommand | None = None
+    parsers = {"serve": serve_parser}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text)
+        parsers[name] = sub_parser = sub.add_parser(name, help=help_text)
         if argv[0] == name:
             chosen = cast(Subcommand, importlib.import_module(module_name))
             chosen.add_arguments(sub_parser)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command they were given to, whose --help lists its options
+        parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "serve":
         apply_env(serve_parser, args)
     return args, chosen

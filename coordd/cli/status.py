@@ -70,8 +70,17 @@ def targets(given: str | None) -> list[str]:
     return ([UNIX + path] if path is not None else []) + [FALLBACK_URL]
 
 
+#: `coordd status`'s exit codes, as its --help and docs/operations.md say them.
+EXIT_CODES = (
+    "exit codes: 0 the table printed (--probe: the endpoint answered 200); 1 --probe got "
+    "another answer or none, or a bad option; 2 no coordd answered, or what answered is not "
+    "coordd's /status"
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     default_url()  # a bad $COORDD_METRICS_PORT is refused as the command is parsed
+    p.epilog = EXIT_CODES
     p.add_argument(
         "--address",
         "--url",
@@ -147,6 +156,7 @@ def get(base: str, target: str, timeout: float) -> tuple[int, bytes]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the status table, or `--probe`'s line; the exit code as `EXIT_CODES` says."""
     bases = [_base(b) for b in targets(args.url)]
     for base in bases:
         if not base.startswith(("http://", "https://", UNIX)):
@@ -155,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
                 f"(its --metrics-port), got {args.url!r}",
                 file=sys.stderr,
             )
-            return 2
+            return 1
     path = f"/{args.probe}" if args.probe else "/status"
     if not args.probe and args.group:
         path += "?" + urllib.parse.urlencode({"group": args.group})
@@ -167,13 +177,13 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             tried.append(unreachable(_shown(base) + ("" if base.startswith(UNIX) else path), exc))
             continue
-        except ValueError as exc:  # http.client.InvalidURL: a port that is not a number
+        except (ValueError, http.client.InvalidURL) as exc:  # a port that is not a number
             print(f"coordd status: --address {args.url!r}: {exc}", file=sys.stderr)
-            return 2
+            return 1
         answer = (base, code, body)
         break
     if answer is None:
-        print(f"coordd status: {'; and '.join(tried)}", file=sys.stderr)
+        print(nobody_answered(tried, args.url is not None), file=sys.stderr)
         return 2 if not args.probe else 1
     base, code, body = answer
     base = _shown(base)
@@ -188,6 +198,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"coordd status: {base + path} did not answer JSON: is it coordd?", file=sys.stderr)
         return 2
     return _print(json.dumps(document, indent=2) if args.json else render(document), 200)
+
+
+def nobody_answered(tried: list[str], given: bool) -> str:
+    """What `coordd status` prints when nothing it asked answered: a line per place asked, and
+    what to do; one line for an --address given."""
+    if given:
+        return f"coordd status: no coordd at {tried[0]}"
+    return "\n".join(
+        [
+            "coordd status: no coordd answered",
+            *(f"  {one}" for one in tried),
+            "start `coordd serve`, or give --address ipc://PATH or http://HOST:PORT",
+        ]
+    )
 
 
 def probe_line(probe: str, code: int, body: bytes) -> str:
@@ -218,28 +242,25 @@ def _shown(base: str) -> str:
 
 
 def unreachable(url: str, exc: OSError) -> str:
-    """Why `url` did not answer, and what to do: above all, that coordd serves HTTP only with
-    --metrics-port (a refused connection is mostly a coordd started without it)."""
+    """`url` and why it did not answer, in a few words: for an ipc address, whether a coordd ever
+    bound there (coordd makes the socket's directory and leaves it; it removes its sockets
+    when it stops); for a URL, that coordd serves HTTP only with --metrics-port."""
     if url.startswith("ipc://"):
+        path = url[len("ipc://") :]
         if isinstance(exc, FileNotFoundError):
-            return (
-                f"no coordd at {url}: no status socket {url[len('ipc://') :]}.http beside it "
-                "(start `coordd serve`, which binds there by default, or give --address)"
-            )
+            directory = os.path.dirname(path) or "."
+            if not os.path.isdir(directory):
+                return f"{url}: none was started there (no directory {directory})"
+            return f"{url}: none runs there now (its directory exists: one may have stopped)"
         if isinstance(exc, ConnectionRefusedError):
-            return f"no coordd at {url}: its status socket is left from a coordd that is gone"
-        return f"cannot ask coordd at {url}: {exc.strerror or exc}"
+            return f"{url}: its status socket is left from a coordd that is gone"
+        return f"{url}: {exc.strerror or exc}"
     reason = getattr(exc, "reason", exc)
     if isinstance(reason, ConnectionRefusedError):
-        return (
-            f"cannot reach coordd at {url} (connection refused): it serves /status, /livez and "
-            "/readyz only when started with --metrics-port PORT (the deploy files use "
-            f"{DEFAULT_METRICS_PORT}); start it so, or point --address (or $COORDD_STATUS_URL) at "
-            "the port it uses"
-        )
+        return f"{url}: connection refused (coordd serves HTTP only with --metrics-port)"
     if isinstance(reason, (TimeoutError, socket.timeout)):
-        return f"{url} did not answer in time: is the host right, and coordd not stuck?"
-    return f"cannot reach coordd at {url}: {reason}"
+        return f"{url}: no answer in time (is the host right, and coordd not stuck?)"
+    return f"{url}: {reason}"
 
 
 def _print(text: str, code: int) -> int:
@@ -287,7 +308,7 @@ RANK_COLUMNS: dict[str, str] = {
     "PEER": "",
     "INCARNATION": "",
     "LAST SEEN": "",
-    "ROUNDS": "rounds this rank took part in since it registered",
+    "ROUNDS": "rounds decided while this rank was registered (its latest registration)",
     "MEAN LATENESS": "how long after the round's first report this rank's came, on average "
     "over the last {window} rounds",
     "LAST IN": "rounds whose last report was this rank's (the straggler)",

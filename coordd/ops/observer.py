@@ -123,6 +123,10 @@ class Observer:
         self.registrations = 0
         self.stragglers = [0] * self.dp_size
         self.rounds_at_join: dict[int, int] = {}
+        #: Rounds decided while a rank no longer registered was (its latest registration).
+        self.rounds_before_leaving: dict[int, int] = {}
+        #: Ranks whose latest registration ended in a loss (`lost`), not a Goodbye.
+        self.lost_ranks: set[int] = set()
         self.addresses: dict[bytes, str] = {}
         self.recent: deque[CompletedRound] = deque(
             maxlen=max(8, min(1000, LATENESS_BUDGET // self.dp_size))
@@ -154,6 +158,8 @@ class Observer:
             rnd = snap.last_round
             if rnd is None or snap.decisions == self._decisions_seen:
                 return  # a re-sent decision (a rank repeated its report): not a new round
+            if len(snap.members) != len(self.rounds_at_join):
+                self.settle(snap)  # a rank left before this round: it took no part in it
             self._decisions_seen = snap.decisions
             histogram = self.durations.get(rnd.kind._value_)
             if histogram is None:
@@ -244,6 +250,8 @@ class Observer:
         if rank is None:
             return
         snap = self.view()
+        self.settle(snap)
+        self.lost_ranks.add(rank)
         kind = snap.open_kind
         logs.event(
             log,
@@ -286,8 +294,22 @@ class Observer:
         return sum(h.count for h in self.durations.values())
 
     def rounds_of(self, rank: int) -> int:
-        """Rounds completed since `rank` registered."""
-        return self.rounds_completed - self.rounds_at_join.get(rank, self.rounds_completed)
+        """Rounds decided while `rank` was registered, its latest registration (up to now if
+        it still is; call `settle` first, so a rank that left stops counting)."""
+        joined = self.rounds_at_join.get(rank)
+        if joined is None:
+            return self.rounds_before_leaving.get(rank, 0)
+        return self.rounds_completed - joined
+
+    def left_cleanly(self, rank: int) -> bool:
+        """`rank` registered and left with no loss said (a Goodbye): after `settle`."""
+        return rank in self.rounds_before_leaving and rank not in self.lost_ranks
+
+    def settle(self, snap: GroupSnapshot) -> None:
+        """Freeze the round count of every rank that is no longer registered: O(ranks), run
+        only when the registered count differs from the counted one, or when asked."""
+        for rank in [r for r in self.rounds_at_join if r not in snap.members]:
+            self.rounds_before_leaving[rank] = self.rounds_completed - self.rounds_at_join.pop(rank)
 
     def mean_lateness(self) -> list[float | None]:
         """Per rank: mean seconds between a round's first report and this rank's, over the
@@ -346,6 +368,8 @@ class Observer:
                 continue
             self.registrations += 1
             self.rounds_at_join[rank] = self.rounds_completed
+            self.rounds_before_leaving.pop(rank, None)
+            self.lost_ranks.discard(rank)
             member = snap.members[rank]
             logs.event(
                 log,

@@ -167,12 +167,15 @@ def group_document(group: GroupView, now: float, rank_rows: int | None = None) -
     ready, why = group_readiness(snap)
     shown = snap.dp_size if rank_rows is None else max(0, min(rank_rows, snap.dp_size))
     lateness = observer.mean_lateness() if shown else []
+    observer.settle(snap)
     last = snap.last_round
     open_round = snap.round
     ranks = []
     for rank in range(shown):
         member = snap.members.get(rank)
         state = _rank_state(snap, rank)
+        if state == "missing" and snap.stopped and observer.left_cleanly(rank):
+            state = "left"  # the group stopped: every rank it had said Goodbye
         arrived = open_round.arrivals[rank] if open_round is not None else None
         seen = arrived
         if seen is None and last is not None:
@@ -187,7 +190,7 @@ def group_document(group: GroupView, now: float, rank_rows: int | None = None) -
             "incarnation": member.hello.incarnation if member else None,
             "last_seen_s": None if seen is None else round(max(0.0, now - seen), 6),
             "reported_open_round": arrived is not None,
-            "rounds": observer.rounds_of(rank) if member else 0,
+            "rounds": observer.rounds_of(rank),
             "mean_lateness_s": lateness[rank],
             "straggler_rounds": observer.stragglers[rank],
         }

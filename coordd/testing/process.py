@@ -65,7 +65,8 @@ def die_with_parent(*, any_thread: bool = False) -> Callable[[], None] | None:
 
 class CoorddProcess:
     """A `coordd serve` child process; `address` is where it listens once started. It dies
-    with the process that started it (`die_with_parent`)."""
+    with the process that started it (`die_with_parent`). Its log (stderr) goes to the file
+    `log` if given (appended), else to this process's stderr."""
 
     #: The thread that calls `start` outlives the child (see `die_with_parent`); else only a
     #: start from the main thread ties the child's life to this process.
@@ -77,7 +78,9 @@ class CoorddProcess:
         bind: str,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        log: str | os.PathLike[str] | None = None,
     ) -> None:
+        self.log = log
         self.argv = [
             sys.executable,
             "-m",
@@ -94,14 +97,19 @@ class CoorddProcess:
 
     def start(self, timeout: float = 15.0) -> CoorddProcess:
         """Start coordd and wait for its ready line (read unbuffered: no line is missed)."""
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=subprocess.PIPE,
-            stderr=None,
-            env=self.env,
-            start_new_session=True,
-            preexec_fn=die_with_parent(any_thread=self.starter_outlives_child),
-        )
+        log = None if self.log is None else open(self.log, "ab")  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=die_with_parent(any_thread=self.starter_outlives_child),
+            )
+        finally:
+            if log is not None:
+                log.close()  # the child holds its own copy
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         seen = b""

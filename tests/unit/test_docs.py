@@ -251,3 +251,42 @@ def test_bench_md_quotes_one_run_the_one_beside_it() -> None:
     mine, theirs = ours["cpu_us_per_round_by_thread"], hub["cpu_us_per_round_by_thread"]
     assert f"ranks {mine['ranks main']:.0f} vs {theirs['ranks main']:.0f} and coordd " \
            f"{mine['server main']:.0f} vs {theirs['server main']:.0f}" in prose
+
+
+# -- issue 39, item 5: figures that go stale, and commands said to be the same ---------------------
+
+
+def test_no_page_states_a_count_of_tests() -> None:
+    """The README's "1622 tests" was 1668 a day later: a count changes with every commit, so no
+    page states one; the suite's time keeps the date of its run."""
+    for page in [*PAGES, ROOT / "deploy" / "README.md"]:
+        assert not re.search(r"\b\d+ (?:tests|passed)\b", page.read_text()), page.name
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "8 min 54 s in a fresh clone on 2026-12-03" in readme
+
+
+def test_what_the_docs_say_coordd_bench_vllm_engine_runs_is_what_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/vllm.md called `coordd bench --vllm-engine 6` the same as the command of its table
+    (`--device cpu ... --max-tokens 64`); it runs 48 tokens and no --device."""
+    import argparse
+
+    from coordd.tools import bench, vllm_e2e
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(vllm_e2e, "main", lambda argv: ran.append(list(argv)) or 0)
+    said = []
+    for page in PAGES:
+        prose = " ".join(page.read_text().split())
+        assert "(or `coordd bench --vllm-engine" not in prose, page.name
+        said += re.findall(
+            r"`coordd bench --vllm-engine (\d+)` runs `python -m coordd.tools.vllm_e2e ([^`]*)`",
+            prose,
+        )
+    assert said
+    for sets, command in said:
+        parser = argparse.ArgumentParser()
+        bench.add_arguments(parser)
+        assert bench.run(parser.parse_args(["--vllm-engine", sets])) == 0
+        assert ran.pop() == command.split()

@@ -19,9 +19,13 @@ from coordd.core._settings import ServerSettings
 from coordd.io._server import CoordServer
 from coordd.ops.collector import CoorddCollector, make_registry
 from coordd.ops.status_doc import server_readiness
+from coordd.ops.view import RelayedGroup, RelayRow
+from coordd.proto.coordinator import Coordinator
+from coordd.proto.messages import FailReason
 
 ROOT = Path(__file__).parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "coordd-alerts.yaml"
+OPERATIONS = ROOT / "docs" / "operations.md"
 DASHBOARD = ROOT / "deploy" / "grafana" / "coordd-dashboard.json"
 #: Labels Prometheus adds to every scraped series.
 TARGET_LABELS = {"instance", "job"}
@@ -36,27 +40,37 @@ PROMQL_WORDS = {
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
-    """Every series name coordd's /metrics can hold -> its labels, from the real exporter."""
+def collected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """The real exporter's families: "on", with every optional family switched on (a memory
+    guard, a handshake gate, CURVE) and a group served through relays; "default", as a
+    `CoordServer` with none of them exports."""
     address = f"ipc://{tmp_path_factory.mktemp('mon')}/c.sock"
     server = CoordServer(ServerSettings(address, dp_size=2))
     try:
+        collector = CoorddCollector(server, lambda: server_readiness(server))
+        default = list(make_registry(collector).collect())
         real = server.counters
-        # the families a memory guard, a handshake gate and CURVE add: all on
         server.counters = lambda: dataclasses.replace(  # type: ignore[method-assign]
             real(), memory_shed=0, memory_refused=0, rate_refused=0, curve_refused=0
         )
-        collector = CoorddCollector(server, lambda: server_readiness(server))
-        names: dict[str, set[str]] = {}
-        for family in make_registry(collector).collect():
-            labels = set(getattr(family, "_labelnames", ()))
-            for sample in family.samples:
-                labels |= set(sample.labels)
-            for name in _series_names(family.name, family.type):
-                names[name] = labels | ({"le"} if name.endswith("_bucket") else set())
-        return names
+        relayed = RelayedGroup(Coordinator(2, epoch=1).snapshot(), (RelayRow("node0", (0, 1), ""),))
+        server.relayed_groups = lambda: {"r": relayed}  # type: ignore[method-assign]
+        return {"on": list(make_registry(collector).collect()), "default": default}
     finally:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def exported(collected: dict[str, list[Any]]) -> dict[str, set[str]]:
+    """Every series name coordd's /metrics can hold -> its labels, from the real exporter."""
+    names: dict[str, set[str]] = {}
+    for family in collected["on"]:
+        labels = set(getattr(family, "_labelnames", ()))
+        for sample in family.samples:
+            labels |= set(sample.labels)
+        for name in _series_names(family.name, family.type):
+            names[name] = labels | ({"le"} if name.endswith("_bucket") else set())
+    return names
 
 
 def _series_names(name: str, kind: str) -> list[str]:
@@ -153,6 +167,25 @@ def test_every_dashboard_query_asks_for_what_coordd_exports(
     assert "What a sync costs" in titles and "Round latency" in titles
 
 
+def test_the_dashboard_declares_no_input_it_does_not_use() -> None:
+    """Issue 39, item 8: an `__inputs` data source (DS_PROMETHEUS) that no panel used, which
+    Grafana's import dialog asked for anyway. The panels take their data source from the
+    dashboard's own `datasource` variable; every `${DS_...}` used must be declared, and the
+    other way round."""
+    text = DASHBOARD.read_text()
+    dashboard = json.loads(text)
+    declared = {one["name"] for one in dashboard.get("__inputs", [])}
+    used = set(re.findall(r"\$\{(DS_\w+)\}", text))
+    assert declared == used
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    sources = [p.get("datasource") for p in dashboard["panels"]]
+    sources += [t.get("datasource") for p in dashboard["panels"] for t in p["targets"]]
+    assert {json.dumps(s) for s in sources if s} == {
+        json.dumps({"type": "prometheus", "uid": "${datasource}"})
+    }
+
+
 def test_a_query_naming_what_coordd_does_not_export_is_caught(
     exported: dict[str, set[str]],
 ) -> None:
@@ -162,3 +195,64 @@ def test_a_query_naming_what_coordd_does_not_export_is_caught(
         _check("x", 'coordd_faults_total{rank="1"}', exported)
     with pytest.raises(AssertionError, match="groups by"):
         _check("x", "sum by (site) (rate(coordd_rounds_total[5m]))", exported)
+
+
+# -- issue 39, item 4: docs/operations.md's metrics reference is the exporter's list ------------
+
+
+def _reference() -> list[tuple[list[str], str, set[str], str]]:
+    """The reference's rows: (metric names, type cell, label words, what)."""
+    text = OPERATIONS.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) != 4 or not cells[0].startswith("`"):
+            continue
+        names = re.findall(r"`(coordd_\w+)`", cells[0])
+        rows.append((names, cells[1], set(re.findall(r"[a-z_]+", cells[2])), cells[3]))
+    return rows
+
+
+def _documented_name(family: Any) -> str:
+    """A family as the reference names it: a counter with _total, an info with _info."""
+    return {"counter": f"{family.name}_total", "info": f"{family.name}_info"}.get(
+        family.type, family.name
+    )
+
+
+def test_the_metrics_reference_lists_what_the_exporter_exports(
+    collected: dict[str, list[Any]],
+) -> None:
+    """Before: coordd_group_stopped, coordd_departures_total and coordd_group_stops_total were
+    exported but not listed, and `violation` was missing from the closed connections' reasons."""
+    families = {_documented_name(f): f for f in collected["on"] if f.name.startswith("coordd_")}
+    rows = _reference()
+    listed = [name for names, *_ in rows for name in names]
+    assert len(listed) == len(set(listed)), "a metric listed twice"
+    assert set(listed) == set(families)
+    for names, kinds, labels, _ in rows:
+        row = [families[name] for name in names]
+        assert set(kinds.split(", ")) == {f.type for f in row}, names
+        exported = {
+            label
+            for f in row
+            for label in (*getattr(f, "_labelnames", ()), *(k for s in f.samples for k in s.labels))
+        }
+        assert labels == exported - {"le"}, names
+    (closed,) = [what for names, _, _, what in rows if "coordd_connections_closed_total" in names]
+    reasons = {s.labels["reason"] for s in families["coordd_connections_closed_total"].samples}
+    assert set(re.findall(r"`([a-z_]+)`", closed)) == reasons
+    (faults,) = [what for names, _, _, what in rows if names == ["coordd_faults_total"]]
+    assert {r.value for r in FailReason} <= set(re.findall(r"\w+", faults))
+
+
+def test_the_metrics_reference_says_which_families_only_some_coordds_export(
+    collected: dict[str, list[Any]],
+) -> None:
+    """Before: nothing said coordd_curve_refused_total exists only with CURVE. A row of a
+    family a plain coordd does not export says "only" and when."""
+    plain = {_documented_name(f) for f in collected["default"]}
+    optional = {_documented_name(f) for f in collected["on"]} - plain
+    assert "coordd_curve_refused_total" in optional
+    for names, _, _, what in _reference():
+        assert ("only" in what) == bool(set(names) & optional), names

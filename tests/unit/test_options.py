@@ -1,6 +1,6 @@
 """Every option's range, checked before anything starts (issue 11, C): `coordd serve`, the
 demo, the chaos runner and the benchmark refuse out-of-range values with one line naming the
-option (exit code 1, or argparse's 2), and the client's settings are checked when made."""
+option (exit code 1), and the client's settings are checked when made."""
 
 from __future__ import annotations
 
@@ -204,6 +204,55 @@ def test_coordd_serve_without_dp_is_one_line() -> None:
             "coordd: --dp is required: the data-parallel size, vLLM's --data-parallel-size "
             "(coordd serve --dp 8, or COORDD_DP=8)"
         ], argv
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--dp", "two"], "coordd: --dp takes a whole number, got 'two'"),
+        (["--dp", "2", "--step-timeout", "abc"],
+         "coordd: --step-timeout takes a number, got 'abc'"),
+        (["--dp", "2", "--ipc-mode", "644"], "coordd: --ipc-mode takes one of 600, 660, got '644'"),
+        (["serve", "--dp", "2", "--on-rank-loss", "x"],
+         "coordd: --on-rank-loss takes one of fail, neutralize, got 'x'"),
+        (["--dp", "2", "--metrics-port", "abc"],
+         "coordd: --metrics-port takes a whole number, got 'abc'"),
+        (["--dp", "2", "--log-format", "yaml"],
+         "coordd: --log-format takes one of text, json, got 'yaml'"),
+        (["--dp", "2", "--bogus"],
+         "coordd: unrecognized arguments: --bogus (`coordd serve --help` lists the options)"),
+        (["--dp"], "coordd: --dp: expected one argument (`coordd serve --help` lists the options)"),
+        (["status", "--timeout", "x"], "coordd status: --timeout takes a number, got 'x'"),
+        (["status", "--probe", "ready"],
+         "coordd status: --probe takes one of livez, readyz, got 'ready'"),
+        (["status", "--bogus"], "coordd status: unrecognized arguments: --bogus "
+         "(`coordd status --help` lists the options)"),
+    ],
+)
+def test_a_bad_argument_is_one_line_naming_the_option_exit_1(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39, item 2: type and choice errors printed argparse's usage (20 lines), exit 2,
+    where the README promises one line naming the option, exit code 1."""
+    with pytest.raises(SystemExit) as caught:
+        cli.parse(argv)
+    assert caught.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [says]
+
+
+def test_coordd_version_and_a_bad_type_as_a_user_runs_them() -> None:
+    """Issue 39, item 8: `coordd --version` was `unrecognized arguments`, exit 2."""
+    from coordd.ops.observer import version
+    from coordd.proto.messages import PROTOCOL_VERSION
+
+    shown = subprocess.run([sys.executable, "-m", "coordd", "--version"], capture_output=True,
+                           text=True, timeout=60)
+    assert (shown.returncode, shown.stdout) == (0, f"coordd {version()} (protocol "
+                                                   f"{PROTOCOL_VERSION})\n")
+    bad = subprocess.run([sys.executable, "-m", "coordd", "--dp", "two"], capture_output=True,
+                         text=True, timeout=60)
+    assert (bad.returncode, bad.stdout, bad.stderr) == (
+        1, "", "coordd: --dp takes a whole number, got 'two'\n")
 
 
 def test_good_options_pass() -> None:

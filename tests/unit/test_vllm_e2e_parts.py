@@ -231,3 +231,35 @@ def test_the_per_set_ratios_pair_the_modes_within_each_set(tmp_path: Path) -> No
     text = vllm_steps.per_set(sets)
     assert "set 3 (p50 ms): off sync 1.00 cost 1.00 step 10.00; on sync 4.00" in text, text
     assert "per-set p50 ratio on/off cost across 3 sets (p10/p50/p90): 0.50/1.00/4.00" in text
+
+
+def test_a_plugin_runs_coordd_writes_its_log_beside_the_rank_logs(tmp_path: Path) -> None:
+    """Issue 39, item 3: coordd ran at --log-level warning with stderr inherited, so its
+    lines (a registration, a stop) could not be looked up after the run, even with --keep."""
+    from coordd.client import CoordClient
+
+    run_dir = tmp_path / "coordd"
+    with e2e.sidecar(2, run_dir) as coordd, CoordClient(
+        coordd.address, dp_rank=0, dp_size=2, group="dp-tp0-pp0"
+    ) as client:
+        client.connect(timeout=10.0)
+    log = (run_dir / "coordd.log").read_text()
+    assert "rank registered group=dp-tp0-pp0" in log, log
+    assert "coordd stopped" in log, log
+
+
+def test_the_work_directory_goes_only_after_a_pass_without_keep(tmp_path: Path) -> None:
+    """The first line said "model and logs in DIR" and a passing run removed DIR unasked;
+    the last lines now say which happened, and how to keep them."""
+    for keep, problems, stays in ((None, [], False), (None, ["rank 1 differs"], True),
+                                  ("kept", [], True)):
+        work = tmp_path / f"w-{keep}-{len(problems)}"
+        (work / "coordd").mkdir(parents=True)
+        (work / "coordd" / "coordd.log").write_text("coordd stopped\n")
+        said = e2e.tidy(work, keep, problems)
+        assert work.exists() is stays
+        assert said == (f"vllm_e2e: logs kept in {work} (each run's rank<N>.log, and coordd.log)"
+                        if stays else
+                        f"vllm_e2e: removed {work} (--keep DIR keeps the model and logs)")
+        page = " ".join((Path(__file__).parents[2] / "docs" / "vllm.md").read_text().split())
+        assert f"`{said.replace(str(work), 'DIR')}`" in page, "docs/vllm.md quotes both lines"

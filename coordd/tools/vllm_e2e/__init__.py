@@ -8,7 +8,7 @@ runs side by side; run_options.py is what a run is asked for; check.py parses an
 
 from __future__ import annotations
 
-from coordd.tools.vllm_e2e.check import main, parse_args
+from coordd.tools.vllm_e2e.check import main, parse_args, sidecar, tidy
 from coordd.tools.vllm_e2e.comparison import (
     STEP_NOTE,
     RankResult,
@@ -51,7 +51,9 @@ __all__ = [
     "resolve_device",
     "scrape",
     "side_by_side",
+    "sidecar",
     "step_summary",
+    "tidy",
     "wait_stopped",
     "write_tiny_model",
 ]

@@ -20,6 +20,11 @@ ranks' clean exit left every group stopped (every rank said Goodbye), not failed
 per-step times of both runs side by side, and exits 1 on any mismatch (2 when it cannot run
 here: no vLLM, no plugin, or `--device cuda` without a GPU).
 
+Its logs are under its work directory, a run's to a directory: each rank's `rank<N>.log`
+(vLLM's lines and the plugin's) and, for a run with the plugin, `coordd.log` (coordd at
+`--log-level info`: each registration, stop and fault). It removes the directory after a run
+that passed unless `--keep DIR` names it, and says so on its last lines.
+
 On CPU (`--device cpu`, or no GPU here) the engines run eager, each rank on its own core
 (VLLM_DP_RANK_LOCAL = its rank, VLLM_CPU_OMP_THREADS_BIND = one core), with a 1 GiB KV cache
 (VLLM_CPU_KVCACHE_SPACE=1).
@@ -46,6 +51,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from coordd.tools import vllm_steps
 from coordd.tools.vllm_e2e.comparison import RankResult, compare, side_by_side
@@ -60,6 +66,9 @@ from coordd.tools.vllm_e2e.group_metrics import (
 )
 from coordd.tools.vllm_e2e.run_options import MISMATCH, OK, UNAVAILABLE, Options, resolve_device
 from coordd.tools.vllm_e2e.tiny_model import write_tiny_model
+
+if TYPE_CHECKING:
+    from coordd.testing import CoorddProcess
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Options:
@@ -97,7 +106,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         "which two processes on one GPU would disturb)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
-    p.add_argument("--keep", metavar="DIR", help="keep the model, logs and results here")
+    p.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="work here and keep it: the model, every run's rank logs and coordd's log "
+        "(default: a temporary directory, removed if all passes)",
+    )
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write the results here")
     p.add_argument(
         "--device",
@@ -155,8 +169,6 @@ def compare_overlap(options: Options, model: Path, work: Path) -> int:
     """`--overlap SETS`: SETS sets of one run per mode (the order rotating from set to set, so
     no mode always runs first or last), each plugin run with its own coordd; every run must
     give the first run's tokens. Prints the sync table; 1 if a run failed or differed."""
-    from coordd.testing import CoorddProcess
-
     problems: list[str] = []
     reference: list[RankResult] | None = None
     dirs: list[Path] = []
@@ -170,9 +182,7 @@ def compare_overlap(options: Options, model: Path, work: Path) -> int:
             if mode == "stock":
                 results = run_once(options, model, work, name, None)
             else:
-                with CoorddProcess(
-                    options.dp, f"ipc://{work}/{name}.sock", ["--log-level", "warning"]
-                ) as coordd:
+                with sidecar(options.dp, work / name) as coordd:
                     results = run_once(
                         options, model, work, name, coordd.address, overlap=mode == "on"
                     )
@@ -187,11 +197,35 @@ def compare_overlap(options: Options, model: Path, work: Path) -> int:
     print("the V1 runner's DP sync per step (coordd.tools.vllm_steps), all sets:")
     print(vllm_steps.table(vllm_steps.read_steps(dirs)))
     print(vllm_steps.per_set(sets))
+    print(tidy(work, options.keep, problems))
     if problems:
         print("vllm_e2e: FAILED", *problems, sep="\n  ")
         return MISMATCH
     print(f"vllm_e2e: OK: the same tokens in all {len(dirs)} runs")
     return OK
+
+
+def sidecar(dp: int, run_dir: Path, extra: Sequence[str] = ()) -> CoorddProcess:
+    """The coordd of one plugin run, its log at info (each registration, stop and fault)
+    written to run_dir/coordd.log beside the run's rank logs, so both can be read after."""
+    from coordd.testing import CoorddProcess
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return CoorddProcess(
+        dp,
+        f"ipc://{run_dir}/coordd.sock",
+        [*extra, "--log-level", "info"],
+        log=run_dir / "coordd.log",
+    )
+
+
+def tidy(work: Path, keep: str | None, problems: Sequence[str]) -> str:
+    """Remove the work directory after a run that passed unless --keep named it; the line
+    that says where the logs are, or that they are gone and how to keep them."""
+    if keep or problems:
+        return f"vllm_e2e: logs kept in {work} (each run's rank<N>.log, and coordd.log)"
+    shutil.rmtree(work, ignore_errors=True)
+    return f"vllm_e2e: removed {work} (--keep DIR keeps the model and logs)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -214,23 +248,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why is not None:
         print(f"vllm_e2e: cannot run here: {why}", file=sys.stderr)
         return UNAVAILABLE
-    from coordd.testing import CoorddProcess
-
     work = Path(options.keep) if options.keep else Path(tempfile.mkdtemp(prefix="coordd-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     model = write_tiny_model(work / "model", moe=options.moe)
     where = f"{options.gpus} GPU(s)" if options.device == "cuda" else "CPU, one core each"
-    print(f"vllm_e2e: model and logs in {work}; dp={options.dp} on {where}")
+    kept = "" if options.keep else " (removed if all passes; --keep DIR keeps them)"
+    print(f"vllm_e2e: model and logs in {work}{kept}; dp={options.dp} on {where}")
     if options.overlap_sets:
         return compare_overlap(options, model, work)
     t0 = time.monotonic()
     plain = run_once(options, model, work, RUNS[0], None)
     print(f"vllm_e2e: run without coordd done in {time.monotonic() - t0:.0f}s")
     metrics_port = free_port()
-    sock = work / "coordd.sock"
-    coordd = CoorddProcess(
-        options.dp, f"ipc://{sock}", ["--metrics-port", str(metrics_port), "--log-level", "warning"]
-    )
+    coordd = sidecar(options.dp, work / RUNS[1], ["--metrics-port", str(metrics_port)])
     problems: list[str] = []
     rounds: dict[str, dict[str, int]] = {}
     url = f"http://127.0.0.1:{metrics_port}"
@@ -288,8 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 indent=1,
             )
         )
-    if not options.keep and not problems:
-        shutil.rmtree(work, ignore_errors=True)
+    print(tidy(work, options.keep, problems))
     if problems:
         print("vllm_e2e: FAILED", *problems, sep="\n  ")
         return MISMATCH

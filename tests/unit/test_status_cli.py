@@ -1,0 +1,132 @@
+"""`coordd status` as an operator reads it (issue 39, item 6): a rank's row keeps what it did
+after it left, a stopped group's ranks read `left`, and with nothing running it says, a line per
+place asked, what it found there, with exit codes docs/operations.md states."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordd.cli.status import render, run
+from coordd.ops.status_doc import status_document
+from coordd.proto.coordinator import OnRankLoss
+from coordd.proto.messages import Goodbye
+from tests.unit.test_observability import peer, registered
+
+
+def _leave(d: Any, rank: int, at: float) -> None:
+    g = d.group()
+    d._after(g.coordinator.receive(peer(rank), Goodbye(text="rank closed"), at), g)
+    snap = g.coordinator.snapshot()
+    if snap.stops != g.observer.stops_seen:  # as the server does after a drain
+        g.observer.group_stopped(snap)
+
+
+def _rows(d: Any) -> list[tuple[str, int, int]]:
+    doc = json.loads(json.dumps(status_document(d)))
+    return [(r["state"], r["rounds"], r["straggler_rounds"]) for r in doc["groups"][0]["ranks"]]
+
+
+def _decide(d: Any, ranks: tuple[int, ...], seqs: range, start: float) -> None:
+    for seq in seqs:
+        for rank in ranks:
+            d.report(rank, seq, start + seq + rank / 10)
+
+
+def test_a_rank_that_left_keeps_its_rounds_and_a_stopped_groups_ranks_read_left() -> None:
+    """Before: ROUNDS read 0 for every rank no longer registered while LAST IN kept its
+    history, and the ranks of a stopped group read `missing` (`0 missing - - ... 0`)."""
+    d = registered(2, on_rank_loss=OnRankLoss.NEUTRALIZE)
+    _decide(d, (0, 1), range(30), 101.0)
+    assert _rows(d) == [("registered", 30, 0), ("registered", 30, 30)]
+    _leave(d, 1, 140.0)
+    _decide(d, (0,), range(30, 35), 101.0)  # rank 1 left out: it takes part in none of these
+    assert _rows(d) == [("registered", 35, 5), ("left", 30, 30)]
+    _leave(d, 0, 150.0)
+    assert d.snapshot().stopped
+    assert _rows(d) == [("left", 35, 5), ("left", 30, 30)]
+    table = render(json.loads(json.dumps(status_document(d))))
+    rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
+    assert [(row[0], row[1], row[-1]) for row in rows] == [("0", "left", "5"), ("1", "left", "30")]
+    assert "ROUNDS: rounds decided while this rank was registered" in table
+
+
+def test_a_lost_rank_of_a_stopped_group_is_not_said_to_have_left() -> None:
+    d = registered(2, on_rank_loss=OnRankLoss.NEUTRALIZE)
+    _decide(d, (0, 1), range(3), 101.0)
+    d.lose(1, 110.0)
+    _decide(d, (0,), range(3, 5), 101.0)
+    _leave(d, 0, 120.0)
+    assert _rows(d) == [("left", 5, 2), ("missing", 3, 3)]
+
+
+def _args(**kw: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{"url": None, "json": False, "group": None, "probe": None,
+                                 "timeout": 2.0, **kw})
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The default address in an empty runtime directory, and a metrics port nobody serves."""
+    for var in ("COORDD_ADDRESS", "COORDD_STATUS_URL", "COORDD_METRICS_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr("coordd.cli.status.FALLBACK_URL", f"http://127.0.0.1:{_closed_port()}")
+    return tmp_path / "coordd" / "coordd.sock"
+
+
+def test_with_nothing_running_status_says_a_short_line_per_place_asked(
+    nothing_runs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: one ~540-character line mixing both lookups, and a coordd that had just stopped
+    read the same as one never started. Exit codes: 2 (the probe: 1)."""
+    assert run(_args()) == 2
+    never = capsys.readouterr().err.splitlines()
+    assert never[0] == "coordd status: no coordd answered"
+    assert never[1] == f"  ipc://{nothing_runs}: none was started there (no directory " \
+                       f"{nothing_runs.parent})"
+    assert never[2].endswith("/status: connection refused (coordd serves HTTP only with "
+                             "--metrics-port)")
+    assert never[3].startswith("start `coordd serve`, or give --address ipc://PATH")
+    assert len(never) == 4
+    assert max(len(line.replace(str(nothing_runs.parent), "D")) for line in never) <= 100
+    nothing_runs.parent.mkdir()  # as a coordd that bound there and stopped leaves it
+    assert run(_args()) == 2
+    stopped = capsys.readouterr().err.splitlines()
+    assert stopped[1] == f"  ipc://{nothing_runs}: none runs there now (its directory exists: " \
+                         "one may have stopped)"
+    assert run(_args(probe="readyz")) == 1
+    assert capsys.readouterr().err.splitlines()[0] == "coordd status: no coordd answered"
+
+
+def test_an_address_given_is_one_line_and_a_bad_one_exits_1(
+    nothing_runs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(_args(url=f"ipc://{nothing_runs}")) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"coordd status: no coordd at ipc://{nothing_runs}: none was started there "
+        f"(no directory {nothing_runs.parent})"
+    ]
+    assert run(_args(url="ftp://h:1")) == 1
+    assert run(_args(url="http://h:port")) == 1
+    assert len(capsys.readouterr().err.splitlines()) == 2
+
+
+def test_operations_md_states_the_exit_codes_status_has() -> None:
+    """The exit codes were documented nowhere; now `coordd status --help` and
+    docs/operations.md say the same (the runs above hold each code)."""
+    from coordd.cli.status import EXIT_CODES
+
+    text = " ".join((Path(__file__).parents[2] / "docs" / "operations.md").read_text().split())
+    assert "The " + EXIT_CODES + "." in text
