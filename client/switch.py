@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from coordd.proto.errors import StepMismatch
 
-#: Rounds on the device path between two votes on returning to coordd.
+#: Rounds on the device path between two votes on returning to coordd (a group whose rounds
+#: are rare, such as vLLM's engine cores', may vote at each).
 VOTE_EVERY = 8
 #: The first wait before a rank tries coordd again after a fallback, and the longest.
 REJOIN_FIRST = 1.0
@@ -111,11 +112,12 @@ def _round_name(site: int, length: int) -> str:
     return f"site {site:x} len {length}"
 
 
-def votes_now(completed: int, switched_at: int) -> bool:
+def votes_now(completed: int, switched_at: int, every: int = VOTE_EVERY) -> bool:
     """Whether the round after `completed` ones opens with a vote, for a group that switched to
-    the device path when it had completed `switched_at` (the same answer on every rank)."""
+    the device path when it had completed `switched_at` and votes `every` so many rounds (the
+    same answer on every rank)."""
     since = completed - switched_at
-    return since > 0 and since % VOTE_EVERY == 0
+    return since > 0 and since % every == 0
 
 
 def returns(epochs: Sequence[int]) -> bool:

@@ -30,9 +30,9 @@ from typing import Any
 from coordd.client import CoordClient
 from coordd.client.own_path import gather_rows, settle_over
 from coordd.client.rejoin import Rejoiner
-from coordd.client.switch import RejoinPacing, Settlement, returns, votes_now
+from coordd.client.switch import VOTE_EVERY, RejoinPacing, Settlement, returns, votes_now
 from coordd.proto.errors import CoordError, CoordinatorUnavailable
-from coordd.vllm.groups import GroupIdentity
+from coordd.vllm.groups import ENGINE_GROUP, GroupIdentity
 
 log = logging.getLogger("vllm.coordd")
 
@@ -56,6 +56,9 @@ class GroupPath:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.identity = identity
+        #: The engine cores sync every 32 steps (`--dp-sync-interval`): they vote at each
+        #: round on vLLM's path, the workers every VOTE_EVERY.
+        self.vote_every = 1 if identity.name == ENGINE_GROUP else VOTE_EVERY
         self._make_client = make_client
         self._timeout = timeout
         self._clock = clock
@@ -161,7 +164,7 @@ class GroupPath:
         """Before a round on vLLM's own path: the vote, if this round has one. The client to
         run this round on coordd with if the group returns now; else None (the round is
         vLLM's, counted here)."""
-        if votes_now(self.completed, self.switched_at):
+        if votes_now(self.completed, self.switched_at, self.vote_every):
             rejoiner = self.rejoiner
             assert rejoiner is not None
             mine = rejoiner.epoch

@@ -84,6 +84,7 @@ def test_votes_come_every_vote_every_rounds_after_the_switch_only() -> None:
     at = 13
     voting = [n for n in range(at, at + 3 * VOTE_EVERY + 1) if votes_now(n, at)]
     assert voting == [at + VOTE_EVERY, at + 2 * VOTE_EVERY, at + 3 * VOTE_EVERY]
+    assert [n for n in range(at, at + 4) if votes_now(n, at, every=1)] == [at + 1, at + 2, at + 3]
 
 
 def test_the_group_returns_only_when_every_rank_has_the_same_registration() -> None:
