@@ -15,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from coordd.client.switch import RejoinPacing
 from coordd.client.sync import CoordClient
 from coordd.proto.errors import CoordError
@@ -38,8 +40,12 @@ class Rejoiner:
         pacing: RejoinPacing,
         name: str = "coordd-rejoin",
         clock: Callable[[], float] = time.monotonic,
+        away_since: float | None = None,
     ) -> None:
         self._make_client = make_client
+        #: When the group left coordd (`clock`'s time): each Hello says how long ago (`away_ms`),
+        #: which coordd shows in /metrics and `coordd status`.
+        self.away_since = away_since
         self._pacing = pacing
         self._clock = clock
         self._lock = threading.Lock()
@@ -65,6 +71,10 @@ class Rejoiner:
 
     def _register(self) -> None:
         client = self._make_client()
+        if self.away_since is not None:
+            session = client.session
+            away_ms = max(1, int((self._clock() - self.away_since) * 1000))
+            session.hello_message = msgspec.structs.replace(session.hello_message, away_ms=away_ms)
         try:
             welcome = client.connect(timeout=TRY_TIMEOUT)
         except CoordError as error:

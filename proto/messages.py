@@ -114,6 +114,9 @@ class Hello(_Message, tag="hello", frozen=True):
     group: ShortStr = "default"
     num_ubatches: int = 2
     protocol_version: int = PROTOCOL_VERSION
+    #: How long this rank's group ran without coordd (its own collective, the fallback) before
+    #: this registration brought it back, in ms; 0: it did not.
+    away_ms: int = 0
 
 
 class Welcome(_Message, tag="welcome", frozen=True):

@@ -380,6 +380,11 @@ def _group_block(doc: dict[str, Any]) -> list[str]:
     decided = ", ".join(f"{k} {n}" for k, n in sorted(rounds["decided"].items())) or "none"
     failed = sum(rounds["failed"].values())
     lines.append(f"  rounds decided: {decided}; failed: {failed}")
+    if doc.get("returns"):
+        lines.append(
+            f"  back from their own collective (coordd lost or absent): {doc['returns']} rank "
+            f"registration(s), the latest after {_seconds(doc['last_away_s'])} without coordd"
+        )
     if doc.get("left_cleanly"):
         lines.append(
             f"  STOPPED: every rank left cleanly (Goodbye) at seq {doc['seq']}; not a failure"

@@ -180,6 +180,17 @@ class CoorddCollector:
         registrations = CounterMetricFamily(
             "coordd_registrations", "Registrations accepted", labels=["group"]
         )
+        returns = CounterMetricFamily(
+            "coordd_returns",
+            "Registrations of ranks back from their own collective (the fallback: coordd was "
+            "lost, or absent when they started), one per rank and return",
+            labels=["group"],
+        )
+        away = GaugeMetricFamily(
+            "coordd_away_seconds",
+            "How long the latest rank back from its own collective ran without coordd",
+            labels=["group"],
+        )
         rank_series = 0
         for group, o, _ in groups:
             for kind, n in sorted(o.decided.items()):
@@ -210,11 +221,14 @@ class CoorddCollector:
             for reason, n in sorted(o.rejected.items()):
                 rejected.add_metric([group, reason], n)
             registrations.add_metric([group], o.registrations)
+            returns.add_metric([group], o.returns)
+            away.add_metric([group], o.last_away_s)
         for reason, n in sorted(server.events.faults.items()):
             faults.add_metric(["", reason], n)
         for reason, n in sorted(server.events.rejected.items()):
             rejected.add_metric(["", reason], n)
         yield from (rounds, duration, waits, straggler, faults, rejected, registrations)
+        yield from (returns, away)
         yield _counter(
             "coordd_groups_dropped",
             "Groups without members dropped to make room for a new one at --max-groups",

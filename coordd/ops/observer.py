@@ -121,6 +121,10 @@ class Observer:
         self.faults: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.registrations = 0
+        #: Registrations of ranks back from their own collective (the fallback), and how long
+        #: the latest of them ran without coordd, as its Hello said.
+        self.returns = 0
+        self.last_away_s = 0.0
         self.stragglers = [0] * self.dp_size
         self.rounds_at_join: dict[int, int] = {}
         #: Rounds decided while a rank no longer registered was (its latest registration).
@@ -371,6 +375,9 @@ class Observer:
             self.rounds_before_leaving.pop(rank, None)
             self.lost_ranks.discard(rank)
             member = snap.members[rank]
+            if member.hello.away_ms > 0:
+                self.returns += 1
+                self.last_away_s = member.hello.away_ms / 1000
             logs.event(
                 log,
                 logging.INFO,

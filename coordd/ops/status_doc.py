@@ -218,6 +218,8 @@ def group_document(group: GroupView, now: float, rank_rows: int | None = None) -
         "lateness_window_rounds": len(observer.recent),
         "faults": dict(observer.faults),
         "registrations": observer.registrations,
+        "returns": observer.returns,
+        "last_away_s": observer.last_away_s,
         "rejected": dict(observer.rejected),
         "ranks": ranks,
         "ranks_summary": _ranks_summary(snap, shown),

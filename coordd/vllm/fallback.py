@@ -139,7 +139,11 @@ class GroupPath:
         self.pacing.fell_back(self.away_since)
         if self.rejoiner is None:
             self.rejoiner = Rejoiner(
-                self._make_client, self.pacing, name=f"coordd-rejoin-{self.identity.name}"
+                self._make_client,
+                self.pacing,
+                name=f"coordd-rejoin-{self.identity.name}",
+                clock=self._clock,
+                away_since=self.away_since,
             )
         identity = self.identity
         behind = (

@@ -24,6 +24,7 @@ pytest.importorskip("torch")
 
 from coordd.testing import CoorddProcess
 from coordd.testing.dying_coordd import DyingCoordd
+from tests.integration.scrape import free_port, metric_value
 
 #: The coordd round (seq) the dying coordd answers to rank 0 only before it exits.
 PARTIAL_AT = 20
@@ -112,7 +113,7 @@ def _wait_progress(path: Path, at_least: int, ranks: list[subprocess.Popen[str]]
 
 def _run(
     tmp_path: Path, rounds: int, fault: str, fallback: bool = True
-) -> tuple[list[dict[str, Any]], list[str], dict[str, float]]:
+) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     address = f"ipc://{tmp_path}/c.sock"
@@ -124,7 +125,7 @@ def _run(
         coordd = DyingCoordd(2, address, die_at=PARTIAL_AT, answer_to=[0])
     if fault != "absent_at_start":
         coordd.start()
-    marks: dict[str, float] = {}
+    marks: dict[str, Any] = {}
     ranks = [
         subprocess.Popen(
             [
@@ -166,9 +167,11 @@ def _run(
             coordd.stop()
             if fault == "kill_restart":
                 time.sleep(1.5)
-                second = CoorddProcess(2, address, args)
+                port = free_port()
+                second = CoorddProcess(2, address, [*args, "--metrics-port", str(port)])
                 second.start()
                 marks["started"] = time.time()
+                marks["port"] = port
         elif fault == "stop_cont":
             marks["killed"] = time.time()
             coordd.signal(signal.SIGSTOP)
@@ -176,6 +179,20 @@ def _run(
             coordd.signal(signal.SIGCONT)
             marks["started"] = time.time()
         outs = [p.communicate(timeout=240) for p in ranks]
+        if "port" in marks:  # what the coordd the ranks came back to says of their return
+            port = int(marks["port"])
+            sample = '{group="dp-tp0-pp0"}'
+            marks["returns"] = metric_value(port, "coordd_returns_total" + sample)
+            marks["away_s"] = metric_value(port, "coordd_away_seconds" + sample)
+            status = subprocess.run(
+                [sys.executable, "-m", "coordd", "status", "--url", f"http://127.0.0.1:{port}"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+                env=env,
+            )
+            marks["status"] = status.stdout
     finally:
         for p in ranks:
             if p.poll() is None:
@@ -194,7 +211,7 @@ def _run(
     return results, logs, marks
 
 
-def _report(name: str, results: list[dict[str, Any]], marks: dict[str, float]) -> None:
+def _report(name: str, results: list[dict[str, Any]], marks: dict[str, Any]) -> None:
     """The figures of the closing note (pytest -s shows them)."""
     for result in results:
         times = {str(path): when for _, path, when in result["paths"]}
@@ -223,6 +240,9 @@ def test_coordd_killed_and_restarted_costs_no_round(tmp_path: Path) -> None:
     assert results[0]["switches"] == results[1]["switches"]
     assert results[0]["rounds"] == results[1]["rounds"]
     assert [way for way, _ in results[0]["switches"]] == ["own", "coordd"]
+    # both ranks told the new coordd how long they ran without it: /metrics counts 2 returns
+    assert marks["returns"] == 2 and 0 < marks["away_s"] < 60, marks
+    assert "back from their own collective (coordd lost or absent): 2 rank" in str(marks["status"])
 
 
 @pytest.mark.timeout(300)
