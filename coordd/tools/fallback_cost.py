@@ -7,13 +7,15 @@ Starts a `coordd serve` on an ipc socket in a temporary directory and `--dp` ran
 joined by a gloo group (127.0.0.1); each rank holds two Exchanges, one per coordd group (`on`:
 the default, with a gloo group to fall back on; `off`: COORDD_VLLM_FALLBACK=0), and times each
 sync of a [4, dp] int32 worker tensor through `Exchange.sync_`, alternating blocks of `--block`
-syncs between the two. Prints p10/p50/p90 of each and of the on/off ratio per block (rank 0).
+syncs between the two (each way first in every other pair). Prints p10/p50/p90 of each way and
+of the on/off ratio of each pair of blocks (rank 0's).
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import queue
 import statistics
 import tempfile
 import time
@@ -34,10 +36,11 @@ def _rank(rank: int, dp: int, address: str, store: str, rounds: int, block: int,
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=dp)
     group = dist.new_group(list(range(dp)), backend="gloo")
     ways = {
-        "on": (Exchange(PluginSettings(address)), GroupIdentity("cost-on", rank, dp, "fp")),
+        # two of the names coordd admits by default (vLLM's worker groups)
+        "on": (Exchange(PluginSettings(address)), GroupIdentity("dp-tp0-pp0", rank, dp, "fp")),
         "off": (
             Exchange(PluginSettings(address, fallback=False)),
-            GroupIdentity("cost-off", rank, dp, "fp"),
+            GroupIdentity("dp-tp1-pp0", rank, dp, "fp"),
         ),
     }
     times: dict[str, list[float]] = {way: [] for way in ways}
@@ -45,7 +48,9 @@ def _rank(rank: int, dp: int, address: str, store: str, rounds: int, block: int,
     done = -2 * block  # the first two blocks warm up, uncounted
     while done < rounds:
         medians = {}
-        for way, (exchange, identity) in ways.items():
+        order = list(ways) if (done // block) % 2 else list(reversed(ways))  # each way first half
+        for way in order:
+            exchange, identity = ways[way]
             took = []
             for _ in range(block):
                 t = torch.zeros(4, dp, dtype=torch.int32)
@@ -90,7 +95,18 @@ def main(argv: list[str] | None = None) -> int:
             ]
             for p in procs:
                 p.start()
-            times, blocks = out.get(timeout=600)
+            deadline = time.monotonic() + 600
+            while True:
+                try:
+                    times, blocks = out.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                    if failed or time.monotonic() > deadline:
+                        for p in procs:
+                            p.kill()
+                        why = f"a rank failed (exit codes {failed}) or timed out"
+                        raise SystemExit(why) from None
             for p in procs:
                 p.join(60)
     print(f"dp={args.dp}, {args.rounds} syncs each way, blocks of {args.block}, interleaved")

@@ -306,6 +306,8 @@ class GroupLink:
     lock: threading.Lock = field(default_factory=threading.Lock)
     rounds: int = 0
     path: GroupPath | None = None
+    #: The process group its syncs came with (None until the first that brings one).
+    group: Any = None
 
 
 #: Seconds `Exchange.close` waits for its ZeroMQ context to end (the Goodbyes to go out).
@@ -336,6 +338,8 @@ class Exchange:
         self._plans: dict[tuple[torch.dtype, torch.Size, str, int], _Plan] = {}
         self._views: dict[tuple[int, int], memoryview] = {}
         self._exit_hook_pid: int | None = None
+        #: How many times vLLM rebuilt a group's process group under a link (`_regroup`).
+        self.regroups = 0
         #: Rounds `start_` began, by group, for the group's next `sync_` to collect.
         self._early: dict[str, EarlyRound] = {}
         #: Called after each sync with its group, site, window (seconds from the early start
@@ -511,6 +515,8 @@ class Exchange:
             return False
         link = self.link(identity)
         with link.lock:
+            if group is not link.group and group is not None:
+                self._regroup(link, group)
             path = link.path
             if path is None:
                 self._round(link, tensor, op, prepared)
@@ -637,9 +643,7 @@ class Exchange:
             self._hook_exit()
             if self.settings.fallback:
                 link = GroupLink(identity, None)
-                link.path = GroupPath(
-                    identity, lambda: self._new_client(identity), self.settings.sync_timeout
-                )
+                link.path = self._new_path(identity)
                 self._links[identity.name] = link
                 return link
             client = self._new_client(identity)
@@ -651,6 +655,31 @@ class Exchange:
             link = GroupLink(identity, client)
             self._links[identity.name] = link
             return link
+
+    def _regroup(self, link: GroupLink, group: Any) -> None:
+        """A sync came with another process group than the link's (the caller holds the link's
+        lock). The first is no change; a later one means vLLM rebuilt the group with the same
+        ranks (fault tolerance's `retry` re-inits the DP groups): the group registers again,
+        on the same client (a new connection would race the old one's close, `rank_taken`),
+        which opens a new epoch for a failed group; with the fallback on, over a new path
+        that votes on the new group."""
+        first = link.group is None
+        link.group = group
+        if first:
+            return
+        self.regroups += 1
+        self._early.pop(link.identity.name, None)
+        if link.path is not None:
+            link.path.close()
+            client, link.client = link.client, None
+            link.path = self._new_path(link.identity, client)
+        elif link.client is not None:
+            link.client.connect(timeout=self.settings.connect_timeout)
+
+    def _new_path(self, identity: GroupIdentity, client: CoordClient | None = None) -> GroupPath:
+        return GroupPath(
+            identity, lambda: self._new_client(identity), self.settings.sync_timeout, client=client
+        )
 
     def _new_client(self, identity: GroupIdentity) -> CoordClient:
         return CoordClient(

@@ -54,8 +54,11 @@ class GroupPath:
         make_client: Callable[[], CoordClient],
         timeout: float,
         clock: Callable[[], float] = time.monotonic,
+        client: CoordClient | None = None,
     ) -> None:
+        """`client`: one to register again at the join (a rebuilt group's), else a new one."""
         self.identity = identity
+        self._client = client
         #: The engine cores sync every 32 steps (`--dp-sync-interval`): they vote at each
         #: round on vLLM's path, the workers every VOTE_EVERY.
         self.vote_every = 1 if identity.name == ENGINE_GROUP else VOTE_EVERY
@@ -82,7 +85,8 @@ class GroupPath:
     def join(self, group: Any, wait: float) -> CoordClient | None:
         """Register (within `wait`; not at all when coordd's ipc socket is not there) and
         vote: the client if the group starts on coordd, None if on vLLM's own path."""
-        client: CoordClient | None = self._make_client()
+        client: CoordClient | None = self._client or self._make_client()
+        self._client = None
         assert client is not None
         unreachable = client.connection.no_socket_file()
         why = unreachable or ""
@@ -90,8 +94,8 @@ class GroupPath:
         if unreachable is None:
             try:
                 epoch = client.connect(timeout=wait).epoch
-            except CoordinatorUnavailable as error:
-                why = str(error)
+            except CoordError as error:  # Rejected too: the rejoiner tries again, and logs why
+                why = f"{type(error).__name__}: {error}"
         if unreachable is not None or not epoch:
             client.close(goodbye=False)
             client = None

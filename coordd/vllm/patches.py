@@ -102,8 +102,8 @@ class _State:
     timed: list[tuple[Any, str, Any]] = field(default_factory=list)
     #: The start-up line, until vLLM's log can show it.
     line: str = ""
-    #: Faults this process logged, by error (each is logged once).
-    said: set[str] = field(default_factory=set)
+    #: Faults this process logged, by error (each is logged once per rebuild of its groups).
+    said: set[tuple[int, str]] = field(default_factory=set)
 
 
 _state = _State()
@@ -218,8 +218,10 @@ def _say_fault(identity: GroupIdentity, error: CoordError) -> None:
     """One ERROR line in vLLM's log for a sync's fault, naming the culprit (the error's text);
     the error itself goes on up through vLLM's step."""
     text = f"{type(error).__name__}: {error}"
-    if text not in _state.said and len(_state.said) < 64:
-        _state.said.add(text)
+    exchange = _state.exchange
+    said = (exchange.regroups if exchange is not None else 0, text)  # again after a rebuild
+    if said not in _state.said and len(_state.said) < 64:
+        _state.said.add(said)
         log.error(
             "coordd: DP sync of group %s (rank %d) failed: %s",
             identity.name,
