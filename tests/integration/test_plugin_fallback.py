@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,12 +23,16 @@ import pytest
 
 pytest.importorskip("torch")
 
+from coordd.client.switch import REJOIN_FIRST
 from coordd.testing import CoorddProcess
 from coordd.testing.dying_coordd import DyingCoordd
 from tests.integration.scrape import free_port, metric_value
 
 #: The coordd round (seq) the dying coordd answers to rank 0 only before it exits.
 PARTIAL_AT = 20
+#: How many coordds the flapping test starts after the first (each killed once the ranks are
+#: back on it, but the last).
+FLAPS = 3
 
 RANK = r"""
 import json, logging, os, sys, time
@@ -38,7 +43,7 @@ from coordd.vllm.exchange import Exchange, ReduceOp
 from coordd.vllm.groups import GroupIdentity
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
-rank, address, store, rounds, progress, fallback = sys.argv[1:7]
+rank, address, store, rounds, progress, fallback, early = sys.argv[1:8]
 rank, rounds = int(rank), int(rounds)
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 group = dist.new_group([0, 1], backend="gloo")
@@ -62,6 +67,9 @@ while True:
     t = torch.zeros(4, 2, dtype=torch.int32)
     t[:, rank] = torch.tensor(column(n, rank), dtype=torch.int32)
     try:
+        if early == "1":  # the V1 runner's overlap: the round starts, then work, then the sync
+            ex.start_(t, ReduceOp.SUM, ident, True)
+            time.sleep(0.002)
         if not ex.sync_(t, ReduceOp.SUM, ident, True, group=group):
             dist.all_reduce(t, group=group)
     except Exception as error:
@@ -79,8 +87,9 @@ while True:
             f.write(str(n))
         os.replace(progress + ".tmp", progress)
     if n >= rounds and n % 8 == 0:
-        # past the planned rounds: go on until every rank is on coordd again (or a cap)
-        done = torch.tensor([int(on_coordd())])
+        # past the planned rounds: go on until every rank is on coordd again and the test has
+        # no more faults to make (or a cap)
+        done = torch.tensor([int(on_coordd() and not os.path.exists(progress + ".hold"))])
         dist.all_reduce(done, op=dist.ReduceOp.MIN, group=group)
         if done.item() or n >= 40 * rounds:
             break
@@ -94,6 +103,14 @@ out = dict(rank=rank, rounds=n, wrong=wrong[:5], nwrong=len(wrong), events=event
 print("RESULT " + json.dumps(out), flush=True)
 ex.close()
 """
+
+
+def _metric_or_zero(port: int, sample: str) -> float:
+    """`sample`'s value, 0 while coordd has no such group yet."""
+    try:
+        return metric_value(port, sample)
+    except AssertionError:
+        return 0.0
 
 
 def _progress(path: Path) -> int:
@@ -112,7 +129,7 @@ def _wait_progress(path: Path, at_least: int, ranks: list[subprocess.Popen[str]]
 
 
 def _run(
-    tmp_path: Path, rounds: int, fault: str, fallback: bool = True
+    tmp_path: Path, rounds: int, fault: str, fallback: bool = True, early: bool = False
 ) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
@@ -137,6 +154,7 @@ def _run(
                 str(rounds),
                 str(progress),
                 "1" if fallback else "0",
+                "1" if early else "0",
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -172,6 +190,28 @@ def _run(
                 second.start()
                 marks["started"] = time.time()
                 marks["port"] = port
+        elif fault == "flap":
+            # killed as soon as both ranks are back on it, three times; the fourth one stays
+            hold = Path(str(progress) + ".hold")
+            hold.touch()
+            marks["killed"] = time.time()
+            coordd.signal(signal.SIGKILL)
+            coordd.stop()
+            for i in range(FLAPS):
+                port = free_port()
+                second = CoorddProcess(2, address, [*args, "--metrics-port", str(port)])
+                second.start()
+                marks["started"] = time.time()
+                sample = 'coordd_returns_total{group="dp-tp0-pp0"}'
+                deadline = time.monotonic() + 120
+                while _metric_or_zero(port, sample) < 2:
+                    assert time.monotonic() < deadline, "the ranks did not come back"
+                    assert all(p.poll() is None for p in ranks), "a rank exited early"
+                    time.sleep(0.02)
+                if i < FLAPS - 1:
+                    second.signal(signal.SIGKILL)
+                    second.stop()
+            hold.unlink()
         elif fault == "stop_cont":
             marks["killed"] = time.time()
             coordd.signal(signal.SIGSTOP)
@@ -243,6 +283,37 @@ def test_coordd_killed_and_restarted_costs_no_round(tmp_path: Path) -> None:
     # both ranks told the new coordd how long they ran without it: /metrics counts 2 returns
     assert marks["returns"] == 2 and 0 < marks["away_s"] < 60, marks
     assert "back from their own collective (coordd lost or absent): 2 rank" in str(marks["status"])
+
+
+@pytest.mark.timeout(300)
+def test_a_round_started_early_and_in_flight_is_settled_like_any(tmp_path: Path) -> None:
+    """Every round starts early (`start_`, the V1 runner's overlap) and is collected at its
+    sync; coordd killed and restarted: the same one switch round for all, no round wrong."""
+    results, logs, marks = _run(tmp_path, 200, "kill_restart", early=True)
+    _report("kill_restart early", results, marks)
+    for result, log in zip(results, logs, strict=True):
+        assert result["events"] == [], (result, log[-3000:])
+        assert result["nwrong"] == 0, result["wrong"]
+        assert (result["fallbacks"], result["returns"]) == (1, 1), (result, log[-3000:])
+    assert results[0]["switches"] == results[1]["switches"]
+
+
+@pytest.mark.timeout(300)
+def test_a_flapping_coordd_is_followed_no_faster_than_the_back_off(tmp_path: Path) -> None:
+    """coordd killed as soon as the ranks are back on it, three times: every fall back and
+    return at one round for all ranks, no round wrong, and each spell on vLLM's path at least
+    as long as the back-off allows (1, 2, 4 s): the group does not flap as fast as coordd."""
+    results, logs, marks = _run(tmp_path, 100, "flap")
+    _report("flap", results, marks)
+    for result, log in zip(results, logs, strict=True):
+        assert result["events"] == [], (result, log[-3000:])
+        assert result["nwrong"] == 0, result["wrong"]
+        assert (result["fallbacks"], result["returns"]) == (FLAPS, FLAPS), (result, log[-3000:])
+        away = [float(s) for s in re.findall(r"after ([\d.]+) s on vLLM's own collective", log)]
+        assert len(away) == FLAPS, log[-3000:]
+        for spell, seconds in enumerate(away):
+            assert seconds >= REJOIN_FIRST * 2**spell - 0.1, away  # the log rounds to 0.1 s
+    assert results[0]["switches"] == results[1]["switches"]
 
 
 @pytest.mark.timeout(300)
