@@ -63,11 +63,13 @@ class Rejoiner:
                 continue
             with self._lock:
                 if self._stop.is_set():
-                    return
+                    break
                 if self._client is None:
                     self._register()
                 else:
                     self._check()
+        with self._lock:  # stopped (not taken) during a try: what it registered goes too
+            self._close_held()
 
     def _register(self) -> None:
         client = self._make_client()
@@ -102,16 +104,25 @@ class Rejoiner:
             self._drop()
 
     def take(self) -> CoordClient | None:
-        """Stop trying and hand over the registered client (None if there is none now)."""
+        """Stop trying and hand over the registered client (None if there is none now); waits
+        for a try in progress (at most TRY_TIMEOUT)."""
         self._stop.set()
         with self._lock:
             client, self._client, self.epoch = self._client, None, 0
-        self._thread.join(TRY_TIMEOUT + 1.0)
         return client
 
     def stop(self) -> None:
-        """Stop trying and close what is held."""
-        client = self.take()
+        """Stop trying and close what is held (Goodbye), never waiting for a try in progress:
+        the thread closes what that try registers (a process on its way out must not wait)."""
+        self._stop.set()
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_held()
+            finally:
+                self._lock.release()
+
+    def _close_held(self) -> None:
+        client, self._client, self.epoch = self._client, None, 0
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()

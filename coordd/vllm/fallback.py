@@ -73,7 +73,6 @@ class GroupPath:
         self.pacing = RejoinPacing()
         self.rejoiner: Rejoiner | None = None
         self.away_since = 0.0
-        self.why = ""
         #: Falls back and returns so far, and each switch as ("own" or "coordd", the round it
         #: came at): the same on every rank of the group (tests compare them).
         self.fallbacks = 0
@@ -94,7 +93,7 @@ class GroupPath:
         if unreachable is None:
             try:
                 epoch = client.connect(timeout=wait).epoch
-            except CoordError as error:  # Rejected too: the rejoiner tries again, and logs why
+            except CoordError as error:  # Rejected too: the WARNING says so, the rejoiner retries
                 why = f"{type(error).__name__}: {error}"
         if unreachable is not None or not epoch:
             client.close(goodbye=False)
@@ -137,7 +136,6 @@ class GroupPath:
         self.on_coordd = False
         self.switched_at = at
         self.away_since = self._clock()
-        self.why = why
         self.fallbacks += not first
         self.switches.append(("own", at))
         self.pacing.fell_back(self.away_since)
