@@ -254,37 +254,50 @@ def rank_main(spec: Spec, rank: int, queue: Any) -> None:
     queue.put(out)
 
 
+class Ranks:
+    """`world` forked rank processes, started at once; `collect` ends them all."""
+
+    def __init__(self, specs: Callable[[int], Spec], world: int) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.world = world
+        self.queue = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=rank_main, args=(specs(r), r, self.queue)) for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def collect(self, wait: float = RESULT_WAIT) -> tuple[list[Outcome], list[int]]:
+        """The outcomes that came within `wait` and the ranks that sent none (blocked), every
+        process ended on return."""
+        outcomes: list[Outcome] = []
+        try:
+            deadline = time.monotonic() + wait
+            while len(outcomes) < self.world:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    outcomes.append(self.queue.get(timeout=left))
+                except Exception:  # queue.Empty: the rest are blocked
+                    break
+        finally:
+            for p in self.procs:
+                p.join(timeout=5 if len(outcomes) == self.world else 0.1)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
+            self.queue.close()
+        outcomes.sort(key=lambda o: o.rank)
+        got = {o.rank for o in outcomes}
+        return outcomes, [r for r in range(self.world) if r not in got]
+
+
 def run_ranks(
     specs: Callable[[int], Spec], world: int, wait: float = RESULT_WAIT
 ) -> tuple[list[Outcome], list[int]]:
-    """`world` forked rank processes; returns the outcomes that came and the ranks that sent
-    none within `wait` (blocked), every process ended on return."""
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(specs(r), r, queue)) for r in range(world)]
-    outcomes: list[Outcome] = []
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + wait
-        while len(outcomes) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                outcomes.append(queue.get(timeout=left))
-            except Exception:  # queue.Empty: the rest are blocked
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=5 if len(outcomes) == world else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-        queue.close()
-    outcomes.sort(key=lambda o: o.rank)
-    got = {o.rank for o in outcomes}
-    return outcomes, [r for r in range(world) if r not in got]
+    """`Ranks(specs, world).collect(wait)`."""
+    return Ranks(specs, world).collect(wait)
 
 
 def free_port() -> int:

@@ -22,15 +22,17 @@ from tests.sglang.ranks import (
     SYNCS,
     Fault,
     Outcome,
+    Ranks,
     Spec,
     check_crashes,
     free_port,
-    run_ranks,
     tiny_model,
 )
 
-#: coordd's step timeout in these tests (seconds); the syncs' own timeout is above it.
+#: coordd's step timeout where the test is about it (a stopped rank), in seconds; elsewhere
+#: LONG_TIMEOUT, so that a loaded machine never makes a step late.
 STEP_TIMEOUT = 2.0
+LONG_TIMEOUT = 30.0
 #: Seconds a stock run's ranks may stay blocked before the test calls it a hang.
 HANG_BOUND = STEP_TIMEOUT + 2.0
 
@@ -45,25 +47,29 @@ def run(
     model: str,
     world: int,
     dp: int,
-    plugin: bool,
     steps: int = 6,
     seed: int = 1,
     fault: Fault | None = None,
-    wait: float = 60.0,
-) -> tuple[list[Outcome], list[int]]:
-    """`world` ranks of one SGLang deployment (TP=world, DP attention at `dp`), stock or with
-    the plugin and a real coordd (`--step-timeout` STEP_TIMEOUT)."""
-    os.environ["COORDD_SGLANG_SYNC_TIMEOUT"] = str(STEP_TIMEOUT * 10)
+    stock_wait: float = 60.0,
+    step_timeout: float = LONG_TIMEOUT,
+) -> tuple[tuple[list[Outcome], list[int]], tuple[list[Outcome], list[int]]]:
+    """`world` ranks of one SGLang deployment (TP=world, DP attention at `dp`) twice at once:
+    stock (gloo), and with the plugin and a real coordd (`--step-timeout step_timeout`). Each
+    run's outcomes and its ranks that sent none (blocked: within `stock_wait` for stock)."""
+    os.environ["COORDD_SGLANG_SYNC_TIMEOUT"] = str(LONG_TIMEOUT * 2)
     coordd = CoorddProcess(
         world,
-        f"ipc://{tmp_path}/coordd-{world}-{dp}-{seed}.sock",
-        ["--step-timeout", str(STEP_TIMEOUT), "--heartbeat-timeout", "30"],
+        f"ipc://{tmp_path}/coordd.sock",
+        ["--step-timeout", str(step_timeout), "--heartbeat-timeout", str(LONG_TIMEOUT)],
     )
-    address = coordd.start().address if plugin else None
+    address = coordd.start().address
     try:
-        port = free_port()
-        spec = Spec(world, dp, port, model, steps, seed, address, fault)
-        return run_ranks(lambda _: spec, world, wait)
+        specs = [
+            Spec(world, dp, free_port(), model, steps, seed, a, fault) for a in (None, address)
+        ]
+        stock, ours = (Ranks(lambda _, spec=spec: spec, world) for spec in specs)
+        ours_result = ours.collect()
+        return stock.collect(stock_wait), ours_result
     finally:
         coordd.stop()
 
@@ -73,10 +79,8 @@ def run(
 def test_every_sync_is_identical_through_coordd(
     tmp_path: Path, model: str, world: int, dp: int
 ) -> None:
-    stock, blocked = run(tmp_path, model, world, dp, plugin=False, seed=world + dp)
-    assert not blocked
-    ours, blocked = run(tmp_path, model, world, dp, plugin=True, seed=world + dp)
-    assert not blocked
+    (stock, stock_blocked), (ours, blocked) = run(tmp_path, model, world, dp, seed=world + dp)
+    assert not stock_blocked and not blocked
     check_crashes(stock + ours)
     for a, b in zip(stock, ours, strict=True):
         assert a.error is None and b.error is None, (a.error, b.error)
@@ -100,12 +104,24 @@ def _named(outcomes: list[Outcome], kind: str, culprit: int, within: float) -> N
 
 
 def faulted(
-    tmp_path: Path, model: str, world: int, fault: Fault, stock_wait: float = 60.0
+    tmp_path: Path,
+    model: str,
+    world: int,
+    fault: Fault,
+    stock_wait: float = 60.0,
+    step_timeout: float = LONG_TIMEOUT,
 ) -> tuple[list[Outcome], list[int], list[Outcome]]:
     """The same faulty run stock (ranks that sent nothing within `stock_wait`: blocked) and
     with the plugin; prints both outcomes (the fault table of docs/sglang.md)."""
-    stock, stock_blocked = run(tmp_path, model, world, world, False, fault=fault, wait=stock_wait)
-    ours, blocked = run(tmp_path, model, world, world, True, fault=fault)
+    (stock, stock_blocked), (ours, blocked) = run(
+        tmp_path,
+        model,
+        world,
+        world,
+        fault=fault,
+        stock_wait=stock_wait,
+        step_timeout=step_timeout,
+    )
     check_crashes(stock + ours)
     assert not blocked
     at = fault.step
@@ -133,7 +149,7 @@ def test_a_skipped_sync_is_named_at_once_where_gloo_hangs(
     # peers at least wait for good (here every rank: the culprit's next is another kind)
     assert set(range(world - 1)) <= set(blocked), blocked
     assert all(o.error is None for o in stock), [o.error for o in stock]
-    _named(ours, "StepMismatch", world - 1, within=STEP_TIMEOUT)
+    _named(ours, "StepMismatch", world - 1, within=LONG_TIMEOUT)
     assert all(len(o.results) == 2 * len(SYNCS) for o in ours)  # nothing after the skip
 
 
@@ -144,7 +160,7 @@ def test_a_sync_from_another_site_is_named_where_gloo_pairs_it(
 ) -> None:
     stock, blocked, ours = faulted(tmp_path, model, world, Fault("another", step=1))
     assert not blocked and all(o.error is None for o in stock)  # gloo: no error at all
-    _named(ours, "StepMismatch", world - 1, within=STEP_TIMEOUT)
+    _named(ours, "StepMismatch", world - 1, within=LONG_TIMEOUT)
     text = ours[0].error[2] if ours[0].error else ""
     assert "tp_sync_elsewhere" in text and "tp_sync:" in text, text
 
@@ -155,12 +171,14 @@ def test_a_stopped_rank_is_named_after_the_step_timeout_where_gloo_waits(
     tmp_path: Path, model: str, world: int
 ) -> None:
     pause = STEP_TIMEOUT + 1.5
-    stock, blocked, ours = faulted(tmp_path, model, world, Fault("stop", step=1, pause=pause))
+    stock, blocked, ours = faulted(
+        tmp_path, model, world, Fault("stop", step=1, pause=pause), step_timeout=STEP_TIMEOUT
+    )
     # gloo: the peers wait the whole pause with no error
     assert not blocked and all(o.error is None for o in stock)
     assert all(o.step_times[1] >= pause for o in stock[:-1]), [o.step_times for o in stock]
     peers, culprit = ours[:-1], ours[-1]
-    _named(peers, "StepTimeout", world - 1, within=pause)
+    _named(peers, "StepTimeout", world - 1, within=LONG_TIMEOUT)
     assert culprit.error is not None and culprit.error[1] == (world - 1,), culprit.error
 
 
