@@ -34,7 +34,8 @@ SYNCS = ("tp", "rows", "world")
 @dataclass(frozen=True)
 class Fault:
     """What the culprit (the last rank) does at step `step`: "skip" its TP sync, "stop" for
-    `pause` seconds before it, or make it from "another" call site."""
+    `pause` seconds before it, make it from "another" call site, or send "tworows" in its
+    WORLD all-reduce (a tensor SGLang never makes: two rows written)."""
 
     kind: str
     step: int
@@ -199,9 +200,19 @@ def run_step(spec: Spec, step: int, rank: int, group: Any, out: Outcome) -> None
     flat = torch.full((spec.world * WIDTH,), -1, dtype=torch.int64)
     dp_attn.exchange_sync_rows(flat, row, group)
     out.results.append((step, "rows", flat.tolist()))
+    if at_fault and fault is not None and fault.kind == "tworows":
+        world_sync_two_rows(spec)
+        return
     info = _info(spec, step, rank)
     info.all_gather("cpu", torch.distributed.group.WORLD, use_all_reduce=True)
     out.results.append((step, "world", _computed(info)))
+
+
+def world_sync_two_rows(spec: Spec) -> None:
+    """The WORLD all-reduce as dp_attn makes it, of a tensor with two rows written."""
+    tensor = torch.zeros(spec.dp, spec.world // spec.dp, WIDTH, dtype=torch.int64)
+    tensor.view(-1, WIDTH)[:2] = 1
+    dp_attn.torch.distributed.all_reduce(tensor, group=torch.distributed.group.WORLD)
 
 
 def bench(spec: Spec, rank: int, group: Any, out: Outcome) -> None:

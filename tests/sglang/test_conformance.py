@@ -182,6 +182,19 @@ def test_a_stopped_rank_is_named_after_the_step_timeout_where_gloo_waits(
     assert culprit.error is not None and culprit.error[1] == (world - 1,), culprit.error
 
 
+@pytest.mark.timeout(240)
+def test_a_rank_that_cannot_send_its_row_leaves_and_its_peers_are_told_at_once(
+    tmp_path: Path, model: str
+) -> None:
+    world = 4
+    stock, blocked, ours = faulted(tmp_path, model, world, Fault("tworows", step=1))
+    assert not blocked and all(o.error is None for o in stock)  # gloo: summed, no error
+    *peers, culprit = ours
+    assert culprit.error is not None and culprit.error[:2] == ("InvalidReport", (world - 1,))
+    # it left without Goodbye: the peers, waiting in that round, are told at once
+    _named(peers, "RankLost", world - 1, within=LONG_TIMEOUT)
+
+
 def test_sglang_is_the_pinned_version() -> None:
     import sglang
 
