@@ -17,6 +17,8 @@ vLLM itself) and `coordd.tools` (bench, chaos, demo, load, device_check). The ru
 - cli imports the daemon's layers; nothing imports it but the tools and `python -m coordd`;
 - testing imports proto and client (the daemon only as a subprocess, which is not an import);
 - vllm imports proto and client (plus vllm and torch); nothing of ours imports it but tools;
+- sglang (the SGLang plugin) imports proto, client and the vLLM plugin's pure helpers (plus
+  sglang and torch); nothing of ours imports it but tools;
 - tools may import everything.
 
 Every `import` counts: at the top, inside functions, under TYPE_CHECKING; relative imports are
@@ -54,7 +56,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "cli": frozenset({"proto", "core", "ops", "io", "cli"}),
     "testing": frozenset({"proto", "client", "testing"}),
     "vllm": frozenset({"proto", "client", "vllm"}),
-    "tools": frozenset({"proto", "client", "core", "ops", "io", "cli", "testing", "vllm", "tools"}),
+    "sglang": frozenset({"proto", "client", "vllm", "sglang"}),
+    "tools": frozenset(
+        {"proto", "client", "core", "ops", "io", "cli", "testing", "vllm", "sglang", "tools"}
+    ),
 }
 
 #: The layers of the daemon (the sidecar process), bottom up.
@@ -66,6 +71,7 @@ THIRD_PARTY: dict[str, frozenset[str] | None] = {
     "client": frozenset({"zmq", "msgspec", "torch"}),
     "testing": frozenset({"zmq", "msgspec"}),
     "vllm": frozenset({"zmq", "msgspec", "torch", "vllm"}),
+    "sglang": frozenset({"zmq", "msgspec", "torch", "sglang"}),
     "core": frozenset({"msgspec"}),
     "ops": frozenset({"prometheus_client", "zmq"}),
     "io": None,
