@@ -31,6 +31,15 @@ class Member:
     hello: Hello
     joined_at: float
 
+    @property
+    def rank(self) -> int:
+        """The rank it speaks for (a member of the group machine speaks for `ranks`)."""
+        return self.hello.dp_rank
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return (self.hello.dp_rank,)
+
 
 @dataclass(frozen=True, slots=True)
 class GroupSnapshot:
