@@ -211,3 +211,24 @@ def _hello(dp: int, rank: int):  # type: ignore[no-untyped-def]
     from coordd.proto.messages import Hello
 
     return Hello(dp_size=dp, dp_rank=rank, config_fingerprint="f", incarnation="i")
+
+
+def test_a_bundle_whose_labels_agree_is_invalid_and_the_timer_still_runs() -> None:
+    """A bundle may carry `labels` only when its ranks disagree on the round's kind. One whose
+    labels agree used to reach the disputed-round path, whose `next()` had no default: the
+    exception left the group open for good and its deadline never fired (issue 36, #4)."""
+    from coordd.proto.relay_messages import RelayBundle
+
+    root = TreeCoordinator(4, group="g", epoch=1, step_timeout=1.0)
+    for name, ranks in ((b"a", [0, 1]), (b"b", [2, 3])):
+        hello = RelayHello(group="g", dp_size=4, ranks=ranks, config_fingerprint="f",
+                           incarnation="i")
+        welcome = root.receive(name, hello, 0.0)[0].message.message  # type: ignore[attr-defined]
+        assert type(welcome) is Welcome
+    agreeing = RelayBundle(group="g", epoch=welcome.epoch, seq=0, kind=StepKind.FORWARD,
+                           ranks=[0, 1], labels=["forward", "forward"])
+    sends = root.receive(b"a", agreeing, 0.1)
+    failure = sends[0].message.message  # type: ignore[attr-defined]
+    assert type(failure) is StepFailed and failure.reason is FailReason.INVALID
+    assert failure.culprits == [0] and root.state.value == "failed"
+    assert root.next_deadline() is None  # nothing left open for the timer to wedge on
