@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordd.proto.group_state import GroupState
 from coordd.proto.messages import Hello, StepFailed, StepKind
@@ -30,11 +30,11 @@ class Member:
     peer: bytes
     hello: Hello
     joined_at: float
+    #: The rank it speaks for (read per report: a field, not a property).
+    rank: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def rank(self) -> int:
-        """The rank it speaks for (a member of the group machine speaks for `ranks`)."""
-        return self.hello.dp_rank
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rank", self.hello.dp_rank)
 
     @property
     def ranks(self) -> tuple[int, ...]:
