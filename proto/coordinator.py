@@ -164,11 +164,16 @@ class Coordinator(GroupMachine[Member, Send]):
             )
         return None
 
-    def _validate(self, member: Member, report: StepReport | GatherReport, first: object) -> bool:
+    def _check_part(
+        self, member: Member, report: StepReport | GatherReport, first: object
+    ) -> CoordError | bool:
+        rank = member.rank
+        if report.dp_rank != rank or (report.kind is _GATHER and type(report) is StepReport):
+            return self._misfit(member, report) or False
         if type(report) is StepReport:
-            validate_report(member.rank, report)
+            validate_report(rank, report)
         else:
-            validate_gather(member.rank, report, self.dp_size, first)  # type: ignore[arg-type]
+            validate_gather(rank, report, self.dp_size, first)  # type: ignore[arg-type]
         return False
 
     def _outcome(self, rnd: Round) -> Outcome:

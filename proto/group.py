@@ -16,7 +16,7 @@ written here once, over members:
   leaving-out (`_dead`), and the snapshot readers see.
 The group's states and moves are `coordd.proto.group_state`'s table; `_move` is the only
 place the state changes. A way in adds what only its wire knows: how a registration claims
-ranks (`_claim`), how a part is checked (`_misfit`, `_validate`) and decided (`_outcome`),
+ranks (`_claim`), how a part is checked (`_misfit`, `_check_part`) and decided (`_outcome`),
 and how answers are addressed (`_out`).
 
 Fail-stop: the first fault ends the round for every member with one `StepFailed`; the group
@@ -191,9 +191,10 @@ class GroupMachine(Generic[M, S]):
         """A part that is not its member's to send (the group goes on; only it is told)."""
         raise NotImplementedError
 
-    def _validate(self, member: M, part: Any, first: Any) -> bool:
-        """`InvalidReport` for a part no member could send; True if the part itself shows
-        its ranks disagree on the round's kind (the round is disputed)."""
+    def _check_part(self, member: M, part: Any, first: Any) -> CoordError | bool:
+        """The part's `_misfit` error if any; else `InvalidReport` raised for a part no member
+        could send, True if the part itself shows its ranks disagree on the round's kind (the
+        round is disputed), False if it is fine. One call on the hot path for both checks."""
         raise NotImplementedError
 
     def _outcome(self, rnd: Round) -> Any:
@@ -270,6 +271,12 @@ class GroupMachine(Generic[M, S]):
     @property
     def last_failure(self) -> StepFailed | None:
         return self._failure
+
+    def rank_of(self, peer: bytes) -> int | None:
+        """The (lowest) rank `peer` speaks for in this epoch, or None: one dict lookup, for
+        the shell's per-report checks (the snapshot's `rank_of` scans the members)."""
+        member = self._by_peer.get(peer)
+        return None if member is None else member.rank
 
     def holders(self) -> list[bytes]:
         """Every peer that holds ranks: this epoch's members, and the members of a failed
@@ -553,9 +560,6 @@ class GroupMachine(Generic[M, S]):
             return (self._out((peer,), self._stranger_failure(part)),)
         if self._state is _S.FAILED:
             return (self._out((peer,), self._failure),)
-        misfit = self._misfit(member, part)
-        if misfit is not None:
-            return (self._out((peer,), self._failure_of(misfit, part)),)
         rank = member.rank
         rnd = self._round
         decided = self._decided
@@ -566,48 +570,67 @@ class GroupMachine(Generic[M, S]):
             and decided.round.reports[rank] == part
         ):
             return (self._out((peer,), decided.decision),)
-        gone = self._left - self._dead
-        if gone:
-            # Ranks left cleanly and this member still syncs: the round can never complete.
-            sends = self._fail(RankLost(sorted(gone), LEFT_THE_GROUP), now, part)
-            return sends if self.tell_idle_failures else (self._out((peer,), self._failure),)
-        if part.seq != self._seq:
-            expected = part.label if rnd is None else rnd.label
-            return self._fail(
-                StepMismatch(rank, self._seq, expected, part.seq, part.label), now, part
-            )
+        if (
+            part.seq != self._seq
+            or (self._left and self._left - self._dead)
+            or (rnd is not None and rnd.reports[rank] is not None)
+        ):
+            return self._off_course(member, part, now)
         first = None
+        differs = False
         if rnd is not None:
-            previous = rnd.reports[rank]
-            if previous is not None:
-                if previous == part:
-                    return ()
-                return self._fail(ConflictingReport(rank, part.seq), now, part)
             first = rnd.first
             if part.kind is not rnd.kind or (rnd.kind is _GATHER and part.label != rnd.label):
-                # Another kind (or site) than the first part's: which rank is wrong shows
-                # only once the others have sent theirs (see `Round.verdict`).
-                rnd.disputed = True
+                differs = True
                 first = rnd.first_of(part.label)
         try:
-            disputes = self._validate(member, part, first)
+            checked = self._check_part(member, part, first)
         except InvalidReport as error:
             return self._fail(error, now, part)
+        if checked is not False and checked is not True:
+            return (self._out((peer,), self._failure_of(checked, part)),)
+        if differs:
+            # Another kind (or site) than the first part's: which rank is wrong shows only
+            # once the others have sent theirs (see `Round.verdict`).
+            rnd.disputed = True  # type: ignore[union-attr]
         if rnd is None:
             self._move(_E.OPEN)
             rnd = self._round = Round(self._seq, part, now, self.dp_size)
         else:
             self._move(_E.REPORT)
         rnd.add(rank, part, now)
-        if disputes:
+        if checked:
             rnd.disputed = True
         return self._complete_if_ready(now, rank)
+
+    def _off_course(self, member: M, part: Any, now: float) -> Sequence[S]:
+        """A part that is not the next one its member owes the open round: not its to send
+        (only it is told), ranks have left (the round can never complete), another seq, or
+        a second one for the round (the same again is ignored; another is a conflict)."""
+        misfit = self._misfit(member, part)
+        if misfit is not None:
+            return (self._out((member.peer,), self._failure_of(misfit, part)),)
+        rank = member.rank
+        rnd = self._round
+        gone = self._left - self._dead
+        if gone:
+            # Ranks left cleanly and this member still syncs: the round can never complete.
+            sends = self._fail(RankLost(sorted(gone), LEFT_THE_GROUP), now, part)
+            return sends if self.tell_idle_failures else (self._out((member.peer,), self._failure),)
+        if part.seq != self._seq:
+            expected = part.label if rnd is None else rnd.label
+            return self._fail(
+                StepMismatch(rank, self._seq, expected, part.seq, part.label), now, part
+            )
+        if rnd is not None and rnd.reports[rank] == part:
+            return ()
+        return self._fail(ConflictingReport(rank, part.seq), now, part)
 
     def _complete_if_ready(self, now: float, last_rank: int | None) -> Sequence[S]:
         rnd = self._round
         if rnd is None or rnd.reported == 0 or rnd.reported < len(self._by_peer):
             return ()
-        if not self._accounted():
+        if len(self._members) < self.dp_size and not self._accounted():
             return ()
         if rnd.disputed:
             verdict = self._verdict(rnd)

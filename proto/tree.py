@@ -306,6 +306,11 @@ class TreeCoordinator(GroupMachine[RelayMember, RelaySend]):
             and set(ranks) <= set(member.ranks)
         )
 
+    def _check_part(
+        self, member: RelayMember, bundle: RelayBundle, first: RelayBundle | None
+    ) -> CoordError | bool:
+        return self._misfit(member, bundle) or self._validate(member, bundle, first)
+
     def _validate(
         self, member: RelayMember, bundle: RelayBundle, first: RelayBundle | None
     ) -> bool:
