@@ -430,7 +430,9 @@ class CoordServer:
                 stands == MEMBER
             ):
                 waited = message.waited_us
-                if waited >= 0:  # the rank's wait for its previous round
+                # the rank's wait for its previous round, counted only under the rank that
+                # sent it (a report claiming another rank is refused in `receive`)
+                if waited >= 0 and group.coordinator.rank_of(peer) == message.dp_rank:
                     group.observer.waited(message.dp_rank, message.seq, waited)
             touched.add(group)
             self.send(group.coordinator.receive(peer, message, clock()), group.observer)

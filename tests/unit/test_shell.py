@@ -455,3 +455,62 @@ def test_refused_relay_hellos_are_flood_counted_and_logged_once(
     assert server.admission.counts[b"junk"] == 50  # as many as a stranger's Hellos count
     lines = [r for r in caplog.records if "relay" in r.getMessage() and "refused" in r.getMessage()]
     assert 1 <= len(lines) <= 2, len(lines)
+
+
+def test_a_wait_counts_only_under_the_rank_that_sent_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    """Issue 36: `waited_us` was counted under the rank a report claims, before coordd checked
+    it against the rank that sent it: rank 0 could fill rank 1's wait (once per rank and
+    round), and rank 1's own was then dropped."""
+    server, fake = _fake_server(tmp_path, monkeypatch, dp_size=2)
+    monkeypatch.setattr(server._outbox, "sock", fake)
+    monkeypatch.setattr(outbox_module, "_send_frame", lambda sock, data, flags: sock.send(data))
+    try:
+        for rank, fd in ((0, 5), (1, 6)):
+            fake.put(b"rank%d" % rank, Hello(dp_size=2, dp_rank=rank, config_fingerprint="",
+                                             incarnation="x"), fd)
+        server._drain_frames()
+        welcome = fake.out[b"rank0"][-1]
+        assert isinstance(welcome, Welcome)
+
+        def step(rank: int, seq: int, waited: int = -1, claim: int | None = None) -> StepReport:
+            return StepReport(num_tokens=4, num_tokens_padded=4, seq=seq, epoch=welcome.epoch,
+                              dp_rank=rank if claim is None else claim, waited_us=waited)
+
+        for rank, fd in ((0, 5), (1, 6)):
+            fake.put(b"rank%d" % rank, step(rank, welcome.next_seq), fd)
+        server._drain_frames()
+        seq = welcome.next_seq + 1
+        fake.put(b"rank0", step(0, seq, waited=900_000, claim=1), 5)  # refused: not its rank
+        fake.put(b"rank1", step(1, seq, waited=1_000), 6)
+        server._drain_frames()
+        waits = server.groups["default"].observer.waits
+        assert sum(h.count for h in waits.values()) == 1
+        assert sum(h.sum for h in waits.values()) == pytest.approx(0.001)
+    finally:
+        server.close()
+
+
+def test_a_relays_bundle_counts_only_over_the_connection_that_registered_it(
+    shell, relay_out  # type: ignore[no-untyped-def]
+) -> None:
+    """Planted (issue 36, item 5): a registered relay's bundle from another descriptor than
+    its registration's was accepted."""
+    from coordd.proto.relay_messages import RelayBundle
+
+    server, sock = shell
+    sock.put(b"relay", _relay_hello("default", 1, [0]), 7)
+    server._drain_frames()
+    (welcome,) = relay_out[b"relay"]
+    assert isinstance(welcome, Welcome)
+    bundle = RelayBundle(group="default", epoch=welcome.epoch, seq=welcome.next_seq,
+                         kind=StepKind.FORWARD, ranks=[0], padded=[4], max_padded=4,
+                         min_tokens=4)
+    sock.put(b"relay", bundle, 8)  # another connection presenting the relay's routing id
+    server._drain_frames()
+    assert server.relays.refused == 1 and relay_out[b"relay"] == [welcome]
+    assert server.relays.trees["default"].decisions == 0
+    sock.put(b"relay", bundle, 7)
+    server._drain_frames()
+    assert isinstance(relay_out[b"relay"][-1], StepDecision)
