@@ -19,14 +19,9 @@ place the state changes. A way in adds what only its wire knows: how a registrat
 ranks (`_claim`), how a part is checked (`_misfit`, `_check_part`) and decided (`_outcome`),
 and how answers are addressed (`_out`).
 
-Fail-stop: the first fault ends the round for every member with one `StepFailed`; the group
-stays FAILED, every later part gets that failure, until a member registers again (a new
-epoch, the seq after the failed one). A re-forming epoch whose last member leaves before every
-rank is back is ABANDONed to FAILED: one peer's Hello and Goodbye cannot make a crash a stop.
-
-A clean exit is not a fault: a member that leaves between rounds takes its ranks out (`left`);
-once every member has left so, the group is STOPPED. A part while ranks have left fails the
-group with `RankLost(left the group)`; so does a departure while a round is open.
+Fail-stop and clean exits are as `coordd.proto.coordinator` tells them for ranks: a failure
+stands until a member registers again (a new epoch, the seq after the failed one); a member
+leaving between rounds takes its ranks out (`left`), and once all have, the group is STOPPED.
 """
 
 # Whole though over 500 lines: one state machine; split, each part would reach into the
@@ -36,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import MappingProxyType
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from coordd.proto.errors import (
     ConflictingReport,
@@ -59,8 +54,8 @@ from coordd.proto.messages import (
     reject_message,
 )
 from coordd.proto.resize_waits import ResizeWaits
-from coordd.proto.rounds import CompletedRound, Round, Verdict
-from coordd.proto.snapshot import GroupSnapshot, Member, OnRankLoss
+from coordd.proto.rounds import CompletedRound, Decided, Round, Verdict
+from coordd.proto.snapshot import GroupMember, GroupSnapshot, Member, OnRankLoss
 
 _E, _S = GroupEvent, GroupState
 _GATHER = StepKind.GATHER
@@ -69,29 +64,8 @@ _GATHER = StepKind.GATHER
 LEFT_THE_GROUP = "left the group"
 
 
-class GroupMember(Protocol):
-    """Who speaks for a set of ranks: its connection, its registration, its ranks (ascending)
-    and the lowest of them (its part's place in a round, and the rank its faults name)."""
-
-    @property
-    def peer(self) -> bytes: ...
-    @property
-    def hello(self) -> Any: ...
-    @property
-    def ranks(self) -> tuple[int, ...]: ...
-    @property
-    def rank(self) -> int: ...
-
-
 M = TypeVar("M", bound=GroupMember)
 S = TypeVar("S")
-
-
-class Decided(NamedTuple):
-    """The last decided round and its outcome: a member that re-sends its part gets it again."""
-
-    round: Round
-    decision: Any
 
 
 class GroupMachine(Generic[M, S]):

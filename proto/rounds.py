@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from coordd.proto.messages import StepKind
 
@@ -128,6 +128,13 @@ class Round:
         return OpenRound(
             self.seq, self.kind, self.started, self.reported, tuple(self.arrivals), self.site
         )
+
+
+class Decided(NamedTuple):
+    """The last decided round and its outcome: a member that re-sends its part gets it again."""
+
+    round: Round
+    decision: Any
 
 
 class CompletedRound(NamedTuple):
