@@ -130,33 +130,54 @@ class RelayHub:
             return ()
         error = self._refusal(hello, key)
         if error is not None:
-            self.refused_log(
-                relay=shown(hello.relay), group=shown(hello.group), detail=error.detail
-            )
-            answer = RelayAnswer(group=shown(hello.group)[:256], message=reject_message(error))
-            return (RelaySend((peer,), answer),)
+            return self._refuse(peer, hello, error)
         tree = self.trees.get(hello.group)
-        created = tree is None
         if tree is None:
-            epoch = self._last_epoch = max(int(self.wall() * 1000), self._last_epoch + 1)
-            tree = self.trees[hello.group] = TreeCoordinator(
-                self.dp_size,
-                group=hello.group,
-                epoch=epoch,
-                step_timeout=self.step_timeout,
-                on_rank_loss=self.on_rank_loss,
-            )
+            return self._create(peer, hello, fd, now)
         sends = tree.receive(peer, hello, now)
         if peer in tree.holders():
-            self.peer_fd[peer] = fd
-            self.fd_peer[fd] = peer
-        elif created:
-            # refused by the group's own rules: a registration no group admits keeps none
-            del self.trees[hello.group]
-            return sends
-        if created:
-            log.info("relayed group %s created (epoch %d)", hello.group, tree.epoch)
+            self._bind(peer, fd)
         return sends
+
+    def _create(self, peer: bytes, hello: RelayHello, fd: int, now: float) -> Sequence[RelaySend]:
+        """A new relayed group, kept only if its first registration stands and it gets a
+        slot (`coordd.core._group_slots`, as a flat group's): a registration that no group
+        would admit keeps none, and makes no idle group give its slot up."""
+        epoch = max(int(self.wall() * 1000), self._last_epoch + 1)
+        tree = TreeCoordinator(
+            self.dp_size,
+            group=hello.group,
+            epoch=epoch,
+            step_timeout=self.step_timeout,
+            on_rank_loss=self.on_rank_loss,
+        )
+        sends = tree.receive(peer, hello, now)
+        if peer not in tree.holders():
+            return sends  # refused by the group's own rules
+        if len(self.trees) >= self.max_groups:
+            dropped = to_drop(self.trees, self.rules, _idle)
+            if dropped is not None:
+                old = self.trees.pop(dropped)
+                log.info(
+                    "relayed group %s dropped (epoch %d): no relay holds it", dropped, old.epoch
+                )
+        limit = limit_refusal(hello.group, self.trees, self.rules, self.max_groups, "relayed ")
+        if limit is not None:
+            return self._refuse(peer, hello, limit)
+        self._last_epoch = epoch
+        self.trees[hello.group] = tree
+        self._bind(peer, fd)
+        log.info("relayed group %s created (epoch %d)", hello.group, epoch)
+        return sends
+
+    def _bind(self, peer: bytes, fd: int) -> None:
+        self.peer_fd[peer] = fd
+        self.fd_peer[fd] = peer
+
+    def _refuse(self, peer: bytes, hello: RelayHello, error: Rejected) -> Sequence[RelaySend]:
+        self.refused_log(relay=shown(hello.relay), group=shown(hello.group), detail=error.detail)
+        answer = RelayAnswer(group=shown(hello.group)[:256], message=reject_message(error))
+        return (RelaySend((peer,), answer),)
 
     def _refusal(self, hello: RelayHello, key: str) -> Rejected | None:
         name = hello.group
@@ -180,16 +201,6 @@ class RelayHub:
                 expected="a group served through relays",
                 got=name,
             )
-        if name not in self.trees and len(self.trees) >= self.max_groups:
-            dropped = to_drop(self.trees, self.rules, _idle)
-            if dropped is not None:
-                tree = self.trees.pop(dropped)
-                log.info(
-                    "relayed group %s dropped (epoch %d): no relay holds it", dropped, tree.epoch
-                )
-            limit = limit_refusal(name, self.trees, self.rules, self.max_groups, "relayed ")
-            if limit is not None:
-                return limit
         if self.key_refusal is not None:
             for rank in hello.ranks:
                 why = self.key_refusal(key, name, rank)

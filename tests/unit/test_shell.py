@@ -514,3 +514,27 @@ def test_a_relays_bundle_counts_only_over_the_connection_that_registered_it(
     sock.put(b"relay", bundle, 7)
     server._drain_frames()
     assert isinstance(relay_out[b"relay"][-1], StepDecision)
+
+
+def test_a_refused_relay_hello_makes_no_idle_group_give_its_slot_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relay_out  # type: ignore[no-untyped-def]
+) -> None:
+    """As for a flat Hello: only a registration the new group admits may take an idle group's
+    slot; one refused (here dp_size 0) leaves the idle group where it is."""
+    from coordd.proto.messages import Reject
+
+    server, fake = _fake_server(tmp_path, monkeypatch, dp_size=1, max_groups=1)
+    try:
+        fake.put(b"gone", _relay_hello("dp-tp1-pp0", 1, [0]), 7)
+        server._drain_frames()
+        server.relays.closed(7)
+        fake.put(b"junk", _relay_hello("dp-tp2-pp0", 0, [0]), 8)
+        server._drain_frames()
+        assert isinstance(relay_out[b"junk"][-1], Reject)
+        assert list(server.relays.trees) == ["dp-tp1-pp0"]
+        fake.put(b"real", _relay_hello("dp-tp2-pp0", 1, [0]), 9)
+        server._drain_frames()
+        assert isinstance(relay_out[b"real"][-1], Welcome)
+        assert list(server.relays.trees) == ["dp-tp2-pp0"]
+    finally:
+        server.close()
