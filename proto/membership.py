@@ -129,11 +129,11 @@ def resize_while_holding(hello: Hello, rank: int, dp_size: int) -> Rejected:
     )
 
 
-def rank_taken(holder: Hello, hello: Hello) -> Rejected:
+def rank_taken(rank: int) -> Rejected:
     """A second peer wants a lost rank that another peer is already queued to take back."""
     return Rejected(
         RejectReason.RANK_TAKEN.value,
-        f"dp_rank {hello.dp_rank} is already rejoining over another live connection",
+        f"dp_rank {rank} is already rejoining over another live connection",
         expected="a dp_rank no live connection holds",
-        got=str(hello.dp_rank),
+        got=str(rank),
     )

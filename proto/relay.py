@@ -30,17 +30,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from coordd.proto.coordinator import Coordinator, Send, _Decided
+from coordd.proto.coordinator import Coordinator, Send
 from coordd.proto.defaults import STEP_TIMEOUT
 from coordd.proto.errors import CoordError, CoordinatorUnavailable, Rejected, StepTimeout
 from coordd.proto.group_state import GroupEvent, GroupState
 from coordd.proto.membership import check_basics
 from coordd.proto.messages import (
-    GatherResult,
     Hello,
     Reject,
     RejectReason,
-    StepDecision,
     StepFailed,
     StepKind,
     StepReport,
@@ -55,7 +53,7 @@ from coordd.proto.relay_messages import (
     RelayLeave,
     RelayUp,
 )
-from coordd.proto.rounds import CompletedRound, Round
+from coordd.proto.rounds import Round
 from coordd.proto.snapshot import OnRankLoss
 
 _E, _S = GroupEvent, GroupState
@@ -265,6 +263,11 @@ class RelayCoordinator(Coordinator):
         if self._welcome is not None:
             self._adopt(self._welcome)
 
+    def _renew(self) -> None:
+        super()._renew()
+        if self._welcome is not None:
+            self._adopt(self._welcome)
+
     def _refuse_pending(self, error: Rejected) -> Sequence[Send]:
         """The root refused the relay's registration: so are the Hellos that asked for it
         (with the root's reason), except those with other settings, which ask again."""
@@ -321,30 +324,12 @@ class RelayCoordinator(Coordinator):
         missing = [r for r in self._live() if rnd.reports[r] is None]
         return self._fail(StepTimeout(missing, self.step_timeout), now)
 
-    def _settle(self, outcome: StepDecision | GatherResult, now: float) -> Sequence[Send]:
-        rnd = self._round
-        assert rnd is not None
-        self.forwarded = False
-        self._move(_E.DECIDE)
-        self._round = None
-        self._seq += 1
-        self._decisions += 1
-        self._last_round = CompletedRound(
-            rnd.seq, rnd.kind, rnd.started, now, None, rnd.arrivals, rnd.site
-        )
-        self._decided = _Decided(rnd, outcome)
-        sends = [Send(self.peers(), outcome)]
-        queued, self._queued = self._queued, []
-        for peer, hello in queued:  # elastic: ranks back since the round opened join now
-            sends.extend(self._join(peer, hello, now))
-        return sends
-
     # -- faults ------------------------------------------------------------------------------
 
-    def _fail(self, error: CoordError, now: float, report=None) -> Sequence[Send]:  # type: ignore[no-untyped-def]
+    def _fail(self, error: CoordError, now: float, part: object = None) -> list[Send]:
         self.forwarded = False
         self.registered = False
-        sends = super()._fail(error, now, report)
+        sends = super()._fail(error, now, part)
         if not self._from_root and self._failure is not None:
             self._uplink(RelayFault(group=self.group, failure=self._failure))
         return sends
@@ -357,19 +342,14 @@ class RelayCoordinator(Coordinator):
         finally:
             self._from_root = False
 
-    def _fail_with(self, failure: StepFailed, now: float) -> Sequence[Send]:
+    def _fail_from_root(self, failure: StepFailed, now: float) -> Sequence[Send]:
         """Fail the node's group with the root's own message (the same for every node)."""
         waiting = self._state is _S.ROUND_OPEN
         self.forwarded = False
         self.registered = False
-        self._move(_E.FAIL)
-        self._round = None
-        self._failure = failure
-        self._failures += 1
-        self._reforming = True
+        sends = self._fail_with(failure, now)
         # between rounds nobody waits: each rank gets the failure when it next reports
-        sends = [Send(self.peers(), failure)] if waiting else []
-        return [*sends, *self._rejoin_queued(now)]
+        return sends if waiting else sends[1:]
 
     def root_lost(self, now: float, detail: str) -> Sequence[Send]:
         """The connection to the root dropped: every rank of the node gets
@@ -437,7 +417,7 @@ class RelayCoordinator(Coordinator):
             if msg.epoch != self._epoch or self._state in (_S.FAILED, _S.EMPTY, _S.STOPPED):
                 self.stale_answers += 1
                 return _NOTHING
-            return self._fail_with(msg, now)
+            return self._fail_from_root(msg, now)
         rnd = self._round
         if (
             rnd is None
@@ -447,7 +427,8 @@ class RelayCoordinator(Coordinator):
         ):
             self.stale_answers += 1
             return _NOTHING
-        return self._settle(msg, now)  # type: ignore[arg-type]
+        self.forwarded = False
+        return self._settle(rnd, msg, now, None)
 
     def _named(self) -> str:
         return f" ({self.relay})" if self.relay else ""

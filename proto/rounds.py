@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
-from coordd.proto.messages import GatherReport, Report, StepKind
+from coordd.proto.messages import StepKind
 
 _T = TypeVar("_T")
 
@@ -23,15 +23,26 @@ def majority(labels: Sequence[_T]) -> _T:
     return next(label for label in labels if counts[label] == top)
 
 
+class Part(Protocol):
+    """What a member sends for a round: a rank's report, or a relay's bundle for its ranks."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def kind(self) -> StepKind: ...
+    @property
+    def label(self) -> str: ...
+
+
 class Verdict(NamedTuple):
     """Who is at fault in a round whose reports disagree on the kind (or gather site)."""
 
     #: The round's kind by the evidence: the label most reports carry (see `majority`).
     label: str
     kind: StepKind
-    #: The lowest rank whose report carries another label, and that report.
+    #: The lowest rank whose report carries another label, and that label.
     rank: int
-    report: Report
+    got: str
 
 
 class Round:
@@ -56,14 +67,14 @@ class Round:
         "started",
     )
 
-    def __init__(self, seq: int, first: Report, started: float, dp_size: int) -> None:
+    def __init__(self, seq: int, first: Part, started: float, dp_size: int) -> None:
         self.seq = seq
         self.first = first
         self.kind = first.kind
         #: What a report must say to belong here: the kind's name, or "gather:<site>".
         self.label = first.label
         self.started = started
-        self.reports: list[Report | None] = [None] * dp_size
+        self.reports: list[Part | None] = [None] * dp_size
         self.arrivals: list[float | None] = [None] * dp_size
         self.reported = 0
         #: A report of another kind (or gather site) than the first came: the round cannot be
@@ -75,9 +86,9 @@ class Round:
     def site(self) -> str:
         """A gather round's call site; "" for a policy round."""
         first = self.first
-        return first.site if type(first) is GatherReport else ""
+        return first.site if first.kind is StepKind.GATHER else ""  # type: ignore[attr-defined]
 
-    def add(self, rank: int, report: Report, now: float) -> None:
+    def add(self, rank: int, report: Part, now: float) -> None:
         self.reports[rank] = report
         self.arrivals[rank] = now
         self.reported += 1
@@ -88,7 +99,7 @@ class Round:
             self.arrivals[rank] = None
             self.reported -= 1
 
-    def first_of(self, label: str) -> Report | None:
+    def first_of(self, label: str) -> Part | None:
         """The earliest-ranked report carrying `label` (a disputed round's length checks)."""
         if label == self.label:
             return self.first
@@ -105,7 +116,7 @@ class Round:
         for rank, rep in present:
             if rep.label != label:
                 kind = next(rep.kind for _, rep in present if rep.label == label)
-                return Verdict(label, kind, rank, rep)
+                return Verdict(label, kind, rank, rep.label)
         if present:
             self.first = present[0][1]
             self.kind = self.first.kind
@@ -117,6 +128,13 @@ class Round:
         return OpenRound(
             self.seq, self.kind, self.started, self.reported, tuple(self.arrivals), self.site
         )
+
+
+class Decided(NamedTuple):
+    """The last decided round and its outcome: a member that re-sends its part gets it again."""
+
+    round: Round
+    decision: Any
 
 
 class CompletedRound(NamedTuple):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from coordd.proto.group_state import GroupState
 from coordd.proto.messages import Hello, StepFailed, StepKind
@@ -30,6 +31,29 @@ class Member:
     peer: bytes
     hello: Hello
     joined_at: float
+    #: The rank it speaks for (read per report: a field, not a property).
+    rank: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rank", self.hello.dp_rank)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return (self.hello.dp_rank,)
+
+
+class GroupMember(Protocol):
+    """Who speaks for a set of ranks: its connection, its registration, its ranks (ascending)
+    and the lowest of them (its part's place in a round, and the rank its faults name)."""
+
+    @property
+    def peer(self) -> bytes: ...
+    @property
+    def hello(self) -> Any: ...
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+    @property
+    def rank(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)

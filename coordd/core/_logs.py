@@ -5,19 +5,33 @@ its fields (group, epoch, seq, kind, ranks, reason, ...). The text format puts t
 the line as `key=value`; the JSON format gives each field its own key, so a log pipeline can
 select every fault of one group or rank without parsing prose. Where the lines go, and in which
 format, is the command's to set up (`coordd.cli._logging`); a decision in the core returns a
-`LogEvent` for the shell to log.
+`LogEvent` for the shell to log. The core imports no `logging`: a logger is whatever the
+shell passes (`Logger`), and a level is the standard library's number (`WARNING`, `INFO`).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from coordd.core._bounds import Throttle
+
+#: `logging`'s levels, by number (the shell's logger takes them as they are).
+INFO = 20
+WARNING = 30
+
+
+class Logger(Protocol):
+    """What of a `logging.Logger` the lines here use."""
+
+    def isEnabledFor(self, level: int) -> bool: ...
+
+    def log(
+        self, level: int, msg: object, *args: object, extra: Mapping[str, object] | None = ...
+    ) -> None: ...
 
 
 def _plain(text: str) -> bool:
@@ -48,7 +62,7 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
-def event(logger: logging.Logger, level: int, name: str, **fields: Any) -> None:
+def event(logger: Logger, level: int, name: str, **fields: Any) -> None:
     """Log event `name` with `fields`; the message text carries them as key=value too."""
     if not logger.isEnabledFor(level):
         return
@@ -65,7 +79,7 @@ class LogEvent:
     fields: dict[str, Any]
 
 
-def emit(logger: logging.Logger, line: LogEvent) -> None:
+def emit(logger: Logger, line: LogEvent) -> None:
     """Log `line` with `event`."""
     event(logger, line.level, line.name, **line.fields)
 
@@ -88,11 +102,11 @@ class Aggregated:
 
     def __init__(
         self,
-        logger: logging.Logger,
+        logger: Logger,
         name: str,
         *,
         interval: float = 10.0,
-        level: int = logging.WARNING,
+        level: int = WARNING,
         clock: Callable[[], float] = time.monotonic,
         schedule: Callable[[float, Callable[[], None]], object] | None = None,
     ) -> None:

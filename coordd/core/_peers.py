@@ -4,12 +4,11 @@ record of attempts to speak for a rank over a connection that did not register i
 from __future__ import annotations
 
 import hashlib
-import logging
 import secrets
 from collections import Counter
 
 from coordd.core._bounds import Throttle
-from coordd.core._logs import LogEvent
+from coordd.core._logs import WARNING, LogEvent
 
 _LABEL_KEY = secrets.token_bytes(16)
 #: A refused takeover is logged at most once per this many seconds per group and kind (the
@@ -69,7 +68,7 @@ class Takeovers:
         }
         if more:
             fields["suppressed"] = more
-        return LogEvent(logging.WARNING, "rank takeover refused", fields)
+        return LogEvent(WARNING, "rank takeover refused", fields)
 
     def forget(self, group: str) -> None:
         """Group `group` was dropped: its counts go with it (their series end)."""

@@ -34,6 +34,7 @@ from collections.abc import Callable, Collection
 from typing import Generic
 
 from coordd.core._group_names import MAX_GROUP_NAME, GroupRules, group_name_problem, shown
+from coordd.core._group_slots import limit_refusal, to_drop
 from coordd.core._logs import LogEvent
 from coordd.core._peers import Takeovers
 from coordd.core._registry_actions import (
@@ -43,6 +44,7 @@ from coordd.core._registry_actions import (
     G,
     GroupCreated,
     GroupDropped,
+    GroupLike,
     Lost,
     Refuse,
     Registering,
@@ -354,19 +356,10 @@ class Registry(Generic[G]):
         except Rejected as refused:
             actions.append(_refuse(peer, hello, refused))
             return None
-        if (
-            len(self.groups) >= self.max_groups
-            and not self._evict_one(actions)
-            and name not in self.rules.exact
-        ):
-            error = Rejected(
-                RejectReason.GROUP_LIMIT.value,
-                f"coordd serves {len(self.groups)} groups, its limit (--max-groups "
-                f"{self.max_groups}; a group --groups names exactly always gets a slot): "
-                f"group {name!r} cannot be created",
-                expected=f"at most {self.max_groups} groups",
-                got=f"{len(self.groups) + 1} groups",
-            )
+        if len(self.groups) >= self.max_groups:
+            self._evict_one(actions)
+        error = limit_refusal(name, self.groups, self.rules, self.max_groups)
+        if error is not None:
             actions.append(_refuse(peer, hello, error))
             return None
         # Epochs grow across the groups too: a report's epoch names one group's epoch at most.
@@ -385,24 +378,17 @@ class Registry(Generic[G]):
         actions.append(GroupCreated(group, epoch, len(self.groups)))
         return group
 
-    def _evict_one(self, actions: list[Action[G]]) -> bool:
-        """Make room at the limit: drop the oldest group with no members and no open round
-        (its ranks all left; a stranger's Hellos cannot hold the slots forever), never one
-        the deployment names (--groups or --expect-groups: it has a slot of its own, and an
-        expected group that stopped cleanly would read "has not registered" to /readyz once
-        dropped). True if one was dropped."""
-        for name, group in self.groups.items():
-            if name in self.rules.exact:
-                continue
-            snap = group.coordinator.snapshot()
-            if not snap.members and snap.round is None:
-                del self.groups[name]
-                for p in [p for p, g in self.peer_group.items() if g is group]:
-                    del self.peer_group[p]
-                self.takeovers.forget(name)  # what is kept under its name goes with it
-                actions.append(GroupDropped(group, snap.epoch))
-                return True
-        return False
+    def _evict_one(self, actions: list[Action[G]]) -> None:
+        """Make room at the limit (`coordd.core._group_slots.to_drop`): a group with no
+        members and no open round is idle."""
+        name = to_drop(self.groups, self.rules, _idle)
+        if name is None:
+            return
+        group = self.groups.pop(name)
+        for p in [p for p, g in self.peer_group.items() if g is group]:
+            del self.peer_group[p]
+        self.takeovers.forget(name)  # what is kept under its name goes with it
+        actions.append(GroupDropped(group, group.coordinator.snapshot().epoch))
 
     def _forget_departed(self) -> None:
         """Bound the peer map: keep the peers that are members of their group, and every peer
@@ -475,6 +461,11 @@ class Registry(Generic[G]):
     def known_epoch(self, epoch: int) -> bool:
         """Whether `epoch` is some group's current epoch."""
         return any(g.coordinator.snapshot().epoch == epoch for g in self.groups.values())
+
+
+def _idle(group: GroupLike) -> bool:
+    snap = group.coordinator.snapshot()
+    return not snap.members and snap.round is None
 
 
 def _logged(line: LogEvent | None) -> list[LogEvent]:

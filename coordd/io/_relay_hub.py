@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 import zmq
 
 from coordd.core._group_names import GroupRules, group_name_problem, shown
+from coordd.core._group_slots import limit_refusal, to_drop
+from coordd.core._logs import Aggregated
 from coordd.io._identity import frame_address
 from coordd.ops.view import RelayedGroup, RelayRow
 from coordd.proto.errors import ProtocolError, Rejected
@@ -84,6 +86,8 @@ class RelayHub:
         #: the connection that registered).
         self.messages = 0
         self.refused = 0
+        #: A refused registration is a line a peer can cause once per message: aggregated.
+        self.refused_log = Aggregated(log, "relay refused", clock=clock)
 
     # -- input ------------------------------------------------------------------------------
 
@@ -126,29 +130,54 @@ class RelayHub:
             return ()
         error = self._refusal(hello, key)
         if error is not None:
-            log.warning("relay %s refused: %s", shown(hello.relay), error.detail)
-            return (
-                RelaySend(
-                    (peer,),
-                    RelayAnswer(group=shown(hello.group)[:256], message=reject_message(error)),
-                ),
-            )
+            return self._refuse(peer, hello, error)
         tree = self.trees.get(hello.group)
         if tree is None:
-            epoch = self._last_epoch = max(int(self.wall() * 1000), self._last_epoch + 1)
-            tree = self.trees[hello.group] = TreeCoordinator(
-                self.dp_size,
-                group=hello.group,
-                epoch=epoch,
-                step_timeout=self.step_timeout,
-                on_rank_loss=self.on_rank_loss,
-            )
-            log.info("relayed group %s created (epoch %d)", hello.group, epoch)
+            return self._create(peer, hello, fd, now)
         sends = tree.receive(peer, hello, now)
         if peer in tree.holders():
-            self.peer_fd[peer] = fd
-            self.fd_peer[fd] = peer
+            self._bind(peer, fd)
         return sends
+
+    def _create(self, peer: bytes, hello: RelayHello, fd: int, now: float) -> Sequence[RelaySend]:
+        """A new relayed group, kept only if its first registration stands and it gets a
+        slot (`coordd.core._group_slots`, as a flat group's): a registration that no group
+        would admit keeps none, and makes no idle group give its slot up."""
+        epoch = max(int(self.wall() * 1000), self._last_epoch + 1)
+        tree = TreeCoordinator(
+            self.dp_size,
+            group=hello.group,
+            epoch=epoch,
+            step_timeout=self.step_timeout,
+            on_rank_loss=self.on_rank_loss,
+        )
+        sends = tree.receive(peer, hello, now)
+        if peer not in tree.holders():
+            return sends  # refused by the group's own rules
+        if len(self.trees) >= self.max_groups:
+            dropped = to_drop(self.trees, self.rules, _idle)
+            if dropped is not None:
+                old = self.trees.pop(dropped)
+                log.info(
+                    "relayed group %s dropped (epoch %d): no relay holds it", dropped, old.epoch
+                )
+        limit = limit_refusal(hello.group, self.trees, self.rules, self.max_groups, "relayed ")
+        if limit is not None:
+            return self._refuse(peer, hello, limit)
+        self._last_epoch = epoch
+        self.trees[hello.group] = tree
+        self._bind(peer, fd)
+        log.info("relayed group %s created (epoch %d)", hello.group, epoch)
+        return sends
+
+    def _bind(self, peer: bytes, fd: int) -> None:
+        self.peer_fd[peer] = fd
+        self.fd_peer[fd] = peer
+
+    def _refuse(self, peer: bytes, hello: RelayHello, error: Rejected) -> Sequence[RelaySend]:
+        self.refused_log(relay=shown(hello.relay), group=shown(hello.group), detail=error.detail)
+        answer = RelayAnswer(group=shown(hello.group)[:256], message=reject_message(error))
+        return (RelaySend((peer,), answer),)
 
     def _refusal(self, hello: RelayHello, key: str) -> Rejected | None:
         name = hello.group
@@ -171,13 +200,6 @@ class RelayHub:
                 "group is served flat or through relays, not both",
                 expected="a group served through relays",
                 got=name,
-            )
-        if name not in self.trees and len(self.trees) >= self.max_groups:
-            return Rejected(
-                RejectReason.GROUP_LIMIT.value,
-                f"coordd serves {len(self.trees)} relayed groups, its limit (--max-groups)",
-                expected=f"at most {self.max_groups} groups",
-                got=f"{len(self.trees) + 1} groups",
             )
         if self.key_refusal is not None:
             for rank in hello.ranks:
@@ -220,7 +242,20 @@ class RelayHub:
         }
 
     def fds(self) -> set[int]:
-        return set(self.fd_peer)
+        """The descriptors of relays that hold ranks of a group (never shut by admission); a
+        relay only waiting to re-form a group holds nothing yet."""
+        holding = {peer for tree in self.trees.values() for peer in tree.relays()}
+        return {fd for peer, fd in self.peer_fd.items() if peer in holding}
+
+    def _release(self) -> None:
+        """Forget the connections of relays no group counts any more (a wait refused): they
+        are strangers again, under the grace and the flood cut-off."""
+        holders = {peer for tree in self.trees.values() for peer in tree.holders()}
+        for peer in [p for p in self.peer_fd if p not in holders]:
+            fd = self.peer_fd.pop(peer)
+            if self.fd_peer.get(fd) == peer:
+                del self.fd_peer[fd]
+            self.addresses.pop(peer, None)
 
     def holds(self, group: str) -> bool:
         return group in self.trees
@@ -266,12 +301,18 @@ class RelayHub:
         now = self.clock()
         for tree in self.trees.values():
             self.send(tree.on_deadline(now))
+        self._release()
         self.arm()
 
     def cancel(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _idle(tree: TreeCoordinator) -> bool:
+    """No relay holds or waits for the group and no round is open: its slot may go."""
+    return not tree.holders() and tree.snapshot().round is None
 
 
 def relay_message(message: RelayUp) -> bytes:

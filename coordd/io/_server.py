@@ -219,7 +219,7 @@ class CoordServer:
         self._loop.add_reader(self._monitor.fileno(), self.drain)
         self._deadlines.loop = self._loop
         self.relays.loop = self._loop
-        for aggregated in (self._bad_frame_log, *self.events.aggregated()):
+        for aggregated in (self._bad_frame_log, self.relays.refused_log, *self.events.aggregated()):
             aggregated.schedule = self._loop.call_later
         self.guard.start(self._loop)
         self.drain()
@@ -396,6 +396,8 @@ class CoordServer:
                 ):
                     if self.relays.peer_fd.get(peer) == srcfd:
                         self._note_socket(peer, srcfd)
+                    # a stranger's relay messages count toward the cut-off, as its Hellos do
+                    self.guard.stranger_sent(peer, srcfd)
                     continue  # a relay's message (coordd.io._relay_hub)
                 if self._bad_frame(peer, str(exc), frame):
                     return True  # a member cut off: the next drain drops what it queued
@@ -428,7 +430,9 @@ class CoordServer:
                 stands == MEMBER
             ):
                 waited = message.waited_us
-                if waited >= 0:  # the rank's wait for its previous round
+                # the rank's wait for its previous round, counted only under the rank that
+                # sent it (a report claiming another rank is refused in `receive`)
+                if waited >= 0 and group.coordinator.rank_of(peer) == message.dp_rank:
                     group.observer.waited(message.dp_rank, message.seq, waited)
             touched.add(group)
             self.send(group.coordinator.receive(peer, message, clock()), group.observer)

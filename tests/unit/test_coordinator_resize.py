@@ -183,3 +183,50 @@ def test_lost_ranks_fail_the_group_and_the_waiting_size_re_forms_it() -> None:
         assert isinstance(w.message, Welcome)
     g.round([b"n0", b"n1", b"n2"])
     assert g.c.snapshot().failure is None
+
+
+def _failed_with_ranks_held(g: Group) -> tuple[list[bytes], int]:
+    """A 2-rank epoch whose round failed (rank 1 skipped a seq); both connections stay open,
+    and rank 0 registers again, so rank 1 holds its rank from the failed epoch."""
+    peers = g.form(2, "a")
+    snap = g.c.snapshot()
+    g.c.receive(peers[1], report(1, snap.seq + 1, snap.epoch), g.now)
+    assert g.c.snapshot().state is GroupState.FAILED
+    (sent,) = g.hello(peers[0], 0, 2)
+    assert isinstance(sent.message, Welcome)
+    assert g.c.snapshot().held == 1
+    return peers, sent.message.epoch
+
+
+def test_after_a_failure_a_held_rank_keeps_another_size_waiting() -> None:
+    """A planted bug survived every test (issue 36, item 5): with the resize wait checking
+    this epoch's members only, a Hello at another size re-formed the group while a rank of
+    the failed epoch was still connected."""
+    g = Group()
+    peers, _ = _failed_with_ranks_held(g)
+    g.goodbye(peers[0])  # this epoch's only member leaves; rank 1 is still held
+    assert g.hello(b"other", 0, 3) == []
+    assert g.c.snapshot().dp_size == 2 and g.c.snapshot().held == 1
+    (sent,) = g.c.peer_lost(peers[1], g.now)  # the last holder gone: the wait re-forms it
+    assert isinstance(sent.message, Welcome) and sent.message.dp_size == 3
+
+
+def test_a_held_rank_asking_another_size_is_refused_at_once() -> None:
+    """Planted (issue 36, item 5): a connection holding a rank of a failed epoch that asks
+    another size was queued to wait instead of refused at once."""
+    g = Group()
+    peers, _ = _failed_with_ranks_held(g)
+    (sent,) = g.hello(peers[1], 1, 3)
+    assert isinstance(sent.message, Reject) and sent.message.reason is RejectReason.DP_SIZE
+    assert "holds rank 1" in sent.message.text and g.c.next_deadline() is None
+
+
+def test_one_peer_repeating_a_resize_hello_waits_once() -> None:
+    """Planted (issue 36, item 5): a peer's second Hello at another size waited beside its
+    first, and was refused twice."""
+    g = Group()
+    g.form(2, "a")
+    assert g.hello(b"w", 0, 3) == [] and g.hello(b"w", 0, 3) == []
+    g.now += TIMEOUT
+    (sent,) = g.c.on_deadline(g.now)
+    assert sent.peers == (b"w",) and isinstance(sent.message, Reject)

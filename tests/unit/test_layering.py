@@ -10,7 +10,7 @@ vLLM itself) and `coordd.tools` (bench, chaos, demo, load, device_check). The ru
 - proto imports nothing of ours but proto;
 - client imports only proto;
 - core imports only proto, and no zmq: its decisions are tested without sockets; it parses no
-  options (no argparse), calls no OS (no os, sys, socket) and sets up no log output: it takes
+  options (no argparse), calls no OS (no os, sys, socket) and imports no logging: it takes
   values and returns decisions and the lines to log;
 - ops imports core and proto (it reads the server through `coordd.ops.view`, never io);
 - io imports ops, core and proto (it runs the state machine, never the client);
@@ -302,7 +302,9 @@ def test_the_daemon_layers_point_one_way(tmp_path: Path) -> None:
 
 
 #: What the core may not import: it parses no options, reaches no OS and no process state.
-CORE_NEVER_IMPORTS = frozenset({"argparse", "os", "sys", "socket", "subprocess", "signal"})
+CORE_NEVER_IMPORTS = frozenset(
+    {"argparse", "os", "sys", "socket", "subprocess", "signal", "logging"}
+)
 #: ... and never decides where log lines go (it returns `LogEvent`s or logs to a given logger).
 CORE_NEVER_CALLS = ("StreamHandler", "FileHandler", "addHandler", "basicConfig", "setLevel")
 
@@ -340,8 +342,9 @@ def test_the_core_check_can_fail(tmp_path: Path) -> None:
         },
     )
     wrong = core_violations(package_dir)
-    assert len(wrong) == 2, wrong
+    assert len(wrong) == 3, wrong
     assert any("coordd.core.options imports argparse" in w for w in wrong)
+    assert any("coordd.core.logs imports logging" in w for w in wrong)
     assert any("coordd.core.logs calls addHandler" in w for w in wrong)
 
 

@@ -211,3 +211,62 @@ def _hello(dp: int, rank: int):  # type: ignore[no-untyped-def]
     from coordd.proto.messages import Hello
 
     return Hello(dp_size=dp, dp_rank=rank, config_fingerprint="f", incarnation="i")
+
+
+def test_a_bundle_whose_labels_agree_is_invalid_and_the_timer_still_runs() -> None:
+    """A bundle may carry `labels` only when its ranks disagree on the round's kind. One whose
+    labels agree used to reach the disputed-round path, whose `next()` had no default: the
+    exception left the group open for good and its deadline never fired (issue 36, #4)."""
+    from coordd.proto.relay_messages import RelayBundle
+
+    root = TreeCoordinator(4, group="g", epoch=1, step_timeout=1.0)
+    for name, ranks in ((b"a", [0, 1]), (b"b", [2, 3])):
+        hello = RelayHello(group="g", dp_size=4, ranks=ranks, config_fingerprint="f",
+                           incarnation="i")
+        welcome = root.receive(name, hello, 0.0)[0].message.message  # type: ignore[attr-defined]
+        assert type(welcome) is Welcome
+    agreeing = RelayBundle(group="g", epoch=welcome.epoch, seq=0, kind=StepKind.FORWARD,
+                           ranks=[0, 1], labels=["forward", "forward"])
+    sends = root.receive(b"a", agreeing, 0.1)
+    failure = sends[0].message.message  # type: ignore[attr-defined]
+    assert type(failure) is StepFailed and failure.reason is FailReason.INVALID
+    assert failure.culprits == [0] and root.state.value == "failed"
+    assert root.next_deadline() is None  # nothing left open for the timer to wedge on
+
+
+def test_the_root_ignores_a_relays_leave_of_an_older_epoch() -> None:
+    """Planted (issue 36, item 5): a RelayLeave of an older epoch dropped a live relay."""
+    from coordd.proto.relay_messages import RelayLeave
+
+    tree, w = formed([[0, 1], [2, 3]])
+    tree.root.receive(b"relay-0", RelayLeave(group="g", epoch=w.epoch - 1), 1.0)
+    assert list(tree.root.relays()) == [b"relay-0", b"relay-1"]
+    for r in range(4):
+        tree.send(r, tree.report(r, w.next_seq, w.epoch), 1.0)
+    assert all(type(tree.last(r)) is StepDecision for r in range(4))
+
+
+def test_a_relay_ignores_a_failure_of_an_older_epoch() -> None:
+    """Planted (issue 36, item 5): a relay took the root's failure of an older epoch as its
+    group's."""
+    from coordd.proto.messages import failure_message
+    from coordd.proto.relay_messages import RelayAnswer
+
+    tree, w = formed([[0, 1], [2, 3]])
+    relay = tree.relays[b"relay-0"]
+    old = failure_message(RankLost([2], "x"), epoch=w.epoch - 1, seq=0, kind=StepKind.FORWARD)
+    assert list(relay.from_root(RelayAnswer(group="g", message=old), 1.0)) == []
+    assert relay.stale_answers == 1 and relay.state.value == "idle"
+
+
+def test_a_bundle_with_a_negative_padded_count_does_not_decode() -> None:
+    """Planted (issue 36, item 5): the count constraint of `RelayBundle.padded` was untested."""
+    from coordd.proto.errors import ProtocolError
+    from coordd.proto.messages import encode
+    from coordd.proto.relay_messages import RelayBundle, decode_from_relay
+
+    good = RelayBundle(group="g", epoch=1, seq=0, kind=StepKind.FORWARD, ranks=[0], padded=[4])
+    assert decode_from_relay(encode(good)) == good
+    bad = RelayBundle(group="g", epoch=1, seq=0, kind=StepKind.FORWARD, ranks=[0], padded=[-1])
+    with pytest.raises(ProtocolError):
+        decode_from_relay(encode(bad))

@@ -44,3 +44,11 @@ def test_lists_from_the_command_line_become_tuples_and_names_count() -> None:
 def test_out_of_range_settings_are_refused(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ServerSettings("ipc:///tmp/x.sock", **kw)  # type: ignore[arg-type]
+
+
+def test_expecting_every_group_the_limit_allows_is_a_valid_setting() -> None:
+    """Planted (issue 36, item 5): a range check refusing expect_groups == max_groups
+    survived every test."""
+    settings = ServerSettings("ipc:///tmp/x.sock", dp_size=2, max_groups=3, expect_groups=3)
+    assert (settings.max_groups, settings.expect_groups) == (3, 3)
+    assert ServerSettings("ipc:///tmp/x.sock", dp_size=2, max_groups=3, expect_groups=0)

@@ -337,3 +337,204 @@ def test_a_first_connect_waits_where_a_coordd_holds_the_path(tmp_path: Path) -> 
             c.connect(timeout=0.3)
         assert "no answer from coordd within 0.3s" in str(caught.value)  # it waited
         marker.unlink()
+
+
+@pytest.fixture
+def relay_out(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """What the relay hub answers, by peer (decoded as a relay reads it)."""
+    from coordd.io import _relay_hub
+    from coordd.proto.relay_messages import decode_from_root
+
+    out: dict[bytes, list[object]] = {}
+    to: list[bytes] = []
+
+    def send(sock: object, data: bytes, flags: int) -> None:
+        if not to:
+            to.append(bytes(data))
+            return
+        out.setdefault(to.pop(), []).append(decode_from_root(bytes(data)).message)
+
+    monkeypatch.setattr(_relay_hub, "_send_frame", send)
+    return out
+
+
+def _fake_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **settings: object):  # type: ignore[no-untyped-def]
+    server = CoordServer(ServerSettings(f"ipc://{tmp_path}/c.sock", **settings))  # type: ignore[arg-type]
+    fake = FakeSocket()
+    monkeypatch.setattr(server, "_sock", fake)
+    monkeypatch.setattr(server, "_socket_ident", SOCKETS.get)
+    SOCKETS.clear()
+    return server, fake
+
+
+def _relay_hello(group: str, dp: int, ranks: list[int], relay: str = "node"):  # type: ignore[no-untyped-def]
+    from coordd.proto.relay_messages import RelayHello
+
+    return RelayHello(group=group, dp_size=dp, ranks=ranks, config_fingerprint="",
+                      incarnation="x", relay=relay)
+
+
+def test_a_refused_relay_hello_leaves_no_relayed_group(shell, relay_out) -> None:  # type: ignore[no-untyped-def]
+    """Issue 36 #1: a RelayHello refused by the group's own rules (dp_size 0) kept the relayed
+    group it created, and every rank's own Hello for that group was then refused as "served
+    through relays" until coordd restarted."""
+    from coordd.proto.messages import Reject
+
+    server, sock = shell
+    sock.put(b"junk", _relay_hello("default", 0, [0]), 7)
+    server._drain_frames()
+    (refused,) = relay_out[b"junk"]
+    assert isinstance(refused, Reject) and refused.reason.value == "dp_size"
+    assert server.relays.trees == {} and server.relays.fd_peer == {}
+    sock.put(b"rank0", Hello(dp_size=1, dp_rank=0, config_fingerprint="", incarnation="x"), 5)
+    server._drain_frames()
+    (welcome,) = sock.out[b"rank0"]
+    assert isinstance(welcome, Welcome)
+
+
+def test_relayed_groups_no_relay_holds_give_their_slots_up_and_exact_names_keep_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relay_out  # type: ignore[no-untyped-def]
+) -> None:
+    """Issue 36 #2: relayed groups were never dropped and exact names got no reserved slot:
+    two pattern groups whose relays left filled --max-groups 2 for good, and a relay for
+    `enginecore` (a name --groups gives exactly) was refused group_limit."""
+    server, fake = _fake_server(tmp_path, monkeypatch, dp_size=1, max_groups=2)
+    try:
+        for fd, group in ((7, "dp-tp1-pp0"), (8, "dp-tp2-pp0")):
+            peer = b"gone%d" % fd
+            fake.put(peer, _relay_hello(group, 1, [0]), fd)
+            server._drain_frames()
+            assert isinstance(relay_out[peer][-1], Welcome)
+            server.relays.closed(fd)  # its relay left: nobody holds the group
+        assert len(server.relays.trees) == 2
+        for fd, peer, group in ((9, b"new", "dp-tp3-pp0"), (10, b"engine", "enginecore")):
+            fake.put(peer, _relay_hello(group, 1, [0]), fd)
+            server._drain_frames()
+            assert isinstance(relay_out[peer][-1], Welcome), relay_out[peer]
+        assert set(server.relays.trees) == {"dp-tp3-pp0", "enginecore"}
+    finally:
+        server.close()
+
+
+def test_a_relay_waiting_to_resize_is_not_protected_from_the_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relay_out  # type: ignore[no-untyped-def]
+) -> None:
+    """Issue 36 #3: a RelayHello waiting to re-form a group at another size counted as a
+    holder, so its connection was exempt from the connection cap, and stayed so after the
+    wait was refused."""
+    from coordd.proto.messages import Reject
+
+    server, fake = _fake_server(tmp_path, monkeypatch, dp_size=2, step_timeout=1.0)
+    try:
+        fake.put(b"holder", _relay_hello("default", 2, [0, 1]), 7)
+        fake.put(b"waiter", _relay_hello("default", 1, [0]), 8)
+        server._drain_frames()
+        assert isinstance(relay_out[b"holder"][-1], Welcome) and b"waiter" not in relay_out
+        assert 7 in server._held_fds() and 8 not in server._held_fds()
+        later = server.clock() + 10.0
+        monkeypatch.setattr(server.relays, "clock", lambda: later)
+        server.relays._on_timer()
+        (refused,) = relay_out[b"waiter"]
+        assert isinstance(refused, Reject) and refused.reason.value == "dp_size"
+        assert 8 not in server.introduced_fds() and 7 in server.introduced_fds()
+    finally:
+        server.close()
+
+
+def test_refused_relay_hellos_are_flood_counted_and_logged_once(
+    shell, relay_out, caplog: pytest.LogCaptureFixture  # type: ignore[no-untyped-def]
+) -> None:
+    """Issue 36 #5: relay-wire frames skipped the stranger flood cut-off, and every refused
+    RelayHello logged a WARNING of its own."""
+    server, sock = shell
+    caplog.set_level("WARNING", logger="coordd")
+    for _ in range(50):
+        sock.put(b"junk", _relay_hello("no such group", 1, [0]), 7)
+    server._drain_frames()
+    assert len(relay_out[b"junk"]) == 50  # each answered
+    assert server.admission.counts[b"junk"] == 50  # as many as a stranger's Hellos count
+    lines = [r for r in caplog.records if "relay" in r.getMessage() and "refused" in r.getMessage()]
+    assert 1 <= len(lines) <= 2, len(lines)
+
+
+def test_a_wait_counts_only_under_the_rank_that_sent_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    """Issue 36: `waited_us` was counted under the rank a report claims, before coordd checked
+    it against the rank that sent it: rank 0 could fill rank 1's wait (once per rank and
+    round), and rank 1's own was then dropped."""
+    server, fake = _fake_server(tmp_path, monkeypatch, dp_size=2)
+    monkeypatch.setattr(server._outbox, "sock", fake)
+    monkeypatch.setattr(outbox_module, "_send_frame", lambda sock, data, flags: sock.send(data))
+    try:
+        for rank, fd in ((0, 5), (1, 6)):
+            fake.put(b"rank%d" % rank, Hello(dp_size=2, dp_rank=rank, config_fingerprint="",
+                                             incarnation="x"), fd)
+        server._drain_frames()
+        welcome = fake.out[b"rank0"][-1]
+        assert isinstance(welcome, Welcome)
+
+        def step(rank: int, seq: int, waited: int = -1, claim: int | None = None) -> StepReport:
+            return StepReport(num_tokens=4, num_tokens_padded=4, seq=seq, epoch=welcome.epoch,
+                              dp_rank=rank if claim is None else claim, waited_us=waited)
+
+        for rank, fd in ((0, 5), (1, 6)):
+            fake.put(b"rank%d" % rank, step(rank, welcome.next_seq), fd)
+        server._drain_frames()
+        seq = welcome.next_seq + 1
+        fake.put(b"rank0", step(0, seq, waited=900_000, claim=1), 5)  # refused: not its rank
+        fake.put(b"rank1", step(1, seq, waited=1_000), 6)
+        server._drain_frames()
+        waits = server.groups["default"].observer.waits
+        assert sum(h.count for h in waits.values()) == 1
+        assert sum(h.sum for h in waits.values()) == pytest.approx(0.001)
+    finally:
+        server.close()
+
+
+def test_a_relays_bundle_counts_only_over_the_connection_that_registered_it(
+    shell, relay_out  # type: ignore[no-untyped-def]
+) -> None:
+    """Planted (issue 36, item 5): a registered relay's bundle from another descriptor than
+    its registration's was accepted."""
+    from coordd.proto.relay_messages import RelayBundle
+
+    server, sock = shell
+    sock.put(b"relay", _relay_hello("default", 1, [0]), 7)
+    server._drain_frames()
+    (welcome,) = relay_out[b"relay"]
+    assert isinstance(welcome, Welcome)
+    bundle = RelayBundle(group="default", epoch=welcome.epoch, seq=welcome.next_seq,
+                         kind=StepKind.FORWARD, ranks=[0], padded=[4], max_padded=4,
+                         min_tokens=4)
+    sock.put(b"relay", bundle, 8)  # another connection presenting the relay's routing id
+    server._drain_frames()
+    assert server.relays.refused == 1 and relay_out[b"relay"] == [welcome]
+    assert server.relays.trees["default"].decisions == 0
+    sock.put(b"relay", bundle, 7)
+    server._drain_frames()
+    assert isinstance(relay_out[b"relay"][-1], StepDecision)
+
+
+def test_a_refused_relay_hello_makes_no_idle_group_give_its_slot_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relay_out  # type: ignore[no-untyped-def]
+) -> None:
+    """As for a flat Hello: only a registration the new group admits may take an idle group's
+    slot; one refused (here dp_size 0) leaves the idle group where it is."""
+    from coordd.proto.messages import Reject
+
+    server, fake = _fake_server(tmp_path, monkeypatch, dp_size=1, max_groups=1)
+    try:
+        fake.put(b"gone", _relay_hello("dp-tp1-pp0", 1, [0]), 7)
+        server._drain_frames()
+        server.relays.closed(7)
+        fake.put(b"junk", _relay_hello("dp-tp2-pp0", 0, [0]), 8)
+        server._drain_frames()
+        assert isinstance(relay_out[b"junk"][-1], Reject)
+        assert list(server.relays.trees) == ["dp-tp1-pp0"]
+        fake.put(b"real", _relay_hello("dp-tp2-pp0", 1, [0]), 9)
+        server._drain_frames()
+        assert isinstance(relay_out[b"real"][-1], Welcome)
+        assert list(server.relays.trees) == ["dp-tp2-pp0"]
+    finally:
+        server.close()
