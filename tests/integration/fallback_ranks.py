@@ -40,6 +40,8 @@ class Plan(msgspec.Struct, frozen=True):
     #: The last rank exits this many rounds after the group left coordd (lost on the device path).
     exit_after: int = -1
     heartbeat_timeout: float = 1.0
+    #: Where each rank finds coordd, if not all at `address` (a rank behind a proxy).
+    addresses: list[str] = []
 
 
 class RoundLog(msgspec.Struct, array_like=True):
@@ -90,7 +92,8 @@ def run_rank(rank: int, data: bytes, progress: Any, paths: Any, out: mp.Queue) -
     dist.init_process_group("gloo", init_method=f"file://{plan.store}", rank=rank,
                             world_size=plan.world, timeout=datetime.timedelta(seconds=60))
     log = RankLog(rank, [], [])
-    client = FallbackClient(plan.address, dp_rank=rank, dp_size=plan.world, wait_timeout=WAIT_S,
+    address = plan.addresses[rank] if plan.addresses else plan.address
+    client = FallbackClient(address, dp_rank=rank, dp_size=plan.world, wait_timeout=WAIT_S,
                             switch_timeout=WAIT_S, heartbeat_interval=0.2,
                             heartbeat_timeout=plan.heartbeat_timeout)
     try:

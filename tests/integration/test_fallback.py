@@ -9,10 +9,13 @@ answers of one round are identical (seq and epoch too), and every wait is bounde
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
 import signal
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -266,3 +269,62 @@ def test_a_ranks_own_fault_is_its_typed_error_not_a_switch(coordd: Any, group: A
     for log in logs:
         assert log.switches == [] and log.error_type == "StepMismatch", log.error
         assert "rank 1 reported" in (log.error or "") and len(log.rounds) == 16
+
+
+class CutProxy:
+    """A unix-socket forwarder in front of coordd for one rank; `cut()` closes its link for
+    good (the rank loses coordd, the others still reach it)."""
+
+    def __init__(self, listen: str, upstream: str) -> None:
+        self.upstream = upstream
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(listen)
+        self.listener.listen()
+        self.links: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            up.connect(self.upstream)
+            self.links += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        self.listener.close()
+        for link in self.links:
+            with contextlib.suppress(OSError):
+                link.shutdown(socket.SHUT_RDWR)
+            link.close()
+
+
+def test_a_rank_cut_from_a_coordd_the_others_reach_ends_in_typed_errors(
+    tmp_path: Path, coordd: Any, group: Any
+) -> None:
+    """No safe switch exists (the others still decide on coordd): coordd names the cut rank
+    lost to the others, the cut rank's settlement finds no group; no rank goes on alone."""
+    proc = coordd()
+    upstream = proc.address.removeprefix("ipc://")
+    proxy = CutProxy(str(tmp_path / "proxy.sock"), upstream)
+    g = group(proc.address, rounds=4000, addresses=[proc.address, f"ipc://{tmp_path}/proxy.sock"])
+    g.past(20)
+    proxy.cut()
+    logs = g.logs()
+    check(g.plan, logs, errors=True)
+    assert [log.error_type for log in logs] == ["RankLost", "CoordinatorUnavailable"], logs
+    assert "rank(s) [1] lost" in (logs[0].error or "")
+    for log in logs:
+        assert log.switches == [] and set(paths_of(log)) == {"coordd"}
