@@ -54,6 +54,8 @@ from coordd.proto.rounds import majority
 _OWN = frozenset({"client closed", "superseded by connect()"})
 _FLAGS = ("should_ubatch", "should_pad", "any_unfinished", "all_idle", "should_pause", "any_pause")
 COORDD, DEVICE = "coordd", "device"
+#: A policy round's site in the settlement (a gather round's is its own).
+_SITES = {kind: f"step:{kind.value}" for kind in StepKind}
 #: A rank's vote at `connect()` when coordd refused its Hello.
 _REFUSED = -1
 
@@ -207,8 +209,9 @@ class FallbackClient:
 
     def start(self, report: StepReport, kind: StepKind | str = StepKind.FORWARD) -> FallbackPending:
         """Start this rank's next round (see `CoordClient.start`); returns at once."""
-        kind = StepKind(kind)
-        return self._start(FallbackPending(self, self.started, kind, f"step:{kind.value}", report))
+        if type(kind) is not StepKind:
+            kind = StepKind(kind)
+        return self._start(FallbackPending(self, self.started, kind, _SITES[kind], report))
 
     def start_gather(self, site: str, values: Sequence[int]) -> FallbackPending:
         """Start a gather round at `site` (see `CoordClient.start_gather`)."""

@@ -213,6 +213,22 @@ def test_coordd_paused_then_resumed_never_decides_for_ranks_that_moved_on(
           f"{max(log.switches[0][3] for log in logs) - stopped:.2f}s")
 
 
+def test_a_group_that_starts_without_coordd_joins_it_when_it_appears(
+    tmp_path: Path, group: Any
+) -> None:
+    address = f"ipc://{tmp_path}/coordd.sock"
+    g = group(address, rounds=30, returns=1)
+    g.on_device()
+    proc = CoorddProcess(2, address, COORDD_ARGS).start()
+    try:
+        logs = g.logs()
+    finally:
+        proc.stop()
+    switches = check(g.plan, logs)
+    assert switches[0] == (0, "device") and [path for _, path in switches] == ["device", "coordd"]
+    assert paths_of(logs[0])[: switches[1][0]] == ["device"] * switches[1][0]
+
+
 @pytest.mark.parametrize(("world", "answered"), [(2, [0]), (3, [0, 2]), (3, [1])])
 def test_coordd_died_after_answering_some_ranks(
     tmp_path: Path, group: Any, world: int, answered: list[int]
