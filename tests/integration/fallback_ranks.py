@@ -118,6 +118,7 @@ def run_rank(rank: int, data: bytes, progress: Any, paths: Any, out: mp.Queue) -
         log.switches = list(client.switches)
         client.close()
     out.put(msgspec.msgpack.encode(log))
+    dist.destroy_process_group()
 
 
 def _round(plan: Plan, rank: int, index: int, client: Any, log: RankLog) -> None:
