@@ -40,6 +40,8 @@ class Plan(msgspec.Struct, frozen=True):
     #: The last rank exits this many rounds after the group left coordd (lost on the device path).
     exit_after: int = -1
     heartbeat_timeout: float = 1.0
+    #: The last rank's config fingerprint differs from the others' (coordd refuses one side).
+    other_fingerprint: bool = False
     #: Where each rank finds coordd, if not all at `address` (a rank behind a proxy).
     addresses: list[str] = []
 
@@ -95,7 +97,8 @@ def run_rank(rank: int, data: bytes, progress: Any, paths: Any, out: mp.Queue) -
     address = plan.addresses[rank] if plan.addresses else plan.address
     client = FallbackClient(address, dp_rank=rank, dp_size=plan.world, wait_timeout=WAIT_S,
                             switch_timeout=WAIT_S, heartbeat_interval=0.2,
-                            heartbeat_timeout=plan.heartbeat_timeout)
+                            heartbeat_timeout=plan.heartbeat_timeout,
+                            config_fingerprint=str(plan.other_fingerprint and rank > 0))
     try:
         client.connect(timeout=10)
         index = 0

@@ -213,6 +213,19 @@ def test_coordd_paused_then_resumed_never_decides_for_ranks_that_moved_on(
           f"{max(log.switches[0][3] for log in logs) - stopped:.2f}s")
 
 
+def test_a_rank_coordd_refuses_at_connect_fails_every_rank_at_once(
+    coordd: Any, group: Any
+) -> None:
+    proc = coordd()
+    g = group(proc.address, rounds=10, other_fingerprint=True)
+    logs = g.logs()
+    types = sorted(str(log.error_type) for log in logs)
+    assert types == ["CoordinatorUnavailable", "Rejected"], logs
+    refused = next(log.rank for log in logs if log.error_type == "Rejected")
+    other = next(log for log in logs if log.error_type == "CoordinatorUnavailable")
+    assert other.error == f"coordd refused rank {refused}" and other.rounds == []
+
+
 def test_a_group_that_starts_without_coordd_joins_it_when_it_appears(
     tmp_path: Path, group: Any
 ) -> None:
