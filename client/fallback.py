@@ -43,6 +43,7 @@ from coordd.proto.errors import (
     CoordError,
     CoordinatorUnavailable,
     InvalidReport,
+    ProtocolError,
     Rejected,
     StepMismatch,
     StepTimeout,
@@ -174,6 +175,9 @@ class FallbackClient:
         self.rejoiner: Rejoiner | None = None
         #: Each switch: (round index, path taken, why, time.monotonic()).
         self.switches: list[tuple[int, str, str, float]] = []
+        #: Why no round can run (until `connect()`): not registered, refused, or a switch that
+        #: found no group; every round raises it.
+        self.failed: CoordError | None = self._not_registered()
         self._closed = False
 
     # -- public API ---------------------------------------------------------------------------
@@ -185,6 +189,7 @@ class FallbackClient:
         if self.rejoiner is not None:
             self.rejoiner.stop()
             self.rejoiner = None
+        self.failed = self._not_registered()
         client, self.coordd = self.coordd or self._new_client(), None
         welcome: Welcome | None = None
         why = ""
@@ -192,16 +197,18 @@ class FallbackClient:
             welcome = client.connect(timeout)
         except CoordinatorUnavailable as error:
             why = str(error)
-        except Rejected:
+        except Rejected as refused:
+            self.failed = refused
             self._gather([_REFUSED], "vote")  # the others learn it now, not at a timeout
             client.close(goodbye=False)
             raise
         epochs = [row[0] for row in self._gather([welcome.epoch if welcome else 0], "vote")]
         if _REFUSED in epochs:
             client.close()
-            raise CoordinatorUnavailable(f"coordd refused rank {epochs.index(_REFUSED)}")
+            self.failed = CoordinatorUnavailable(f"coordd refused rank {epochs.index(_REFUSED)}")
+            raise self.failed
         if returns(epochs):
-            self.coordd, self.path = client, COORDD
+            self.coordd, self.path, self.failed = client, COORDD, None
             assert welcome is not None
             return welcome
         client.close(goodbye=welcome is not None)
@@ -248,6 +255,8 @@ class FallbackClient:
     # -- rounds -------------------------------------------------------------------------------
 
     def _start(self, pending: FallbackPending) -> FallbackPending:
+        if self.failed is not None:
+            raise self.failed
         last = self._open
         if self.path == COORDD and last is not None and last._outcome is None and last.done():
             self._settle(last, None)  # answered, not yet collected: it counts before this one
@@ -315,15 +324,19 @@ class FallbackClient:
             client.close(goodbye=False)
         values = len(pending.report) if pending.kind is StepKind.GATHER else None
         last = self._last
-        settlement, answer = settle_over(
-            self._group,
-            self.dp_rank,
-            self.dp_size,
-            self.completed,
-            (pending.site, answer_len(self.dp_size, values)),
-            None if last is None else (last[0], answer_ints(last[1], self.dp_size)),
-            self._timeout(),
-        )
+        try:
+            settlement, answer = settle_over(
+                self._group,
+                self.dp_rank,
+                self.dp_size,
+                self.completed,
+                (pending.site, answer_len(self.dp_size, values)),
+                None if last is None else (last[0], answer_ints(last[1], self.dp_size)),
+                self._timeout(),
+            )
+        except CoordError as failure:  # no group to go on with: every later round raises it
+            pending._outcome = self.failed = failure
+            raise
         self._leave(settlement.completed, str(error))
         if answer is not None:  # this rank was behind: the round is done
             pending._outcome = answer_from(answer, self.dp_size, pending.kind, pending.site)
@@ -333,7 +346,7 @@ class FallbackClient:
 
     def _leave(self, at: int, why: str) -> Welcome:
         """Onto the device path from round `at`: its handshake, and a rejoiner for coordd."""
-        self.path, self.switched_at = DEVICE, at
+        self.path, self.switched_at, self.failed = DEVICE, at, None
         now = time.monotonic()
         self.switches.append((at, DEVICE, why, now))
         self.pacing.fell_back(now)
@@ -360,6 +373,9 @@ class FallbackClient:
         self.pacing.came_back(now)
         self.coordd, self.path, self._open = client, COORDD, None
         self.switches.append((self.started, COORDD, f"epoch {epochs[0]}", now))
+
+    def _not_registered(self) -> ProtocolError:
+        return ProtocolError("not registered: call connect() first", rank=self.dp_rank)
 
     def _new_client(self) -> CoordClient:
         return CoordClient(config=self.config, context=self._context)

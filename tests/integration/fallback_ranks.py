@@ -60,6 +60,8 @@ class RankLog(msgspec.Struct):
     switches: list[tuple[int, str, str, float]]
     error: str | None = None
     error_type: str | None = None
+    #: What a start() after the error raised.
+    then: str | None = None
 
 
 def is_gather(index: int) -> bool:
@@ -115,6 +117,11 @@ def run_rank(rank: int, data: bytes, progress: Any, paths: Any, out: mp.Queue) -
             index += 1
     except CoordError as exc:
         log.error, log.error_type = f"{exc}", type(exc).__name__
+        try:  # a failed client stays failed: the next round raises at once
+            client.start(report_for(plan.seed, rank, 0))
+            log.then = "nothing"
+        except CoordError as again:
+            log.then = type(again).__name__
     except Exception as exc:
         log.error, log.error_type = f"{exc!r}", "unexpected"
     finally:

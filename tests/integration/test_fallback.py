@@ -224,6 +224,7 @@ def test_a_rank_coordd_refuses_at_connect_fails_every_rank_at_once(
     refused = next(log.rank for log in logs if log.error_type == "Rejected")
     other = next(log for log in logs if log.error_type == "CoordinatorUnavailable")
     assert other.error == f"coordd refused rank {refused}" and other.rounds == []
+    assert all(log.then == log.error_type for log in logs)  # and stays so until connect()
 
 
 def test_a_group_that_starts_without_coordd_joins_it_when_it_appears(
@@ -297,6 +298,7 @@ def test_a_ranks_own_fault_is_its_typed_error_not_a_switch(coordd: Any, group: A
     check(g.plan, logs, errors=True)
     for log in logs:
         assert log.switches == [] and log.error_type == "StepMismatch", log.error
+        assert log.then == "StepMismatch"
         assert "rank 1 reported" in (log.error or "") and len(log.rounds) == 16
 
 
@@ -354,6 +356,7 @@ def test_a_rank_cut_from_a_coordd_the_others_reach_ends_in_typed_errors(
     logs = g.logs()
     check(g.plan, logs, errors=True)
     assert [log.error_type for log in logs] == ["RankLost", "CoordinatorUnavailable"], logs
+    assert [log.then for log in logs] == ["RankLost", "CoordinatorUnavailable"]
     assert "rank(s) [1] lost" in (logs[0].error or "")
     for log in logs:
         assert log.switches == [] and set(paths_of(log)) == {"coordd"}
