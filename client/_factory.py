@@ -14,6 +14,7 @@ from coordd.proto.messages import StepDecision, StepKind, StepReport, Welcome
 
 if TYPE_CHECKING:
     from coordd.client.device import DeviceCoordClient
+    from coordd.client.fallback import FallbackClient
     from coordd.client.sync import CoordClient
 
 #: Set to 1 (or true/yes/on) to choose the device path when the caller does not say.
@@ -63,12 +64,15 @@ def connect_coordinator(
     *,
     config: ClientConfig | None = None,
     device_path: bool | None = None,
+    fallback: bool = False,
     process_group: Any = None,
     device: Any = None,
     context: Any = None,
     **options: Any,
-) -> CoordClient | DeviceCoordClient:
-    """A `CoordClient` for coordd at `address`, or a `DeviceCoordClient` on the device path.
+) -> CoordClient | DeviceCoordClient | FallbackClient:
+    """A `CoordClient` for coordd at `address`, or a `DeviceCoordClient` on the device path,
+    or with `fallback=True` a `FallbackClient`: coordd while it is there, the device path
+    over `process_group` while it is not.
 
     The settings are a `ClientConfig` (`config=`), its fields as keywords, or both, as for
     either client. The device path is chosen by `device_path=True`, or by
@@ -78,6 +82,12 @@ def connect_coordinator(
     client is not yet registered: call `connect()` next, as with either client.
     """
     config = ClientConfig.of(config, address=address, **options)
+    if fallback:
+        from coordd.client.fallback import FallbackClient
+
+        return FallbackClient(
+            config=config, process_group=process_group, device=device, context=context
+        )
     if device_path_enabled(device_path):
         from coordd.client.device import DeviceCoordClient
 
@@ -90,7 +100,7 @@ def connect_coordinator(
 if TYPE_CHECKING:
 
     def _both_are_step_clients(
-        coordd: CoordClient, device: DeviceCoordClient
-    ) -> tuple[StepClient, StepClient]:
-        """mypy checks here that either client has the surface engine code relies on."""
-        return coordd, device
+        coordd: CoordClient, device: DeviceCoordClient, fallback: FallbackClient
+    ) -> tuple[StepClient, StepClient, StepClient]:
+        """mypy checks here that each client has the surface engine code relies on."""
+        return coordd, device, fallback

@@ -107,6 +107,7 @@ def check_history(
     check_rounds(info, syncs, t_inject, culprit_log, crashed, result, found)
     check_detection(info, logs, syncs, t_inject, culprit_log, coordd_log, result, found)
     _check_finished(info, logs, deadline_kills, found)
+    _check_switches(logs, found)
 
     result.wrong_decisions = len(found.wrong)
     result.hangs = len(found.hangs)
@@ -184,3 +185,18 @@ def _check_finished(
             found.violations.append(
                 f"{log.name} stopped early: {done[-1].reason} at seq {done[-1].next_seq}"
             )
+
+
+def _check_switches(logs: list[ProcessLog], found: Findings) -> None:
+    """Ranks on a `FallbackClient` switch paths at the same rounds (their "switch" notes)."""
+    seen = {
+        log.name: [
+            r.detail.split(":")[0]
+            for r in log.records
+            if isinstance(r, Note) and r.what == "switch"
+        ]
+        for log in logs
+        if log.role == "fallback"
+    }
+    if len({tuple(rounds) for rounds in seen.values()}) > 1:
+        found.violations.append(f"the ranks switched paths at different rounds: {seen}")

@@ -10,7 +10,7 @@ import msgspec
 from coordd.proto.messages import StepReport
 from coordd.testing.history import End, Header, Record
 
-PARTICIPANTS = ("rank", "raw")
+PARTICIPANTS = ("rank", "raw", "fallback")
 
 
 class ScenarioResult(msgspec.Struct, kw_only=True):

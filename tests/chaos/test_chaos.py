@@ -52,8 +52,16 @@ def test_fault_is_detected_with_no_wrong_decision_and_no_hang(fault: Fault) -> N
         assert all(r.detected is None and r.failed_rounds == 0 for r in results)
 
 
-#: Which kinds have something to detect (a straggler under the timeout must just be absorbed).
-SCENARIO_DETECTS = {f: f is not Fault.STRAGGLER for f in Fault}
+#: Which kinds have something to detect (a straggler under the timeout, and coordd's loss
+#: under ranks on a FallbackClient, must just be absorbed).
+ABSORBED = {
+    Fault.STRAGGLER,
+    Fault.COORDD_LOST_FALLBACK,
+    Fault.COORDD_BACK_FALLBACK,
+    Fault.COORDD_FLAPPING,
+    Fault.COORDD_PARTIAL_ANSWER,
+}
+SCENARIO_DETECTS = {f: f not in ABSORBED for f in Fault}
 #: Hostile peers outside the group: refused at the door, the group never fails, no time to it.
 NO_DETECTION_TIME = {
     Fault.GARBAGE_FRAMES,

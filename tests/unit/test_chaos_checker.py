@@ -708,3 +708,35 @@ def test_the_ranks_behind_a_lost_relay_have_the_culprits_own_view() -> None:
     flat = info(Fault.RELAY_KILLED, culprit_name="relay0")
     result = check_history(flat, logs(h0, h1), [])
     assert any("different errors" in v for v in result.violations), result.violations
+
+
+def fallback_history(rank: int, switched_at: int) -> list[Record]:
+    """Every round decided; a "switch" note (a FallbackClient's) at `switched_at`."""
+    out: list[Record] = [Registered(t=9.0, epoch=E1, next_seq=0)]
+    for seq in range(END_SEQ):
+        t = 10.0 + seq
+        if seq == switched_at:
+            out.append(Note(t=t - 0.5, what="switch", detail=f"{seq} device: coordd gone"))
+        out.append(Begin(t=t, epoch=E1, seq=seq, kind=kind_for(SEED, seq).value,
+                         sent=[stamped(rank, E1, seq)]))
+        out.append(End(t=t + 0.01, epoch=E1, seq=seq, decision=decision(E1, seq)))
+    out.append(Done(t=20.0, next_seq=END_SEQ))
+    return out
+
+
+@pytest.mark.parametrize(("at0", "at1", "ok"), [(4, 4, True), (4, 5, False)])
+def test_fallback_ranks_that_switch_paths_apart_are_reported(at0: int, at1: int, ok: bool) -> None:
+    fault = Fault.COORDD_LOST_FALLBACK
+    histories = [
+        ProcessLog(f"rank{r}", Header(t=8.0, role="fallback", rank=r, pid=r + 1, name=f"rank{r}"),
+                   fallback_history(r, at))
+        for r, at in ((0, at0), (1, at1))
+    ]
+    runner: list[Record] = [Inject(t=T_INJECT, fault=fault.value, detail="coordd SIGKILL")]
+    result = check_history(info(fault, culprit=-1, culprit_name="coordd"), histories, runner)
+    assert result.ok is ok, result.violations
+    if not ok:
+        assert result.violations == [
+            "the ranks switched paths at different rounds: {'rank0': ['4 device'], "
+            "'rank1': ['5 device']}"
+        ]

@@ -36,6 +36,10 @@ class Fault(str, enum.Enum):
     RELAY_KILLED = "relay_killed"
     RELAY_PAUSED = "relay_paused"
     RELAY_CUT = "relay_cut"
+    COORDD_LOST_FALLBACK = "coordd_lost_fallback"
+    COORDD_BACK_FALLBACK = "coordd_back_fallback"
+    COORDD_FLAPPING = "coordd_flapping"
+    COORDD_PARTIAL_ANSWER = "coordd_partial_answer"
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):

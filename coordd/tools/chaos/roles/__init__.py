@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from coordd.testing.history import HistoryWriter
 from coordd.tools.chaos.roles.claimer import run_claimer
+from coordd.tools.chaos.roles.fallback_rank import run_fallback_rank
 from coordd.tools.chaos.roles.joiner import run_impostor, run_joiner
 from coordd.tools.chaos.roles.outsiders import run_rogue, run_stranger
 from coordd.tools.chaos.roles.proxy import run_proxy
@@ -26,6 +27,7 @@ ROLES: dict[str, Role] = {
     "claimer": run_claimer,
     "squatter": run_squatter,
     "proxy": run_proxy,
+    "fallback": run_fallback_rank,
 }
 
 __all__ = ["ROLES", "Role", "run_rank"]

@@ -11,6 +11,12 @@ from __future__ import annotations
 
 from coordd.testing.scenario import Expect
 from coordd.tools.chaos.scenario_run import Scenario
+from coordd.tools.chaos.scenarios.fallback import (
+    CoorddBackFallback,
+    CoorddFlapping,
+    CoorddLostFallback,
+    CoorddPartialAnswer,
+)
 from coordd.tools.chaos.scenarios.hostile_peers import (
     ForgedAnswers,
     GarbageFrames,
@@ -90,6 +96,10 @@ SCENARIOS: dict[Fault, Scenario] = {
         RelayKilled(),
         RelayPaused(),
         RelayCut(),
+        CoorddLostFallback(),
+        CoorddBackFallback(),
+        CoorddFlapping(),
+        CoorddPartialAnswer(),
     ]
 }
 assert set(SCENARIOS) == set(Fault), "one scenario per fault kind"
