@@ -88,7 +88,7 @@ class GroupPath:
         self._client = None
         assert client is not None
         unreachable = client.connection.no_socket_file()
-        why = unreachable or ""
+        why = f"coordd is not reachable{unreachable}" if unreachable else ""
         epoch = 0
         if unreachable is None:
             try:
