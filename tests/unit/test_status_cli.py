@@ -5,9 +5,12 @@ place asked, what it found there, with exit codes docs/operations.md states."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.server
 import json
+import os
 import socket
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ from typing import Any
 import pytest
 
 from coordd.cli.status import render, run
+from coordd.ops.endpoints import HttpEndpoints
 from coordd.ops.status_doc import status_document
 from coordd.proto.coordinator import OnRankLoss
 from coordd.proto.messages import Goodbye
@@ -187,3 +191,46 @@ def test_operations_md_states_the_exit_codes_status_has() -> None:
 
     text = " ".join((Path(__file__).parents[2] / "docs" / "operations.md").read_text().split())
     assert "The " + EXIT_CODES + "." in text
+
+
+def test_the_status_socket_follows_no_symlink_swapped_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: coordd set PATH.http's mode by path after binding it, so a symlink swapped in
+    meanwhile (in a directory others can write) had its target made 0600, and at exit coordd
+    unlinked whatever was at the path. Now the mode comes from the umask at bind, and close()
+    unlinks only the socket it bound."""
+    path = tmp_path / "c.sock.http"
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(str(path))  # a dead coordd's socket: replaced
+    left.close()
+
+    async def serve_and_close(connect: bool = True) -> tuple[int, int]:
+        served = HttpEndpoints({"/livez": lambda params=None: (200, "text/plain", b"ok")})
+        await served.start_unix(str(path))
+        mode = stat.S_IMODE(os.lstat(path).st_mode)
+        if connect:
+            conn = asyncio.open_unix_connection(str(path))
+            _reader, writer = await asyncio.wait_for(conn, 10)
+            writer.close()
+        victim_mode = stat.S_IMODE(victim.stat().st_mode)
+        await served.close()
+        return mode, victim_mode
+
+    victim = tmp_path / "victim"
+    victim.write_text("not coordd's")
+    victim.chmod(0o644)
+    assert asyncio.run(serve_and_close()) == (0o600, 0o644)
+    assert not os.path.lexists(path)  # closed: its own socket removed
+
+    real = asyncio.start_unix_server
+
+    async def swapped(*args: Any, **kw: Any) -> asyncio.Server:
+        server = await real(*args, **kw)
+        os.symlink(victim, tmp_path / "link")
+        os.replace(tmp_path / "link", path)  # another user swaps a symlink in, atomically
+        return server
+
+    monkeypatch.setattr(asyncio, "start_unix_server", swapped)
+    assert asyncio.run(serve_and_close(connect=False))[1] == 0o644
+    assert os.readlink(path) == str(victim)  # not coordd's socket: left where it is
