@@ -5,8 +5,9 @@ Where it asks (`target`): `--address` (coordd's ipc address, whose status socket
 coordd serves beside it, or an http:// URL of its --metrics-port); else $COORDD_STATUS_URL;
 else http://127.0.0.1:$COORDD_METRICS_PORT if that is set (the deploy files); else the status
 socket of the user's default address ($COORDD_ADDRESS, or the default ipc path), which every
-coordd bound there serves with or without --metrics-port; and if no coordd serves that,
-http://127.0.0.1:9180 (the deploy files' port)."""
+coordd bound there serves with or without --metrics-port. Nothing else: when that socket is
+missing or refuses, it says where it looked and exits 2, rather than ask 127.0.0.1:9180,
+which on a shared host another user's process may answer for a coordd that is dead."""
 
 from __future__ import annotations
 
@@ -22,14 +23,12 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from coordd.core._daemon_defaults import DEFAULT_METRICS_PORT
 from coordd.core._logs import one_line
 from coordd.ops.endpoints import status_socket
 from coordd.proto.address import resolve_address
 
 #: A base that is a UNIX socket (coordd's status socket) rather than an http:// URL.
 UNIX = "unix:"
-FALLBACK_URL = f"http://127.0.0.1:{DEFAULT_METRICS_PORT}"
 
 
 def default_url() -> str | None:
@@ -67,7 +66,7 @@ def targets(given: str | None) -> list[str]:
         return [url]
     address, _ = resolve_address(None)
     path = status_socket(address)
-    return ([UNIX + path] if path is not None else []) + [FALLBACK_URL]
+    return [UNIX + path] if path is not None else []
 
 
 #: `coordd status`'s exit codes, as its --help and docs/operations.md say them.
@@ -90,8 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "PATH.http beside it) or the base URL of its --metrics-port (http://HOST:PORT) "
         "(default: $COORDD_STATUS_URL, else http://127.0.0.1:$COORDD_METRICS_PORT if set, "
         "else the status socket of $COORDD_ADDRESS or the default ipc address, where "
-        "`coordd serve` binds, else "
-        f"{FALLBACK_URL})",
+        "`coordd serve` binds; nothing else is tried)",
     )
     p.add_argument("--json", action="store_true", help="print the raw /status JSON")
     p.add_argument(
@@ -170,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.probe and args.group:
         path += "?" + urllib.parse.urlencode({"group": args.group})
     tried: list[str] = []
+    if not bases:  # a tcp (or abstract) default address: no status socket to ask
+        address, _ = resolve_address(None)
+        tried.append(f"{address}: a coordd serves a status socket only beside an ipc path")
     answer: tuple[str, int, bytes] | None = None
     for base in bases:  # the first that answers
         try:
@@ -209,7 +210,8 @@ def nobody_answered(tried: list[str], given: bool) -> str:
         [
             "coordd status: no coordd answered",
             *(f"  {one}" for one in tried),
-            "start `coordd serve`, or give --address ipc://PATH or http://HOST:PORT",
+            "start `coordd serve`, or give --address ipc://PATH or http://HOST:PORT (no port "
+            "is guessed)",
         ]
     )
 

@@ -19,6 +19,7 @@ __all__ = [
     "HEARTBEAT_TIMEOUT",
     "MAX_RSS_MB",
     "METRICS_RANK_SERIES",
+    "METRICS_WAIT_SERIES",
     "MIN_RSS_MB",
     "SEND_QUEUE",
     "STATUS_RANK_ROWS",
@@ -66,3 +67,6 @@ DEFAULT_METRICS_PORT = 9180
 #: loop's time on it) stops growing with dp x groups.
 STATUS_RANK_ROWS = 256
 METRICS_RANK_SERIES = 2048
+#: Most wait-histogram site series in one /metrics answer over all groups (each group keeps 32
+#: apart): past it, a group's further sites are summed as site="other".
+METRICS_WAIT_SERIES = 256

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from coordd.core._daemon_defaults import METRICS_RANK_SERIES
+from coordd.core._daemon_defaults import METRICS_RANK_SERIES, METRICS_WAIT_SERIES
 from coordd.ops.observer import DURATION_BUCKETS, DurationHistogram, version
 from coordd.ops.status_doc import group_readiness
 from coordd.ops.view import ServerView
@@ -19,6 +19,7 @@ from coordd.proto.messages import PROTOCOL_VERSION
 from coordd.proto.snapshot import GroupSnapshot
 
 if TYPE_CHECKING:
+    from prometheus_client.core import HistogramMetricFamily
     from prometheus_client.registry import CollectorRegistry
 
 
@@ -159,7 +160,8 @@ class CoorddCollector:
             "coordd_rank_wait_seconds",
             "Seconds a rank's wait() blocked for a round's answer (what the sync costs its "
             "step), by group and site (a policy round's kind, a gather round's call site), "
-            "as the ranks report it with their next round",
+            f"as the ranks report it with their next round; past {METRICS_WAIT_SERIES} site "
+            'series in all, a group\'s other sites are summed as site="other"',
             labels=["group", "site"],
         )
         straggler = CounterMetricFamily(
@@ -191,7 +193,7 @@ class CoorddCollector:
             "How long the latest rank back from its own collective ran without coordd",
             labels=["group"],
         )
-        rank_series = 0
+        rank_series = wait_series = 0
         for group, o, _ in groups:
             for kind, n in sorted(o.decided.items()):
                 rounds.add_metric([group, kind, "decided"], n)
@@ -203,8 +205,7 @@ class CoorddCollector:
                     cumulative += n
                     buckets.append((_bound(bound), cumulative))
                 duration.add_metric([group, kind], buckets, h.sum)
-            for site, h in sorted(o.waits.items()):
-                waits.add_metric([group, site], _buckets(h), h.sum)
+            wait_series = _add_waits(waits, group, o.waits, wait_series)
             rest = 0
             for rank, n in enumerate(o.stragglers):
                 if not n:
@@ -301,6 +302,31 @@ class CoorddCollector:
         for (group_name, kind), count in sorted(server.takeovers_refused().items()):
             takeovers.add_metric([group_name, kind], count)
         yield takeovers
+
+
+def _add_waits(
+    family: HistogramMetricFamily,
+    group: str,
+    waits: dict[str, DurationHistogram],
+    series: int,
+) -> int:
+    """Adds one group's wait histograms while `series` (the site series added so far, over all
+    groups) is under METRICS_WAIT_SERIES; the rest are summed as site="other". Returns the new
+    `series`: what a scrape writes stays bounded however many groups make up sites."""
+    rest: DurationHistogram | None = None
+    for site, h in sorted(waits.items()):
+        if series < METRICS_WAIT_SERIES and site != "other":
+            series += 1
+            family.add_metric([group, site], _buckets(h), h.sum)
+            continue
+        if rest is None:
+            rest = DurationHistogram(h.buckets)
+        rest.counts = [a + b for a, b in zip(rest.counts, h.counts, strict=True)]
+        rest.sum += h.sum
+    if rest is not None:
+        family.add_metric([group, "other"], _buckets(rest), rest.sum)
+        series += 1
+    return series
 
 
 def _buckets(h: DurationHistogram) -> list[tuple[str, int]]:

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
+import socket
 import stat
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -92,6 +94,8 @@ class HttpEndpoints:
         self._server: asyncio.Server | None = None
         self._unix: asyncio.Server | None = None
         self.unix_path = ""
+        #: the status socket's (st_dev, st_ino) as bound: `close` unlinks only that file
+        self._unix_bound = (0, 0)
         self.url = ""
 
     async def start(self, host: str, port: int) -> str:
@@ -105,17 +109,34 @@ class HttpEndpoints:
         return self.url
 
     async def start_unix(self, path: str) -> None:
-        """Listen on the UNIX socket `path` too (mode 0600), replacing a dead coordd's socket
-        left there (the caller holds the ipc path's lock: no live coordd serves it)."""
+        """Listen on the UNIX socket `path` too, replacing a dead coordd's socket left there
+        (the caller holds the ipc path's lock: no live coordd serves it).
+
+        Nothing here follows a symlink another user may swap in (the directory may be
+        writable by others): only a socket of coordd's own user is unlinked, the mode 0600
+        comes from the umask at bind (no chmod by path), and `close` unlinks the path only
+        while it is still the socket bound here."""
         with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.lstat(path).st_mode):
+            found = os.lstat(path)
+            if stat.S_ISSOCK(found.st_mode) and found.st_uid == os.getuid():
                 os.unlink(path)
-        old_umask = os.umask(0o177)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._unix = await asyncio.start_unix_server(self._handle, path, limit=_REQUEST_LIMIT)
-        finally:
-            os.umask(old_umask)
-        os.chmod(path, 0o600)
+            old_umask = os.umask(0o177)
+            try:
+                sock.bind(path)
+            finally:
+                os.umask(old_umask)
+            bound = os.lstat(path)
+            if not stat.S_ISSOCK(bound.st_mode) or bound.st_uid != os.getuid():
+                raise OSError(errno.EEXIST, "replaced by another file as it was bound")
+            self._unix_bound = (bound.st_dev, bound.st_ino)
+            self._unix = await asyncio.start_unix_server(
+                self._handle, sock=sock, limit=_REQUEST_LIMIT
+            )
+        except BaseException:
+            sock.close()
+            raise
         self.unix_path = path
 
     async def close(self) -> None:
@@ -128,7 +149,9 @@ class HttpEndpoints:
         if self._unix is not None:
             self._unix = None
             with contextlib.suppress(OSError):
-                os.unlink(self.unix_path)
+                now = os.lstat(self.unix_path)
+                if (now.st_dev, now.st_ino) == self._unix_bound:
+                    os.unlink(self.unix_path)
 
     def respond(self, method: str, target: str) -> Response:
         """The response to one request line (also used directly by tests)."""

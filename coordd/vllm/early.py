@@ -14,12 +14,15 @@ The faults this adds, each a typed error naming the rank (and its link closed wi
 so coordd counts the rank lost and every peer learns of it at once):
 - `EarlyStartMismatch`: vLLM's sync sent other values (or was another sync) than the round
   started for it; never a second round for one sync, never a tensor reduced from other values.
-- `SkippedSync`: a round was started for a sync that vLLM never made (the next start or sync of
-  the group finds it still uncollected).
+- `SkippedSync`: a round was started for a sync that vLLM never made: the group's next start
+  finds it still uncollected, or its next sync is not made by the step that started it (the
+  runner's `execute_model` call, `in_step`), a `_dummy_run`'s sync with the same label and
+  values included.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -127,17 +130,52 @@ class StartingMode:
         _local.starting = False
 
 
+class InStep:
+    """`with InStep(frame):` a round started in it belongs to the step running in `frame` (the
+    runner's `execute_model`): only a sync made under that frame collects it."""
+
+    def __init__(self, frame: Any) -> None:
+        self.frame = frame
+
+    def __enter__(self) -> None:
+        _local.step = self.frame
+
+    def __exit__(self, *exc: object) -> None:
+        _local.step = None
+
+
+def step() -> Any:
+    """The frame of the step a round started now belongs to (`InStep`), or None."""
+    return getattr(_local, "step", None)
+
+
+def _under(frame: Any) -> bool:
+    """Whether `frame` is on this thread's stack now."""
+    at: Any = sys._getframe(1)
+    while at is not None:
+        if at is frame:
+            return True
+        at = at.f_back
+    return False
+
+
 @dataclass(slots=True)
 class EarlyRound:
-    """A round started for a sync vLLM has not made yet."""
+    """A round started for a sync vLLM has not made yet; `step`: the frame of the step that
+    must make it (None: any sync may collect it)."""
 
     site: str
     own: list[int]
     pending: Any  # coordd.client.PendingGather
     began: float
+    step: Any = None
 
     def check(self, rank: int, group: str, site: str, own: Sequence[int]) -> None:
-        """Raise `EarlyStartMismatch` unless the sync at hand sends what was started."""
+        """Raise `SkippedSync` if the sync at hand is not made by the step that started the
+        round (that step left before its sync), else `EarlyStartMismatch` unless it sends
+        what was started."""
+        if self.step is not None and not _under(self.step):
+            raise SkippedSync(rank, group, self.pending.seq, self.site, site)
         if site != self.site:
             raise EarlyStartMismatch(rank, group, self.site, "site", self.site, site)
         if own != self.own:

@@ -460,7 +460,7 @@ class Exchange:
                     raise
                 return False  # the sync's round meets the same loss and settles
             self._early[identity.name] = EarlyRound(
-                prepared.site, prepared.own, pending, early.now()
+                prepared.site, prepared.own, pending, early.now(), early.step()
             )
         return True
 
@@ -579,7 +579,7 @@ class Exchange:
         else:
             try:
                 started.check(identity.dp_rank, identity.name, prepared.site, own)
-            except early.EarlyStartMismatch:
+            except (early.EarlyStartMismatch, early.SkippedSync):
                 self._abort(identity)
                 raise
             began = early.now()

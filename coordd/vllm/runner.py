@@ -19,6 +19,7 @@ import ast
 import contextlib
 import functools
 import inspect
+import sys
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -135,7 +136,8 @@ def prepare_inputs_starting_early(
         self: Any, scheduler_output: Any, num_scheduled_tokens: Any, *args: Any, **kwargs: Any
     ) -> Any:
         if own_step(type(self)):
-            with contextlib.suppress(early.Started, early.NotStarted):
+            step = sys._getframe(1)  # execute_model's: only a sync under it collects the round
+            with contextlib.suppress(early.Started, early.NotStarted), early.InStep(step):
                 start(self, scheduler_output, num_scheduled_tokens)
         try:
             return original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)

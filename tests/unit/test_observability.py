@@ -754,6 +754,48 @@ def test_ranks_waits_are_a_histogram_by_group_and_site() -> None:
     assert value(m, "coordd_rank_wait_seconds_count", group="default", site="other") == 3
 
 
+def test_wait_site_series_are_capped_across_groups_and_still_add_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 36 (6): each group keeps MAX_WAIT_SITES sites apart, but 63 groups of 34 junk
+    sites wrote 45,760 bucket lines. Past METRICS_WAIT_SERIES site series in all, a group's
+    further sites are summed as site="other" (with the group's own "other")."""
+    from coordd.ops.observer import MAX_WAIT_SITES, WAIT_BUCKETS, DurationHistogram
+
+    names = tuple(f"g{i:02}" for i in range(63))
+    d = registered(1, names)
+    for name in names:
+        waits = d.group(name).observer.waits
+        for site in (*(f"s{k:02}" for k in range(MAX_WAIT_SITES)), "other"):
+            waits[site] = DurationHistogram(WAIT_BUCKETS)
+            waits[site].observe(0.001)
+            waits[site].observe(0.002)
+    counts = d.metrics()["coordd_rank_wait_seconds_count"]
+    assert len(counts) <= 256 + len(names)  # the cap docs/operations.md states, + each "other"
+    assert sum(counts.values()) == 2 * len(names) * (MAX_WAIT_SITES + 1)
+    # the first group keeps all its sites apart; the last sums all of its sites as "other"
+    assert counts[(("group", "g00"), ("site", "s05"))] == 2
+    assert counts[(("group", "g62"), ("site", "other"))] == 2 * (MAX_WAIT_SITES + 1)
+    assert not any(dict(k)["group"] == "g62" and dict(k)["site"] != "other" for k in counts)
+
+    from coordd.ops import collector
+
+    monkeypatch.setattr(collector, "METRICS_WAIT_SERIES", 3, raising=False)
+    m = d.metrics()
+    a = {"group": "g00"}
+    assert value(m, "coordd_rank_wait_seconds_count", **a, site="s02") == 2
+    assert value(m, "coordd_rank_wait_seconds_count", **a, site="other") == 2 * (
+        MAX_WAIT_SITES - 2
+    )
+    assert value(m, "coordd_rank_wait_seconds_sum", **a, site="other") == pytest.approx(
+        0.003 * (MAX_WAIT_SITES - 2)
+    )
+    assert value(m, "coordd_rank_wait_seconds_bucket", **a, site="other", le="0.001") == (
+        MAX_WAIT_SITES - 2
+    )
+    assert len(m["coordd_rank_wait_seconds_count"]) == 3 + len(names)
+
+
 @pytest.mark.parametrize("expect", [0, ("default",)])
 def test_a_crash_stays_in_readyz_and_status_after_a_strangers_hello_and_goodbye(
     expect: Any,

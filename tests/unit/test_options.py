@@ -309,16 +309,19 @@ def test_coordd_status_asks_the_address_given_else_the_env_else_the_default_sock
 ) -> None:
     """Issue 30: `coordd status` asked only http://127.0.0.1:9180; now --address (ipc or
     http), then $COORDD_STATUS_URL, then $COORDD_METRICS_PORT, then the default address's
-    status socket, then 9180."""
+    status socket, and nothing else (issue 36: no 9180 fallback another process may hold)."""
     from coordd.cli.status import targets
 
     for var in ("COORDD_STATUS_URL", "COORDD_METRICS_PORT", "COORDD_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     default = f"unix:{tmp_path}/coordd/coordd.sock.http"
-    assert targets(None) == [default, "http://127.0.0.1:9180"]
+    assert targets(None) == [default]
     monkeypatch.setenv("COORDD_ADDRESS", "ipc:///run/coordd/coordd.sock")
-    assert targets(None) == ["unix:/run/coordd/coordd.sock.http", "http://127.0.0.1:9180"]
+    assert targets(None) == ["unix:/run/coordd/coordd.sock.http"]
+    monkeypatch.setenv("COORDD_ADDRESS", "tcp://127.0.0.1:5555")
+    assert targets(None) == []
+    monkeypatch.setenv("COORDD_ADDRESS", "ipc:///run/coordd/coordd.sock")
     monkeypatch.setenv("COORDD_METRICS_PORT", "9999")
     assert targets(None) == ["http://127.0.0.1:9999"]
     monkeypatch.setenv("COORDD_STATUS_URL", "http://h:1")

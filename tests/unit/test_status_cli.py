@@ -5,14 +5,20 @@ place asked, what it found there, with exit codes docs/operations.md states."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import http.server
 import json
+import os
 import socket
+import stat
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from coordd.cli.status import render, run
+from coordd.ops.endpoints import HttpEndpoints
 from coordd.ops.status_doc import status_document
 from coordd.proto.coordinator import OnRankLoss
 from coordd.proto.messages import Goodbye
@@ -70,19 +76,12 @@ def _args(**kw: Any) -> argparse.Namespace:
                                  "timeout": 2.0, **kw})
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def nothing_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """The default address in an empty runtime directory, and a metrics port nobody serves."""
     for var in ("COORDD_ADDRESS", "COORDD_STATUS_URL", "COORDD_METRICS_PORT"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    monkeypatch.setattr("coordd.cli.status.FALLBACK_URL", f"http://127.0.0.1:{_closed_port()}")
     return tmp_path / "coordd" / "coordd.sock"
 
 
@@ -96,10 +95,8 @@ def test_with_nothing_running_status_says_a_short_line_per_place_asked(
     assert never[0] == "coordd status: no coordd answered"
     assert never[1] == f"  ipc://{nothing_runs}: none was started there (no directory " \
                        f"{nothing_runs.parent})"
-    assert never[2].endswith("/status: connection refused (coordd serves HTTP only with "
-                             "--metrics-port)")
-    assert never[3].startswith("start `coordd serve`, or give --address ipc://PATH")
-    assert len(never) == 4
+    assert never[2].startswith("start `coordd serve`, or give --address ipc://PATH")
+    assert len(never) == 3
     assert max(len(line.replace(str(nothing_runs.parent), "D")) for line in never) <= 100
     nothing_runs.parent.mkdir()  # as a coordd that bound there and stopped leaves it
     assert run(_args()) == 2
@@ -108,6 +105,70 @@ def test_with_nothing_running_status_says_a_short_line_per_place_asked(
                          "one may have stopped)"
     assert run(_args(probe="readyz")) == 1
     assert capsys.readouterr().err.splitlines()[0] == "coordd status: no coordd answered"
+
+
+class _Anyone(http.server.BaseHTTPRequestHandler):
+    """Another user's listener on the deploy files' port: 200 to every GET."""
+
+    hits = 0
+
+    def do_GET(self) -> None:
+        type(self).hits += 1
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_dead_default_coordd_is_not_answered_for_by_another_port(
+    nothing_runs: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36: with the default socket missing, or left by a coordd that is gone (it
+    refuses), `coordd status` asked http://127.0.0.1:9180, so another process's listener there
+    passed `--probe readyz` for a dead coordd. Now it says where it looked and exits non-zero,
+    asking nothing else."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Anyone)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        # where 9e28cfc fell back to (its FALLBACK_URL); nothing to redirect once it is gone
+        monkeypatch.setattr(
+            "coordd.cli.status.FALLBACK_URL", f"http://127.0.0.1:{port}", raising=False
+        )
+        assert run(_args(probe="readyz")) == 1
+        missing = capsys.readouterr()
+        assert missing.out == ""
+        assert f"ipc://{nothing_runs}: none was started there" in missing.err
+        nothing_runs.parent.mkdir()
+        left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        left.bind(f"{nothing_runs}.http")  # bound, never listening: as a killed coordd leaves it
+        left.close()
+        assert run(_args(probe="livez")) == 1
+        assert run(_args()) == 2
+        refused = capsys.readouterr()
+        assert refused.out == ""
+        assert refused.err.count(
+            f"ipc://{nothing_runs}: its status socket is left from a coordd that is gone"
+        ) == 2
+        assert _Anyone.hits == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_a_tcp_default_address_has_no_socket_to_ask_and_exits_2(
+    nothing_runs: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COORDD_ADDRESS", "tcp://127.0.0.1:5555")
+    assert run(_args()) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[1] == ("  tcp://127.0.0.1:5555: a coordd serves a status socket only beside an "
+                      "ipc path")
+    assert run(_args(probe="readyz")) == 1
 
 
 def test_an_address_given_is_one_line_and_a_bad_one_exits_1(
@@ -130,3 +191,46 @@ def test_operations_md_states_the_exit_codes_status_has() -> None:
 
     text = " ".join((Path(__file__).parents[2] / "docs" / "operations.md").read_text().split())
     assert "The " + EXIT_CODES + "." in text
+
+
+def test_the_status_socket_follows_no_symlink_swapped_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: coordd set PATH.http's mode by path after binding it, so a symlink swapped in
+    meanwhile (in a directory others can write) had its target made 0600, and at exit coordd
+    unlinked whatever was at the path. Now the mode comes from the umask at bind, and close()
+    unlinks only the socket it bound."""
+    path = tmp_path / "c.sock.http"
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(str(path))  # a dead coordd's socket: replaced
+    left.close()
+
+    async def serve_and_close(connect: bool = True) -> tuple[int, int]:
+        served = HttpEndpoints({"/livez": lambda params=None: (200, "text/plain", b"ok")})
+        await served.start_unix(str(path))
+        mode = stat.S_IMODE(os.lstat(path).st_mode)
+        if connect:
+            conn = asyncio.open_unix_connection(str(path))
+            _reader, writer = await asyncio.wait_for(conn, 10)
+            writer.close()
+        victim_mode = stat.S_IMODE(victim.stat().st_mode)
+        await served.close()
+        return mode, victim_mode
+
+    victim = tmp_path / "victim"
+    victim.write_text("not coordd's")
+    victim.chmod(0o644)
+    assert asyncio.run(serve_and_close()) == (0o600, 0o644)
+    assert not os.path.lexists(path)  # closed: its own socket removed
+
+    real = asyncio.start_unix_server
+
+    async def swapped(*args: Any, **kw: Any) -> asyncio.Server:
+        server = await real(*args, **kw)
+        os.symlink(victim, tmp_path / "link")
+        os.replace(tmp_path / "link", path)  # another user swaps a symlink in, atomically
+        return server
+
+    monkeypatch.setattr(asyncio, "start_unix_server", swapped)
+    assert asyncio.run(serve_and_close(connect=False))[1] == 0o644
+    assert os.readlink(path) == str(victim)  # not coordd's socket: left where it is

@@ -209,6 +209,76 @@ def test_a_round_started_and_never_collected_is_a_skipped_sync(ranks: list) -> N
     _peer_told(in_thread(lambda: sync(ranks[0], column(0, VALUES[0]))), 1, since)
 
 
+class _Runner:
+    """vLLM's V1 runner's shape, as the plugin patches it (`runner.prepare_inputs_starting_
+    early`): `_prepare_inputs` starts the sync's round; `execute_model` makes the sync after it
+    (or, `leave=True`, returns between them); `_dummy_run` makes the same sync on its own."""
+
+    def __init__(self, rank: tuple[Exchange, GroupIdentity]) -> None:
+        self.rank = rank
+        self.values = VALUES[rank[1].dp_rank]
+
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: Any) -> None:
+        pass
+
+    def _determine_batch_execution_and_padding(self) -> torch.Tensor:
+        return sync(self.rank, column(self.rank[1].dp_rank, self.values))
+
+    def _allow_microbatching(self) -> bool:
+        return False
+
+    def execute_model(self, leave: bool = False) -> torch.Tensor | None:
+        self._prepare_inputs(None, None)
+        if leave:  # vLLM left the step before its sync (an early return, a caught error)
+            return None
+        return self._determine_batch_execution_and_padding()
+
+    def _dummy_run(self) -> torch.Tensor:
+        return self._determine_batch_execution_and_padding()
+
+
+def _patched_runner() -> type[_Runner]:
+    from coordd.vllm import runner
+
+    class Runner(_Runner):
+        pass
+
+    def begin(self: Runner, scheduler_output: Any, num_scheduled_tokens: Any) -> None:
+        start(self.rank, column(self.rank[1].dp_rank, self.values))
+
+    def abandon() -> None:
+        raise AssertionError("_prepare_inputs did not raise")
+
+    original = _Runner._prepare_inputs
+    Runner._prepare_inputs = runner.prepare_inputs_starting_early(  # type: ignore[method-assign]
+        original, Runner, begin, abandon
+    )
+    return Runner
+
+
+def test_a_leftover_round_is_a_skipped_sync_at_the_next_sync_of_any_kind(ranks: list) -> None:
+    """Issue 36: a sync collected a leftover round if its site and values matched, so a
+    `_dummy_run`'s sync (the runner's label) silently took the round another step started.
+    A round started in a step is collected only by a sync that step makes; any other sync
+    finds it left over: `SkippedSync` naming the round and that sync, and the peer is told."""
+    runner_class = _patched_runner()
+    runners = [runner_class(rank) for rank in ranks]
+    other = in_thread(runners[0].execute_model)
+    assert torch.equal(runners[1].execute_model(), expected())  # a step's own sync: collected
+    assert torch.equal(other(30), expected())
+    assert [seq(rank) for rank in ranks] == [1, 1]
+    other = in_thread(runners[0].execute_model)
+    assert runners[1].execute_model(leave=True) is None  # round 1 started, its sync never made
+    assert torch.equal(other(30), expected())  # rank 1's early values completed it
+    with pytest.raises(SkippedSync) as skipped:
+        runners[1]._dummy_run()  # same label, same values: 9e28cfc collected round 1 here
+    error = skipped.value
+    assert (error.rank, error.group, error.seq) == (1, GROUP, 1)
+    assert error.site == error.then
+    since = time.monotonic()
+    _peer_told(in_thread(lambda: sync(ranks[0], column(0, VALUES[0]))), 1, since)
+
+
 def test_a_step_that_raises_between_start_and_sync_leaves_no_round_open(ranks: list) -> None:
     """The step raised after the early start (`abandon`): rank 1 leaves without Goodbye, rank
     0 is told RankLost [1] at once, and rank 1's next sync registers anew (no round of the
