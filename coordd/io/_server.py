@@ -44,6 +44,7 @@ from coordd.io import _limits as limits
 from coordd.io._carry_out import CarryOut
 from coordd.io._curve import CurveGate
 from coordd.io._deadlines import Deadlines
+from coordd.io._descriptors import Descriptors
 from coordd.io._group import Group
 from coordd.io._guard import Guard
 from coordd.io._identity import frame_address
@@ -178,15 +179,11 @@ class CoordServer:
         self._in_frames = False
         #: Set while a monitor event is carried out (a catch-up meanwhile reads no other).
         self._in_monitor = False
-        #: Descriptors whose close was read and waits for what its connection sent first;
-        #: and those whose close was carried out before it was read (see `_claim_fd`).
-        self._closing: set[int] = set()
-        self._closed_early: set[int] = set()
-        #: The socket (`limits.socket_ident`) each descriptor's registered peer said its Hello
-        #: over: a frame another peer queued over an older connection on that descriptor is
-        #: read with its number too (see `_claim_fd`).
-        self._fd_sockets: dict[int, tuple[bytes, int | None]] = {}
-        self._socket_ident: Callable[[int], int | None] = limits.socket_ident
+        #: Whose each registered descriptor is now (a closed one's number may be reused).
+        self.descriptors = Descriptors(
+            lambda fd: self.registry.peer_on(fd) or self.relays.fd_peer.get(fd),
+            self._connection_closed,
+        )
         #: Groups with an open round, and the one timer for their deadlines.
         self._deadlines = Deadlines(clock, self)
         #: Carries out what the registry decides.
@@ -391,11 +388,11 @@ class CoordServer:
                 # it may be a relay's Hello (not if an older connection queued it)
                 if (
                     group is None
-                    and self._claim_fd(peer, srcfd)
+                    and self.descriptors.claim(peer, srcfd)
                     and self.relays.handle(peer, frame)
                 ):
                     if self.relays.peer_fd.get(peer) == srcfd:
-                        self._note_socket(peer, srcfd)
+                        self.descriptors.note(peer, srcfd)
                     # a stranger's relay messages count toward the cut-off, as its Hellos do
                     self.guard.stranger_sent(peer, srcfd)
                     continue  # a relay's message (coordd.io._relay_hub)
@@ -472,58 +469,29 @@ class CoordServer:
                 if event == _ACCEPTED:
                     self.guard.accepted(fd)
                 elif event == _DISCONNECTED:
-                    if fd in self._closed_early:
-                        self._closed_early.discard(fd)
+                    if self.descriptors.closed_early(fd):
                         continue
                     if not self._in_frames and registry.holds_fd(fd):
                         # what that rank sent just before it closed (a Goodbye, a last
                         # report) can come after the frames' drain, with its close: it
                         # counts first
-                        self._closing.add(fd)
+                        closing = self.descriptors.closing
+                        closing.add(fd)
                         self._drain_frames()
-                        if fd not in self._closing:
+                        if fd not in closing:
                             continue  # carried out when a new connection spoke over fd
-                        self._closing.discard(fd)
+                        closing.discard(fd)
                     self._connection_closed(fd)
         finally:
             self._in_monitor = False
         return seen
 
     def _connection_closed(self, fd: int) -> None:
-        self._fd_sockets.pop(fd, None)
+        self.descriptors.forget(fd)
         self.admission.closed_fd(fd)
         self._carry_out(self.registry.closed(fd, self.clock()))
         if fd in self.relays.fd_peer:
             self.relays.closed(fd)
-
-    def _claim_fd(self, peer: bytes, fd: int) -> bool:
-        """Before a Hello from `peer` over `fd` is tracked on `fd` (a rank's or a relay's): if
-        another peer registered over `fd` and its socket is gone from `fd`, that connection is
-        closed and `fd` is a new one's (libzmq reports a close before it releases the
-        descriptor), so its close is carried out now and skipped when its event is read.
-        Otherwise the newcomer would be tracked on `fd` and the old close then end it, leaving
-        the old rank (or relay) held. False while the owner's socket is still on `fd`: the
-        frame was queued by an older connection on that number (a garbage backlog is read long
-        after its connection closed), which is gone, and the owner stays."""
-        owner = self.registry.peer_on(fd) or self.relays.fd_peer.get(fd)
-        if owner is None or owner == peer:
-            return True
-        held = self._fd_sockets.get(fd)
-        socket = held[1] if held is not None and held[0] == owner else None
-        if socket is not None and socket == self._socket_ident(fd):
-            return False
-        if fd in self._closing:
-            self._closing.discard(fd)
-        else:
-            self._closed_early.add(fd)
-        self._connection_closed(fd)
-        return True
-
-    def _note_socket(self, peer: bytes, fd: int) -> None:
-        """`peer` registered over `fd`: remember its socket, for `_claim_fd`."""
-        held = self._fd_sockets.get(fd)
-        if held is None or held[0] != peer:
-            self._fd_sockets[fd] = (peer, self._socket_ident(fd))
 
     def catch_up_monitor(self) -> bool:
         """Read the monitor's events (a bounded number of passes) and tell the groups of ranks
@@ -577,7 +545,7 @@ class CoordServer:
         the monitor read first: a closed connection's descriptor may be this one's now."""
         self.catch_up_monitor()
         fd = frame.get(_SRCFD)
-        if not self._claim_fd(peer, fd):
+        if not self.descriptors.claim(peer, fd):
             log.debug("dropped a Hello an older connection on fd %d queued: %s", fd, hello)
             return
         if self.relays.holds(hello.group):
@@ -595,7 +563,7 @@ class CoordServer:
         )
         self._carry_out(actions)
         if self.registry.peer_on(fd) == peer:
-            self._note_socket(peer, fd)
+            self.descriptors.note(peer, fd)
         gate = self._router.gate
         if gate is not None and address and self.registry.member(peer, fd) is not None:
             # its process (ipc) or address (tcp) registered a rank: quiet is earned
