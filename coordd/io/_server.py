@@ -141,9 +141,15 @@ class CoordServer:
         self._sock = self._router.sock
         self._outbox = Outbox(self._sock, self.stats)
         self._monitor = self._router.monitor
+        #: Whose each registered descriptor is now (a closed one's number may be reused).
+        self.descriptors = Descriptors(
+            lambda fd: self.registry.peer_on(fd) or self.relays.fd_peer.get(fd),
+            self._connection_closed,
+        )
         #: Relays' registrations and bundles: the groups served through relays.
         self.relays = RelayHub(
             self._sock,
+            descriptors=self.descriptors,
             dp_size=settings.dp_size,
             step_timeout=settings.step_timeout,
             max_groups=settings.max_groups,
@@ -178,11 +184,6 @@ class CoordServer:
         self._in_frames = False
         #: Set while a monitor event is carried out (a catch-up meanwhile reads no other).
         self._in_monitor = False
-        #: Whose each registered descriptor is now (a closed one's number may be reused).
-        self.descriptors = Descriptors(
-            lambda fd: self.registry.peer_on(fd) or self.relays.fd_peer.get(fd),
-            self._connection_closed,
-        )
         #: Groups with an open round, and the one timer for their deadlines.
         self._deadlines = Deadlines(clock, self)
         #: Carries out what the registry decides.
@@ -401,17 +402,10 @@ class CoordServer:
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
-                # it may be a relay's Hello (not if an older connection queued it)
-                if (
-                    group is None
-                    and self.descriptors.claim(peer, srcfd)
-                    and self.relays.handle(peer, frame)
-                ):
-                    if self.relays.peer_fd.get(peer) == srcfd:
-                        self.descriptors.note(peer, srcfd)
+                if group is None and self.relays.from_stranger(peer, srcfd, frame):
                     # a stranger's relay messages count toward the cut-off, as its Hellos do
                     self.guard.stranger_sent(peer, srcfd)
-                    continue  # a relay's message (coordd.io._relay_hub)
+                    continue
                 if ranks.bad_frame(peer, str(exc), frame):
                     return True  # a member cut off: the next drain drops what it queued
                 continue
