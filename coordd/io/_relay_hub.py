@@ -22,6 +22,7 @@ import zmq
 from coordd.core._group_names import GroupRules, group_name_problem, shown
 from coordd.core._group_slots import limit_refusal, to_drop
 from coordd.core._logs import Aggregated
+from coordd.io._descriptors import Descriptors
 from coordd.io._identity import frame_address
 from coordd.ops.view import RelayedGroup, RelayRow
 from coordd.proto.errors import ProtocolError, Rejected
@@ -50,6 +51,7 @@ class RelayHub:
         self,
         sock: zmq.Socket,
         *,
+        descriptors: Descriptors,
         dp_size: int,
         step_timeout: float,
         max_groups: int,
@@ -61,6 +63,7 @@ class RelayHub:
         on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
     ) -> None:
         self._sock = sock
+        self._descriptors = descriptors
         self.dp_size = dp_size
         self.step_timeout = step_timeout
         #: The root's --on-rank-loss: every relayed group's, which relays learn from Welcome.
@@ -90,6 +93,16 @@ class RelayHub:
         self.refused_log = Aggregated(log, "relay refused", clock=clock)
 
     # -- input ------------------------------------------------------------------------------
+
+    def from_stranger(self, peer: bytes, fd: int, frame: zmq.Frame) -> bool:
+        """A frame the rank wire did not decode from a peer in no group over `fd`: True if it
+        is a relay's message (handled here). Not if an older connection on `fd` queued it
+        (`Descriptors.claim`); a relay that registers is bound to its connection's socket."""
+        if not (self._descriptors.claim(peer, fd) and self.handle(peer, frame)):
+            return False
+        if self.peer_fd.get(peer) == fd:
+            self._descriptors.note(peer, fd)
+        return True
 
     def handle(self, peer: bytes, frame: zmq.Frame) -> bool:
         """A frame the rank wire did not decode from a peer that holds no rank: True if it is

@@ -13,6 +13,10 @@ closed, the socket monitor reports the closed descriptor, and the descriptor a r
 from (the SRCFD of its Hello) names the rank lost. A rank is the connection that registered it
 (`coordd.io._identity`); routing ids are never logged or shown.
 
+Each wire has its shell beside the server: `coordd.io._rank_shell` (a rank's Hello, bad
+frames, a member over its share) and `coordd.io._relay_hub` (relays' registrations and
+bundles); the server drains the socket and hands each its frames.
+
 What to do is decided in the sans-IO core and carried out here (in the manner of h11): the
 group registry (`coordd.core._registry`) returns actions (`coordd.io._carry_out`), and the
 admission of peers that hold no rank (`coordd.core._admission`) returns `Shut`s, which
@@ -21,7 +25,8 @@ admission of peers that hold no rank (`coordd.core._admission`) returns `Shut`s,
 """
 
 # Whole though over 500 lines: the drain, the monitor and the sends share the one socket and
-# its counters on the hot path; the parts that do not (actions, outbox, guard) live apart.
+# its counters on the hot path; the parts that do not (actions, outbox, guard, descriptors, the
+# rank wire's registrations and the relay wire) live apart.
 
 from __future__ import annotations
 
@@ -34,20 +39,20 @@ from collections.abc import Callable, Collection, Sequence
 
 import zmq
 
-from coordd.core._admission import MEMBER_CHECK, Admission
+from coordd.core._admission import Admission
 from coordd.core._group_names import GroupRules
-from coordd.core._logs import Aggregated
-from coordd.core._peers import peer_label
 from coordd.core._registry import DETACHED, MEMBER, Registry
 from coordd.core._settings import ServerSettings
 from coordd.io import _limits as limits
 from coordd.io._carry_out import CarryOut
 from coordd.io._curve import CurveGate
 from coordd.io._deadlines import Deadlines
+from coordd.io._descriptors import Descriptors
 from coordd.io._group import Group
 from coordd.io._guard import Guard
 from coordd.io._identity import frame_address
 from coordd.io._outbox import Outbox
+from coordd.io._rank_shell import MEMBER_MASK, RankShell
 from coordd.io._relay_hub import RelayHub
 from coordd.io._router import drop_parts, open_router
 from coordd.io._stats import ServerStats, shell_counters
@@ -60,7 +65,6 @@ from coordd.proto.messages import (
     Hello,
     StepReport,
     decode_to_coordinator,
-    reject_message,
 )
 
 __all__ = ["CoordServer"]
@@ -75,8 +79,6 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SRCFD = int(zmq.SRCFD)
 _ACCEPTED = int(zmq.EVENT_ACCEPTED)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
-#: A member's message count is checked against its share when it is a multiple of this.
-_MEMBER_MASK = MEMBER_CHECK - 1
 
 #: Most messages handled in one turn of the event loop: then the loop runs its timers (step
 #: timeouts), the HTTP endpoints and the monitor, and the drain goes on at its next turn. One
@@ -139,9 +141,15 @@ class CoordServer:
         self._sock = self._router.sock
         self._outbox = Outbox(self._sock, self.stats)
         self._monitor = self._router.monitor
+        #: Whose each registered descriptor is now (a closed one's number may be reused).
+        self.descriptors = Descriptors(
+            lambda fd: self.registry.peer_on(fd) or self.relays.fd_peer.get(fd),
+            self._connection_closed,
+        )
         #: Relays' registrations and bundles: the groups served through relays.
         self.relays = RelayHub(
             self._sock,
+            descriptors=self.descriptors,
             dp_size=settings.dp_size,
             step_timeout=settings.step_timeout,
             max_groups=settings.max_groups,
@@ -168,8 +176,6 @@ class CoordServer:
             max_rss_mb=settings.max_rss_mb,
             gate=self._router.gate,
         )
-        #: Log lines a peer could cause once per message: aggregated.
-        self._bad_frame_log = Aggregated(log, "bad frame dropped", clock=clock)
         #: Dropping the rest of a refused multipart message (over several turns).
         self._dropping = False
         self._again_pending = False
@@ -178,15 +184,6 @@ class CoordServer:
         self._in_frames = False
         #: Set while a monitor event is carried out (a catch-up meanwhile reads no other).
         self._in_monitor = False
-        #: Descriptors whose close was read and waits for what its connection sent first;
-        #: and those whose close was carried out before it was read (see `_claim_fd`).
-        self._closing: set[int] = set()
-        self._closed_early: set[int] = set()
-        #: The socket (`limits.socket_ident`) each descriptor's registered peer said its Hello
-        #: over: a frame another peer queued over an older connection on that descriptor is
-        #: read with its number too (see `_claim_fd`).
-        self._fd_sockets: dict[int, tuple[bytes, int | None]] = {}
-        self._socket_ident: Callable[[int], int | None] = limits.socket_ident
         #: Groups with an open round, and the one timer for their deadlines.
         self._deadlines = Deadlines(clock, self)
         #: Carries out what the registry decides.
@@ -200,6 +197,21 @@ class CoordServer:
             watch=self._router.watch,
             max_groups=settings.max_groups,
             clock=clock,
+        )
+        #: The rank wire's registrations and faults (the relay wire's are `relays`').
+        self.ranks = RankShell(
+            self.registry,
+            admission=self.admission,
+            guard=self.guard,
+            carry_out=self._carry_out,
+            outbox=self._outbox,
+            descriptors=self.descriptors,
+            relays=self.relays,
+            stats=self.stats,
+            gate=self._router.gate,
+            catch_up=self.catch_up_monitor,
+            clock=clock,
+            wall=wall,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -219,7 +231,8 @@ class CoordServer:
         self._loop.add_reader(self._monitor.fileno(), self.drain)
         self._deadlines.loop = self._loop
         self.relays.loop = self._loop
-        for aggregated in (self._bad_frame_log, self.relays.refused_log, *self.events.aggregated()):
+        logs = (self.ranks.bad_frame_log, self.relays.refused_log, *self.events.aggregated())
+        for aggregated in logs:
             aggregated.schedule = self._loop.call_later
         self.guard.start(self._loop)
         self.drain()
@@ -351,6 +364,7 @@ class CoordServer:
         touched = self._deadlines.touched
         member_counts = admission.member_counts
         relay_peers = self.relays.peer_fd
+        ranks = self.ranks
         # what connections coordd shut down still have queued is dropped undecoded (a
         # flood's backlog); not at debug level, which logs a line per bad frame
         shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
@@ -369,7 +383,7 @@ class CoordServer:
             frame = sock.recv(_NOBLOCK, copy=False)
             if frame.more:
                 # refused at its second payload part; the rest is dropped part by part
-                self._bad_frame(peer, "more than one payload frame", frame)
+                self.ranks.bad_frame(peer, "more than one payload frame", frame)
                 self._dropping = True
                 if not self._drop_parts():
                     return True
@@ -388,25 +402,18 @@ class CoordServer:
             try:
                 message = decode_to_coordinator(frame.buffer)
             except ProtocolError as exc:
-                # it may be a relay's Hello (not if an older connection queued it)
-                if (
-                    group is None
-                    and self._claim_fd(peer, srcfd)
-                    and self.relays.handle(peer, frame)
-                ):
-                    if self.relays.peer_fd.get(peer) == srcfd:
-                        self._note_socket(peer, srcfd)
+                if group is None and self.relays.from_stranger(peer, srcfd, frame):
                     # a stranger's relay messages count toward the cut-off, as its Hellos do
                     self.guard.stranger_sent(peer, srcfd)
-                    continue  # a relay's message (coordd.io._relay_hub)
-                if self._bad_frame(peer, str(exc), frame):
+                    continue
+                if ranks.bad_frame(peer, str(exc), frame):
                     return True  # a member cut off: the next drain drops what it queued
                 continue
             if group is None:
                 # a stranger: its Hellos count toward the flood cut-off as much as the rest
                 self.guard.stranger_sent(peer, srcfd)
                 if type(message) is Hello:
-                    self._on_hello(peer, message, frame)
+                    ranks.hello(peer, message, frame)
                 else:
                     self._carry_out.stranger(peer, message)
                 continue
@@ -414,7 +421,7 @@ class CoordServer:
                 # a member's input is bounded too (one report per round, and a few more)
                 count = member_counts.get(peer, 0) + 1
                 member_counts[peer] = count
-                if not count & _MEMBER_MASK and self._member_over(peer, group, srcfd, count):
+                if not count & MEMBER_MASK and ranks.member_over(peer, group, srcfd, count):
                     return True  # cut off: the next drain drops what it queued undecoded
             elif stands == DETACHED:
                 # its registering connection closed: a stranger now, for the cut-off
@@ -424,7 +431,7 @@ class CoordServer:
                 self._carry_out(registry.other_connection(peer, message, address, clock()))
                 continue
             if type(message) is Hello:
-                self._on_hello(peer, message, frame)
+                ranks.hello(peer, message, frame)
                 continue
             if (type(message) is StepReport or type(message) is GatherReport) and (
                 stands == MEMBER
@@ -436,15 +443,6 @@ class CoordServer:
                     group.observer.waited(message.dp_rank, message.seq, waited)
             touched.add(group)
             self.send(group.coordinator.receive(peer, message, clock()), group.observer)
-        return True
-
-    def _member_over(self, peer: bytes, group: Group, fd: int, count: int) -> bool:
-        """Member `peer` sent `count` messages over `fd` in this window: over its share, its
-        connection is ended and its rank lost (`Guard.member_over`); True if it was."""
-        detail = self.guard.member_over(peer, group, fd, count)
-        if detail is None:
-            return False
-        self._carry_out(self.registry.violation(peer, detail, self.clock()))
         return True
 
     def _drop_parts(self) -> bool:
@@ -472,58 +470,29 @@ class CoordServer:
                 if event == _ACCEPTED:
                     self.guard.accepted(fd)
                 elif event == _DISCONNECTED:
-                    if fd in self._closed_early:
-                        self._closed_early.discard(fd)
+                    if self.descriptors.closed_early(fd):
                         continue
                     if not self._in_frames and registry.holds_fd(fd):
                         # what that rank sent just before it closed (a Goodbye, a last
                         # report) can come after the frames' drain, with its close: it
                         # counts first
-                        self._closing.add(fd)
+                        closing = self.descriptors.closing
+                        closing.add(fd)
                         self._drain_frames()
-                        if fd not in self._closing:
+                        if fd not in closing:
                             continue  # carried out when a new connection spoke over fd
-                        self._closing.discard(fd)
+                        closing.discard(fd)
                     self._connection_closed(fd)
         finally:
             self._in_monitor = False
         return seen
 
     def _connection_closed(self, fd: int) -> None:
-        self._fd_sockets.pop(fd, None)
+        self.descriptors.forget(fd)
         self.admission.closed_fd(fd)
         self._carry_out(self.registry.closed(fd, self.clock()))
         if fd in self.relays.fd_peer:
             self.relays.closed(fd)
-
-    def _claim_fd(self, peer: bytes, fd: int) -> bool:
-        """Before a Hello from `peer` over `fd` is tracked on `fd` (a rank's or a relay's): if
-        another peer registered over `fd` and its socket is gone from `fd`, that connection is
-        closed and `fd` is a new one's (libzmq reports a close before it releases the
-        descriptor), so its close is carried out now and skipped when its event is read.
-        Otherwise the newcomer would be tracked on `fd` and the old close then end it, leaving
-        the old rank (or relay) held. False while the owner's socket is still on `fd`: the
-        frame was queued by an older connection on that number (a garbage backlog is read long
-        after its connection closed), which is gone, and the owner stays."""
-        owner = self.registry.peer_on(fd) or self.relays.fd_peer.get(fd)
-        if owner is None or owner == peer:
-            return True
-        held = self._fd_sockets.get(fd)
-        socket = held[1] if held is not None and held[0] == owner else None
-        if socket is not None and socket == self._socket_ident(fd):
-            return False
-        if fd in self._closing:
-            self._closing.discard(fd)
-        else:
-            self._closed_early.add(fd)
-        self._connection_closed(fd)
-        return True
-
-    def _note_socket(self, peer: bytes, fd: int) -> None:
-        """`peer` registered over `fd`: remember its socket, for `_claim_fd`."""
-        held = self._fd_sockets.get(fd)
-        if held is None or held[0] != peer:
-            self._fd_sockets[fd] = (peer, self._socket_ident(fd))
 
     def catch_up_monitor(self) -> bool:
         """Read the monitor's events (a bounded number of passes) and tell the groups of ranks
@@ -544,62 +513,6 @@ class CoordServer:
 
     def send(self, sends: Sequence[Send], observer: Observer) -> None:
         self._outbox.send(sends, observer)
-
-    # -- peers that hold no rank ------------------------------------------------------------
-
-    def _bad_frame(self, peer: bytes, why: str, frame: zmq.Frame | None = None) -> bool:
-        """A frame that did not decode: from a member over its connection, a protocol
-        violation that fails its group's round at once naming it (and counts toward its
-        share, so junk floods are cut off); from anyone else, a stranger's message. True if
-        a member was cut off."""
-        cut = False
-        if frame is not None:
-            srcfd = frame.get(_SRCFD)
-            group = self.registry.member(peer, srcfd)
-            if group is None:
-                self.guard.stranger_sent(peer, srcfd)
-            else:
-                self._carry_out(self.registry.undecodable(peer, srcfd, why, self.clock()))
-                counts = self.admission.member_counts
-                count = counts[peer] = counts.get(peer, 0) + 1
-                if not count & _MEMBER_MASK:
-                    cut = self._member_over(peer, group, srcfd, count)
-        self.stats.bad_frames += 1
-        # One line each only at --log-level debug (the chaos checker counts them); the
-        # warning is aggregated: a flood costs a few lines.
-        label = peer_label(peer)
-        log.debug("dropped a bad frame from %s: %s", label, why)
-        self._bad_frame_log(peer=label, why=why, total=self.stats.bad_frames)
-        return cut
-
-    def _on_hello(self, peer: bytes, hello: Hello, frame: zmq.Frame) -> None:
-        """Route a Hello to the group it names (`coordd.core._registry.Registry.hello`), with
-        the monitor read first: a closed connection's descriptor may be this one's now."""
-        self.catch_up_monitor()
-        fd = frame.get(_SRCFD)
-        if not self._claim_fd(peer, fd):
-            log.debug("dropped a Hello an older connection on fd %d queued: %s", fd, hello)
-            return
-        if self.relays.holds(hello.group):
-            self._outbox.send_one(peer, reject_message(self.relays.flat_refusal(hello.group)))
-            return
-        key = ""
-        if self.registry.key_refusal is not None:
-            try:
-                key = str(frame.get("User-Id"))
-            except zmq.ZMQError:
-                key = ""
-        address = frame_address(frame)
-        actions = self.registry.hello(
-            peer, hello, fd, self.clock(), self.wall(), address=address, key=key
-        )
-        self._carry_out(actions)
-        if self.registry.peer_on(fd) == peer:
-            self._note_socket(peer, fd)
-        gate = self._router.gate
-        if gate is not None and address and self.registry.member(peer, fd) is not None:
-            # its process (ipc) or address (tcp) registered a rank: quiet is earned
-            gate.earned.append(address.encode())
 
     def messages_queued(self) -> bool:
         """Whether messages are queued unread (the memory guard's check, between drains)."""

@@ -96,7 +96,7 @@ def shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-u
     monkeypatch.setattr(server._outbox, "sock", fake)
     monkeypatch.setattr(outbox_module, "_send_frame", lambda sock, data, flags: sock.send(data))
     # the socket each test descriptor names (an inode): a reused number gets a new one
-    monkeypatch.setattr(server, "_socket_ident", SOCKETS.get)
+    monkeypatch.setattr(server.descriptors, "socket_ident", SOCKETS.get)
     SOCKETS.clear()
     yield server, fake
     server._sock = real
@@ -254,8 +254,8 @@ def test_a_new_relay_on_a_reused_descriptor_is_heard_after_the_old_ones_close(
 def test_frames_an_older_connection_queued_on_a_reused_descriptor_leave_its_rank(shell) -> None:  # type: ignore[no-untyped-def]
     """A garbage burst's backlog is read long after its connections closed, under the numbers
     they had; a rank that registered over one of those numbers since was taken for closed
-    (`_claim_fd`) and lost at a stale frame (test_memory's late groups, 1 run in 4). While the
-    rank's socket still holds the descriptor, such a frame is an older connection's."""
+    (`Descriptors.claim`) and lost at a stale frame (test_memory's late groups, 1 run in 4).
+    While the rank's socket still holds the descriptor, such a frame is an older connection's."""
     server, sock = shell
     monitor, real = FakeMonitor(), server._monitor
     server._monitor = monitor
@@ -362,7 +362,7 @@ def _fake_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **settings: ob
     server = CoordServer(ServerSettings(f"ipc://{tmp_path}/c.sock", **settings))  # type: ignore[arg-type]
     fake = FakeSocket()
     monkeypatch.setattr(server, "_sock", fake)
-    monkeypatch.setattr(server, "_socket_ident", SOCKETS.get)
+    monkeypatch.setattr(server.descriptors, "socket_ident", SOCKETS.get)
     SOCKETS.clear()
     return server, fake
 
