@@ -56,8 +56,9 @@ import torch.distributed as torch_dist
 from coordd.proto.errors import CoordError
 from coordd.vllm import early, runner, sites, timings
 from coordd.vllm.enable import TIMINGS_ENV, PluginSettings
-from coordd.vllm.exchange import Exchange, Layout, ReduceOp, can_gather
+from coordd.vllm.exchange import Exchange
 from coordd.vllm.groups import GroupIdentity, engine_group, worker_group
+from coordd.vllm.reduce import Layout, ReduceOp, can_gather
 
 #: A child of vLLM's own logger, so its lines show in vLLM's output, in vLLM's format.
 log = logging.getLogger("vllm.coordd")
@@ -199,6 +200,12 @@ def _sync_(
     except CoordError as error:
         _say_fault(identity, error)
         raise
+
+
+def _engine_sync(tensor: torch.Tensor, op: ReduceOp, dp_group: Any, sync: str) -> bool:
+    """`_sync_` for an engine-core sync on `dp_group` (the whole tensor, the group's own gloo
+    group to fall back on)."""
+    return _sync_(tensor, op, _engine_route(dp_group), False, sync, dp_group)
 
 
 def _start_(tensor: torch.Tensor, op: ReduceOp, identity: GroupIdentity) -> bool:
@@ -535,14 +542,7 @@ def leave() -> None:
 
 def _engine_state_sum(dp_group: Any, has_unfinished: bool, pending_pause: bool) -> torch.Tensor:
     tensor = torch.tensor([int(has_unfinished), int(pending_pause)], dtype=torch.int32)
-    if not _sync_(
-        tensor,
-        ReduceOp.SUM,
-        _engine_route(dp_group),
-        False,
-        "ParallelConfig.sync_dp_state",
-        dp_group,
-    ):
+    if not _engine_sync(tensor, ReduceOp.SUM, dp_group, "ParallelConfig.sync_dp_state"):
         torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=dp_group)
     return tensor
 
@@ -619,14 +619,7 @@ def _patch_all(
         if not isinstance(dp_group, torch_dist.ProcessGroup) or _state.exchange is None:
             return bool(original_unfinished(dp_group, has_unfinished))
         tensor = torch.tensor([has_unfinished], dtype=torch.int32, device="cpu")
-        if not _sync_(
-            tensor,
-            ReduceOp.MAX,
-            _engine_route(dp_group),
-            False,
-            "ParallelConfig.has_unfinished_dp",
-            dp_group,
-        ):
+        if not _engine_sync(tensor, ReduceOp.MAX, dp_group, "ParallelConfig.has_unfinished_dp"):
             return bool(original_unfinished(dp_group, has_unfinished))
         return bool(tensor.item())
 
@@ -641,14 +634,8 @@ def _patch_all(
         if kv_cache_memory == -1:  # vLLM's "no limit" before its MIN
             kv_cache_memory = torch.iinfo(torch.int64).max
         tensor = torch.tensor([kv_cache_memory], dtype=torch.int64, device="cpu")
-        if not _sync_(
-            tensor,
-            ReduceOp.MIN,
-            _engine_route(dp_group),
-            False,
-            "ParallelConfig.sync_kv_cache_memory_size",
-            dp_group,
-        ):
+        sync = "ParallelConfig.sync_kv_cache_memory_size"
+        if not _engine_sync(tensor, ReduceOp.MIN, dp_group, sync):
             return int(original_kv(dp_group, kv_cache_memory))
         return int(tensor.item())
 

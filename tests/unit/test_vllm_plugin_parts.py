@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 from coordd.client.dp_coordination import DPGroupConfig, VllmAdapter  # noqa: E402
 from coordd.vllm import patches  # noqa: E402
-from coordd.vllm.exchange import Layout, ReduceOp, contribution, reduce_rows  # noqa: E402
+from coordd.vllm.reduce import Layout, ReduceOp, contribution, reduce_rows  # noqa: E402
 
 
 @pytest.mark.parametrize("op", [ReduceOp.MAX, ReduceOp.MIN, ReduceOp.SUM])

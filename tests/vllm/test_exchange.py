@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from coordd.vllm.enable import PluginSettings, SettingsError, settings_from_env  # noqa: E402
-from coordd.vllm.exchange import (  # noqa: E402
+from coordd.vllm.reduce import (  # noqa: E402
     Layout,
     ReduceOp,
     can_gather,
