@@ -52,8 +52,6 @@ class Rejoiner:
         self._stop = threading.Event()
         self._client: CoordClient | None = None
         self.epoch = 0
-        #: Why the last try failed ("" before any): for the log line when the group returns.
-        self.last_error = ""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -79,8 +77,7 @@ class Rejoiner:
             session.hello_message = msgspec.structs.replace(session.hello_message, away_ms=away_ms)
         try:
             welcome = client.connect(timeout=TRY_TIMEOUT)
-        except CoordError as error:
-            self.last_error = f"{type(error).__name__}: {error}"
+        except CoordError:
             client.close(goodbye=False)
             return
         self._client, self.epoch = client, welcome.epoch
@@ -89,8 +86,7 @@ class Rejoiner:
         assert self._client is not None
         try:
             self._client.ping(timeout=TRY_TIMEOUT)
-        except CoordError as error:
-            self.last_error = f"{type(error).__name__}: {error}"
+        except CoordError:
             self._drop()
 
     def _drop(self) -> None:
