@@ -28,15 +28,17 @@ Differences from the coordd path, by construction:
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
+import ctypes
 import datetime
 import enum
 import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -108,20 +110,21 @@ def fingerprint_hash(fingerprint: str) -> int:
 
 
 def encode_row(report: StepReport, fingerprint: int, num_ubatches: int) -> list[int]:
-    """One rank's row of the step matrix: a stamped report plus its config."""
-    row = [0] * NUM_FIELDS
-    row[Field.NUM_TOKENS] = report.num_tokens
-    row[Field.NUM_TOKENS_PADDED] = report.num_tokens_padded
-    row[Field.WANT_UBATCH] = int(report.want_ubatch)
-    row[Field.CUDAGRAPH_MODE] = report.cudagraph_mode
-    row[Field.HAS_UNFINISHED] = int(report.has_unfinished)
-    row[Field.WANT_PAUSE] = int(report.want_pause)
-    row[Field.SEQ] = report.seq
-    row[Field.KIND] = KIND_CODES[report.kind]
-    row[Field.FINGERPRINT] = fingerprint
-    row[Field.NUM_UBATCHES] = num_ubatches
-    row[Field.PRESENT] = 1
-    return row
+    """One rank's row of the step matrix: a stamped report plus its config (in `Field` order:
+    tests/unit/test_device_rows.py holds the two together)."""
+    return [
+        report.num_tokens,
+        report.num_tokens_padded,
+        int(report.want_ubatch),
+        report.cudagraph_mode,
+        int(report.has_unfinished),
+        int(report.want_pause),
+        report.seq,
+        KIND_CODES[report.kind],
+        fingerprint,
+        num_ubatches,
+        1,
+    ]
 
 
 def check_fits(report: StepReport) -> None:
@@ -158,10 +161,12 @@ def resolve_round(
         )
     _check_config(cols, hellos)
     codes = cols[_KIND]
-    if not _KINDS_BY_CODE.keys() >= set(codes):
-        rank = _first(codes, lambda c: c not in _KINDS_BY_CODE)
-        raise ProtocolError(f"unknown step kind code {codes[rank]}", rank=rank)
-    code = _majority_kind(codes)
+    code = codes[0]
+    if codes.count(code) != n or code not in _KINDS_BY_CODE:  # else: one known kind
+        if not _KINDS_BY_CODE.keys() >= set(codes):
+            rank = _first(codes, lambda c: c not in _KINDS_BY_CODE)
+            raise ProtocolError(f"unknown step kind code {codes[rank]}", rank=rank)
+        code = _majority_kind(codes)
     kind = _KINDS_BY_CODE[code]
     seqs = cols[_SEQ]
     in_step = seqs.count(seq) == n and codes.count(code) == n
@@ -265,30 +270,126 @@ def admit(hellos: Sequence[Hello]) -> Rejected | None:
     return None
 
 
+_FORMATS: dict[torch.dtype, Literal["q", "B"]] = {torch.int64: "q", torch.uint8: "B"}
+
+
+class _Buffers:
+    """The tensors of one `[world, width]` exchange, made once and reused round after round.
+
+    A round writes only its own row into `host`, whose other rows stay zero: on the CPU `host`
+    is the matrix the collective sums into (so the row is zeroed again after each read); on CUDA
+    it is a pinned staging matrix copied to `matrix` on the device, and the sum comes back into
+    the pinned `out`. A set is taken per round and given back once its result is read.
+    """
+
+    __slots__ = ("host", "matrix", "mine", "out", "raw", "zeros")
+
+    def __init__(
+        self, world: int, width: int, dtype: torch.dtype, rank: int, device: torch.device
+    ) -> None:
+        size = torch.empty((), dtype=dtype).element_size() * world * width
+        self.raw: bytearray | None = None
+        if device.type == "cpu":
+            self.raw = bytearray(size)
+            self.host = torch.frombuffer(self.raw, dtype=dtype).view(world, width)
+            self.matrix = self.out = self.host
+            view = memoryview(self.raw)
+        else:
+            self.host = torch.zeros((world, width), dtype=dtype, pin_memory=True)
+            self.matrix = torch.empty((world, width), dtype=dtype, device=device)
+            self.out = torch.empty((world, width), dtype=dtype, pin_memory=True)
+            view = memoryview((ctypes.c_char * size).from_address(self.host.data_ptr()))
+        self.zeros = bytes(size) if self.raw is not None else b""
+        self.mine = view.cast("B").cast(_FORMATS[dtype])[rank * width : (rank + 1) * width]
+
+    def write(self, row: Sequence[int] | bytes) -> None:
+        """This rank's row, in place (`row` has exactly `width` values)."""
+        self.mine[:] = row if isinstance(row, bytes) else array.array(self.mine.format, row)
+
+    def clear(self) -> None:
+        """On the CPU the sum landed in `host`: zero it, ready for the next round."""
+        if self.raw is not None:
+            self.raw[:] = self.zeros
+
+
+class _SideStream:
+    """Makes the client's side stream current, restored on exit: one stream lookup, where
+    `torch.cuda.stream()` also resolves the device index on every entry and exit."""
+
+    __slots__ = ("_fallback", "_prev", "index", "stream")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+        self.index = stream.device_index
+        self._prev: torch.cuda.Stream | None = None
+        self._fallback: contextlib.AbstractContextManager[object] | None = None
+
+    def __enter__(self) -> None:
+        prev = torch.cuda.current_stream()
+        if prev.device_index == self.index:
+            self._prev = prev
+            torch.cuda.set_stream(self.stream)
+        else:  # the engine has another device current: switch both, as the stock manager does
+            self._fallback = torch.cuda.stream(self.stream)
+            self._fallback.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._fallback is not None:
+            fallback, self._fallback = self._fallback, None
+            fallback.__exit__(*exc)
+        else:
+            torch.cuda.set_stream(self._prev)  # type: ignore[arg-type]
+            self._prev = None
+
+
 class _Exchange:
-    """One all-reduce in flight: the work handle and the tensor it sums into."""
+    """One all-reduce in flight: the work handle and the buffers it sums into."""
 
-    __slots__ = ("client", "tensor", "work")
+    __slots__ = ("buffers", "client", "free", "work")
 
-    def __init__(self, client: DeviceCoordClient, tensor: torch.Tensor) -> None:
+    def __init__(self, client: DeviceCoordClient, buffers: _Buffers, free: list[_Buffers]) -> None:
         self.client = client
-        self.tensor = tensor
-        with client._stream_context():
-            self.work = dist.all_reduce(tensor, group=client.process_group, async_op=True)
+        self.buffers = buffers
+        self.free = free
+        side = client._side
+        if side is None:
+            self.work = dist.all_reduce(buffers.matrix, group=client.process_group, async_op=True)
+            return
+        with side:
+            buffers.matrix.copy_(buffers.host, non_blocking=True)
+            self.work = dist.all_reduce(buffers.matrix, group=client.process_group, async_op=True)
 
     def is_completed(self) -> bool:
         return bool(self.work.is_completed())
 
     def result(self, deadline: float, timeout: float) -> torch.Tensor:
-        """The summed matrix on the host; `StepTimeout` (retryable) past `deadline`."""
+        """The summed matrix on the host, the caller's to keep; `StepTimeout` (retryable) past
+        `deadline`."""
+        self._finish(deadline, timeout)
+        return self.buffers.out
+
+    def rows(self, deadline: float, timeout: float) -> list[list[int]]:
+        """The summed matrix as lists; its buffers then serve a later round."""
+        self._finish(deadline, timeout)
+        buffers = self.buffers
+        rows: list[list[int]] = buffers.out.tolist()
+        buffers.clear()
+        self.free.append(buffers)
+        return rows
+
+    def _finish(self, deadline: float, timeout: float) -> None:
         client = self.client
-        with client._stream_context():
+        side = client._side
+        if side is None:
+            self._wait(deadline, timeout)
+            return
+        with side:
             if client._poll_work:
                 self._poll(deadline, timeout)
                 self._join()
             else:
                 self._wait(deadline, timeout)
-            return self.tensor if self.tensor.device.type == "cpu" else self.tensor.cpu()
+            self.buffers.out.copy_(self.buffers.matrix)
 
     def _wait(self, deadline: float, timeout: float) -> None:
         remaining = max(deadline - time.monotonic(), 1e-3)
@@ -394,7 +495,11 @@ class DeviceCoordClient(SessionView):
             on_cuda = backend == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu"
         self.device = torch.device(device)
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._side = (
+            _SideStream(torch.cuda.Stream(self.device)) if self.device.type == "cuda" else None
+        )
+        #: (width, dtype) -> the buffer sets no round holds now (see `_Buffers`).
+        self._free: dict[tuple[int, torch.dtype], list[_Buffers]] = {}
         self._poll_work = backend == "nccl" and cuda_wait == "poll"
         self._fingerprint = fingerprint_hash(self.config.config_fingerprint)
         self._num_ubatches = self.config.num_ubatches
@@ -417,9 +522,7 @@ class DeviceCoordClient(SessionView):
         if self._closed:
             raise CoordinatorUnavailable("the device-path client is closed")
         if self._handshake is None:
-            row = torch.frombuffer(
-                bytearray(encode_hello_row(self.session.hello_message)), dtype=torch.uint8
-            )
+            row = encode_hello_row(self.session.hello_message)
             self._handshake = self._post(row, HELLO_BYTES, torch.uint8)
         try:
             matrix = self._handshake.result(time.monotonic() + timeout, timeout)
@@ -452,11 +555,12 @@ class DeviceCoordClient(SessionView):
         self, report: StepReport, kind: StepKind | str = StepKind.FORWARD
     ) -> DevicePendingStep:
         """Post this rank's report for the next round (one async all-reduce); returns at once."""
-        kind = StepKind(kind)
+        if type(kind) is not StepKind:
+            kind = StepKind(kind)
         check_fits(report)
         stamped = self.session.report(report, kind)
         row = encode_row(stamped, self._fingerprint, self._num_ubatches)
-        exchange = self._post(torch.tensor(row, dtype=torch.int64), NUM_FIELDS, torch.int64)
+        exchange = self._post(row, NUM_FIELDS, torch.int64)
         pending = DevicePendingStep(self, stamped.seq, kind, self._shared_seq, exchange)
         self._shared_seq += 1
         self._unresolved.append(pending)
@@ -487,23 +591,20 @@ class DeviceCoordClient(SessionView):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _stream_context(self) -> contextlib.AbstractContextManager[object]:
-        if self._stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._stream)
-
-    def _post(self, row: torch.Tensor, width: int, dtype: torch.dtype) -> _Exchange:
-        """Zeroed [world, width] matrix with `row` at this rank, summed across the group."""
-        rank = self.session.dp_rank
-        if self.device.type == "cpu":
-            matrix = torch.zeros((self.world_size, width), dtype=dtype)
-            matrix[rank] = row
-            return _Exchange(self, matrix)
-        with self._stream_context():
-            staged = row.pin_memory()
-            matrix = torch.zeros((self.world_size, width), dtype=dtype, device=self.device)
-            matrix[rank].copy_(staged, non_blocking=True)
-        return _Exchange(self, matrix)
+    def _post(
+        self, row: torch.Tensor | Sequence[int] | bytes, width: int, dtype: torch.dtype
+    ) -> _Exchange:
+        """A [world, width] matrix, zero but for `row` at this rank, summed across the group;
+        its buffers are made once per width and reused (no tensor is made per round)."""
+        free = self._free.get((width, dtype))
+        if free is None:
+            free = self._free[(width, dtype)] = []
+        if free:
+            buffers = free.pop()
+        else:
+            buffers = _Buffers(self.world_size, width, dtype, self.session.dp_rank, self.device)
+        buffers.write(row.tolist() if isinstance(row, torch.Tensor) else row)
+        return _Exchange(self, buffers, free)
 
     def _done(self, pending: DevicePendingStep) -> bool:
         if pending._outcome is not None or self.session.failed is not None:
@@ -536,7 +637,7 @@ class DeviceCoordClient(SessionView):
             pending._outcome = self.session.failed
             return
         try:
-            rows = pending._exchange.result(deadline, timeout).tolist()
+            rows = pending._exchange.rows(deadline, timeout)
             pending._outcome = resolve_round(rows, seq=pending.shared_seq, hellos=self._hellos)
         except StepTimeout:
             raise  # the all-reduce is still in flight: waiting again may succeed

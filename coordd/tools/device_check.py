@@ -7,6 +7,11 @@ Sections (each in freshly spawned rank processes, skipped with a reason where th
 - `gloo-cuda`: gloo over CUDA tensors, 2 processes on one GPU;
 - `cpu`: gloo over CPU tensors beside a real coordd, N = 2 and 4, the two paths (and, for
   reference, a bare all_reduce of the same matrix) interleaved round by round in one run.
+In every section the device path's rounds alternate with its floor, the bare collective on the
+same [N, fields] int64 matrix made once: on CUDA the row copied in from pinned memory, the
+all_reduce and the copy back into pinned memory (on the CPU the all_reduce alone); the table
+ends with each device path's p50 over its floor's (the goal: <= 1.5x). `--profile N` profiles
+N more device-path rounds on rank 0 of each section (cProfile, the top entries by own time).
 Every round's decision is checked against `coordd.proto.policy.decide` of all ranks' reports (every
 rank draws every rank's report from the shared seed). Prints a table and one JSON line; exits
 1 on any wrong decision or error.
@@ -42,6 +47,7 @@ class Section(msgspec.Struct, frozen=True):
     coordd: str = ""
     cuda_waits: list[str] = msgspec.field(default_factory=lambda: ["poll"])
     overlap: bool = False
+    profile: int = 0
 
 
 class Timing(msgspec.Struct):
@@ -55,6 +61,7 @@ class RankResult(msgspec.Struct):
     timings: list[Timing] = []
     wrong: list[str] = []
     error: str = ""
+    profile: str = ""
 
 
 def draw(seq: int, world: int) -> tuple[list[StepReport], StepKind]:
@@ -137,6 +144,51 @@ def overlapped(client, rank: int, s: Section, seq: int, timing: Timing, wrong: l
     return seq
 
 
+#: The floor's name in the table, by device type.
+BARE = {"cpu": "bare all_reduce", "cuda": "bare all_reduce + host copies"}
+
+
+def bare_round(world: int, device: str):  # type: ignore[no-untyped-def]
+    """The device path's floor: one round of the same collective on the same matrix, made
+    once (on CUDA: the row in from pinned memory, the all_reduce, the sum back into pinned
+    memory, as the device path moves it; on the CPU: the all_reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    from coordd.client.device import NUM_FIELDS
+
+    cuda = device.startswith("cuda")
+    matrix = torch.zeros((world, NUM_FIELDS), dtype=torch.int64, device=device)
+    if not cuda:
+        return lambda: dist.all_reduce(matrix, async_op=True).wait()
+    staged = torch.zeros((world, NUM_FIELDS), dtype=torch.int64, pin_memory=True)
+    out = torch.zeros((world, NUM_FIELDS), dtype=torch.int64, pin_memory=True)
+
+    def one() -> None:
+        matrix.copy_(staged, non_blocking=True)
+        dist.all_reduce(matrix, async_op=True).wait()
+        out.copy_(matrix)
+
+    return one
+
+
+def profiled(client, rank: int, s: Section, seq: int, wrong: list[str]) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    """`s.profile` more rounds under cProfile: the top entries by own time, as text."""
+    import cProfile
+    import io
+    import pstats
+
+    timing = Timing("profile", [])
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(s.profile):
+        seq = one_round(client, rank, s.world, seq, timing, wrong)
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+    return seq, text.getvalue()
+
+
 def rank_main(rank: int, data: bytes, out: mp.Queue) -> None:
     s = msgspec.msgpack.decode(data, type=Section)
     s = msgspec.structs.replace(s, device=s.device or f"cuda:{rank}")  # "": one GPU per rank
@@ -147,7 +199,7 @@ def rank_main(rank: int, data: bytes, out: mp.Queue) -> None:
         import torch
         import torch.distributed as dist
 
-        from coordd.client.device import NUM_FIELDS, DeviceCoordClient
+        from coordd.client.device import DeviceCoordClient
         from coordd.client.sync import CoordClient
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -180,25 +232,28 @@ def rank_main(rank: int, data: bytes, out: mp.Queue) -> None:
                 path += f" wait={wait}" if s.backend == "nccl" else ""
                 timing = Timing(path, [])
                 result.timings.append(timing)
-                ctiming, rtiming = Timing("coordd", []), Timing("raw gloo all_reduce", [])
-                raw = torch.zeros((s.world, NUM_FIELDS), dtype=torch.int64, device=s.device)
+                ctiming = Timing("coordd", [])
+                rtiming = Timing(f"{BARE[s.device.split(':')[0]]} ({s.backend})", [])
+                bare = bare_round(s.world, s.device)
+                turns = 3 if coordd is not None else 2
                 for i in range(s.rounds):
-                    if coordd is None:
-                        seq = one_round(device, rank, s.world, seq, timing, result.wrong)
-                        continue
                     # the paths interleaved, in turns, so none always follows the same one
-                    for turn in range(3):
-                        which = (i + turn) % 3
+                    for turn in range(turns):
+                        which = (i + turn) % turns
                         if which == 0:
                             seq = one_round(device, rank, s.world, seq, timing, result.wrong)
                         elif which == 1:
-                            cseq = one_round(coordd, rank, s.world, cseq, ctiming, result.wrong)
-                        else:
-                            t0 = time.perf_counter()  # the bare collective, for reference
-                            dist.all_reduce(raw, async_op=True).wait()
+                            t0 = time.perf_counter()
+                            bare()
                             rtiming.latencies.append(time.perf_counter() - t0)
+                        else:
+                            cseq = one_round(coordd, rank, s.world, cseq, ctiming, result.wrong)
+                result.timings.append(rtiming)
                 if coordd is not None:
-                    result.timings += [ctiming, rtiming]
+                    result.timings.append(ctiming)
+                if s.profile and wait == s.cuda_waits[0]:  # every rank: the rounds are collective
+                    seq, text = profiled(device, rank, s, seq, result.wrong)
+                    result.profile = f"{s.name}, {path}, {s.profile} rounds, rank {rank}:\n{text}"
                 if s.overlap:
                     otiming = Timing(path + " + 1ms GPU work", [])
                     result.timings.append(otiming)
@@ -242,11 +297,45 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e6 if xs else float("nan")
 
 
+def floor_ratios(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Each device path's p50 over its section's floor's (the bare collective's)."""
+    out: list[dict[str, object]] = []
+    for row in rows:
+        path = str(row["path"])
+        if not path.startswith("device ") or "GPU work" in path:
+            continue
+        floor = next(
+            (
+                r
+                for r in rows
+                if r["section"] == row["section"] and str(r["path"]).startswith("bare ")
+            ),
+            None,
+        )
+        if floor is None:
+            continue
+        p50, floor_p50 = float(row["p50_us"]), float(floor["p50_us"])  # type: ignore[arg-type]
+        out.append(
+            {
+                "section": row["section"],
+                "path": path,
+                "floor": floor["path"],
+                "p50_us": p50,
+                "floor_p50_us": floor_p50,
+                "ratio": round(p50 / floor_p50, 3),
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2000, help="timed rounds per path and section")
     ap.add_argument("--sections", default="nccl,gloo-cuda,cpu", help="comma-separated")
     ap.add_argument("--cpu-worlds", default="2,4", help="N for the cpu section")
+    ap.add_argument(
+        "--profile", type=int, default=0, help="profile this many more device-path rounds (0: no)"
+    )
     args = ap.parse_args(argv)
     wanted = set(args.sections.split(","))
 
@@ -259,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus = torch.cuda.device_count() if cuda else 0
     rows: list[dict[str, object]] = []
     failures: list[str] = []
+    profiles: list[str] = []
     print(f"torch {torch.__version__}, CUDA devices: {gpus}, python {sys.version.split()[0]}")
     with tempfile.TemporaryDirectory(prefix="coordd-device-check-") as tmp:
         sections: list[tuple[Section, CoorddProcess | None]] = []
@@ -278,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{tmp}/nccl",
                             cuda_waits=["poll", "work"],
                             overlap=True,
+                            profile=args.profile,
                         ),
                         None,
                     )
@@ -288,7 +379,15 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 sections.append(
                     (
-                        Section("gloo-cuda", "gloo", 2, "cuda:0", args.rounds, f"{tmp}/gloo-cuda"),
+                        Section(
+                            "gloo-cuda",
+                            "gloo",
+                            2,
+                            "cuda:0",
+                            args.rounds,
+                            f"{tmp}/gloo-cuda",
+                            profile=args.profile,
+                        ),
                         None,
                     )
                 )
@@ -296,7 +395,18 @@ def main(argv: list[str] | None = None) -> int:
             for n in (int(x) for x in args.cpu_worlds.split(",")):
                 proc = CoorddProcess(n, f"ipc://{tmp}/coordd-{n}.sock", ["--log-level", "warning"])
                 sections.append(
-                    (Section(f"cpu N={n}", "gloo", n, "cpu", args.rounds, f"{tmp}/cpu-{n}"), proc)
+                    (
+                        Section(
+                            f"cpu N={n}",
+                            "gloo",
+                            n,
+                            "cpu",
+                            args.rounds,
+                            f"{tmp}/cpu-{n}",
+                            profile=args.profile,
+                        ),
+                        proc,
+                    )
                 )
         for s, coordd in sections:
             started = time.monotonic()
@@ -307,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 if coordd is not None:
                     coordd.stop()
+            profiles.extend(r.profile for r in results if r.profile and r.rank == 0)
             for r in results:
                 if r.error:
                     failures.append(f"{s.name} rank {r.rank}: {r.error}")
@@ -343,7 +454,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['section']:<10} {row['path']:<34} {row['n']:>2} {row['rounds']:>7} "
             f"{row['p50_us']:>9} {row['p99_us']:>9}{blocked}"
         )
-    print(json.dumps({"rows": rows, "failures": failures}))
+    ratios = floor_ratios(rows)
+    if ratios:
+        print("\ndevice path p50 / its floor's p50 (same run; the goal: <= 1.5x)")
+    for ratio in ratios:
+        print(
+            f"{ratio['section']:<10} {ratio['path']:<34} {ratio['ratio']:.2f}x "
+            f"({ratio['p50_us']} / {ratio['floor_p50_us']} us, {ratio['floor']})"
+        )
+    for text in profiles:
+        print(f"\nprofile: {text}")
+    print(json.dumps({"rows": rows, "ratios": ratios, "failures": failures}))
     for f in failures:
         print("FAIL", f)
     print("OK: every decision equal to the policy" if not failures else "FAILED")

@@ -20,6 +20,7 @@ pytest.importorskip("torch")
 from coordd.client._factory import DEVICE_PATH_ENV, connect_coordinator, device_path_enabled
 from coordd.client.device import (
     HELLO_BYTES,
+    KIND_CODES,
     Field,
     admit,
     decode_hellos,
@@ -141,6 +142,26 @@ def test_a_state_round_on_the_matrix_answers_sync_dp_state(bits: tuple[bool, ...
                                  hellos=hellos(2)))
     # vllm/config/parallel.py sync_dp_state: one SUM all-reduce of [has_unfinished, pause]
     assert got == (any(unfinished) or sum(pending) % 2 != 0, all(pending))
+
+
+def test_a_row_carries_each_field_in_its_column() -> None:
+    report = StepReport(num_tokens=3, num_tokens_padded=5, want_ubatch=True, cudagraph_mode=2,
+                        has_unfinished=True, want_pause=True, seq=7, kind=StepKind.DRAFT)
+    row = encode_row(report, fingerprint=11, num_ubatches=13)
+    assert len(row) == len(Field)
+    assert {f: row[f] for f in Field} == {
+        Field.NUM_TOKENS: 3, Field.NUM_TOKENS_PADDED: 5, Field.WANT_UBATCH: 1,
+        Field.CUDAGRAPH_MODE: 2, Field.HAS_UNFINISHED: 1, Field.WANT_PAUSE: 1, Field.SEQ: 7,
+        Field.KIND: KIND_CODES[StepKind.DRAFT], Field.FINGERPRINT: 11, Field.NUM_UBATCHES: 13,
+        Field.PRESENT: 1,
+    }
+    # every row with the same unknown kind code is still refused
+    rows = rows_for([REPORT] * 2, 0)
+    for r in rows:
+        r[Field.KIND] = 99
+    with pytest.raises(ProtocolError) as err:
+        resolve_round(rows, seq=0, hellos=hellos(2))
+    assert err.value.rank == 0
 
 
 def test_a_row_nobody_wrote_or_a_bad_kind_code_is_a_protocol_error() -> None:

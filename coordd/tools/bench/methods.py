@@ -5,7 +5,8 @@ and every one but the floor ends with the round's decision in hand, so the figur
 like with like: coordd over ipc and tcp, a minimal blocking pyzmq hub (the ZeroMQ limit), a gloo
 all_reduce(SUM) of the int32 [fields x dp] matrix as vLLM's V1 runner does it, vLLM's own
 `cpu_all_reduce_` (recursive doubling over gloo p2p) on Model Runner V2's int32 [7 x dp]
-matrix, the device-path client, and the raw-socket floor.
+matrix, the device-path client (on gloo, and on NCCL where there is a GPU per rank), the bare
+collective each device path is measured against, and the raw-socket floor.
 """
 
 from __future__ import annotations
@@ -35,9 +36,28 @@ GLOO = "gloo"
 VLLM = "vllm-cpu-all-reduce"
 VLLM_PLUGIN = "vllm-plugin"
 DEVICE = "device-gloo"
+GLOO_BARE = "gloo-bare"
+DEVICE_NCCL = "device-nccl"
+NCCL_BARE = "nccl-bare"
 FLOOR = "floor"
 #: Every method, in the order the tables list them.
-ALL_METHODS = (COORDD_IPC, COORDD_TCP, HUB, FLOOR, GLOO, VLLM, VLLM_PLUGIN, DEVICE)
+ALL_METHODS = (
+    COORDD_IPC,
+    COORDD_TCP,
+    HUB,
+    FLOOR,
+    GLOO,
+    VLLM,
+    VLLM_PLUGIN,
+    DEVICE,
+    GLOO_BARE,
+    DEVICE_NCCL,
+    NCCL_BARE,
+)
+#: Each device path and its floor: the same collective, bare (the run prints their ratio).
+DEVICE_FLOORS = {DEVICE: GLOO_BARE, DEVICE_NCCL: NCCL_BARE}
+#: The methods on an NCCL group: one CUDA device per rank.
+NCCL_METHODS = (DEVICE_NCCL, NCCL_BARE)
 #: Methods whose start() runs the whole exchange (nothing to overlap): not in the overlap phase.
 BLOCKING_METHODS = (VLLM, VLLM_PLUGIN)
 #: The plugin method's coordd group (beside coordd-ipc's default group, on the same coordd):
@@ -319,19 +339,108 @@ def device_client_class() -> type | None:
     return DeviceCoordClient
 
 
+def nccl_unavailable(dp: int | None = None) -> str | None:
+    """None if the NCCL methods can run here (with `dp` ranks: NCCL takes one GPU per rank,
+    "Duplicate GPU detected" otherwise), else why not."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install 'coordd[device]')"
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        return "no CUDA device here"
+    if not dist.is_available() or not dist.is_nccl_available():
+        return "this torch has no NCCL"
+    gpus = torch.cuda.device_count()
+    if dp is not None and dp > gpus:
+        return f"dp={dp} needs {dp} CUDA devices (NCCL takes one per rank); this host has {gpus}"
+    return None
+
+
+_nccl_group: Any = None
+
+
+def nccl_group(rank: int) -> Any:
+    """An NCCL group of every rank beside the default (gloo) one, this rank on cuda:rank; made
+    once per process (every rank makes it, in the same order)."""
+    global _nccl_group
+    if _nccl_group is None:
+        import torch
+        import torch.distributed as dist
+
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        torch.cuda.set_device(rank)
+        _nccl_group = dist.new_group(backend="nccl")
+    return _nccl_group
+
+
 class DeviceMethod(_ClientMethod):
-    """The device-path client on gloo: the same surface as `CoordClient` (start, wait, close)."""
+    """The device-path client (start, wait, close: `CoordClient`'s surface), on the default
+    gloo group, or (`nccl`) on an NCCL group over cuda:rank."""
 
-    name = DEVICE
-
-    def __init__(self, rank: int, tables: Sequence[Sequence[StepReport]]) -> None:
+    def __init__(self, rank: int, tables: Sequence[Sequence[StepReport]], nccl: bool = False):
         cls = device_client_class()
         if cls is None:
             raise RuntimeError("the device path needs torch: pip install 'coordd[device]'")
+        self.name = DEVICE_NCCL if nccl else DEVICE
         self.tables = tables
         self.reports = tables[rank]
-        self.client = cls(config=bench_config(rank, len(tables)))
+        group, device = (nccl_group(rank), f"cuda:{rank}") if nccl else (None, None)
+        self.client = cls(
+            config=bench_config(rank, len(tables)), process_group=group, device=device
+        )
         self.client.connect(timeout=30)
+
+
+class BareMethod:
+    """A device path's floor: its int64 [dp x fields] matrix made once, this rank's row put in
+    (one copy, from pinned host memory on CUDA), one SUM all_reduce, and the sum read back on
+    the host (through pinned memory on CUDA); no session, no policy. The result is the matrix
+    as lists, checked for every rank's token count."""
+
+    def __init__(self, rank: int, tables: Sequence[Sequence[StepReport]], nccl: bool = False):
+        import torch
+        import torch.distributed as dist
+
+        from coordd.client.device import NUM_FIELDS, encode_row
+
+        self.name = NCCL_BARE if nccl else GLOO_BARE
+        self._dist = dist
+        self.tables = tables
+        self.dp = len(tables)
+        self.group = nccl_group(rank) if nccl else None
+        device = torch.device("cuda", rank) if nccl else torch.device("cpu")
+        self.cuda = nccl
+        self.staged = []
+        for report in tables[rank]:
+            staged = torch.zeros((self.dp, NUM_FIELDS), dtype=torch.int64, pin_memory=nccl)
+            staged[rank] = torch.tensor(encode_row(report, 0, 0), dtype=torch.int64)
+            self.staged.append(staged)
+        self.matrix = torch.zeros((self.dp, NUM_FIELDS), dtype=torch.int64, device=device)
+        self.out = (
+            torch.zeros((self.dp, NUM_FIELDS), dtype=torch.int64, pin_memory=True)
+            if nccl
+            else self.matrix
+        )
+
+    def start(self, i: int) -> Any:
+        self.matrix.copy_(self.staged[i % TABLE_SIZE], non_blocking=True)
+        return self._dist.all_reduce(self.matrix, group=self.group, async_op=True)
+
+    def wait(self, handle: Any) -> Any:
+        handle.wait()
+        if self.cuda:
+            self.out.copy_(self.matrix)
+        return self.out.tolist()
+
+    def check(self, i: int, result: Any) -> bool:
+        want = [self.tables[r][i % TABLE_SIZE].num_tokens for r in range(self.dp)]
+        return bool([row[0] for row in result] == want)
+
+    def close(self) -> None:
+        pass
 
 
 class FloorMethod:

@@ -21,11 +21,15 @@ from coordd.tools.bench.methods import (
     COORDD_IPC,
     COORDD_TCP,
     DEVICE,
+    DEVICE_NCCL,
     FLOOR,
     GLOO,
+    GLOO_BARE,
     HUB,
+    NCCL_BARE,
     VLLM,
     VLLM_PLUGIN,
+    BareMethod,
     CoorddMethod,
     DeviceMethod,
     FloorMethod,
@@ -130,6 +134,11 @@ def _open(setup: RankSetup) -> dict[str, Method]:
             init_gloo(setup.gloo_store, setup.rank, setup.dp, setup.gloo_ifname)
             cls: Any = {GLOO: GlooMethod, DEVICE: DeviceMethod, VLLM: VllmAllReduceMethod}[name]
             methods[name] = cls(setup.rank, tables)
+        elif name in (GLOO_BARE, DEVICE_NCCL, NCCL_BARE):
+            init_gloo(setup.gloo_store, setup.rank, setup.dp, setup.gloo_ifname)
+            nccl = name != GLOO_BARE
+            cls = BareMethod if name != DEVICE_NCCL else DeviceMethod
+            methods[name] = cls(setup.rank, tables, nccl=nccl)
         elif name == VLLM_PLUGIN:
             methods[name] = VllmPluginMethod(setup.coordd_ipc, setup.rank, tables)
         elif name == FLOOR:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import multiprocessing as mp
 import os
@@ -32,12 +33,16 @@ from coordd.tools.bench.methods import (
     COORDD_IPC,
     COORDD_TCP,
     DEVICE,
+    DEVICE_NCCL,
     FLOOR,
     GLOO,
+    GLOO_BARE,
     HUB,
+    NCCL_METHODS,
     VLLM,
     VLLM_PLUGIN,
     device_client_class,
+    nccl_unavailable,
     vllm_unavailable,
 )
 from coordd.tools.bench.rank import (
@@ -88,15 +93,28 @@ def available_methods(requested: Sequence[str]) -> tuple[list[str], dict[str, st
     for name in requested:
         if name not in ALL_METHODS:
             raise ValueError(f"unknown method {name!r}: choose from {', '.join(ALL_METHODS)}")
-        if name in (GLOO, DEVICE) and not has_torch:
+        if name in (GLOO, DEVICE, GLOO_BARE) and not has_torch:
             skipped[name] = "torch is not installed (pip install 'coordd[device]')"
         elif name in (VLLM, VLLM_PLUGIN) and vllm_unavailable():
             skipped[name] = str(vllm_unavailable())
-        elif name == DEVICE and device_client_class() is None:
+        elif name in NCCL_METHODS and nccl_unavailable():
+            skipped[name] = str(nccl_unavailable())
+        elif name in (DEVICE, DEVICE_NCCL) and device_client_class() is None:
             skipped[name] = "client/device.py (DeviceCoordClient) is not in this tree yet"
         else:
             chosen.append(name)
     return chosen, skipped
+
+
+def methods_at(dp: int, methods: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The methods that can run with `dp` ranks, and why the others cannot (the NCCL ones
+    need a CUDA device per rank)."""
+    why = nccl_unavailable(dp) if any(m in NCCL_METHODS for m in methods) else None
+    if why is None:
+        return list(methods), {}
+    return [m for m in methods if m not in NCCL_METHODS], {
+        m: why for m in methods if m in NCCL_METHODS
+    }
 
 
 def coordd_tcp_args() -> list[str]:
@@ -293,6 +311,12 @@ def _engine(dp: int, opts: LatencyOptions, group: RankGroup, log: Any) -> list[d
 
 def run_dp(dp: int, opts: LatencyOptions, log: Any = print) -> dict[str, Any]:
     """Latency, overlap, then the engine loop, for every method among the same dp ranks."""
+    methods, skipped = methods_at(dp, opts.methods)
+    for name, why in skipped.items():
+        log(f"dp={dp}: skipping {name}: {why}")
+    if not methods:
+        return {"latency": [], "overlap": [], "engine": []}
+    opts = dataclasses.replace(opts, methods=methods)
     with (
         tempfile.TemporaryDirectory(prefix="coordd-bench-") as tmp,
         _servers(dp, opts.methods, tmp) as (template, _),

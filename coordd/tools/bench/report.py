@@ -223,7 +223,7 @@ def render(results: dict[str, Any]) -> str:
             )
         )
         ratio_rows = ratios(latency)
-        keys = [k for k in ratio_rows[0] if k != "dp"] if ratio_rows else []
+        keys = list(dict.fromkeys(k for r in ratio_rows for k in r if k != "dp"))
         if keys:
             parts.append("\nRatios of p50 (same run)")
             parts.append(

@@ -5,7 +5,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from coordd.tools.bench.methods import COORDD_IPC, COORDD_TCP, FLOOR, GLOO, HUB, VLLM, VLLM_PLUGIN
+from coordd.tools.bench.methods import (
+    COORDD_IPC,
+    COORDD_TCP,
+    DEVICE,
+    DEVICE_FLOORS,
+    DEVICE_NCCL,
+    FLOOR,
+    GLOO,
+    HUB,
+    VLLM,
+    VLLM_PLUGIN,
+)
 
 TARGET_DP = 8
 SCALE_DP = 256
@@ -19,7 +30,8 @@ def find_row(rows: Sequence[dict[str, Any]], **match: Any) -> dict[str, Any] | N
 
 
 def ratios(latency: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per dp, coordd-ipc's p50 over every other method's (same run)."""
+    """Per dp, coordd-ipc's p50 over every other method's, and each device path's over its
+    bare collective's (same run)."""
     out = []
     for dp in sorted({r["dp"] for r in latency}):
         entry: dict[str, Any] = {"dp": dp}
@@ -34,6 +46,12 @@ def ratios(latency: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         )
         if plugin and vllm:
             entry[f"{VLLM_PLUGIN}/{VLLM}"] = plugin["p50_us"] / vllm["p50_us"]
+        for path, bare in DEVICE_FLOORS.items():
+            ratio = _ratio(
+                find_row(latency, dp=dp, method=path), find_row(latency, dp=dp, method=bare)
+            )
+            if ratio is not None:
+                entry[f"{path}/{bare}"] = ratio
         out.append(entry)
     return out
 
@@ -151,6 +169,25 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "x",
                 f"dp={dp}",
                 asked=wanted(VLLM_PLUGIN, COORDD_IPC, dp=dp),
+            )
+        )
+    for path, what, default_dp in (
+        (DEVICE, "bare gloo all_reduce", 2),
+        (DEVICE_NCCL, "bare NCCL all_reduce + host copy", 1),
+    ):
+        bare = DEVICE_FLOORS[path]
+        dps = sorted(r["dp"] for r in latency if r["method"] == path) or [default_dp]
+        dp = default_dp if default_dp in dps else dps[0]
+        out.append(
+            _target(
+                f"device path p50 / {what} p50",
+                _ratio(
+                    find_row(latency, dp=dp, method=path), find_row(latency, dp=dp, method=bare)
+                ),
+                1.5,
+                "x",
+                f"dp={dp}",
+                asked=wanted(path, bare, dp=dp),
             )
         )
     for name, kind, limit in (
