@@ -362,3 +362,52 @@ def test_a_relay_pointed_at_a_coordd_that_is_no_root_says_so(tmp_path: Path) -> 
     finally:
         relay.stop()
         flat.stop()
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_says_the_coordd_is_no_root_once_per_connection(tmp_path: Path) -> None:
+    """The relay's line about a coordd that is no root comes once per connection to it (a
+    rank retrying does not repeat it), and again once the relay connects anew."""
+    import time
+
+    address = f"ipc://{tmp_path}/flat.sock"
+    flat = CoorddProcess(DP, address, ["--log-level", "warning"]).start()
+    log = tmp_path / "relay.log"
+    relay = CoorddProcess(
+        DP,
+        f"ipc://{tmp_path}/relay.sock",
+        ["--log-level", "warning", "--relay-to", address, "--relay-ranks", "0-1",
+         "--relay-name", "node0", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1"],
+        log=log,
+    )
+
+    def refused(rank: int) -> None:
+        deadline = time.monotonic() + 20
+        while True:
+            c = CoordClient(relay.address, dp_rank=rank, dp_size=DP, config_fingerprint="it")
+            try:
+                c.connect(timeout=5)
+            except Rejected as exc:
+                assert exc.reason == "not_root", exc
+                return
+            except CoordinatorUnavailable:
+                assert time.monotonic() < deadline, "the relay never reached the coordd again"
+                time.sleep(0.2)
+            finally:
+                c.close()
+
+    def lines() -> int:
+        return log.read_text().count("is not started as a root")
+
+    try:
+        relay.start()
+        refused(0)
+        refused(1)
+        assert lines() == 1
+        flat.stop()
+        flat = CoorddProcess(DP, address, ["--log-level", "warning"]).start()
+        refused(0)
+        assert lines() == 2, log.read_text()
+    finally:
+        relay.stop()
+        flat.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -535,6 +536,35 @@ def test_a_root_takes_the_relay_a_flat_coordd_refuses(root_shell, relay_out) -> 
     assert isinstance(welcome, Welcome)
     assert set(server.relays.trees) == {"default"} and server.relays.fd_peer == {7: b"relay"}
     assert server.admission.counts[b"relay"] == 1  # counted as a stranger's Hello is
+
+
+def test_a_relayed_group_with_a_round_open_is_never_idle() -> None:
+    """The slot rule's idle test (a relayed group no relay holds may give its slot up) also
+    needs no round open, as a flat group's does. Today's machine clears the round when its
+    last relay goes, so no drain reaches that state; the rule must not rest on that."""
+    from types import SimpleNamespace
+
+    from coordd.io._relay_hub import _idle
+
+    def tree(holders: list[bytes], round_open: bool) -> Any:
+        snap = SimpleNamespace(round=object() if round_open else None)
+        return SimpleNamespace(holders=lambda: holders, snapshot=lambda: snap)
+
+    assert _idle(tree([], round_open=False))
+    assert not _idle(tree([], round_open=True))
+    assert not _idle(tree([b"relay"], round_open=False))
+
+
+def test_a_flat_coordd_answers_no_relay_hello_from_an_unnamed_peer(
+    shell, relay_out  # type: ignore[no-untyped-def]
+) -> None:
+    """A peer with no routing id of its own (libzmq's zero-byte names) is answered nothing,
+    as a root answers it nothing: its frame is still a stranger's bad frame."""
+    server, sock = shell
+    sock.put(b"\x00\x00\x00\x00\x07", _relay_hello("default", 1, [0]), 7)
+    server._drain_frames()
+    assert relay_out == {} and server.stats.bad_frames == 1
+    assert server.admission.counts[b"\x00\x00\x00\x00\x07"] == 1
 
 
 def test_a_wait_counts_only_under_the_rank_that_sent_it(
