@@ -123,6 +123,10 @@ REJECT_HINTS = {
         "or fnmatch patterns, by default vLLM's dp-tp*-pp*, enginecore and the client's "
         "default): add this group's name there, or fix the rank's group name"
     ),
+    "not_root": (
+        "the coordd at the relay's --relay-to address takes no relays: start that root with "
+        "--relay-root (COORDD_RELAY_ROOT=1), or point --relay-to at the root"
+    ),
     "group_limit": (
         "coordd serves at most --max-groups groups (COORDD_MAX_GROUPS): raise it, or find "
         "what registers so many group names (vLLM: one per TP/PP position, plus the engine cores)"

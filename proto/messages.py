@@ -86,6 +86,8 @@ class RejectReason(str, enum.Enum):
     ROUTING_ID = "routing_id"
     #: The group is not one the deployment expects (coordd's --groups names and patterns).
     GROUP_UNEXPECTED = "group_unexpected"
+    #: A relay's registration reached a coordd not started as a root (`--relay-root`).
+    NOT_ROOT = "not_root"
 
 
 class FailReason(str, enum.Enum):

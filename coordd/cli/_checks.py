@@ -43,6 +43,11 @@ def check_serve(args: argparse.Namespace) -> None:
     count("--handshake-ipv4-prefix", args.handshake_ipv4_prefix, low=8, high=32)
     if args.metrics_port is not None:
         count("--metrics-port", args.metrics_port, low=0, high=65535)
+    if getattr(args, "relay_root", False) and getattr(args, "relay_to", None):
+        raise OptionError(
+            "--relay-root and --relay-to: a coordd is the root relays register with, or a "
+            "relay, not both"
+        )
     if not str(args.metrics_host).strip():
         raise OptionError("--metrics-host must name an address (127.0.0.1, or 0.0.0.0)")
 

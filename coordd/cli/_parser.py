@@ -167,6 +167,13 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         "ipc://$XDG_RUNTIME_DIR/coordd/coordd.sock, else /tmp/coordd-$UID/coordd.sock)",
     )
     p.add_argument(
+        "--relay-root",
+        action="store_true",
+        default=_env("relay_root", False),
+        help="take relays: relays (--relay-to) may register this coordd's groups for the "
+        "ranks they serve (default: off; a relay's message is then refused as junk)",
+    )
+    p.add_argument(
         "--relay-to",
         default=_env("relay_to", None),
         help="run as a relay: serve this node's ranks at --bind and speak for all of them to "

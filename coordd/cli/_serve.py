@@ -59,6 +59,7 @@ def serve(args: argparse.Namespace) -> int:
             max_rss_mb=args.max_rss_mb,
             max_handshake_rate=args.max_handshake_rate,
             handshake_ipv4_prefix=args.handshake_ipv4_prefix,
+            relay_root=args.relay_root,
         )
         try:
             server = CoordServer(settings, context=context, curve=gate)

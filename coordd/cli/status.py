@@ -340,6 +340,7 @@ def render(doc: dict[str, Any]) -> str:
         f", pid {info['pid']}, up {_seconds(info['uptime_s'])}",
         f"dp {info['dp_size']}  groups {len(doc['groups'])} (at most {info['max_groups']}"
         + (f", expecting {expecting(info)}" if info["expect_groups"] else "")
+        + ("; root: takes relays" if info.get("relay_root") else "")
         + f")  frames in {frames['received']}, out {frames['sent']}, bad {frames['bad']}; "
         f"disconnects {doc['disconnects']}",
         f"ready: {'yes' if doc['ready'] else 'NO'} ({doc['ready_detail']})",

@@ -415,6 +415,14 @@ class Admission:
                 shuts += _shut(other, other_ident, FLOOD_PROCESS)
         return shuts
 
+    def may_answer(self, now: float) -> bool:
+        """Whether a stranger may be answered now: at most STRANGER_ANSWERS_PER_S a second in
+        all (a relay's message to a coordd that is no root takes from the same budget)."""
+        if self._answers.take(now):
+            return True
+        self.answers_dropped += 1
+        return False
+
     def answer(
         self, message: ToCoordinator, now: float, known_epoch: Callable[[int], bool]
     ) -> Heartbeat | StepFailed | None:
@@ -422,10 +430,7 @@ class Admission:
         Hello or a Goodbye, an echo for a Heartbeat, a failure for a report (`known_epoch`: it
         names some group's current epoch); at most STRANGER_ANSWERS_PER_S a second in all, so
         that a flood gets little back and queues little."""
-        if isinstance(message, (Goodbye, Hello)):
-            return None
-        if not self._answers.take(now):
-            self.answers_dropped += 1
+        if isinstance(message, (Goodbye, Hello)) or not self.may_answer(now):
             return None
         if isinstance(message, Heartbeat):
             return message

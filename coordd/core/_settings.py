@@ -33,6 +33,9 @@ class ServerSettings:
     max_handshake_rate: float = 0
     handshake_ipv4_prefix: int = defaults.DEFAULT_HANDSHAKE_IPV4_PREFIX
     stranger_grace: float = defaults.STRANGER_GRACE
+    #: `--relay-root`: whether relays (`coordd serve --relay-to`) may register here; without
+    #: it the relay wire is undecodable input, as any stranger's junk.
+    relay_root: bool = False
 
     def __post_init__(self) -> None:
         # lists from the command line become tuples: the value stays frozen

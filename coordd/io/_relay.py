@@ -7,6 +7,10 @@ its monitor's DISCONNECTED is the root lost (`RelayCoordinator.root_lost`: every
 node gets `CoordinatorUnavailable`). libzmq reconnects by itself; once the handshake succeeds
 again, the groups whose ranks wait to register ask the root again (`root_back`).
 
+A coordd not started as a root (`--relay-root`) refuses a registration with
+`Rejected(not_root)`: the node's waiting ranks get it, and the relay's log says once per
+connection that the coordd at --relay-to is not a root.
+
 The rank-loss mode of a relayed group is the root's --on-rank-loss, which its Welcome carries;
 a relay whose own setting differs says so once in its log.
 """
@@ -23,7 +27,7 @@ import zmq
 
 from coordd.io._server import CoordServer
 from coordd.proto.errors import ProtocolError
-from coordd.proto.messages import MAX_MESSAGE_BYTES, Welcome, encode
+from coordd.proto.messages import MAX_MESSAGE_BYTES, Reject, RejectReason, Welcome, encode
 from coordd.proto.relay import RelayCoordinator
 from coordd.proto.relay_messages import RelayUp, decode_from_root
 
@@ -78,6 +82,8 @@ class Relay:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._check_pending = False
         self._told_mode = False
+        #: Whether this connection's `not_root` refusal was logged (once per connection).
+        self._told_not_root = False
 
     def _make(self, group: str, epoch: int) -> RelayCoordinator:
         server = self.server
@@ -136,8 +142,23 @@ class Relay:
             if group is None or not isinstance(group.coordinator, RelayCoordinator):
                 continue
             touched = True
-            if type(answer.message) is Welcome and not self._told_mode:
+            message = answer.message
+            if type(message) is Welcome and not self._told_mode:
                 self._tell_mode(answer.on_rank_loss.value)
+            elif (
+                type(message) is Reject
+                and message.reason is RejectReason.NOT_ROOT
+                and not self._told_not_root
+            ):
+                self._told_not_root = True
+                log.error(
+                    "relay %s: the coordd at %s is not started as a root (coordd serve "
+                    "--relay-root, or COORDD_RELAY_ROOT=1): it refused group %s, and this "
+                    "node's ranks get Rejected(not_root)",
+                    self.name,
+                    self.root,
+                    answer.group,
+                )
             server._deadlines.touched.add(group)
             server.send(group.coordinator.from_root(answer, server.clock()), group.observer)
         if touched:
@@ -174,6 +195,7 @@ class Relay:
                     server.send(coordinator.root_lost(now, detail), group.observer)
             if event == _UP:
                 self.connected = True
+                self._told_not_root = False
                 log.info("relay %s connected to the root at %s", self.name, self.root)
             elif event == _DOWN:
                 self.connected = False

@@ -9,6 +9,11 @@ to every rank it claims (`key_refusal`): one node's key cannot speak for another
 
 A group is served flat (ranks connect to this coordd) or through relays, never both: a Hello
 for a relayed group, or a relay's registration for a flat group, is refused.
+
+Only a coordd started as a root (`--relay-root`) takes relays. Any other answers the relay
+wire as junk: nothing is kept, the frame is a stranger's bad frame (flood-counted, the
+aggregated log line), and a `RelayHello` gets one `Rejected(not_root)` naming the option, so
+a relay pointed at the wrong coordd says why at once instead of waiting for a root.
 """
 
 from __future__ import annotations
@@ -61,8 +66,14 @@ class RelayHub:
         wall: Callable[[], float],
         key_refusal: Callable[[str, str, int], str | None] | None = None,
         on_rank_loss: OnRankLoss = OnRankLoss.FAIL,
+        root: bool = False,
     ) -> None:
         self._sock = sock
+        #: Started with --relay-root: relays may register (else `from_stranger` takes none).
+        self.root = root
+        #: Not a root: whether a RelayHello may be answered now (the server gives admission's
+        #: budget for strangers' answers).
+        self.may_answer: Callable[[float], bool] = lambda now: True
         self._descriptors = descriptors
         self.dp_size = dp_size
         self.step_timeout = step_timeout
@@ -97,12 +108,38 @@ class RelayHub:
     def from_stranger(self, peer: bytes, fd: int, frame: zmq.Frame) -> bool:
         """A frame the rank wire did not decode from a peer in no group over `fd`: True if it
         is a relay's message (handled here). Not if an older connection on `fd` queued it
-        (`Descriptors.claim`); a relay that registers is bound to its connection's socket."""
+        (`Descriptors.claim`); a relay that registers is bound to its connection's socket. Not
+        a root: always False (a RelayHello is answered `Rejected(not_root)` first)."""
+        if not self.root:
+            self._not_root(peer, frame)
+            return False
         if not (self._descriptors.claim(peer, fd) and self.handle(peer, frame)):
             return False
         if self.peer_fd.get(peer) == fd:
             self._descriptors.note(peer, fd)
         return True
+
+    def _not_root(self, peer: bytes, frame: zmq.Frame) -> None:
+        """Answer a RelayHello to a coordd that takes no relays with why (once per message,
+        as a refused Hello is; the caller counts the frame toward the flood cut-off)."""
+        try:
+            message = decode_from_relay(frame.buffer)
+        except ProtocolError:
+            return
+        if type(message) is not RelayHello or peer[:1] == b"\x00":
+            return
+        self.refused += 1
+        if not self.may_answer(self.clock()):
+            return
+        error = Rejected(
+            RejectReason.NOT_ROOT.value,
+            "this coordd serves its groups flat and takes no relays: start the root relays "
+            "connect to with --relay-root (COORDD_RELAY_ROOT=1)",
+            expected="a coordd started with --relay-root",
+            got="a coordd without it",
+        )
+        answer = RelayAnswer(group=shown(message.group)[:256], message=reject_message(error))
+        self.send((RelaySend((peer,), answer),))
 
     def handle(self, peer: bytes, frame: zmq.Frame) -> bool:
         """A frame the rank wire did not decode from a peer that holds no rank: True if it is

@@ -159,6 +159,7 @@ class CoordServer:
             wall=wall,
             key_refusal=curve.key_refusal if curve is not None and curve.binds else None,
             on_rank_loss=settings.on_rank_loss,
+            root=settings.relay_root,
         )
         #: The connections that hold no rank: cap, flood cut-off, grace, memory pressure.
         self.admission = Admission(
@@ -167,6 +168,7 @@ class CoordServer:
             now=clock(),
             evictable=self.registry.evictable_fds,
         )
+        self.relays.may_answer = self.admission.may_answer
         #: Carries out admission's decisions: shutdowns, the grace timer, the memory watch.
         self.guard = Guard(
             self.admission,

@@ -353,6 +353,7 @@ def status_document(
             "max_groups": server.settings.max_groups,
             "expect_groups": server.settings.expected_count,
             "expected_groups": list(server.settings.expected_names),
+            "relay_root": server.settings.relay_root,
         },
         "ready": ready,
         "ready_detail": why,

@@ -62,6 +62,7 @@ def test_the_root_shows_a_relayed_group_its_relays_and_a_lost_relays_ranks(
         ]
         shown = render(doc)
         assert "through 2 relays" in shown and "node1  2-3" in shown, shown
+        assert doc["coordd"]["relay_root"] is True and "root: takes relays" in shown, shown
         labels = '{group="default"}'
         assert metric_value(tree.port, f"coordd_group_relays{labels}") == 2
         assert metric_value(tree.port, f"coordd_registered_ranks{labels}") == DP

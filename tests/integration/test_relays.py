@@ -34,7 +34,9 @@ class TreeProcs:
         self.port = 0
 
     def start_root(self, *args: str) -> CoorddProcess:
-        self.root = CoorddProcess(DP, self.root_address, ["--log-level", "warning", *args])
+        self.root = CoorddProcess(
+            DP, self.root_address, ["--log-level", "warning", "--relay-root", *args]
+        )
         self.started.append(self.root)
         return self.root.start()
 
@@ -278,6 +280,7 @@ def test_relays_authenticate_with_curve_and_speak_only_for_their_bound_ranks(
         "tcp://127.0.0.1:*",
         ["--log-level", "warning", "--curve-secret-key", f"{keys}/coordd.key_secret",
          "--curve-client-keys", ",".join(grants)],
+        env={"COORDD_RELAY_ROOT": "1"},  # a root: CURVE keys alone take no relays
     )
     started = [root.start()]
 
@@ -322,3 +325,89 @@ def test_relays_authenticate_with_curve_and_speak_only_for_their_bound_ranks(
     finally:
         for proc in started:
             proc.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_pointed_at_a_coordd_that_is_no_root_says_so(tmp_path: Path) -> None:
+    """Issue 36 item 1: every coordd answered the relay wire. A coordd started without
+    --relay-root refuses the relay's registration (`not_root`, naming the option); the relay's
+    ranks get that Rejected, and the relay's log says the coordd it points at is no root.
+    The same coordd still serves ranks that connect to it."""
+    flat = CoorddProcess(DP, f"ipc://{tmp_path}/flat.sock", ["--log-level", "warning"]).start()
+    log = tmp_path / "relay.log"
+    relay = CoorddProcess(
+        DP,
+        f"ipc://{tmp_path}/relay.sock",
+        ["--log-level", "warning", "--relay-to", flat.address, "--relay-ranks", "0-1",
+         "--relay-name", "node0"],
+        log=log,
+    )
+    try:
+        relay.start()
+        rank = CoordClient(relay.address, dp_rank=0, dp_size=DP, config_fingerprint="it")
+        try:
+            with pytest.raises(Rejected) as refused:
+                rank.connect(timeout=10)
+        finally:
+            rank.close()
+        assert refused.value.reason == "not_root", refused.value
+        assert "--relay-root" in str(refused.value) and "--relay-root" in refused.value.hint
+        text = log.read_text()
+        assert "is not started as a root" in text and flat.address in text, text
+        direct = CoordClient(flat.address, dp_rank=0, dp_size=1, config_fingerprint="it")
+        try:
+            assert direct.connect(timeout=10).dp_size == 1
+        finally:
+            direct.close()
+    finally:
+        relay.stop()
+        flat.stop()
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_says_the_coordd_is_no_root_once_per_connection(tmp_path: Path) -> None:
+    """The relay's line about a coordd that is no root comes once per connection to it (a
+    rank retrying does not repeat it), and again once the relay connects anew."""
+    import time
+
+    address = f"ipc://{tmp_path}/flat.sock"
+    flat = CoorddProcess(DP, address, ["--log-level", "warning"]).start()
+    log = tmp_path / "relay.log"
+    relay = CoorddProcess(
+        DP,
+        f"ipc://{tmp_path}/relay.sock",
+        ["--log-level", "warning", "--relay-to", address, "--relay-ranks", "0-1",
+         "--relay-name", "node0", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "1"],
+        log=log,
+    )
+
+    def refused(rank: int) -> None:
+        deadline = time.monotonic() + 20
+        while True:
+            c = CoordClient(relay.address, dp_rank=rank, dp_size=DP, config_fingerprint="it")
+            try:
+                c.connect(timeout=5)
+            except Rejected as exc:
+                assert exc.reason == "not_root", exc
+                return
+            except CoordinatorUnavailable:
+                assert time.monotonic() < deadline, "the relay never reached the coordd again"
+                time.sleep(0.2)
+            finally:
+                c.close()
+
+    def lines() -> int:
+        return log.read_text().count("is not started as a root")
+
+    try:
+        relay.start()
+        refused(0)
+        refused(1)
+        assert lines() == 1
+        flat.stop()
+        flat = CoorddProcess(DP, address, ["--log-level", "warning"]).start()
+        refused(0)
+        assert lines() == 2, log.read_text()
+    finally:
+        relay.stop()
+        flat.stop()

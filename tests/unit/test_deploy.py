@@ -285,6 +285,9 @@ def test_coordd_is_a_probed_native_sidecar(name: str, monkeypatch: pytest.Monkey
         probes = probe_paths(container)
         assert probes["livenessProbe"][0] == "/livez"
         assert probes["startupProbe"][0] == "/livez"
+        # the deciding coordd takes relays (--relay-root) exactly where relays speak to it
+        has_relays = len(sidecars) > len(roots)
+        assert args.relay_root == (container is roots[0][1] and has_relays), name
         if container is roots[0][1]:
             assert args.metrics_port == DEFAULT_METRICS_PORT
             assert probes["readinessProbe"][0] == "/readyz"

@@ -70,6 +70,8 @@ def refusal(argv: list[str]) -> str:
         (["--dp", "2", "--bind", "ipc:///tmp/" + "x" * 120], "longer than a UNIX socket"),
         (["--dp", "2", "--bind", "tcp://127.0.0.1:5555", "--curve-secret-key", "/k/c.key_secret",
           "--curve-client-keys", "9-3=/k/n.key"], "9-3=/k/n.key: a range of dp_ranks runs low"),
+        (["--dp", "2", "--relay-root", "--relay-to", "ipc:///tmp/r.sock", "--relay-ranks", "0"],
+         "--relay-root and --relay-to: a coordd is the root relays register with, or a relay"),
         (["demo", "--dp", "1"], "--dp must be >= 2"),
         (["demo", "--bind", "tcp://127.0.0.1:*"], "needs CURVE"),
         (["demo", "--bind", "127.0.0.1:5555"], "has no scheme"),
@@ -141,6 +143,21 @@ def test_the_environment_gives_values_and_a_flag_wins(monkeypatch: pytest.Monkey
                              "--curve-client-keys": "COORDD_CURVE_CLIENT_KEYS"}
     args, _ = cli.parse(["--dp", "2"])
     assert args.max_groups == 64 and args.log_level == "info" and args.bind is None
+
+
+def test_relays_are_taken_only_by_a_root_the_flag_or_its_variable_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--relay-root` is off unless given (a flat coordd takes no relays); COORDD_RELAY_ROOT
+    sets it as --insecure's variable does, and reaches the server's settings."""
+    args, _ = cli.parse(["--dp", "2"])
+    assert args.relay_root is False
+    monkeypatch.setenv("COORDD_RELAY_ROOT", "1")
+    args, _ = cli.parse(["--dp", "2"])
+    assert args.relay_root is True and args.from_env == {"--relay-root": "COORDD_RELAY_ROOT"}
+    monkeypatch.setenv("COORDD_RELAY_ROOT", "perhaps")
+    with pytest.raises(SystemExit, match="COORDD_RELAY_ROOT='perhaps': --relay-root takes 1/0"):
+        cli.parse(["--dp", "2"])
 
 
 def test_a_bad_server_variable_does_not_break_status(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -89,7 +90,20 @@ SOCKETS: dict[int, int] = {}
 
 @pytest.fixture
 def shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    server = CoordServer(ServerSettings(f"ipc://{tmp_path}/c.sock", dp_size=1))
+    """A flat coordd (no --relay-root) over a fake socket."""
+    yield from _shell(tmp_path, monkeypatch, relay_root=False)
+
+
+@pytest.fixture
+def root_shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A root (--relay-root) over a fake socket."""
+    yield from _shell(tmp_path, monkeypatch, relay_root=True)
+
+
+def _shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, relay_root: bool):  # type: ignore[no-untyped-def]
+    server = CoordServer(
+        ServerSettings(f"ipc://{tmp_path}/c.sock", dp_size=1, relay_root=relay_root)
+    )
     fake = FakeSocket()
     real = server._sock
     monkeypatch.setattr(server, "_sock", fake)
@@ -218,7 +232,7 @@ def test_a_new_connection_on_a_reused_descriptor_is_heard_after_the_old_ones_clo
 
 
 def test_a_new_relay_on_a_reused_descriptor_is_heard_after_the_old_ones_close(
-    shell, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+    root_shell, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
 ) -> None:
     """The same race at a root: frames are drained before the monitor, so a new relay's
     registration over a descriptor whose old relay's close is not read yet was tracked on
@@ -226,7 +240,7 @@ def test_a_new_relay_on_a_reused_descriptor_is_heard_after_the_old_ones_close(
     from coordd.io import _relay_hub
     from coordd.proto.relay_messages import RelayHello
 
-    server, sock = shell
+    server, sock = root_shell
     monitor, real = FakeMonitor(), server._monitor
     server._monitor = monitor
     monkeypatch.setattr(_relay_hub, "_send_frame", lambda sock, data, flags: None)
@@ -374,13 +388,13 @@ def _relay_hello(group: str, dp: int, ranks: list[int], relay: str = "node"):  #
                       incarnation="x", relay=relay)
 
 
-def test_a_refused_relay_hello_leaves_no_relayed_group(shell, relay_out) -> None:  # type: ignore[no-untyped-def]
+def test_a_refused_relay_hello_leaves_no_relayed_group(root_shell, relay_out) -> None:  # type: ignore[no-untyped-def]
     """Issue 36 #1: a RelayHello refused by the group's own rules (dp_size 0) kept the relayed
     group it created, and every rank's own Hello for that group was then refused as "served
     through relays" until coordd restarted."""
     from coordd.proto.messages import Reject
 
-    server, sock = shell
+    server, sock = root_shell
     sock.put(b"junk", _relay_hello("default", 0, [0]), 7)
     server._drain_frames()
     (refused,) = relay_out[b"junk"]
@@ -398,7 +412,7 @@ def test_relayed_groups_no_relay_holds_give_their_slots_up_and_exact_names_keep_
     """Issue 36 #2: relayed groups were never dropped and exact names got no reserved slot:
     two pattern groups whose relays left filled --max-groups 2 for good, and a relay for
     `enginecore` (a name --groups gives exactly) was refused group_limit."""
-    server, fake = _fake_server(tmp_path, monkeypatch, dp_size=1, max_groups=2)
+    server, fake = _fake_server(tmp_path, monkeypatch, relay_root=True, dp_size=1, max_groups=2)
     try:
         for fd, group in ((7, "dp-tp1-pp0"), (8, "dp-tp2-pp0")):
             peer = b"gone%d" % fd
@@ -424,7 +438,7 @@ def test_a_relay_waiting_to_resize_is_not_protected_from_the_cap(
     wait was refused."""
     from coordd.proto.messages import Reject
 
-    server, fake = _fake_server(tmp_path, monkeypatch, dp_size=2, step_timeout=1.0)
+    server, fake = _fake_server(tmp_path, monkeypatch, relay_root=True, dp_size=2, step_timeout=1.0)
     try:
         fake.put(b"holder", _relay_hello("default", 2, [0, 1]), 7)
         fake.put(b"waiter", _relay_hello("default", 1, [0]), 8)
@@ -442,11 +456,11 @@ def test_a_relay_waiting_to_resize_is_not_protected_from_the_cap(
 
 
 def test_refused_relay_hellos_are_flood_counted_and_logged_once(
-    shell, relay_out, caplog: pytest.LogCaptureFixture  # type: ignore[no-untyped-def]
+    root_shell, relay_out, caplog: pytest.LogCaptureFixture  # type: ignore[no-untyped-def]
 ) -> None:
     """Issue 36 #5: relay-wire frames skipped the stranger flood cut-off, and every refused
     RelayHello logged a WARNING of its own."""
-    server, sock = shell
+    server, sock = root_shell
     caplog.set_level("WARNING", logger="coordd")
     for _ in range(50):
         sock.put(b"junk", _relay_hello("no such group", 1, [0]), 7)
@@ -455,6 +469,102 @@ def test_refused_relay_hellos_are_flood_counted_and_logged_once(
     assert server.admission.counts[b"junk"] == 50  # as many as a stranger's Hellos count
     lines = [r for r in caplog.records if "relay" in r.getMessage() and "refused" in r.getMessage()]
     assert 1 <= len(lines) <= 2, len(lines)
+
+
+def test_a_flat_coordd_takes_no_relay_and_counts_its_frames_as_a_strangers_junk(
+    shell, relay_out, caplog: pytest.LogCaptureFixture  # type: ignore[no-untyped-def]
+) -> None:
+    """Issue 36 item 1: every coordd answered the relay wire, root or not. A coordd started
+    without --relay-root keeps nothing a relay sends, counts each frame as a stranger's bad
+    frame toward the flood cut-off (one aggregated line), and answers a RelayHello with
+    Rejected(not_root) naming the option; a rank's own Hello for the group is then welcome."""
+    from coordd.proto.messages import Reject, RejectReason
+    from coordd.proto.relay_messages import RelayLeave
+
+    server, sock = shell
+    caplog.set_level("WARNING", logger="coordd")
+    for _ in range(50):
+        sock.put(b"relay", _relay_hello("default", 1, [0]), 7)
+    sock.put(b"relay", RelayLeave(group="default", epoch=1, lost=True), 7)
+    server._drain_frames()
+    answers = relay_out[b"relay"]
+    assert len(answers) == 50  # the RelayHellos; the leave is junk, unanswered
+    assert all(isinstance(a, Reject) and a.reason is RejectReason.NOT_ROOT for a in answers)
+    assert "--relay-root" in answers[0].text  # type: ignore[attr-defined]
+    assert server.relays.trees == {} and server.relays.fd_peer == {}
+    assert server.relays.peer_fd == {} and server.relays.messages == 0
+    assert server.admission.counts[b"relay"] == 51 and server.stats.bad_frames == 51
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) <= 2
+    sock.put(b"rank0", Hello(dp_size=1, dp_rank=0, config_fingerprint="", incarnation="x"), 5)
+    server._drain_frames()
+    (welcome,) = sock.out[b"rank0"]
+    assert isinstance(welcome, Welcome)
+
+
+def test_a_flat_coordd_cuts_a_relay_flood_off_and_answers_within_the_strangers_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, relay_out  # type: ignore[no-untyped-def]
+) -> None:
+    """Past the flood cut-off the sender's connection is shut, as for any stranger's junk,
+    and the RelayHellos answered take from the budget strangers' answers share."""
+    from coordd.core._admission import STRANGER_ANSWERS_PER_S, STRANGER_MESSAGES_PER_S
+
+    server, fake = _fake_server(tmp_path, monkeypatch, dp_size=1)
+    shut: list[tuple[bytes, int]] = []
+    monkeypatch.setattr(server.guard, "act", lambda decide: shut.append((b"cut", 0)) or 1)
+    start = server.clock()
+    monkeypatch.setattr(server.relays, "clock", lambda: start)  # no refill meanwhile
+    try:
+        for _ in range(STRANGER_MESSAGES_PER_S):
+            fake.put(b"relay", _relay_hello("default", 1, [0]), 7)
+        while server._drain_frames():
+            pass
+        assert shut, "the flood cut-off asked to shut the sender"
+        assert server.admission.counts[b"relay"] == STRANGER_MESSAGES_PER_S
+        assert len(relay_out[b"relay"]) <= STRANGER_ANSWERS_PER_S
+        assert server.admission.answers_dropped > 0
+        assert server.relays.trees == {} and server.relays.fd_peer == {}
+    finally:
+        server.close()
+
+
+def test_a_root_takes_the_relay_a_flat_coordd_refuses(root_shell, relay_out) -> None:  # type: ignore[no-untyped-def]
+    """The same RelayHello at a root (--relay-root) registers its relay."""
+    server, sock = root_shell
+    sock.put(b"relay", _relay_hello("default", 1, [0]), 7)
+    server._drain_frames()
+    (welcome,) = relay_out[b"relay"]
+    assert isinstance(welcome, Welcome)
+    assert set(server.relays.trees) == {"default"} and server.relays.fd_peer == {7: b"relay"}
+    assert server.admission.counts[b"relay"] == 1  # counted as a stranger's Hello is
+
+
+def test_a_relayed_group_with_a_round_open_is_never_idle() -> None:
+    """The slot rule's idle test (a relayed group no relay holds may give its slot up) also
+    needs no round open, as a flat group's does. Today's machine clears the round when its
+    last relay goes, so no drain reaches that state; the rule must not rest on that."""
+    from types import SimpleNamespace
+
+    from coordd.io._relay_hub import _idle
+
+    def tree(holders: list[bytes], round_open: bool) -> Any:
+        snap = SimpleNamespace(round=object() if round_open else None)
+        return SimpleNamespace(holders=lambda: holders, snapshot=lambda: snap)
+
+    assert _idle(tree([], round_open=False))
+    assert not _idle(tree([], round_open=True))
+    assert not _idle(tree([b"relay"], round_open=False))
+
+
+def test_a_flat_coordd_answers_no_relay_hello_from_an_unnamed_peer(
+    shell, relay_out  # type: ignore[no-untyped-def]
+) -> None:
+    """A peer with no routing id of its own (libzmq's zero-byte names) is answered nothing,
+    as a root answers it nothing: its frame is still a stranger's bad frame."""
+    server, sock = shell
+    sock.put(b"\x00\x00\x00\x00\x07", _relay_hello("default", 1, [0]), 7)
+    server._drain_frames()
+    assert relay_out == {} and server.stats.bad_frames == 1
+    assert server.admission.counts[b"\x00\x00\x00\x00\x07"] == 1
 
 
 def test_a_wait_counts_only_under_the_rank_that_sent_it(
@@ -493,13 +603,13 @@ def test_a_wait_counts_only_under_the_rank_that_sent_it(
 
 
 def test_a_relays_bundle_counts_only_over_the_connection_that_registered_it(
-    shell, relay_out  # type: ignore[no-untyped-def]
+    root_shell, relay_out  # type: ignore[no-untyped-def]
 ) -> None:
     """Planted (issue 36, item 5): a registered relay's bundle from another descriptor than
     its registration's was accepted."""
     from coordd.proto.relay_messages import RelayBundle
 
-    server, sock = shell
+    server, sock = root_shell
     sock.put(b"relay", _relay_hello("default", 1, [0]), 7)
     server._drain_frames()
     (welcome,) = relay_out[b"relay"]
@@ -523,7 +633,7 @@ def test_a_refused_relay_hello_makes_no_idle_group_give_its_slot_up(
     slot; one refused (here dp_size 0) leaves the idle group where it is."""
     from coordd.proto.messages import Reject
 
-    server, fake = _fake_server(tmp_path, monkeypatch, dp_size=1, max_groups=1)
+    server, fake = _fake_server(tmp_path, monkeypatch, relay_root=True, dp_size=1, max_groups=1)
     try:
         fake.put(b"gone", _relay_hello("dp-tp1-pp0", 1, [0]), 7)
         server._drain_frames()

@@ -193,6 +193,33 @@ def test_operations_md_states_the_exit_codes_status_has() -> None:
     assert "The " + EXIT_CODES + "." in text
 
 
+def test_the_status_socket_leaves_another_users_socket_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a socket of coordd's own uid left at PATH.http is a dead coordd's to replace:
+    another user's is left where it is (its inode unchanged) and no status socket is served
+    there. The other user is played by coordd's uid seen as another."""
+    path = tmp_path / "c.sock.http"
+    theirs = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.bind(str(path))
+    theirs.close()
+    os.link(path, tmp_path / "kept")  # the inode lives on if the path is unlinked: not reused
+    inode = os.lstat(path).st_ino
+    uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+
+    async def start() -> None:
+        served = HttpEndpoints({"/livez": lambda params=None: (200, "text/plain", b"ok")})
+        try:
+            await served.start_unix(str(path))
+        finally:
+            await served.close()
+
+    with pytest.raises(OSError):
+        asyncio.run(start())
+    assert os.lstat(path).st_ino == inode
+
+
 def test_the_status_socket_follows_no_symlink_swapped_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -118,6 +118,11 @@ class _Sims:
             conn.close()
 
 
+def _root_args(relay_ranks: int) -> list[str]:
+    """The coordd's flags: a root (`--relay-root`) when relays speak to it."""
+    return [*COORDD_ARGS, "--relay-root"] if relay_ranks else COORDD_ARGS
+
+
 def _start_relays(
     tmp: str, dp: int, root: str, relay_ranks: int, stack: contextlib.ExitStack
 ) -> list[CoorddProcess]:
@@ -153,7 +158,7 @@ def run_scale_dp(
     layout = f"relays of {relay_ranks}" if relay_ranks else "flat"
     with (
         tempfile.TemporaryDirectory(prefix="coordd-bench-scale-") as tmp,
-        CoorddProcess(dp, f"ipc://{tmp}/coordd.sock", COORDD_ARGS) as coordd,
+        CoorddProcess(dp, f"ipc://{tmp}/coordd.sock", _root_args(relay_ranks)) as coordd,
         contextlib.ExitStack() as stack,
     ):
         relays: list[CoorddProcess] = []
@@ -234,7 +239,7 @@ def run_root_alone(dp: int, opts: ScaleOptions, log: Any = print) -> dict[str, A
     tables = [report_table(r, opts.seed) for r in range(dp)]
     with (
         tempfile.TemporaryDirectory(prefix="coordd-bench-root-") as tmp,
-        CoorddProcess(dp, f"ipc://{tmp}/coordd.sock", COORDD_ARGS) as coordd,
+        CoorddProcess(dp, f"ipc://{tmp}/coordd.sock", _root_args(k)) as coordd,
     ):
         context = zmq.Context()
         socks = []

@@ -37,6 +37,9 @@ def _layout(dp: int) -> list[range]:
 class _RelayScenario(Scenario):
     expect = _EXPECT
 
+    def prepare(self, run: ScenarioRun) -> None:
+        run.coordd_args = [*run.coordd_args, "--relay-root"]  # the chaos run's coordd is the root
+
     def start_relay(
         self, run: ScenarioRun, index: int, prefix: list[str] | None = None
     ) -> ChaosCoordd:
@@ -151,6 +154,7 @@ class RelayCut(_RelayScenario):
     summary = "over tcp, one relay's link to the root goes down (network namespace), then up"
 
     def prepare(self, run: ScenarioRun) -> None:
+        super().prepare(run)
         prepare_cut(run, "a relay cut")
 
     def run(self, run: ScenarioRun) -> None:
