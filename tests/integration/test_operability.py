@@ -157,12 +157,15 @@ def coordd_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[s
 
 
 def run_rank(address: str, rank: int, dp: int, rounds: int, late_rank: int, delay: float,
-             out: mp.Queue, leave: multiprocessing.synchronize.Event) -> None:
+             out: mp.Queue, leave: multiprocessing.synchronize.Event,
+             registered: multiprocessing.synchronize.Barrier) -> None:
     """Coordinate `rounds` rounds (rank `late_rank` reports `delay` late each time), report
-    the decisions' seqs, then stay registered until `leave` is set."""
+    the decisions' seqs, then stay registered until `leave` is set. The rounds start once
+    every rank has registered, so a process that started slowly is not late in the first."""
     try:
         with CoordClient(address, dp_rank=rank, dp_size=dp, config_fingerprint="ops") as c:
             c.connect(timeout=30)
+            registered.wait(60)
             seqs = []
             for _ in range(rounds):
                 if rank == late_rank:
@@ -179,9 +182,11 @@ class Ranks:
         ctx = mp.get_context("spawn")
         self.out: mp.Queue = ctx.Queue()
         self.leave = ctx.Event()
+        self.registered = ctx.Barrier(dp)  # held: the children open it by name
         self.procs = [
             ctx.Process(target=run_rank, daemon=True,
-                        args=(address, r, dp, rounds, late_rank, delay, self.out, self.leave))
+                        args=(address, r, dp, rounds, late_rank, delay, self.out, self.leave,
+                              self.registered))
             for r in range(dp)
         ]
         for p in self.procs:
@@ -206,7 +211,7 @@ class Ranks:
 
 def test_metrics_status_and_probes_during_real_rounds(coordd: Callable[..., Coordd],
                                                       tmp_path: Path) -> None:
-    dp, rounds, late, delay = 3, 30, 2, 0.04
+    dp, rounds, late, delay = 3, 30, 2, 0.1
     c = coordd("serve", "--dp", str(dp), "--bind", f"ipc://{tmp_path}/c.sock", *http_args())
     assert c.url.startswith("http://127.0.0.1:"), "HTTP binds loopback unless asked"
     assert fetch(c.url + "/livez", 5) == (200, b"ok\n")
