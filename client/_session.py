@@ -365,8 +365,22 @@ class RankSession:
             msg = _decode_from_coordinator(frame)
         except msgspec.DecodeError:
             return None
-        if type(msg) is StepDecision or type(msg) is GatherResult:
+        kind = type(msg)
+        if kind is StepDecision or kind is GatherResult:
             if msg.seq == seq and seq not in self._answers:
+                asked = self._asked.get(seq)
+                if (
+                    kind is StepDecision
+                    and type(asked) is StepReport
+                    and msg.epoch == self.epoch
+                    and not self.registering
+                    and not self._asked_again
+                ):
+                    # `_judged` for a decision that answers the report asked, written out:
+                    # every round's answer comes this way
+                    del self._asked[seq]
+                    error = decision_misfit(msg, asked, self.dp_rank, self.dp_size)
+                    return msg if error is None else self._unfit(error)
                 judged = self._judged(msg)  # the awaited answer comes back, not kept
                 return msg if judged is True else judged
             return self._decided(msg)
