@@ -365,12 +365,11 @@ class RankSession:
             msg = _decode_from_coordinator(frame)
         except msgspec.DecodeError:
             return None
-        kind = type(msg)
-        if kind is StepDecision or kind is GatherResult:
+        if type(msg) is StepDecision or type(msg) is GatherResult:
             if msg.seq == seq and seq not in self._answers:
                 asked = self._asked.get(seq)
                 if (
-                    kind is StepDecision
+                    type(msg) is StepDecision
                     and type(asked) is StepReport
                     and msg.epoch == self.epoch
                     and not self.registering
