@@ -367,6 +367,19 @@ class RankSession:
             return None
         if type(msg) is StepDecision or type(msg) is GatherResult:
             if msg.seq == seq and seq not in self._answers:
+                asked = self._asked.get(seq)
+                if (
+                    type(msg) is StepDecision
+                    and type(asked) is StepReport
+                    and msg.epoch == self.epoch
+                    and not self.registering
+                    and not self._asked_again
+                ):
+                    # `_judged` for a decision that answers the report asked, written out:
+                    # every round's answer comes this way
+                    del self._asked[seq]
+                    error = decision_misfit(msg, asked, self.dp_rank, self.dp_size)
+                    return msg if error is None else self._unfit(error)
                 judged = self._judged(msg)  # the awaited answer comes back, not kept
                 return msg if judged is True else judged
             return self._decided(msg)

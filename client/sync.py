@@ -48,6 +48,9 @@ _WAIT, _SEND, _REOPEN = Step.WAIT, Step.SEND, Step.REOPEN
 _get_ident = threading.get_ident
 _now_ns = time.perf_counter_ns
 _send = zmq.backend.Socket.send
+_getsockopt = zmq.backend.Socket.get
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 class _PendingRound:
@@ -105,9 +108,23 @@ class PendingStep(_PendingRound):
     def wait(self, timeout: float | None = None) -> StepDecision:
         """Block until the decision arrives (at most `timeout`, default the client's); a
         second call returns the same decision (or raises the same error) at once."""
-        decision = self._settle(timeout)
-        assert type(decision) is StepDecision
-        return decision
+        outcome = self._outcome
+        if outcome is None:  # `_settle`, written out: every round comes here
+            try:
+                got = self._client._wait_outcome(self.seq, self._registration, timeout)
+                if type(got) is not StepDecision:
+                    raise _wrong_answer(self.seq, "step", got)
+            except StepTimeout:
+                raise
+            except CoordError as error:
+                self._outcome = error
+                raise
+            self._outcome = got
+            return got
+        if isinstance(outcome, CoordError):
+            raise outcome
+        assert type(outcome) is StepDecision
+        return outcome
 
 
 class PendingGather(_PendingRound):
@@ -182,18 +199,42 @@ class CoordClient(ClientShell):
         if type(kind) is not StepKind:
             kind = StepKind(kind)
         session = self.session
-        self._enter()
+        # `_enter`, `_read_available`, `_waited_before` and `_send_report` written out: this
+        # runs every round, and each call less is one less cold frame after the rank slept
+        self._busy = _get_ident()
         try:
-            if self._open is not None:
-                self._check_open(self._open)
+            if self._closed:  # read after marking, as `_enter` does
+                raise CoordinatorUnavailable(_CLOSED)
+            open_round = self._open
+            sock = self.connection.socket
+            if open_round is not None:
+                self._check_open(open_round)
             else:  # what came since: an answer for the round about to be reported is a misfit
-                self._read_available(expect=False)
-            stamped = session.report(report, kind, self._waited_before(session))
-            self._send_report(stamped)
+                try:
+                    if not sock.closed and int(_getsockopt(sock, _EVENTS)) & _POLLIN:
+                        drain(sock, self._on_frame, expect=True)
+                except zmq.ZMQError as exc:
+                    raise self._socket_error(exc) from None
+            last, last_registration, waited = self._waited
+            registration = session.registration
+            if last != session.next_seq - 1 or last_registration != registration:
+                waited = -1
+            stamped = session.report(report, kind, waited)
+            try:
+                # pyzmq's Socket.send without its Python layer, whose routing_id/group/Frame
+                # checks a plain bytes send never needs (the socket is always a pyzmq Socket)
+                _send(sock, encode(stamped), _NOBLOCK)
+            except zmq.Again:
+                raise session.fail(
+                    CoordinatorUnavailable(
+                        f"cannot send to coordd at {self.address}: no connection"
+                    )
+                ).error from None
         finally:
-            self._leave()
+            self._busy = None
+            if self._closed:  # close() came from another thread meanwhile: it left this to us
+                self._close_sockets()
         seq = stamped.seq
-        registration = session.registration
         self._open = (seq, registration)
         return PendingStep(self, seq, kind, registration)
 
@@ -375,8 +416,10 @@ class CoordClient(ClientShell):
     ) -> StepDecision | GatherResult:
         session = self.session
         began = _now_ns()
-        self._enter()
+        self._busy = _get_ident()  # `_enter` and `_leave` written out, as in `start`
         try:
+            if self._closed:
+                raise CoordinatorUnavailable(_CLOSED)
             outcome = session.outcome(seq, registration)
             if outcome is None:
                 timeout = self.wait_timeout if timeout is None else timeout
@@ -393,7 +436,9 @@ class CoordClient(ClientShell):
             self._waited = (seq, registration, min((_now_ns() - began) // 1000, MAX_WAITED_US))
             return outcome
         finally:
-            self._leave()
+            self._busy = None
+            if self._closed:
+                self._close_sockets()
 
     def _read_available(self, expect: bool = True) -> None:
         """Receive what is queued (`expect`: as `edge.drain` takes it)."""

@@ -367,6 +367,7 @@ class CoordServer:
         member_counts = admission.member_counts
         relay_peers = self.relays.peer_fd
         ranks = self.ranks
+        outbox = self._outbox
         # what connections coordd shut down still have queued is dropped undecoded (a
         # flood's backlog); not at debug level, which logs a line per bad frame
         shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
@@ -444,7 +445,9 @@ class CoordServer:
                 if waited >= 0 and group.coordinator.rank_of(peer) == message.dp_rank:
                     group.observer.waited(message.dp_rank, message.seq, waited)
             touched.add(group)
-            self.send(group.coordinator.receive(peer, message, clock()), group.observer)
+            sends = group.coordinator.receive(peer, message, clock())
+            if sends:  # most reports only join the open round: nothing to send
+                outbox.send(sends, group.observer)
         return True
 
     def _drop_parts(self) -> bool:

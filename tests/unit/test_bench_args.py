@@ -86,6 +86,36 @@ def test_a_target_the_run_was_not_asked_for_says_so() -> None:
     assert "not run" in text
 
 
+def test_the_cpu_and_the_other_sizes_are_also_ratios_to_the_hub() -> None:
+    """Issue 37: the CPU targets were microseconds only, which a loaded host moves; each is
+    also printed against the hub's same thread in the same run, and the round's ratio to the
+    hub at dp 2 and 16 beside dp=8's target."""
+    _, asked = _parse("--dp", "2,8,16", "--methods", "coordd-ipc,zmq-hub")
+    ipc8, hub8 = _latency(8, "coordd-ipc", 300.0), _latency(8, "zmq-hub", 200.0)
+    ipc8["cpu_us_per_round_by_thread"] = {"ranks main": 240.0, "server main": 96.0}
+    hub8["cpu_us_per_round_by_thread"] = {"ranks main": 120.0, "server main": 64.0}
+    results = {
+        "meta": {"asked": asked},
+        "latency": [
+            _latency(2, "coordd-ipc", 110.0),
+            _latency(2, "zmq-hub", 100.0),
+            ipc8,
+            hub8,
+            _latency(16, "coordd-ipc", 330.0),
+            _latency(16, "zmq-hub", 300.0),
+        ],
+    }
+    by = {(t["target"], t["where"]): t for t in report.targets(results)}
+    assert by[("coordd ipc round p50 / pyzmq hub p50", "dp=8")]["value"] == 1.5
+    for dp in (2, 16):
+        row = by[("coordd ipc round p50 / pyzmq hub p50", f"dp={dp}")]
+        assert row["met"] is None and abs(row["value"] - 1.1) < 1e-9
+    rank = by[("rank main thread CPU / the pyzmq hub rank's, per round", "dp=8")]
+    server = by[("coordd main thread CPU / the pyzmq hub's, per round", "dp=8")]
+    assert rank["value"] == 2.0 and server["value"] == 1.5 and rank["met"] is None
+    assert by[("rank main thread CPU per rank per round", "dp=8")]["value"] == 30.0
+
+
 def test_quick_help_says_what_quick_runs() -> None:
     """Issue 30: `--help` said --quick runs 300 rounds; it ran 200."""
     p = argparse.ArgumentParser()
@@ -136,8 +166,9 @@ def test_torchs_numpy_warning_does_not_open_the_bench() -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed here: no warning to silence")
     code = "import coordd.tools.bench.rank, torch, torch.distributed"
-    done = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "NumPy" not in done.stderr, done.stderr
 

@@ -127,6 +127,22 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 asked=wanted(COORDD_IPC, other, dp=TARGET_DP),
             )
         )
+    for dp in (2, 16):
+        # reported, not judged (the target is dp=8's above): the same ratio at the other
+        # sizes the round is compared at
+        out.append(
+            _target(
+                "coordd ipc round p50 / pyzmq hub p50",
+                _ratio(
+                    find_row(latency, dp=dp, method=COORDD_IPC),
+                    find_row(latency, dp=dp, method=HUB),
+                ),
+                None,
+                "x",
+                f"dp={dp}",
+                asked=wanted(COORDD_IPC, HUB, dp=dp),
+            )
+        )
     for dp in (2, 4):
         out.append(
             _target(
@@ -204,6 +220,24 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "us",
                 where,
                 asked=wanted(COORDD_IPC, dp=TARGET_DP),
+            )
+        )
+    hub = find_row(latency, dp=TARGET_DP, method=HUB)
+    for name, kind in (
+        ("rank main thread CPU / the pyzmq hub rank's, per round", "ranks main"),
+        ("coordd main thread CPU / the pyzmq hub's, per round", "server main"),
+    ):
+        # reported beside the limits in us: the same CPU against the hub's in this run, which
+        # a loaded or slower host moves less than the figure itself
+        mine, theirs = _thread_us(ipc, kind, TARGET_DP), _thread_us(hub, kind, TARGET_DP)
+        out.append(
+            _target(
+                name,
+                mine / theirs if mine is not None and theirs else None,
+                None,
+                "x",
+                where,
+                asked=wanted(COORDD_IPC, HUB, dp=TARGET_DP),
             )
         )
     out.append(
