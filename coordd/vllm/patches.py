@@ -23,7 +23,9 @@ a reused `DPSyncState`) never reach a patch point and make no round.
                                                engine core ~5 s after its SIGTERM; the rest of
                                                its shutdown may not finish)
   G  GPUModelRunner._prepare_inputs            the V1 runner's sync round starts before it
-                                               (coordd.vllm.runner; off: COORDD_VLLM_OVERLAP=0)
+                                               (coordd.vllm.runner; off: COORDD_VLLM_OVERLAP=0);
+                                               patched when vLLM imports the runner's module
+                                               (coordd.vllm.lazy), which the plugin never does
 
 A clean exit is a Goodbye, not a lost rank: F on the engine core's exit path, and an exit hook
 (atexit, and multiprocessing's exit finalizers, which vLLM's worker processes run) in every
@@ -54,7 +56,7 @@ import torch
 import torch.distributed as torch_dist
 
 from coordd.proto.errors import CoordError
-from coordd.vllm import early, runner, sites, timings
+from coordd.vllm import early, lazy, runner, sites, timings
 from coordd.vllm.enable import TIMINGS_ENV, PluginSettings
 from coordd.vllm.exchange import Exchange
 from coordd.vllm.groups import GroupIdentity, engine_group, worker_group
@@ -65,6 +67,10 @@ log = logging.getLogger("vllm.coordd")
 
 #: The vLLM release lines whose patch points were read from their sources.
 SUPPORTED = ("0.32", "0.33")
+#: The V1 runner's module: G and the step timings patch it once vLLM has imported it.
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+#: Why no round starts early while the V1 runner is not loaded in this process.
+RUNNER_PENDING = "vLLM's V1 runner is not loaded in this process"
 #: COORDD_VLLM_TRACE=1: print each sync's site label the first time this process makes it.
 _TRACE = os.environ.get("COORDD_VLLM_TRACE", "") == "1"
 _traced: set[str] = set()
@@ -95,14 +101,20 @@ class _State:
     worker: tuple[Any, GroupIdentity] | None = None
     #: id(process group) -> (process group, identity or None until its first sync)
     engine: dict[int, tuple[Any, GroupIdentity | None]] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.RLock = field(default_factory=threading.RLock)
     #: Why the V1 runner's round does not start early ("" when it does).
     no_overlap: str = "not installed"
+    #: Overlap asked for (COORDD_VLLM_OVERLAP), and what the step timings' mode is then.
+    overlap: bool = False
+    timings_mode: str = ""
+    #: Drops the wait for the runner's module (`lazy.when_imported`) if it has not fired.
+    cancel_wait: Callable[[], None] = lambda: None
     #: The per-step timings (COORDD_VLLM_TIMINGS), if any, and the attributes they replaced.
     clock: Any = None
     timed: list[tuple[Any, str, Any]] = field(default_factory=list)
-    #: The start-up line, until vLLM's log can show it.
+    #: The start-up line, until vLLM's log can show it, and its part before the V1 runner's.
     line: str = ""
+    head: str = ""
     #: Faults this process logged, by error (each is logged once per rebuild of its groups).
     said: set[tuple[int, str]] = field(default_factory=set)
 
@@ -430,26 +442,62 @@ def install(settings: PluginSettings) -> bool:
             return _refuse(f"vLLM {version}: {exc}")
         _state.exchange = Exchange(settings, trace=_trace if _TRACE else None)
         _patch_all(**targets)
-        runner_class, why = _runner_window(settings)
-        if runner_class is not None:
-            _patch_runner(runner_class)
-        _state.no_overlap = why
-        clock = _clock("on" if runner_class is not None else "off")
-        if clock is not None:
-            _state.exchange.on_sync = clock.on_sync
-    _state.line = (
-        f"coordd vLLM plugin installed for vLLM {version}, coordd at "
-        f"{settings.address or 'the default ipc path'}: every DP sync (V1 runner, drafters, "
-        "Model Runner V2, engine cores) is a coordd round; "
-        + (
-            "the V1 runner's round starts before _prepare_inputs and is collected at its sync "
-            "(COORDD_VLLM_OVERLAP=0 turns that off)"
-            if not why
-            else f"every round starts at vLLM's sync ({why})"
+        _state.overlap = settings.overlap
+        _state.no_overlap = RUNNER_PENDING if settings.overlap else "COORDD_VLLM_OVERLAP=0"
+        _state.head = (
+            f"coordd vLLM plugin installed for vLLM {version}, coordd at "
+            f"{settings.address or 'the default ipc path'}: every DP sync (V1 runner, drafters, "
+            "Model Runner V2, engine cores) is a coordd round; "
         )
-    )
+        _state.line = _state.head + _overlap_clause()
+        _state.timings_mode = "plugin" if os.environ.get(TIMINGS_ENV, "").strip() else ""
+        if settings.overlap or _state.timings_mode:
+            _state.cancel_wait = lazy.when_imported(RUNNER_MODULE, _runner_loaded)
     _say_installed()
     return True
+
+
+def _overlap_clause() -> str:
+    """What the start-up line says of the V1 runner's early start."""
+    why = _state.no_overlap
+    if not why:
+        return (
+            "the V1 runner's round starts before _prepare_inputs and is collected at its sync "
+            "(COORDD_VLLM_OVERLAP=0 turns that off)"
+        )
+    if why == RUNNER_PENDING:
+        return (
+            "the V1 runner's round starts before _prepare_inputs once vLLM loads that runner "
+            "here, if its execute_model has the window (COORDD_VLLM_OVERLAP=0 turns that off)"
+        )
+    return f"every round starts at vLLM's sync ({why})"
+
+
+def _runner_loaded(module: types.ModuleType) -> None:
+    """G and the step timings, once vLLM has imported the V1 runner's module (inside that
+    import: whatever goes wrong here is logged, and vLLM keeps its own runner)."""
+    try:
+        with _state.lock:
+            runner_class = getattr(module, "GPUModelRunner", None)
+            if _state.timings_mode == "stock":
+                if runner_class is not None:
+                    _time_runner(runner_class, "stock")
+                return
+            if _state.exchange is None:  # uninstalled meanwhile
+                return
+            why = _state.no_overlap if not _state.overlap else _window(runner_class)
+            if not why and runner_class is not None:
+                _patch_runner(runner_class)
+            _state.no_overlap = why
+            if _state.timings_mode and runner_class is not None:
+                _time_runner(runner_class, "off" if why else "on")
+            pending = bool(_state.line)
+            if pending:  # not said yet: the start-up line says what was decided
+                _state.line = _state.head + _overlap_clause()
+        if not pending and _state.overlap:
+            log.info("coordd vLLM plugin: vLLM's V1 runner loaded: %s", _overlap_clause())
+    except Exception:
+        log.exception("coordd vLLM plugin: patching vLLM's V1 runner failed; it runs as vLLM's")
 
 
 def _say_installed() -> None:
@@ -466,16 +514,11 @@ def overlapping() -> bool:
     return installed() and not _state.no_overlap
 
 
-def _runner_window(settings: PluginSettings) -> tuple[type | None, str]:
-    """The V1 runner class whose sync starts early, or None and why not."""
-    if not settings.overlap:
-        return None, "COORDD_VLLM_OVERLAP=0"
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except Exception as exc:  # a vLLM without the V1 runner's module here
-        return None, f"cannot import vLLM's V1 runner: {exc}"
-    why = runner.window_in(GPUModelRunner)
-    return (None, why) if why else (GPUModelRunner, "")
+def _window(runner_class: type | None) -> str:
+    """Why the V1 runner class's sync does not start early ("" if it does)."""
+    if runner_class is None:
+        return f"{RUNNER_MODULE} has no GPUModelRunner"
+    return runner.window_in(runner_class)
 
 
 def _patch_runner(runner_class: type) -> None:
@@ -498,32 +541,33 @@ def _patch_runner(runner_class: type) -> None:
     )
 
 
-def _clock(mode: str) -> timings.StepClock | None:
+def _time_runner(runner_class: type, mode: str) -> None:
     """COORDD_VLLM_TIMINGS=DIR: time the V1 runner's steps and their sync in this process
-    (`coordd.vllm.timings`); None when unset or the runner is not here."""
+    (`coordd.vllm.timings`), the sync's wait as the exchange reports it."""
     directory = os.environ.get(TIMINGS_ENV, "").strip()
     if not directory or _state.clock is not None:
-        return _state.clock
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except Exception:
-        return None
+        return
     clock = timings.make_clock(directory, mode)
     sync = "_determine_batch_execution_and_padding"
     for name, timer in (
-        (sync, timings.timed(clock, GPUModelRunner.__dict__[sync], "sync")),
-        ("execute_model", timings.stepped(clock, GPUModelRunner.__dict__["execute_model"])),
+        (sync, timings.timed(clock, runner_class.__dict__[sync], "sync")),
+        ("execute_model", timings.stepped(clock, runner_class.__dict__["execute_model"])),
     ):
-        _state.timed.append((GPUModelRunner, name, GPUModelRunner.__dict__[name]))
-        setattr(GPUModelRunner, name, timer)
+        _state.timed.append((runner_class, name, runner_class.__dict__[name]))
+        setattr(runner_class, name, timer)
     _state.clock = clock
-    return clock
+    if _state.exchange is not None:
+        _state.exchange.on_sync = clock.on_sync
 
 
 def install_stock_timings() -> None:
-    """COORDD_VLLM_TIMINGS with the plugin off: stock vLLM's steps timed the same way."""
+    """COORDD_VLLM_TIMINGS with the plugin off: stock vLLM's steps timed the same way, once
+    vLLM loads its V1 runner."""
     with _state.lock:
-        _clock("stock")
+        if _state.timings_mode:
+            return
+        _state.timings_mode = "stock"
+        _state.cancel_wait = lazy.when_imported(RUNNER_MODULE, _runner_loaded)
 
 
 def _replace(obj: Any, name: str, value: Any) -> None:
@@ -670,6 +714,8 @@ def _patch_all(
 def uninstall() -> None:
     """Put vLLM's own attributes back and close the clients (tests; a process that is done)."""
     with _state.lock:
+        _state.cancel_wait()
+        _state.cancel_wait = lambda: None
         for obj, name, value in reversed(_state.timed + _state.saved):
             setattr(obj, name, value)
         _state.saved.clear()
@@ -680,8 +726,10 @@ def uninstall() -> None:
         _state.worker = None
         _state.engine.clear()
         _state.no_overlap = "not installed"
+        _state.overlap = False
+        _state.timings_mode = ""
         _state.clock = None
-        _state.line = ""
+        _state.line = _state.head = ""
 
 
 def wrapped(fn: Callable[..., Any]) -> bool:

@@ -8,7 +8,7 @@ makes the sync. The plugin wraps `_prepare_inputs`: before it runs, vLLM's own
 the arguments `execute_model` passes it, so this rank's values leave for coordd while
 `_prepare_inputs` runs.
 
-Those arguments are read from `execute_model`'s own source at install (`window_in`): the
+Those arguments are read from `execute_model`'s own source when vLLM loads it (`window_in`): the
 plugin starts early only where the call and the assignments it reads are exactly the ones
 below, and at every sync `Exchange.sync_` checks the values vLLM sends against those started.
 """

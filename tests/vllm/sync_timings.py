@@ -15,14 +15,22 @@ runs the same block at the same time; a gloo barrier lines them up before each b
 p50/p99 pool every rank's rounds; CPU is each rank's own per sync: its main thread's
 (`time.thread_time`) and its whole process's (ZeroMQ's I/O thread and gloo's threads too).
 `--profile FILE` writes rank 0's cProfile of its plugin blocks.
+
+Below each dp's table, what the plugin's install cost each rank (means over ranks): its wall
+and CPU time, the threads and child processes it left running, and the CPU its child processes
+burnt while the blocks were timed (on a host with fewer cores than ranks, that CPU is taken
+from the timed rounds of all three ways alike).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import multiprocessing
 import os
+import resource
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -31,6 +39,38 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 WAYS = ("plugin", "vllm", "gather")
 #: The bare round's site (any label: every rank sends the same one).
 _SITE = "bench.gather"
+
+
+def _children() -> list[int]:
+    """This process's live descendants (Linux /proc)."""
+    found: list[int] = []
+    todo = [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        for path in glob.glob(f"/proc/{pid}/task/*/children"):
+            try:
+                with open(path) as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's descendants so far: those waited for, and those alive."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = usage.ru_utime + usage.ru_stime
+    ticks = os.sysconf("SC_CLK_TCK")
+    for pid in _children():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
 
 
 def _rank(
@@ -64,7 +104,15 @@ def _rank(
             ps.initialize_model_parallel(1, 1, backend="gloo")
             group = ps.get_dp_group()
             size, cpu_group = group.world_size, group.cpu_group
+            threads0, children0 = threading.active_count(), len(_children())
+            w0, c0 = time.perf_counter(), time.process_time()
             assert patches.install(PluginSettings(address))
+            install = {
+                "wall_ms": (time.perf_counter() - w0) * 1e3,
+                "cpu_ms": (time.process_time() - c0) * 1e3,
+                "threads": threading.active_count() - threads0,
+                "children": len(_children()) - children0,
+            }
             exchange = patches.exchange()
             assert exchange is not None
             column = [v + idx for v in range(7)]
@@ -100,6 +148,8 @@ def _rank(
             times: dict[str, list[float]] = {w: [] for w in WAYS}
             cpu: dict[str, list[float]] = {w: [0.0, 0.0, 0] for w in WAYS}  # type: ignore[misc]
             done = 0
+            torch.distributed.barrier(group=cpu_group)
+            span0, kids0 = time.perf_counter(), _children_cpu()
             while done < rounds:
                 n = min(block, rounds - done)
                 for way in WAYS:
@@ -128,11 +178,13 @@ def _rank(
                     c[1] += time.process_time() - p0
                     c[2] += n
                 done += n
+            install["children_ms"] = (_children_cpu() - kids0) * 1e3
+            install["span_ms"] = (time.perf_counter() - span0) * 1e3
             if profiler is not None:
                 profiler.dump_stats(profile)
             torch.distributed.barrier(group=cpu_group)
             patches.uninstall()
-        queue.put((idx, (times, cpu)))
+        queue.put((idx, (times, cpu, install)))
     except BaseException:
         import traceback
 
@@ -141,7 +193,9 @@ def _rank(
 
 def measure(dp: int, rounds: int, block: int, warmup: int, profile: str = "") -> dict[str, Any]:
     """One dp: every way's per-round times (pooled over ranks) and CPU per sync (mean over
-    ranks), as {way: {"times": [...], "thread_us": x, "process_us": y}}."""
+    ranks), as {way: {"times": [...], "thread_us": x, "process_us": y}}, and the install's
+    cost per rank (mean over ranks) as {"install": {"wall_ms": ..., "cpu_ms": ..., "threads":
+    ..., "children": ..., "children_ms": ..., "span_ms": ...}}."""
     from vllm.config import ParallelConfig, VllmConfig
 
     from coordd.testing import CoorddProcess
@@ -173,10 +227,13 @@ def measure(dp: int, rounds: int, block: int, warmup: int, profile: str = "") ->
                 if p.is_alive():
                     p.kill()
     out: dict[str, Any] = {w: {"times": [], "thread_us": 0.0, "process_us": 0.0} for w in WAYS}
+    out["install"] = {}
     for idx, got in results:
         if isinstance(got, str):
             raise RuntimeError(f"rank {idx}:\n{got}")
-        times, cpu = got
+        times, cpu, install = got
+        for key, value in install.items():
+            out["install"][key] = out["install"].get(key, 0.0) + value / dp
         for way in WAYS:
             out[way]["times"] += times[way]
             thread_s, process_s, n = cpu[way]
@@ -218,6 +275,12 @@ def main() -> None:
                 f"{g['thread_us']:12.1f} {g['process_us']:12.1f} "
                 f"{p50[way] / p50['vllm']:10.2f}x {p50[way] / p50['gather']:12.2f}x"
             )
+        i = got["install"]
+        print(
+            f"{dp:>3}  install: {i['wall_ms']:.0f} ms wall, {i['cpu_ms']:.0f} ms CPU; left "
+            f"{i['threads']:.1f} threads, {i['children']:.1f} child processes running; children's "
+            f"CPU while timed {i['children_ms']:.0f} ms in {i['span_ms']:.0f} ms (per rank)"
+        )
 
 
 if __name__ == "__main__":

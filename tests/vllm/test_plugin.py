@@ -286,3 +286,56 @@ def test_stock_timings_wrap_the_runner_without_the_plugin(
     finally:
         patches.uninstall()
     assert GPUModelRunner.__dict__["execute_model"] is step
+
+
+#: Run in a fresh process (this module imports the V1 runner itself): install, look, then import
+#: the runner as a vLLM worker does when it builds it.
+_LAZY = """
+import glob, logging, os, sys, threading
+from coordd.vllm import patches
+from coordd.vllm.enable import PluginSettings
+
+def children():
+    found = glob.glob(f"/proc/{os.getpid()}/task/*/children")
+    return sum(len(open(p).read().split()) for p in found)
+
+lines = []
+handler = logging.Handler(logging.INFO)
+handler.emit = lambda record: lines.append(record.getMessage())
+patches.log.addHandler(handler)
+patches.log.setLevel(logging.INFO)
+assert patches.install(PluginSettings("ipc:///nonexistent/coordd-vllm-test.sock"))
+print("installed", patches.RUNNER_MODULE in sys.modules, children(),
+      sorted(t.name for t in threading.enumerate()), patches.overlapping())
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+print("loaded", patches.overlapping(), patches.wrapped(GPUModelRunner.__dict__["_prepare_inputs"]),
+      patches.wrapped(GPUModelRunner.__dict__["execute_model"]))
+print("said", lines)
+"""
+
+
+@pytest.mark.timeout(400)  # a fresh vLLM import, twice over: minutes on a loaded host
+def test_installing_leaves_the_v1_runner_to_vllm_and_patches_it_when_vllm_imports_it(
+    tmp_path: Path,
+) -> None:
+    """The plugin never imports vLLM's V1 runner module (seconds of CPU; in 0.33 two background
+    build processes): a process that never runs that runner (front-end, engine core, Model
+    Runner V2 worker) pays nothing for it. When vLLM imports it, G and the step timings are in
+    place before vLLM can build a runner, and the log says what was decided."""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "COORDD_VLLM_TIMINGS": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _LAZY],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=360,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = {line.split()[0]: line for line in done.stdout.splitlines()}
+    assert out["installed"] == "installed False 0 ['MainThread'] False", done.stdout
+    assert out["loaded"] == "loaded True True True", done.stdout
+    said = out["said"]
+    assert "starts before _prepare_inputs once vLLM loads that runner" in said
+    assert "vLLM's V1 runner loaded: the V1 runner's round starts before _prepare_inputs" in said
