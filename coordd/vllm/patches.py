@@ -25,6 +25,11 @@ a reused `DPSyncState`) never reach a patch point and make no round.
   G  GPUModelRunner._prepare_inputs            the V1 runner's sync round starts before it
                                                (coordd.vllm.runner; off: COORDD_VLLM_OVERLAP=0)
 
+An early call (G's, in `early.StartingMode`) is refused at every patch point with
+`early.NotStarted` before it makes a link, a round or a collective; only A, on the worker DP
+group's CPU tensor, starts a round. A refusal that says why ends G's early start in this
+process (a WARNING, counted in `startup()`).
+
 A clean exit is a Goodbye, not a lost rank: F on the engine core's exit path, and an exit hook
 (atexit, and multiprocessing's exit finalizers, which vLLM's worker processes run) in every
 process that made a link. A process that dies without either is lost, as it should be.
@@ -105,6 +110,10 @@ class _State:
     line: str = ""
     #: Faults this process logged, by error (each is logged once per rebuild of its groups).
     said: set[tuple[int, str]] = field(default_factory=set)
+    #: The start-up line's data (`startup()`): the release, coordd's address, the early start.
+    data: dict[str, Any] = field(default_factory=dict)
+    #: Whether the runner's first early start has checked the path its sync takes.
+    path_checked: bool = False
 
 
 _state = _State()
@@ -286,10 +295,14 @@ class DistShim(types.ModuleType):
     ) -> Any:
         ours = _reduce_op(op)
         if early.starting():  # the early start's run of the sync: never vLLM's collective
-            identity = _worker_route(group) if ours is not None and not async_op else None
-            if ours is not None and identity is not None and _start_(tensor, ours, identity):
+            if ours is None or async_op:
+                raise early.NotStarted(f"the sync's all-reduce ({op}, async_op={async_op})")
+            identity = _worker_route(group)
+            if identity is None:
+                raise early.NotStarted("the sync's all-reduce is not on the worker DP group")
+            if _start_(tensor, ours, identity):
                 raise early.Started
-            raise early.NotStarted
+            raise early.NotStarted  # at the sync this time (vLLM's own path, coordd lost)
         if ours is not None and not async_op and _state.exchange is not None:
             identity = _worker_route(group)
             if identity is not None and _sync_(
@@ -434,31 +447,80 @@ def install(settings: PluginSettings) -> bool:
         if runner_class is not None:
             _patch_runner(runner_class)
         _state.no_overlap = why
+        _state.data = {
+            "vllm": version,
+            "address": settings.address or "the default ipc path",
+            "overlap": runner_class is not None,
+            "no_overlap": why,
+            "early_refused": 0,
+            "not_started": 0,
+        }
         clock = _clock("on" if runner_class is not None else "off")
         if clock is not None:
             _state.exchange.on_sync = clock.on_sync
-    _state.line = (
-        f"coordd vLLM plugin installed for vLLM {version}, coordd at "
-        f"{settings.address or 'the default ipc path'}: every DP sync (V1 runner, drafters, "
-        "Model Runner V2, engine cores) is a coordd round; "
-        + (
-            "the V1 runner's round starts before _prepare_inputs and is collected at its sync "
-            "(COORDD_VLLM_OVERLAP=0 turns that off)"
-            if not why
-            else f"every round starts at vLLM's sync ({why})"
-        )
-    )
+        _state.line = _line()
+    if settings.overlap and why:
+        _early_refused(why)
     _say_installed()
     return True
 
 
+def _line() -> str:
+    """The start-up line's text, from its data."""
+    data = _state.data
+    why = data["no_overlap"]
+    if not why:
+        overlap = (
+            "the V1 runner's round starts before _prepare_inputs and is collected at its sync "
+            "(COORDD_VLLM_OVERLAP=0 turns that off)"
+        )
+    elif data["early_refused"]:
+        overlap = f"every round starts at vLLM's sync (the early start is refused: {why})"
+    else:
+        overlap = f"every round starts at vLLM's sync ({why})"
+    return (
+        f"coordd vLLM plugin installed for vLLM {data['vllm']}, coordd at {data['address']}: "
+        "every DP sync (V1 runner, drafters, Model Runner V2, engine cores) is a coordd round; "
+        + overlap
+    )
+
+
 def _say_installed() -> None:
     """The start-up line, in vLLM's log: now if vLLM's logging shows it already, else at the
-    process's first sync (a process may load plugins before vLLM configures its logging)."""
+    process's first sync (a process may load plugins before vLLM configures its logging). Its
+    data (`startup()`) goes with it as the record's `coordd` attribute."""
     line = _state.line
     if line and log.isEnabledFor(logging.INFO) and log.hasHandlers():
         _state.line = ""
-        log.info("%s", line)
+        log.info("%s", line, extra={"coordd": startup()})
+
+
+def startup() -> dict[str, Any]:
+    """The start-up line's data, as it stands now: `vllm`, `address`, `overlap` (whether the
+    V1 runner's round starts early in this process), `no_overlap` (why not, "" if it does),
+    `early_refused` (early starts refused for good: 0 or 1) and `not_started` (early starts
+    that left their round to the sync, this time only)."""
+    return dict(_state.data)
+
+
+def _early_refused(why: str) -> None:
+    """The V1 runner's early start can never start in this process (`why`): a WARNING (an
+    early start was asked for and is not made), counted in the start-up line's data, which
+    the line says too if it is not out yet; the step clock times what runs, overlap off."""
+    _state.no_overlap = why
+    data = _state.data
+    data["overlap"] = False
+    data["no_overlap"] = why
+    data["early_refused"] = data.get("early_refused", 0) + 1
+    if _state.line:
+        _state.line = _line()
+    if _state.clock is not None:
+        _state.clock.mode = "off"
+    log.warning(
+        "coordd vLLM plugin: the V1 runner's DP sync round starts at vLLM's sync, not before "
+        "_prepare_inputs: %s",
+        why,
+    )
 
 
 def overlapping() -> bool:
@@ -482,19 +544,54 @@ def _patch_runner(runner_class: type) -> None:
     """G: the V1 runner's `_prepare_inputs`, preceded by its sync's early start."""
 
     def start(model_runner: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> None:
-        if _state.exchange is not None:
-            runner.start_sync(model_runner, scheduler_output, num_scheduled_tokens)
+        if _state.exchange is None:
+            return
+        if not _state.path_checked:
+            _state.path_checked = True
+            why = _sync_path(model_runner)
+            if why:
+                raise early.NotStarted(why)
+        runner.start_sync(model_runner, scheduler_output, num_scheduled_tokens)
 
     def abandon() -> None:
         exchange, worker = _state.exchange, _state.worker
         if exchange is not None and worker is not None:
             exchange.abandon(worker[1])
 
+    def refused(why: str) -> None:
+        if why:
+            _early_refused(why)
+        elif _state.data:
+            _state.data["not_started"] = _state.data.get("not_started", 0) + 1
+
     original = runner_class.__dict__["_prepare_inputs"]
     _replace(
         runner_class,
         "_prepare_inputs",
-        runner.prepare_inputs_starting_early(original, runner_class, start, abandon),
+        runner.prepare_inputs_starting_early(original, runner_class, start, abandon, refused),
+    )
+
+
+def _sync_path(model_runner: Any) -> str:
+    """Why the runner's DP sync can never start early in this process ("" if it can): it
+    makes none (DP size 1), or it goes over NCCL on the device (vLLM's `_get_device_and_group`:
+    the DP group's device unless `disable_nccl_for_dp_synchronization`), where the early call
+    would copy its tensor to the device and be refused, every step."""
+    config = getattr(model_runner, "parallel_config", None)
+    if config is None:
+        return ""
+    if getattr(config, "data_parallel_size", 2) <= 1:
+        return "data_parallel_size is 1: the runner makes no DP sync"
+    if getattr(config, "disable_nccl_for_dp_synchronization", True):
+        return ""
+    from vllm.distributed import parallel_state as ps
+
+    device = getattr(ps._DP, "device", None)
+    if device is None or torch.device(device).type == "cpu":
+        return ""
+    return (
+        f"vLLM's DP sync runs over NCCL on {device} (disable_nccl_for_dp_synchronization is "
+        "false); --disable-nccl-for-dp-synchronization puts it on the CPU group"
     )
 
 
@@ -565,6 +662,7 @@ def _patch_all(
         original_cpu_all_reduce_ = coordinator.__dict__["cpu_all_reduce_"]
 
         def cpu_all_reduce_(self: Any, tensor: torch.Tensor) -> torch.Tensor:
+            early.refuse_starting("B: GroupCoordinator.cpu_all_reduce_")
             # (`_sync_` refuses what `can_gather` would, on its first sight of a dtype and shape)
             if self is parallel_state._DP and _sync_(
                 tensor, ReduceOp.SUM, _worker_identity(self), True, group=self.cpu_group
@@ -581,6 +679,7 @@ def _patch_all(
         def util_cpu_all_reduce_(
             tensor: torch.Tensor, group: Any, timeout: Any = None
         ) -> torch.Tensor:
+            early.refuse_starting("C: vllm.config.parallel.cpu_all_reduce_")
             if (
                 isinstance(group, torch_dist.ProcessGroup)
                 and can_gather(tensor)
@@ -601,6 +700,7 @@ def _patch_all(
         def sync_dp_state(
             dp_group: Any, has_unfinished: bool, pending_pause: bool
         ) -> tuple[bool, bool]:
+            early.refuse_starting("C: ParallelConfig.sync_dp_state")
             if not isinstance(dp_group, torch_dist.ProcessGroup) or _state.exchange is None:
                 return tuple(original_sync(dp_group, has_unfinished, pending_pause))
             tensor = _engine_state_sum(dp_group, has_unfinished, pending_pause)
@@ -616,6 +716,7 @@ def _patch_all(
     original_unfinished = parallel_config.__dict__["has_unfinished_dp"].__func__
 
     def has_unfinished_dp(dp_group: Any, has_unfinished: bool) -> bool:
+        early.refuse_starting("D: ParallelConfig.has_unfinished_dp")
         if not isinstance(dp_group, torch_dist.ProcessGroup) or _state.exchange is None:
             return bool(original_unfinished(dp_group, has_unfinished))
         tensor = torch.tensor([has_unfinished], dtype=torch.int32, device="cpu")
@@ -629,6 +730,7 @@ def _patch_all(
     original_kv = parallel_config.__dict__["sync_kv_cache_memory_size"].__func__
 
     def sync_kv_cache_memory_size(dp_group: Any, kv_cache_memory: int) -> int:
+        early.refuse_starting("D: ParallelConfig.sync_kv_cache_memory_size")
         if not isinstance(dp_group, torch_dist.ProcessGroup) or _state.exchange is None:
             return int(original_kv(dp_group, kv_cache_memory))
         if kv_cache_memory == -1:  # vLLM's "no limit" before its MIN
@@ -646,6 +748,7 @@ def _patch_all(
     original_init = parallel_config.__dict__["stateless_init_dp_group"]
 
     def stateless_init_dp_group(self: Any, return_store: bool = False) -> Any:
+        early.refuse_starting("E: ParallelConfig.stateless_init_dp_group")
         made = original_init(self, return_store=return_store)
         register_engine_group(made[0] if return_store else made)
         return made
@@ -682,6 +785,8 @@ def uninstall() -> None:
         _state.no_overlap = "not installed"
         _state.clock = None
         _state.line = ""
+        _state.data = {}
+        _state.path_checked = False
 
 
 def wrapped(fn: Callable[..., Any]) -> bool:
