@@ -23,7 +23,8 @@ a reused `DPSyncState`) never reach a patch point and make no round.
                                                engine core ~5 s after its SIGTERM; the rest of
                                                its shutdown may not finish)
   G  GPUModelRunner._prepare_inputs            the V1 runner's sync round starts before it
-                                               (coordd.vllm.runner; off: COORDD_VLLM_OVERLAP=0)
+                                               (coordd.vllm.runner; only with
+                                               COORDD_VLLM_OVERLAP=1, off by default)
 
 An early call (G's, in `early.StartingMode`) is refused at every patch point with
 `early.NotStarted` before it makes a link, a round or a collective; only A, on the worker DP
@@ -528,10 +529,17 @@ def overlapping() -> bool:
     return installed() and not _state.no_overlap
 
 
+#: Why the runner's round starts at its sync when the early start was not asked for.
+OVERLAP_OFF = (
+    "COORDD_VLLM_OVERLAP=0, the default: the early start did not pay on the CPU engine; "
+    "COORDD_VLLM_OVERLAP=1 turns it on"
+)
+
+
 def _runner_window(settings: PluginSettings) -> tuple[type | None, str]:
     """The V1 runner class whose sync starts early, or None and why not."""
     if not settings.overlap:
-        return None, "COORDD_VLLM_OVERLAP=0"
+        return None, OVERLAP_OFF
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except Exception as exc:  # a vLLM without the V1 runner's module here
