@@ -114,6 +114,7 @@ def test_install_is_idempotent_and_uninstall_restores_vllm(
 ) -> None:
     before = _originals()
     monkeypatch.setenv("COORDD_ADDRESS", NOWHERE.address or "")
+    monkeypatch.setenv("COORDD_VLLM_OVERLAP", "1")  # G too (off by default)
     try:
         coordd.vllm.register()
         patched = _originals()
