@@ -12,8 +12,9 @@ engine cores, workers). It does nothing unless enabled by the environment of tho
 - ``COORDD_ADDRESS=ipc:///run/coordd/coordd.sock`` (or ``tcp://host:port``) turns it on and
   says where coordd listens; ``COORDD_VLLM=1`` turns it on with coordd's default ipc path;
   ``COORDD_VLLM=0`` keeps it off even if ``COORDD_ADDRESS`` is set.
-- ``COORDD_VLLM_OVERLAP=0`` makes every round start at vLLM's sync; by default the V1 runner's
-  round starts before ``_prepare_inputs`` and is collected at its sync (``coordd.vllm.early``).
+- ``COORDD_VLLM_OVERLAP=1``: the V1 runner's round starts before ``_prepare_inputs`` and is
+  collected at its sync (``coordd.vllm.early``). Off by default (every round starts at vLLM's
+  sync): on the CPU engine it did not pay (docs/vllm.md has the figures).
 - ``COORDD_VLLM_TIMINGS=DIR``: each process appends its V1 runner's per-step sync timings
   there, with the plugin on or off (``coordd.vllm.timings``; ``coordd.tools.vllm_steps`` reads
   them).
@@ -60,9 +61,10 @@ the collective's op, which for these integer tensors is bit-identical to gloo/NC
   multiprocessing's exit finalizers).
 - ``should_skip_dp_coordination()`` and a reused ``DPSyncState`` still answer locally: vLLM makes
   no collective there, so no round is made either.
-- G (``GPUModelRunner._prepare_inputs``): the V1 runner's round starts before it, with the
-  values vLLM's own sync function computes from the arguments ``execute_model`` passes it
-  (``coordd.vllm.runner``); the sync then collects that round, after checking its values.
+- G (``GPUModelRunner._prepare_inputs``, with ``COORDD_VLLM_OVERLAP=1``): the V1 runner's
+  round starts before it, with the values vLLM's own sync function computes from the
+  arguments ``execute_model`` passes it (``coordd.vllm.runner``); the sync then collects that
+  round, after checking its values.
 
 What changes for an operator: a rank that skips or adds a sync (every round carries a site label:
 the vLLM sync function, its caller, op, dtype and shape) makes every rank raise coordd's typed

@@ -108,7 +108,20 @@ class Started(BaseException):
 
 class NotStarted(BaseException):
     """Unwinds vLLM's sync function when its round cannot start early (it then runs at the
-    sync, as without overlap)."""
+    sync, as without overlap). `why`, when given, says why it never can in this process (the
+    sync goes over NCCL, reaches a patch point that cannot start a round, or its tensor cannot
+    be gathered): the plugin then stops calling the early start."""
+
+    def __init__(self, why: str = "") -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def refuse_starting(point: str) -> None:
+    """Raise `NotStarted` if this thread is starting a round early: at a patch point that cannot
+    start one (`point`), the early call must neither run vLLM's collective nor make a round."""
+    if getattr(_local, "starting", False):
+        raise NotStarted(f"the sync reaches {point}, which cannot start a round early")
 
 
 _local = threading.local()

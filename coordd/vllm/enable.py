@@ -21,8 +21,8 @@ CONNECT_TIMEOUT_ENV = "COORDD_VLLM_CONNECT_TIMEOUT"
 #: --step-timeout, so that coordd's StepTimeout naming the late rank arrives first.
 SYNC_TIMEOUT_ENV = "COORDD_VLLM_SYNC_TIMEOUT"
 
-#: "0" makes every sync start its round at vLLM's sync; on by default: the V1 runner's sync
-#: starts its round before `_prepare_inputs` and collects it at the sync (coordd.vllm.early).
+#: "1": the V1 runner's sync starts its round before `_prepare_inputs` and collects it at the
+#: sync (coordd.vllm.early). Off by default: on the CPU engine it did not pay (docs/vllm.md).
 OVERLAP_ENV = "COORDD_VLLM_OVERLAP"
 #: "0" keeps the fail-stop: coordd's loss raises in vLLM's step. On by default: a group that
 #: loses coordd goes on with vLLM's own collective and returns when coordd is back
@@ -46,8 +46,8 @@ class PluginSettings:
     address: str | None = None
     connect_timeout: float = 60.0
     sync_timeout: float = 120.0
-    #: Start the V1 runner's sync round early (COORDD_VLLM_OVERLAP, default on).
-    overlap: bool = True
+    #: Start the V1 runner's sync round early (COORDD_VLLM_OVERLAP, default off).
+    overlap: bool = False
     #: Go on with vLLM's own collective while coordd is away (COORDD_VLLM_FALLBACK, default
     #: on; off: coordd's loss raises in vLLM's step, as before).
     fallback: bool = True
@@ -82,7 +82,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> PluginSettings | 
         address=address,
         connect_timeout=_seconds(env, CONNECT_TIMEOUT_ENV, 60.0),
         sync_timeout=_seconds(env, SYNC_TIMEOUT_ENV, 120.0),
-        overlap=_switch(env, OVERLAP_ENV, True),
+        overlap=_switch(env, OVERLAP_ENV, False),
         fallback=_switch(env, FALLBACK_ENV, True),
     )
 

@@ -291,14 +291,23 @@ class Exchange:
     ) -> bool:
         """Send this rank's values of the sync on `tensor` now, and leave the round for the
         group's next `sync_` to collect (`coordd.vllm.early`); `tensor` is not touched. False,
-        with nothing sent, where `sync_` would take vLLM's path, or where the tensor is not in
-        host memory (reading a device tensor here would wait for the device). A round started
-        earlier and never collected is vLLM's sync skipped: `SkippedSync`."""
+        with nothing sent, where this sync's round is made at the sync this time (the group on
+        vLLM's own path, or coordd lost); `early.NotStarted` naming why where it never can start
+        early: the tensor is not in host memory (reading a device tensor here would wait for
+        the device: vLLM's NCCL path), or `sync_` would take vLLM's path for it (decided by
+        dtype and shape). A round started earlier and never collected is vLLM's sync skipped:
+        `SkippedSync`."""
         if not tensor.is_cpu:
-            return False
+            raise early.NotStarted(
+                f"the sync's tensor is on {tensor.device} (vLLM's NCCL path: "
+                "disable_nccl_for_dp_synchronization is false)"
+            )
         prepared = self._prepare(tensor, op, identity, column, skip, sync)
         if prepared is None:
-            return False
+            raise early.NotStarted(
+                f"the sync's {tensor.dtype} tensor of shape {list(tensor.shape)} cannot be "
+                "gathered in one round (it takes vLLM's own collective)"
+            )
         link = self.link(identity)
         with link.lock:
             self._check_collected(identity, prepared.site)
@@ -360,7 +369,9 @@ class Exchange:
         vLLM's path; decided by dtype and shape alone, so every rank decides the same).
         With the fallback on (`coordd.vllm.fallback`), `group` is the group's own gloo group,
         and False also means the group is on vLLM's own path: the caller runs vLLM's own
-        collective, as it does for what cannot be gathered."""
+        collective, as it does for what cannot be gathered. Never in starting mode (an early
+        call that reached here would make a whole round): `early.NotStarted`."""
+        early.refuse_starting("Exchange.sync_")
         prepared = self._prepare(tensor, op, identity, column, skip, sync)
         if prepared is None:
             return False

@@ -23,9 +23,15 @@ a reused `DPSyncState`) never reach a patch point and make no round.
                                                engine core ~5 s after its SIGTERM; the rest of
                                                its shutdown may not finish)
   G  GPUModelRunner._prepare_inputs            the V1 runner's sync round starts before it
-                                               (coordd.vllm.runner; off: COORDD_VLLM_OVERLAP=0);
+                                               (coordd.vllm.runner; only with
+                                               COORDD_VLLM_OVERLAP=1, off by default);
                                                patched when vLLM imports the runner's module
                                                (coordd.vllm.lazy), which the plugin never does
+
+An early call (G's, in `early.StartingMode`) is refused at every patch point with
+`early.NotStarted` before it makes a link, a round or a collective; only A, on the worker DP
+group's CPU tensor, starts a round. A refusal that says why ends G's early start in this
+process (a WARNING, counted in `startup()`).
 
 A clean exit is a Goodbye, not a lost rank: F on the engine core's exit path, and an exit hook
 (atexit, and multiprocessing's exit finalizers, which vLLM's worker processes run) in every
@@ -117,6 +123,10 @@ class _State:
     head: str = ""
     #: Faults this process logged, by error (each is logged once per rebuild of its groups).
     said: set[tuple[int, str]] = field(default_factory=set)
+    #: The start-up line's data (`startup()`): the release, coordd's address, the early start.
+    data: dict[str, Any] = field(default_factory=dict)
+    #: Whether the runner's first early start has checked the path its sync takes.
+    path_checked: bool = False
 
 
 _state = _State()
@@ -298,10 +308,14 @@ class DistShim(types.ModuleType):
     ) -> Any:
         ours = _reduce_op(op)
         if early.starting():  # the early start's run of the sync: never vLLM's collective
-            identity = _worker_route(group) if ours is not None and not async_op else None
-            if ours is not None and identity is not None and _start_(tensor, ours, identity):
+            if ours is None or async_op:
+                raise early.NotStarted(f"the sync's all-reduce ({op}, async_op={async_op})")
+            identity = _worker_route(group)
+            if identity is None:
+                raise early.NotStarted("the sync's all-reduce is not on the worker DP group")
+            if _start_(tensor, ours, identity):
                 raise early.Started
-            raise early.NotStarted
+            raise early.NotStarted  # at the sync this time (vLLM's own path, coordd lost)
         if ours is not None and not async_op and _state.exchange is not None:
             identity = _worker_route(group)
             if identity is not None and _sync_(
@@ -443,18 +457,31 @@ def install(settings: PluginSettings) -> bool:
         _state.exchange = Exchange(settings, trace=_trace if _TRACE else None)
         _patch_all(**targets)
         _state.overlap = settings.overlap
-        _state.no_overlap = RUNNER_PENDING if settings.overlap else "COORDD_VLLM_OVERLAP=0"
+        _state.no_overlap = RUNNER_PENDING if settings.overlap else OVERLAP_OFF
+        _state.data = {
+            "vllm": version,
+            "address": settings.address or "the default ipc path",
+            "overlap": False,
+            "no_overlap": _state.no_overlap,
+            "early_refused": 0,
+            "not_started": 0,
+        }
         _state.head = (
             f"coordd vLLM plugin installed for vLLM {version}, coordd at "
             f"{settings.address or 'the default ipc path'}: every DP sync (V1 runner, drafters, "
             "Model Runner V2, engine cores) is a coordd round; "
         )
-        _state.line = _state.head + _overlap_clause()
+        _state.line = _line()
         _state.timings_mode = "plugin" if os.environ.get(TIMINGS_ENV, "").strip() else ""
         if settings.overlap or _state.timings_mode:
             _state.cancel_wait = lazy.when_imported(RUNNER_MODULE, _runner_loaded)
     _say_installed()
     return True
+
+
+def _line() -> str:
+    """The start-up line's text: its head, then what it says of the early start."""
+    return _state.head + _overlap_clause()
 
 
 def _overlap_clause() -> str:
@@ -470,6 +497,8 @@ def _overlap_clause() -> str:
             "the V1 runner's round starts before _prepare_inputs once vLLM loads that runner "
             "here, if its execute_model has the window (COORDD_VLLM_OVERLAP=0 turns that off)"
         )
+    if _state.data.get("early_refused"):
+        return f"every round starts at vLLM's sync (the early start is refused: {why})"
     return f"every round starts at vLLM's sync ({why})"
 
 
@@ -489,12 +518,16 @@ def _runner_loaded(module: types.ModuleType) -> None:
             if not why and runner_class is not None:
                 _patch_runner(runner_class)
             _state.no_overlap = why
+            _state.data["overlap"] = not why
+            _state.data["no_overlap"] = why
             if _state.timings_mode and runner_class is not None:
                 _time_runner(runner_class, "off" if why else "on")
             pending = bool(_state.line)
-            if pending:  # not said yet: the start-up line says what was decided
-                _state.line = _state.head + _overlap_clause()
-        if not pending and _state.overlap:
+            if _state.overlap and why:
+                _early_refused(why)  # says the line again if it is not out yet
+            elif pending:  # not said yet: the start-up line says what was decided
+                _state.line = _line()
+        if not pending and _state.overlap and not why:
             log.info("coordd vLLM plugin: vLLM's V1 runner loaded: %s", _overlap_clause())
     except Exception:
         log.exception("coordd vLLM plugin: patching vLLM's V1 runner failed; it runs as vLLM's")
@@ -502,16 +535,52 @@ def _runner_loaded(module: types.ModuleType) -> None:
 
 def _say_installed() -> None:
     """The start-up line, in vLLM's log: now if vLLM's logging shows it already, else at the
-    process's first sync (a process may load plugins before vLLM configures its logging)."""
+    process's first sync (a process may load plugins before vLLM configures its logging). Its
+    data (`startup()`) goes with it as the record's `coordd` attribute."""
     line = _state.line
     if line and log.isEnabledFor(logging.INFO) and log.hasHandlers():
         _state.line = ""
-        log.info("%s", line)
+        log.info("%s", line, extra={"coordd": startup()})
+
+
+def startup() -> dict[str, Any]:
+    """The start-up line's data, as it stands now: `vllm`, `address`, `overlap` (whether the
+    V1 runner's round starts early in this process), `no_overlap` (why not, "" if it does),
+    `early_refused` (early starts refused for good: 0 or 1) and `not_started` (early starts
+    that left their round to the sync, this time only)."""
+    return dict(_state.data)
+
+
+def _early_refused(why: str) -> None:
+    """The V1 runner's early start can never start in this process (`why`): a WARNING (an
+    early start was asked for and is not made), counted in the start-up line's data, which
+    the line says too if it is not out yet; the step clock times what runs, overlap off."""
+    _state.no_overlap = why
+    data = _state.data
+    data["overlap"] = False
+    data["no_overlap"] = why
+    data["early_refused"] = data.get("early_refused", 0) + 1
+    if _state.line:
+        _state.line = _line()
+    if _state.clock is not None:
+        _state.clock.mode = "off"
+    log.warning(
+        "coordd vLLM plugin: the V1 runner's DP sync round starts at vLLM's sync, not before "
+        "_prepare_inputs: %s",
+        why,
+    )
 
 
 def overlapping() -> bool:
     """True if the V1 runner's round starts early in this process."""
     return installed() and not _state.no_overlap
+
+
+#: Why the runner's round starts at its sync when the early start was not asked for.
+OVERLAP_OFF = (
+    "COORDD_VLLM_OVERLAP=0, the default: the early start did not pay on the CPU engine; "
+    "COORDD_VLLM_OVERLAP=1 turns it on"
+)
 
 
 def _window(runner_class: type | None) -> str:
@@ -525,19 +594,54 @@ def _patch_runner(runner_class: type) -> None:
     """G: the V1 runner's `_prepare_inputs`, preceded by its sync's early start."""
 
     def start(model_runner: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> None:
-        if _state.exchange is not None:
-            runner.start_sync(model_runner, scheduler_output, num_scheduled_tokens)
+        if _state.exchange is None:
+            return
+        if not _state.path_checked:
+            _state.path_checked = True
+            why = _sync_path(model_runner)
+            if why:
+                raise early.NotStarted(why)
+        runner.start_sync(model_runner, scheduler_output, num_scheduled_tokens)
 
     def abandon() -> None:
         exchange, worker = _state.exchange, _state.worker
         if exchange is not None and worker is not None:
             exchange.abandon(worker[1])
 
+    def refused(why: str) -> None:
+        if why:
+            _early_refused(why)
+        elif _state.data:
+            _state.data["not_started"] = _state.data.get("not_started", 0) + 1
+
     original = runner_class.__dict__["_prepare_inputs"]
     _replace(
         runner_class,
         "_prepare_inputs",
-        runner.prepare_inputs_starting_early(original, runner_class, start, abandon),
+        runner.prepare_inputs_starting_early(original, runner_class, start, abandon, refused),
+    )
+
+
+def _sync_path(model_runner: Any) -> str:
+    """Why the runner's DP sync can never start early in this process ("" if it can): it
+    makes none (DP size 1), or it goes over NCCL on the device (vLLM's `_get_device_and_group`:
+    the DP group's device unless `disable_nccl_for_dp_synchronization`), where the early call
+    would copy its tensor to the device and be refused, every step."""
+    config = getattr(model_runner, "parallel_config", None)
+    if config is None:
+        return ""
+    if getattr(config, "data_parallel_size", 2) <= 1:
+        return "data_parallel_size is 1: the runner makes no DP sync"
+    if getattr(config, "disable_nccl_for_dp_synchronization", True):
+        return ""
+    from vllm.distributed import parallel_state as ps
+
+    device = getattr(ps._DP, "device", None)
+    if device is None or torch.device(device).type == "cpu":
+        return ""
+    return (
+        f"vLLM's DP sync runs over NCCL on {device} (disable_nccl_for_dp_synchronization is "
+        "false); --disable-nccl-for-dp-synchronization puts it on the CPU group"
     )
 
 
@@ -609,6 +713,7 @@ def _patch_all(
         original_cpu_all_reduce_ = coordinator.__dict__["cpu_all_reduce_"]
 
         def cpu_all_reduce_(self: Any, tensor: torch.Tensor) -> torch.Tensor:
+            early.refuse_starting("B: GroupCoordinator.cpu_all_reduce_")
             # (`_sync_` refuses what `can_gather` would, on its first sight of a dtype and shape)
             if self is parallel_state._DP and _sync_(
                 tensor, ReduceOp.SUM, _worker_identity(self), True, group=self.cpu_group
@@ -625,6 +730,7 @@ def _patch_all(
         def util_cpu_all_reduce_(
             tensor: torch.Tensor, group: Any, timeout: Any = None
         ) -> torch.Tensor:
+            early.refuse_starting("C: vllm.config.parallel.cpu_all_reduce_")
             if (
                 isinstance(group, torch_dist.ProcessGroup)
                 and can_gather(tensor)
@@ -645,6 +751,7 @@ def _patch_all(
         def sync_dp_state(
             dp_group: Any, has_unfinished: bool, pending_pause: bool
         ) -> tuple[bool, bool]:
+            early.refuse_starting("C: ParallelConfig.sync_dp_state")
             if not isinstance(dp_group, torch_dist.ProcessGroup) or _state.exchange is None:
                 return tuple(original_sync(dp_group, has_unfinished, pending_pause))
             tensor = _engine_state_sum(dp_group, has_unfinished, pending_pause)
@@ -660,6 +767,7 @@ def _patch_all(
     original_unfinished = parallel_config.__dict__["has_unfinished_dp"].__func__
 
     def has_unfinished_dp(dp_group: Any, has_unfinished: bool) -> bool:
+        early.refuse_starting("D: ParallelConfig.has_unfinished_dp")
         if not isinstance(dp_group, torch_dist.ProcessGroup) or _state.exchange is None:
             return bool(original_unfinished(dp_group, has_unfinished))
         tensor = torch.tensor([has_unfinished], dtype=torch.int32, device="cpu")
@@ -673,6 +781,7 @@ def _patch_all(
     original_kv = parallel_config.__dict__["sync_kv_cache_memory_size"].__func__
 
     def sync_kv_cache_memory_size(dp_group: Any, kv_cache_memory: int) -> int:
+        early.refuse_starting("D: ParallelConfig.sync_kv_cache_memory_size")
         if not isinstance(dp_group, torch_dist.ProcessGroup) or _state.exchange is None:
             return int(original_kv(dp_group, kv_cache_memory))
         if kv_cache_memory == -1:  # vLLM's "no limit" before its MIN
@@ -690,6 +799,7 @@ def _patch_all(
     original_init = parallel_config.__dict__["stateless_init_dp_group"]
 
     def stateless_init_dp_group(self: Any, return_store: bool = False) -> Any:
+        early.refuse_starting("E: ParallelConfig.stateless_init_dp_group")
         made = original_init(self, return_store=return_store)
         register_engine_group(made[0] if return_store else made)
         return made
@@ -730,6 +840,8 @@ def uninstall() -> None:
         _state.timings_mode = ""
         _state.clock = None
         _state.line = _state.head = ""
+        _state.data = {}
+        _state.path_checked = False
 
 
 def wrapped(fn: Callable[..., Any]) -> bool:

@@ -471,7 +471,8 @@ def _run(spec: RankSpec, cfg: Any, result: RankResult) -> None:
 
         t = time.monotonic()
         for address, names in spec.phases:  # the same calls through coordd
-            assert patches.install(PluginSettings(address, connect_timeout=30, sync_timeout=60))
+            settings = PluginSettings(address, connect_timeout=30, sync_timeout=60, overlap=True)
+            assert patches.install(settings)
             for name in names:
                 result.got += parts[name](ctx, spec.rounds, spec.seed, result.expected_rounds)
             exchange = patches.exchange()

@@ -93,6 +93,8 @@ def test_the_plugin_is_off_unless_the_environment_turns_it_on() -> None:
         {"COORDD_ADDRESS": "tcp://10.0.0.1:5555", "COORDD_VLLM_SYNC_TIMEOUT": "90"}
     )
     assert on == PluginSettings(address="tcp://10.0.0.1:5555", sync_timeout=90.0)
+    assert not on.overlap  # the early start is opt-in (it did not pay on the CPU engine)
+    assert settings_from_env({"COORDD_VLLM": "1", "COORDD_VLLM_OVERLAP": "1"}).overlap  # type: ignore[union-attr]
     with pytest.raises(SettingsError, match="COORDD_VLLM='maybe'"):
         settings_from_env({"COORDD_VLLM": "maybe"})
     with pytest.raises(SettingsError, match="COORDD_VLLM_CONNECT_TIMEOUT"):

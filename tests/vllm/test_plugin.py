@@ -3,6 +3,7 @@ that refuse a vLLM of another shape, and syncs that vLLM answers locally making 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -113,6 +114,7 @@ def test_install_is_idempotent_and_uninstall_restores_vllm(
 ) -> None:
     before = _originals()
     monkeypatch.setenv("COORDD_ADDRESS", NOWHERE.address or "")
+    monkeypatch.setenv("COORDD_VLLM_OVERLAP", "1")  # G too (off by default)
     try:
         coordd.vllm.register()
         patched = _originals()
@@ -240,9 +242,9 @@ def test_the_v1_runners_window_is_read_from_this_vllm() -> None:
     assert runner.window_in(GPUModelRunner) == ""
 
 
-def test_the_runner_starts_early_by_default_and_says_so(plugin_log: list[str]) -> None:
+def test_the_runner_starts_early_when_asked_and_says_so(plugin_log: list[str]) -> None:
     before = GPUModelRunner.__dict__["_prepare_inputs"]
-    assert patches.install(NOWHERE)
+    assert patches.install(dataclasses.replace(NOWHERE, overlap=True))
     try:
         assert patches.overlapping()
         assert patches.wrapped(GPUModelRunner.__dict__["_prepare_inputs"])
@@ -267,7 +269,25 @@ def test_overlap_off_leaves_the_runner_as_vllm_has_it(
     finally:
         patches.uninstall()
     [line] = [line for line in plugin_log if "installed" in line]
-    assert "every round starts at vLLM's sync (COORDD_VLLM_OVERLAP=0)" in line
+    assert "every round starts at vLLM's sync (COORDD_VLLM_OVERLAP=0" in line
+
+
+def test_the_early_start_is_off_by_default_and_the_line_says_how_to_turn_it_on(
+    monkeypatch: pytest.MonkeyPatch, plugin_log: list[str]
+) -> None:
+    """Issue 36: on by default only if it pays; on the CPU engine it did not (docs/vllm.md)."""
+    monkeypatch.setenv("COORDD_ADDRESS", NOWHERE.address or "")
+    monkeypatch.delenv("COORDD_VLLM_OVERLAP", raising=False)
+    before = GPUModelRunner.__dict__["_prepare_inputs"]
+    try:
+        coordd.vllm.register()
+        assert patches.installed() and not patches.overlapping()
+        assert GPUModelRunner.__dict__["_prepare_inputs"] is before
+        assert patches.startup()["early_refused"] == 0  # not asked for: nothing refused
+    finally:
+        patches.uninstall()
+    [line] = [line for line in plugin_log if "installed" in line]
+    assert "the default" in line and "COORDD_VLLM_OVERLAP=1 turns it on" in line
 
 
 def test_stock_timings_wrap_the_runner_without_the_plugin(
@@ -288,8 +308,8 @@ def test_stock_timings_wrap_the_runner_without_the_plugin(
     assert GPUModelRunner.__dict__["execute_model"] is step
 
 
-#: Run in a fresh process (this module imports the V1 runner itself): install, look, then import
-#: the runner as a vLLM worker does when it builds it.
+#: Run in a fresh process (this module imports the V1 runner itself): install with the early
+#: start asked for, look, then import the runner as a vLLM worker does when it builds it.
 _LAZY = """
 import glob, logging, os, sys, threading
 from coordd.vllm import patches
@@ -304,7 +324,7 @@ handler = logging.Handler(logging.INFO)
 handler.emit = lambda record: lines.append(record.getMessage())
 patches.log.addHandler(handler)
 patches.log.setLevel(logging.INFO)
-assert patches.install(PluginSettings("ipc:///nonexistent/coordd-vllm-test.sock"))
+assert patches.install(PluginSettings("ipc:///nonexistent/coordd-vllm-test.sock", overlap=True))
 print("installed", patches.RUNNER_MODULE in sys.modules, children(),
       sorted(t.name for t in threading.enumerate()), patches.overlapping())
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner

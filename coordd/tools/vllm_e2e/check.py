@@ -159,7 +159,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     )
 
 
-#: The check's two runs: stock vLLM, then the plugin (overlap as by default: on).
+#: The check's two runs: stock vLLM, then the plugin (its early start on: COORDD_VLLM_OVERLAP=1).
 RUNS = ("plain", "coordd")
 #: The measured modes of `--overlap`, in the order of its first set.
 OVERLAP_MODES = ("stock", "off", "on")
