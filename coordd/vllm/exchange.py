@@ -559,11 +559,15 @@ class Exchange:
         socket yet (a sidecar may start after vLLM: the client alone fails at once there)."""
         deadline = time.monotonic() + self.settings.connect_timeout
         while True:
+            # looked at before the try too: a socket made during a try that found none is
+            # there when the try fails, and that try is retried all the same
+            missing = client.connection.no_socket_file() is not None
             try:
                 client.connect(timeout=max(0.05, deadline - time.monotonic()))
                 return
             except CoordinatorUnavailable:
-                if client.connection.no_socket_file() is None or time.monotonic() >= deadline:
+                missing = missing or client.connection.no_socket_file() is not None
+                if not missing or time.monotonic() >= deadline:
                     raise
             time.sleep(SOCKET_POLL)
 

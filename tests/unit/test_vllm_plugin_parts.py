@@ -20,7 +20,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from coordd.client.dp_coordination import DPGroupConfig, VllmAdapter  # noqa: E402
+from coordd.proto.errors import CoordinatorUnavailable  # noqa: E402
 from coordd.vllm import patches  # noqa: E402
+from coordd.vllm.enable import PluginSettings  # noqa: E402
+from coordd.vllm.exchange import Exchange  # noqa: E402
 from coordd.vllm.reduce import Layout, ReduceOp, contribution, reduce_rows  # noqa: E402
 
 
@@ -110,3 +113,29 @@ def test_a_release_belongs_to_a_supported_line_only_by_its_dotted_prefix(
     every test: each named a real release. A line is the version itself or its prefix up to
     a dot, so 0.320 (or 0.331) gets the warning and an untouched vLLM."""
     assert patches.release_line(version) == line
+
+
+class _AppearingSocket:
+    """A client whose first registration finds no socket file, which coordd makes while that
+    try fails: the file is missing at the look before the try and there at the look after."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+        self.connection = self
+
+    def no_socket_file(self) -> str | None:
+        return ": no socket file" if self.tries == 0 else None
+
+    def connect(self, timeout: float) -> None:
+        self.tries += 1
+        if self.tries == 1:
+            raise CoordinatorUnavailable("cannot reach coordd: no socket file")
+
+
+def test_a_first_sync_retries_a_try_that_found_no_socket_made_meanwhile() -> None:
+    """A try that failed for a missing socket file is retried even when the file is there by
+    the time the failure is seen (a coordd binding at that moment)."""
+    exchange = Exchange(PluginSettings("ipc:///nonexistent/c.sock", connect_timeout=5.0))
+    client = _AppearingSocket()
+    exchange._connect(client)  # type: ignore[arg-type]
+    assert client.tries == 2

@@ -88,6 +88,14 @@ def in_thread(fn: Callable[[], Any]) -> Callable[[float], Any]:
     return result
 
 
+def _outcome(wait: Callable[[float], Any], timeout: float) -> Any:
+    """What `wait` returns, or what it raised."""
+    try:
+        return wait(timeout)
+    except BaseException as exc:
+        return exc
+
+
 def collective(
     rank: tuple[Exchange, GroupIdentity], tensor: torch.Tensor, starting: bool
 ) -> torch.Tensor:
@@ -331,8 +339,11 @@ def test_a_first_sync_waits_for_a_coordd_that_starts_after_it(tmp_path: Path) ->
         waits = [in_thread(lambda r=r: sync(ranks[r], column(r, VALUES[r]))) for r in range(DP)]
         time.sleep(1.0)  # the ranks are waiting for a socket that is not there yet
         with CoorddProcess(DP, address, ["--log-level", "error"]):
-            for wait in waits:
-                assert torch.equal(wait(30), expected())
+            outcomes = [_outcome(wait, 30) for wait in waits]
+        # every rank's outcome in the message: a rank that raised leaves the others waiting
+        assert all(
+            isinstance(got, torch.Tensor) and torch.equal(got, expected()) for got in outcomes
+        ), outcomes
     finally:
         for exchange, _ in ranks:
             exchange.close()
