@@ -202,3 +202,24 @@ def test_crosshost_trips(dp: int, nodes: int, star: int, ring: int, doubling: in
     assert crosshost.ring_trips(dp, nodes) == ring
     assert crosshost.doubling_trips(dp, nodes) == doubling
     assert crosshost.ring_trips(dp, 1) == crosshost.doubling_trips(dp, 1) == 0
+
+
+def test_two_trees_compare_in_one_run(tmp_path: Path) -> None:
+    """The same checkout as both sides: every run completes and every figure pairs up."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "runs"
+    done = subprocess.run(
+        [sys.executable, "-m", "coordd.tools.bench.trees", "--before", str(root), "--after",
+         str(root), "--pairs", "1", "--out", str(out), "--json", str(tmp_path / "cmp.json"),
+         "--", "--dp", "2", "--methods", "coordd-ipc,zmq-hub", "--rounds", str(ROUNDS),
+         "--blocks", "1", "--overlap-rounds", "0", "--crosshost-dp", "none",
+         "--engine-steps", "0"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in out.glob("*.json")) == ["00-before.json", "01-after.json"]
+    table = json.loads((tmp_path / "cmp.json").read_text())["table"]
+    metrics = {r["metric"] for r in table}
+    assert {"coordd-ipc p50 us", "coordd-ipc / hub p50", "rank main CPU us"} <= metrics
+    assert all(r["ratio_p50"] is not None and r["ratio_p50"] > 0 for r in table), table
+    assert "| 2 | coordd-ipc p50 us |" in done.stdout
