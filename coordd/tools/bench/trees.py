@@ -27,7 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordd.tools.bench.methods import COORDD_IPC, HUB
+from coordd.tools.bench.methods import (
+    COORDD_IPC,
+    DEVICE,
+    DEVICE_NCCL,
+    GLOO_BARE,
+    HUB,
+    NCCL_BARE,
+    VLLM,
+    VLLM_PLUGIN,
+)
 
 #: Longest one bench run may take before the comparison gives up on it.
 RUN_TIMEOUT_S = 1800.0
@@ -93,6 +102,18 @@ METRICS = (
     Metric("rank main CPU / hub rank's", _over(_RANK, _HUB_RANK)),
     Metric("coordd main CPU us", _SERVER),
     Metric("coordd main CPU / hub's", _over(_SERVER, _HUB_SERVER)),
+    Metric("vllm-plugin p50 us", _field(VLLM_PLUGIN, "p50_us")),
+    Metric(
+        "vllm-plugin / vLLM's own p50", _over(_field(VLLM_PLUGIN, "p50_us"), _field(VLLM, "p50_us"))
+    ),
+    Metric("device-gloo p50 us", _field(DEVICE, "p50_us")),
+    Metric(
+        "device-gloo / gloo-bare p50", _over(_field(DEVICE, "p50_us"), _field(GLOO_BARE, "p50_us"))
+    ),
+    Metric(
+        "device-nccl / nccl-bare p50",
+        _over(_field(DEVICE_NCCL, "p50_us"), _field(NCCL_BARE, "p50_us")),
+    ),
 )
 
 
