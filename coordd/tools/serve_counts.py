@@ -162,8 +162,12 @@ def count_opcodes(dp: int, rounds: int, base: int) -> dict[str, tuple[float, flo
     return per
 
 
-def count_instructions(dp: int, rounds: int, base: int) -> tuple[int, int, float]:
-    """coordd's instructions (whole process) at both lengths, and per round."""
+def count_instructions(
+    dp: int, rounds: int, base: int, keep: str | None = None
+) -> tuple[int, int, float]:
+    """coordd's instructions (whole process) at both lengths, and per round; `keep`: a
+    folder to copy cachegrind's two outputs to (`cg_diff` of them gives the round by
+    function)."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise RuntimeError("valgrind is not installed (apt-get install valgrind)")
@@ -175,6 +179,9 @@ def count_instructions(dp: int, rounds: int, base: int) -> tuple[int, int, float
                     f"--cachegrind-out-file={out}", sys.executable, "-m", "coordd"]  # fmt: skip
             _run(dp, n, wrap, dict(os.environ), workdir)
             totals.append(_summary(Path(out).read_text()))
+            if keep is not None:
+                Path(keep).mkdir(parents=True, exist_ok=True)
+                shutil.copy(out, Path(keep) / f"cachegrind.{n}")
     return totals[0], totals[1], (totals[1] - totals[0]) / (rounds - base)
 
 
@@ -215,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--instructions", action="store_true", help="instructions (cachegrind)")
     p.add_argument("--top", type=int, default=30, help="functions shown")
     p.add_argument("--json", help="write the counts here as well")
+    p.add_argument("--keep", help="copy cachegrind's outputs to this folder")
     opts = p.parse_args(args)
     if opts.rounds <= opts.base:
         p.error("--rounds must exceed --base")
@@ -222,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         opts.opcodes = True
     result: dict[str, Any] = {"dp": opts.dp, "rounds": opts.rounds, "base": opts.base}
     if opts.instructions:
-        small, large, per_round = count_instructions(opts.dp, opts.rounds, opts.base)
+        small, large, per_round = count_instructions(opts.dp, opts.rounds, opts.base, opts.keep)
         result["instructions"] = {"base": small, "rounds": large, "per_round": per_round}
         print(
             f"coordd instructions (whole process, cachegrind): {small} at {opts.base} rounds, "
