@@ -251,7 +251,7 @@ class GroupMachine(Generic[M, S]):
         """The last completed round (as in the snapshot), without building one."""
         return self._last_round
 
-    def registered(self) -> int:
+    def ranks_registered(self) -> int:
         """How many ranks are registered in this epoch: the snapshot's `len(members)`,
         without building one."""
         return len(self._member_view())

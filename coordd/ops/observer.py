@@ -113,7 +113,7 @@ class Observer:
     ) -> None:
         self.view = view
         #: The group's machine when `view` is its `snapshot`: a decision reads the machine's
-        #: counters (`decisions`, `last_round`, `registered`) instead of a snapshot built
+        #: counters (`decisions`, `last_round`, `ranks_registered`) instead of a snapshot built
         #: again every round for them.
         self._machine: _Counted | None = _machine_of(view)
         self.name = name
@@ -172,7 +172,7 @@ class Observer:
                 rnd, decisions, registered = snap.last_round, snap.decisions, len(snap.members)
             else:
                 rnd, decisions = machine.last_round, machine.decisions
-                registered = machine.registered()
+                registered = machine.ranks_registered()
             if rnd is None or decisions == self._decisions_seen:
                 return  # a re-sent decision (a rank repeated its report): not a new round
             if registered != len(self.rounds_at_join):
@@ -447,7 +447,7 @@ class _Counted(Protocol):
     def decisions(self) -> int: ...
     @property
     def last_round(self) -> CompletedRound | None: ...
-    def registered(self) -> int: ...
+    def ranks_registered(self) -> int: ...
     def snapshot(self) -> GroupSnapshot: ...
 
 
