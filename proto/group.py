@@ -198,10 +198,16 @@ class GroupMachine(Generic[M, S]):
         """When `on_deadline` must next be called, or None."""
         rnd = self._round
         due = None if rnd is None else rnd.started + self.step_timeout + self.grace
-        waiting = self._resizing.deadline()
-        if waiting is not None:
-            due = waiting if due is None else min(due, waiting)
+        if self._resizing:  # (no registration waiting, most of the time: no min() over none)
+            waiting = self._resizing.deadline()
+            if waiting is not None:
+                due = waiting if due is None else min(due, waiting)
         return due
+
+    def marks(self) -> tuple[int, int, float | None]:
+        """`failures`, `stops` and `next_deadline()` in one call: what the shell compares
+        after every drain that fed the group (once per wakeup)."""
+        return self._failures, self._stops, self.next_deadline()
 
     def on_deadline(self, now: float) -> Sequence[S]:
         if self._resizing.due(now):

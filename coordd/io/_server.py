@@ -325,7 +325,11 @@ class CoordServer:
     def _on_frames(self) -> None:
         """The ROUTER's FD fired: frames only (the monitor's own FD brings closed connections
         to `drain`, and only work on the monitor socket can swallow its edge)."""
-        more = self._drain_frames()
+        self._in_frames = True  # `_drain_frames`, written out: once per wakeup
+        try:
+            more = self._handle_frames()
+        finally:
+            self._in_frames = False
         self._deadlines.after_drain()
         if more:
             self._again()
@@ -358,17 +362,16 @@ class CoordServer:
         now = self.clock()
         if now >= admission.window_end:
             self.guard.new_window(now, self.groups.values())
+        # locals for what every message uses (most wakeups bring one: no more than that)
         sock = self._sock
         recv = sock.recv
         stats = self.stats
         clock = self.clock
-        registry = self.registry
-        standing = registry.standing
+        standing = self.registry.standing
         touched = self._deadlines.touched
         member_counts = admission.member_counts
         relay_peers = self.relays.peer_fd
         ranks = self.ranks
-        outbox = self._outbox
         # what connections coordd shut down still have queued is dropped undecoded (a
         # flood's backlog); not at debug level, which logs a line per bad frame
         shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
@@ -445,12 +448,13 @@ class CoordServer:
                     continue
             else:
                 address = frame_address(frame)
-                self._carry_out(registry.other_connection(peer, message, address, clock()))
+                other = self.registry.other_connection(peer, message, address, clock())
+                self._carry_out(other)
                 continue
             touched.add(group)
             sends = coordinator.receive(peer, message, clock())
             if sends:  # most reports only join the open round: nothing to send
-                outbox.send(sends, group.observer)
+                self._outbox.send(sends, group.observer)
         return True
 
     def _drop_parts(self) -> bool:

@@ -9,7 +9,9 @@ Two counts, each unmoved by the load of a shared machine:
   I/O thread), counted by `valgrind --tool=cachegrind --cache-sim=no`.
 
 The counts do vary with how the ranks' messages fall into the daemon's wakeups (one drain may
-take one message or eight): the report says wakeups per round beside the opcode counts.
+take one message or eight), and a coordd slowed by the count batches more than a fast one:
+the report says wakeups per round beside the opcode counts, and `--stagger-ms` spaces the
+ranks' reports so that each has a wakeup of its own (the other end of the range).
 
     python -m coordd.tools.serve_counts --dp 8 --rounds 600 --base 100 --opcodes --instructions
 
@@ -94,8 +96,9 @@ def _name(code: Any) -> str:
 # -- a rank ----------------------------------------------------------------------------------
 
 
-def _rank(address: str, rank: int, dp: int, rounds: int) -> int:
-    """One lean rank: register, then `rounds` blocking rounds of the bench's reports."""
+def _rank(address: str, rank: int, dp: int, rounds: int, stagger: float = 0.0) -> int:
+    """One lean rank: register, then `rounds` blocking rounds of the bench's reports, each
+    report sent `rank * stagger` seconds after the previous round's answer."""
     from coordd.client.sync import CoordClient
     from coordd.tools.bench.methods import bench_config
     from coordd.tools.bench.workload import report_table
@@ -105,7 +108,10 @@ def _rank(address: str, rank: int, dp: int, rounds: int) -> int:
     client = CoordClient(address, config=config)
     client.connect(timeout=RANK_TIMEOUT)
     try:
+        delay = rank * stagger
         for i in range(rounds):
+            if delay:
+                time.sleep(delay)
             client.start(table[i % len(table)]).wait()
     finally:
         client.close()
@@ -115,7 +121,9 @@ def _rank(address: str, rank: int, dp: int, rounds: int) -> int:
 # -- the parent ------------------------------------------------------------------------------
 
 
-def _run(dp: int, rounds: int, wrap: list[str], env: dict[str, str], workdir: str) -> None:
+def _run(
+    dp: int, rounds: int, wrap: list[str], env: dict[str, str], workdir: str, stagger: float
+) -> None:
     """One run: coordd (under `wrap`) and `dp` ranks for WARMUP + `rounds` rounds."""
     bind = f"ipc://{workdir}/coordd.sock"
     proc = CoorddProcess(dp, bind, extra_args=["--log-level", "warning"], env=env)
@@ -124,7 +132,8 @@ def _run(dp: int, rounds: int, wrap: list[str], env: dict[str, str], workdir: st
     try:
         rank_argv = [sys.executable, "-m", _MODULE, "_rank", proc.address]
         ranks = [
-            subprocess.Popen([*rank_argv, str(r), str(dp), str(WARMUP + rounds)]) for r in range(dp)
+            subprocess.Popen([*rank_argv, str(r), str(dp), str(WARMUP + rounds), str(stagger)])
+            for r in range(dp)
         ]
         deadline = time.monotonic() + RUN_TIMEOUT
         failed = []
@@ -144,14 +153,16 @@ def _run(dp: int, rounds: int, wrap: list[str], env: dict[str, str], workdir: st
         raise RuntimeError(f"coordd exited with {exit_code}")
 
 
-def count_opcodes(dp: int, rounds: int, base: int) -> dict[str, tuple[float, float]]:
+def count_opcodes(
+    dp: int, rounds: int, base: int, stagger: float = 0.0
+) -> dict[str, tuple[float, float]]:
     """Bytecodes and calls per round by function (`rounds` less `base`, over the difference)."""
     runs = []
     for n in (base, rounds):
         with tempfile.TemporaryDirectory(prefix="coordd-counts-") as workdir:
             out = f"{workdir}/ops.json"
             wrap = [sys.executable, "-m", _MODULE, "_traced", out, "--"]
-            _run(dp, n, wrap, dict(os.environ), workdir)
+            _run(dp, n, wrap, dict(os.environ), workdir, stagger)
             runs.append(json.loads(Path(out).read_text()))
     small, large = runs
     span = rounds - base
@@ -163,7 +174,7 @@ def count_opcodes(dp: int, rounds: int, base: int) -> dict[str, tuple[float, flo
 
 
 def count_instructions(
-    dp: int, rounds: int, base: int, keep: str | None = None
+    dp: int, rounds: int, base: int, keep: str | None = None, stagger: float = 0.0
 ) -> tuple[int, int, float]:
     """coordd's instructions (whole process) at both lengths, and per round; `keep`: a
     folder to copy cachegrind's two outputs to (`cg_diff` of them gives the round by
@@ -177,7 +188,7 @@ def count_instructions(
             out = f"{workdir}/cachegrind.out"
             wrap = [valgrind, "--tool=cachegrind", "--cache-sim=no",
                     f"--cachegrind-out-file={out}", sys.executable, "-m", "coordd"]  # fmt: skip
-            _run(dp, n, wrap, dict(os.environ), workdir)
+            _run(dp, n, wrap, dict(os.environ), workdir, stagger)
             totals.append(_summary(Path(out).read_text()))
             if keep is not None:
                 Path(keep).mkdir(parents=True, exist_ok=True)
@@ -213,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["_traced"]:
         return _traced_serve(args[1], args[3:])
     if args[:1] == ["_rank"]:
-        return _rank(args[1], int(args[2]), int(args[3]), int(args[4]))
+        return _rank(args[1], int(args[2]), int(args[3]), int(args[4]), float(args[5]))
     p = argparse.ArgumentParser(prog="python -m coordd.tools.serve_counts", description=__doc__)
     p.add_argument("--dp", type=int, default=8)
     p.add_argument("--rounds", type=int, default=600, help="rounds of the longer run")
@@ -223,6 +234,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=30, help="functions shown")
     p.add_argument("--json", help="write the counts here as well")
     p.add_argument("--keep", help="copy cachegrind's outputs to this folder")
+    p.add_argument(
+        "--stagger-ms",
+        type=float,
+        default=0.0,
+        help="rank r sends each report r * this after the last answer: long enough, and each "
+        "report has a wakeup of its own (the default, 0, lets a slowed coordd batch them)",
+    )
     opts = p.parse_args(args)
     if opts.rounds <= opts.base:
         p.error("--rounds must exceed --base")
@@ -230,7 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         opts.opcodes = True
     result: dict[str, Any] = {"dp": opts.dp, "rounds": opts.rounds, "base": opts.base}
     if opts.instructions:
-        small, large, per_round = count_instructions(opts.dp, opts.rounds, opts.base, opts.keep)
+        small, large, per_round = count_instructions(
+            opts.dp, opts.rounds, opts.base, opts.keep, opts.stagger_ms / 1000
+        )
         result["instructions"] = {"base": small, "rounds": large, "per_round": per_round}
         print(
             f"coordd instructions (whole process, cachegrind): {small} at {opts.base} rounds, "
@@ -239,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
     if opts.opcodes:
-        per = count_opcodes(opts.dp, opts.rounds, opts.base)
+        per = count_opcodes(opts.dp, opts.rounds, opts.base, opts.stagger_ms / 1000)
         result["opcodes"] = per
         print(f"coordd main thread, per round at dp={opts.dp} (settrace opcode events):")
         print(_table(per, opts.top), flush=True)
