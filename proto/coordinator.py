@@ -44,9 +44,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from coordd.proto.defaults import STEP_TIMEOUT
-from coordd.proto.errors import CoordError, ProtocolError, RankLost, Rejected
+from coordd.proto.errors import CoordError, InvalidReport, ProtocolError, RankLost, Rejected
 from coordd.proto.group import LEFT_THE_GROUP, GroupMachine
-from coordd.proto.group_state import GroupState
+from coordd.proto.group_state import GroupEvent, GroupState
 from coordd.proto.membership import (
     check_basics,
     check_membership,
@@ -72,6 +72,10 @@ from coordd.proto.snapshot import Member, OnRankLoss
 __all__ = ["LEFT_THE_GROUP", "CompletedRound", "Coordinator", "OnRankLoss", "Send"]
 
 _GATHER = StepKind.GATHER
+_ROUND_OPEN = GroupState.ROUND_OPEN
+_IDLE = GroupState.IDLE
+_E_OPEN = GroupEvent.OPEN
+_E_REPORT = GroupEvent.REPORT
 
 
 class Send(NamedTuple):
@@ -96,7 +100,48 @@ class Coordinator(GroupMachine[Member, Send]):
 
     def receive(self, peer: bytes, message: ToCoordinator, now: float) -> Sequence[Send]:
         """Feed one decoded message from `peer`; returns what to send."""
-        if type(message) is StepReport or type(message) is GatherReport:
+        if type(message) is StepReport:
+            # The hot path: a member's policy report for the round open now (or the one it
+            # opens), of its kind, the first from its rank, with no rank departed: the checks
+            # of `_on_part` and `_check_part` and the move, written out; whatever differs
+            # takes `_on_part`. tests/unit/test_report_fast_path.py pins the two together.
+            member = self._by_peer.get(peer)
+            if (
+                member is not None
+                and message.seq == self._seq
+                and message.epoch == self._epoch
+                and message.dp_rank == member.rank
+                and not self._left
+            ):
+                rnd = self._round
+                rank = member.rank
+                if rnd is None:
+                    if self._state is _IDLE and message.kind is not _GATHER:
+                        try:
+                            validate_report(rank, message)
+                        except InvalidReport as error:
+                            return self._fail(error, now, message)
+                        self._move(_E_OPEN)
+                        rnd = self._round = Round(self._seq, message, now, self.dp_size)
+                        rnd.add(rank, message, now)
+                        return self._complete_if_ready(now, rank)
+                elif (
+                    message.kind is rnd.kind
+                    and rnd.kind is not _GATHER
+                    and rnd.reports[rank] is None
+                    and self._state is _ROUND_OPEN
+                ):
+                    try:
+                        validate_report(rank, message)
+                    except InvalidReport as error:
+                        return self._fail(error, now, message)
+                    self._move(_E_REPORT)
+                    rnd.add(rank, message, now)
+                    if rnd.reported < len(self._by_peer):
+                        return ()
+                    return self._complete_if_ready(now, rank)
+            return self._on_part(peer, message, now)
+        if type(message) is GatherReport:
             return self._on_part(peer, message, now)
         if type(message) is Hello:
             return self._on_hello(peer, message, now)
@@ -187,8 +232,12 @@ class Coordinator(GroupMachine[Member, Send]):
                 epoch=self._epoch, seq=rnd.seq, site=rnd.site, rows=rows, dead_ranks=sorted(dead)
             )
         group = self._members[min(self._members)].hello
+        # with no rank left out, every rank reported: the round's own list, as it is
+        reports = rnd.reports
+        if dead:
+            reports = [None if r in dead else rep for r, rep in enumerate(reports)]
         return decide(
-            [None if r in dead else rep for r, rep in enumerate(rnd.reports)],  # type: ignore[misc]
+            reports,  # type: ignore[arg-type]
             group.num_ubatches,
             epoch=self._epoch,
             seq=rnd.seq,

@@ -43,7 +43,7 @@ from coordd.proto.errors import (
     StepMismatch,
     StepTimeout,
 )
-from coordd.proto.group_state import GroupEvent, GroupState, next_state
+from coordd.proto.group_state import TRANSITIONS, GroupEvent, GroupState, IllegalTransition
 from coordd.proto.membership import rank_taken
 from coordd.proto.messages import (
     Goodbye,
@@ -198,10 +198,16 @@ class GroupMachine(Generic[M, S]):
         """When `on_deadline` must next be called, or None."""
         rnd = self._round
         due = None if rnd is None else rnd.started + self.step_timeout + self.grace
-        waiting = self._resizing.deadline()
-        if waiting is not None:
-            due = waiting if due is None else min(due, waiting)
+        if self._resizing:  # (no registration waiting, most of the time: no min() over none)
+            waiting = self._resizing.deadline()
+            if waiting is not None:
+                due = waiting if due is None else min(due, waiting)
         return due
+
+    def marks(self) -> tuple[int, int, float | None]:
+        """`failures`, `stops` and `next_deadline()` in one call: what the shell compares
+        after every drain that fed the group (once per wakeup)."""
+        return self._failures, self._stops, self.next_deadline()
 
     def on_deadline(self, now: float) -> Sequence[S]:
         if self._resizing.due(now):
@@ -245,6 +251,16 @@ class GroupMachine(Generic[M, S]):
     @property
     def last_failure(self) -> StepFailed | None:
         return self._failure
+
+    @property
+    def last_round(self) -> CompletedRound | None:
+        """The last completed round (as in the snapshot), without building one."""
+        return self._last_round
+
+    def ranks_registered(self) -> int:
+        """How many ranks are registered in this epoch: the snapshot's `len(members)`,
+        without building one."""
+        return len(self._member_view())
 
     def rank_of(self, peer: bytes) -> int | None:
         """The (lowest) rank `peer` speaks for in this epoch, or None: one dict lookup, for
@@ -305,8 +321,12 @@ class GroupMachine(Generic[M, S]):
     # -- the one place the state changes ----------------------------------------------------
 
     def _move(self, event: GroupEvent) -> None:
-        """Take `event` by the table (`IllegalTransition` if it has no such move)."""
-        self._state = next_state(self._state, event)
+        """Take `event` by the table (`IllegalTransition` if it has no such move):
+        `next_state`, written out (a move a report)."""
+        try:
+            self._state = TRANSITIONS[self._state][event]
+        except KeyError:
+            raise IllegalTransition(self._state, event) from None
         self._snapshot = None
 
     def _members_changed(self) -> None:

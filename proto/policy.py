@@ -47,11 +47,32 @@ MAX_TOKENS = 2**31 - 1
 _INT32 = "int32: the engines' token tensors"
 _FLAGS = ("want_ubatch", "has_unfinished", "want_pause")
 _COUNTS = ("num_tokens", "num_tokens_padded", "cudagraph_mode")
+_GATHER = StepKind.GATHER
 
 
 def validate_report(rank: int, report: StepReport) -> None:
     """Raise `InvalidReport` naming the rank, the first field out of range, its value and the
     range. Cheap (a few comparisons): it runs on every report, in the client and in coordd."""
+    # The common case first, in one expression: exact ints in range and exact bools, of a
+    # policy round's kind (tests/unit/test_report_fast_path.py pins it to the checks below).
+    tokens, padded, mode = report.num_tokens, report.num_tokens_padded, report.cudagraph_mode
+    if (
+        type(tokens) is int
+        and type(padded) is int
+        and 0 <= tokens <= padded <= MAX_TOKENS
+        and type(mode) is int
+        and 0 <= mode <= 2
+        and type(report.want_ubatch) is bool
+        and type(report.has_unfinished) is bool
+        and type(report.want_pause) is bool
+        and report.kind is not _GATHER
+    ):
+        return
+    _validate_fields(rank, report)
+
+
+def _validate_fields(rank: int, report: StepReport) -> None:
+    """`validate_report`'s rule check by check, naming the first that breaks it."""
     if report.kind is StepKind.GATHER:
         raise InvalidReport(
             rank, "kind", StepKind.GATHER.value, "forward, draft or state (gather: a GatherReport)"

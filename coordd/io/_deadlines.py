@@ -34,11 +34,12 @@ class Deadlines:
             timer_at = self._timer_at
             for group in touched:
                 coordinator = group.coordinator
-                if coordinator.failures != group.observer.failures_seen:
-                    group.observer.group_failed(coordinator.snapshot())
-                if coordinator.stops != group.observer.stops_seen:
-                    group.observer.group_stopped(coordinator.snapshot())
-                deadline = coordinator.next_deadline()
+                observer = group.observer
+                failures, stops, deadline = coordinator.marks()
+                if failures != observer.failures_seen:
+                    observer.group_failed(coordinator.snapshot())
+                if stops != observer.stops_seen:
+                    observer.group_stopped(coordinator.snapshot())
                 if deadline != group.deadline:
                     group.deadline = deadline
                     if deadline is None:

@@ -37,6 +37,7 @@ class Outbox:
         for peers, message in sends:
             observer.sent(peers, message)
             payload = encode(message)
+            sent = 0
             for peer in peers:
                 try:
                     _send_frame(sock, peer, _SNDMORE_NOBLOCK)
@@ -44,7 +45,8 @@ class Outbox:
                 except zmq.ZMQError as exc:
                     log.debug("dropped a frame to %s: %s", peer_label(peer), exc)
                     continue
-                self._stats.frames_out += 1
+                sent += 1
+            self._stats.frames_out += sent
 
     def send_one(self, peer: bytes, message: Reject | StepFailed | Heartbeat) -> None:
         """An answer from coordd itself, outside any group."""

@@ -325,7 +325,11 @@ class CoordServer:
     def _on_frames(self) -> None:
         """The ROUTER's FD fired: frames only (the monitor's own FD brings closed connections
         to `drain`, and only work on the monitor socket can swallow its edge)."""
-        more = self._drain_frames()
+        self._in_frames = True  # `_drain_frames`, written out: once per wakeup
+        try:
+            more = self._handle_frames()
+        finally:
+            self._in_frames = False
         self._deadlines.after_drain()
         if more:
             self._again()
@@ -358,16 +362,16 @@ class CoordServer:
         now = self.clock()
         if now >= admission.window_end:
             self.guard.new_window(now, self.groups.values())
+        # locals for what every message uses (most wakeups bring one: no more than that)
         sock = self._sock
+        recv = sock.recv
         stats = self.stats
         clock = self.clock
-        registry = self.registry
-        standing = registry.standing
+        standing = self.registry.standing
         touched = self._deadlines.touched
         member_counts = admission.member_counts
         relay_peers = self.relays.peer_fd
         ranks = self.ranks
-        outbox = self._outbox
         # what connections coordd shut down still have queued is dropped undecoded (a
         # flood's backlog); not at debug level, which logs a line per bad frame
         shut = admission if admission.shut and not log.isEnabledFor(logging.DEBUG) else None
@@ -379,11 +383,11 @@ class CoordServer:
             try:
                 # A ROUTER's routing id part is always followed by a payload part (libzmq
                 # prefetches it), so the id is read as bytes with no RCVMORE check.
-                peer = sock.recv(_NOBLOCK)
+                peer = recv(_NOBLOCK)
             except zmq.Again:
                 return False
             stats.frames_in += 1
-            frame = sock.recv(_NOBLOCK, copy=False)
+            frame = recv(_NOBLOCK, copy=False)  # a Frame (not copied), for its SRCFD
             if frame.more:
                 # refused at its second payload part; the rest is dropped part by part
                 self.ranks.bad_frame(peer, "more than one payload frame", frame)
@@ -420,34 +424,37 @@ class CoordServer:
                 else:
                     self._carry_out.stranger(peer, message)
                 continue
+            coordinator = group.coordinator
             if stands == MEMBER:
                 # a member's input is bounded too (one report per round, and a few more)
                 count = member_counts.get(peer, 0) + 1
                 member_counts[peer] = count
                 if not count & MEMBER_MASK and ranks.member_over(peer, group, srcfd, count):
                     return True  # cut off: the next drain drops what it queued undecoded
+                if type(message) is StepReport or type(message) is GatherReport:
+                    waited = message.waited_us
+                    # the rank's wait for its previous round, counted only under the rank
+                    # that sent it (a report claiming another rank is refused in `receive`)
+                    if waited >= 0 and coordinator.rank_of(peer) == message.dp_rank:
+                        group.observer.waited(message.dp_rank, message.seq, waited)
+                elif type(message) is Hello:
+                    ranks.hello(peer, message, frame)
+                    continue
             elif stands == DETACHED:
                 # its registering connection closed: a stranger now, for the cut-off
                 self.guard.stranger_sent(peer, srcfd)
+                if type(message) is Hello:
+                    ranks.hello(peer, message, frame)
+                    continue
             else:
                 address = frame_address(frame)
-                self._carry_out(registry.other_connection(peer, message, address, clock()))
+                other = self.registry.other_connection(peer, message, address, clock())
+                self._carry_out(other)
                 continue
-            if type(message) is Hello:
-                ranks.hello(peer, message, frame)
-                continue
-            if (type(message) is StepReport or type(message) is GatherReport) and (
-                stands == MEMBER
-            ):
-                waited = message.waited_us
-                # the rank's wait for its previous round, counted only under the rank that
-                # sent it (a report claiming another rank is refused in `receive`)
-                if waited >= 0 and group.coordinator.rank_of(peer) == message.dp_rank:
-                    group.observer.waited(message.dp_rank, message.seq, waited)
             touched.add(group)
-            sends = group.coordinator.receive(peer, message, clock())
+            sends = coordinator.receive(peer, message, clock())
             if sends:  # most reports only join the open round: nothing to send
-                outbox.send(sends, group.observer)
+                self._outbox.send(sends, group.observer)
         return True
 
     def _drop_parts(self) -> bool:

@@ -19,12 +19,13 @@ from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from importlib import metadata
-from typing import Any
+from typing import Any, Protocol
 
 from coordd.core import _logs as logs
 from coordd.core._bounds import Throttle
 from coordd.core._peers import peer_label
 from coordd.proto.coordinator import LEFT_THE_GROUP
+from coordd.proto.group import GroupMachine
 from coordd.proto.messages import (
     FailReason,
     GatherResult,
@@ -111,6 +112,10 @@ class Observer:
         self, view: Callable[[], GroupSnapshot], *, name: str = "default", wall: Any = time.time
     ) -> None:
         self.view = view
+        #: The group's machine when `view` is its `snapshot`: a decision reads the machine's
+        #: counters (`decisions`, `last_round`, `ranks_registered`) instead of a snapshot built
+        #: again every round for them.
+        self._machine: _Counted | None = _machine_of(view)
         self.name = name
         first = view()
         self.dp_size = first.max_dp_size  # the most ranks any epoch of the group may have
@@ -146,8 +151,11 @@ class Observer:
         #: kind, a gather round's site), as the ranks report it in their next report.
         self.waits: dict[str, DurationHistogram] = {}
         #: The last decided round (seq, site) and the ranks whose wait for it was counted.
-        self._wait_round: tuple[int, str] = (-1, "")
+        self._wait_seq = -1
+        self._wait_site = ""
         self._waits_counted: set[int] = set()
+        #: The histogram the last decided round's waits go to, once the first came.
+        self._wait_histogram: DurationHistogram | None = None
 
     # -- what the server tells it -------------------------------------------------------------
 
@@ -158,13 +166,18 @@ class Observer:
         histogram bucket, the straggler's counter and a deque append."""
         kind = type(message)
         if kind is StepDecision or kind is GatherResult:
-            snap = self.view()
-            rnd = snap.last_round
-            if rnd is None or snap.decisions == self._decisions_seen:
+            machine = self._machine
+            if machine is None:
+                snap = self.view()
+                rnd, decisions, registered = snap.last_round, snap.decisions, len(snap.members)
+            else:
+                rnd, decisions = machine.last_round, machine.decisions
+                registered = machine.ranks_registered()
+            if rnd is None or decisions == self._decisions_seen:
                 return  # a re-sent decision (a rank repeated its report): not a new round
-            if len(snap.members) != len(self.rounds_at_join):
-                self.settle(snap)  # a rank left before this round: it took no part in it
-            self._decisions_seen = snap.decisions
+            if registered != len(self.rounds_at_join):
+                self.settle(self.view())  # a rank left before this round: it took no part
+            self._decisions_seen = decisions
             histogram = self.durations.get(rnd.kind._value_)
             if histogram is None:
                 histogram = self.durations[rnd.kind._value_] = DurationHistogram()
@@ -174,7 +187,9 @@ class Observer:
             if rnd.last_rank is not None:
                 self.stragglers[rnd.last_rank] += 1
             self.recent.append(rnd)
-            self._wait_round = (rnd.seq, rnd.site or rnd.kind._value_)
+            self._wait_seq = rnd.seq
+            self._wait_site = rnd.site or rnd.kind._value_
+            self._wait_histogram = None
             self._waits_counted.clear()
         elif kind is StepFailed:
             snap = self.view()
@@ -190,10 +205,21 @@ class Observer:
     def waited(self, rank: int, seq: int, waited_us: int) -> None:
         """Rank `rank`'s report for `seq` says its wait for round seq - 1 blocked `waited_us`:
         counted under that round's site if it is the last one decided, once per rank."""
-        last_seq, site = self._wait_round
-        if seq - 1 != last_seq or not 0 <= rank < self.dp_size or rank in self._waits_counted:
+        counted = self._waits_counted
+        if seq - 1 != self._wait_seq or not 0 <= rank < self.dp_size or rank in counted:
             return
-        self._waits_counted.add(rank)
+        counted.add(rank)
+        histogram = self._wait_histogram
+        if histogram is None:
+            histogram = self._wait_histogram = self._wait_histogram_now()
+        seconds = waited_us / 1e6  # `observe`, written out: once per rank per round
+        histogram.counts[bisect_left(WAIT_BUCKETS, seconds)] += 1
+        histogram.sum += seconds
+
+    def _wait_histogram_now(self) -> DurationHistogram:
+        """The histogram of the last decided round's site (made at its first wait), or the
+        "other" one once MAX_WAIT_SITES sites have theirs."""
+        site = self._wait_site
         histogram = self.waits.get(site)
         if histogram is None:
             if len(self.waits) >= MAX_WAIT_SITES:
@@ -201,9 +227,7 @@ class Observer:
                 histogram = self.waits.get(site)
             if histogram is None:
                 histogram = self.waits[site] = DurationHistogram(WAIT_BUCKETS)
-        seconds = waited_us / 1e6  # `observe`, written out: once per rank per round
-        histogram.counts[bisect_left(histogram.buckets, seconds)] += 1
-        histogram.sum += seconds
+        return histogram
 
     def registering(self, peer: bytes, hello: Hello, address: object) -> None:
         """A Hello arrived from `peer` (ZeroMQ's Peer-Address `address`), before the
@@ -414,6 +438,25 @@ class Observer:
             got=reject.got,
             detail=reject.text,
         )
+
+
+class _Counted(Protocol):
+    """What a decision reads of the group's machine (`coordd.proto.group.GroupMachine`)."""
+
+    @property
+    def decisions(self) -> int: ...
+    @property
+    def last_round(self) -> CompletedRound | None: ...
+    def ranks_registered(self) -> int: ...
+    def snapshot(self) -> GroupSnapshot: ...
+
+
+def _machine_of(view: Callable[[], GroupSnapshot]) -> _Counted | None:
+    """The machine whose `snapshot` method `view` is, or None (another view: snapshots)."""
+    machine = getattr(view, "__self__", None)
+    if isinstance(machine, GroupMachine) and view == machine.snapshot:
+        return machine
+    return None
 
 
 class ServerEvents:
