@@ -147,6 +147,8 @@ def _rank(
                 profiler = cProfile.Profile()
             times: dict[str, list[float]] = {w: [] for w in WAYS}
             cpu: dict[str, list[float]] = {w: [0.0, 0.0, 0] for w in WAYS}  # type: ignore[misc]
+            #: Each block's p50, per way: the plugin's block against vLLM's block beside it.
+            blocks: dict[str, list[float]] = {w: [] for w in WAYS}
             done = 0
             torch.distributed.barrier(group=cpu_group)
             span0, kids0 = time.perf_counter(), _children_cpu()
@@ -173,6 +175,7 @@ def _rank(
                         if profiler is not None and way == "plugin":
                             profiler.disable()
                         assert tensors[-1].tolist() == want, (way, tensors[-1].tolist())
+                    blocks[way].append(sorted(out[-n:])[n // 2])
                     c = cpu[way]
                     c[0] += time.thread_time() - t0
                     c[1] += time.process_time() - p0
@@ -184,7 +187,7 @@ def _rank(
                 profiler.dump_stats(profile)
             torch.distributed.barrier(group=cpu_group)
             patches.uninstall()
-        queue.put((idx, (times, cpu, install)))
+        queue.put((idx, (times, cpu, install, blocks)))
     except BaseException:
         import traceback
 
@@ -228,10 +231,12 @@ def measure(dp: int, rounds: int, block: int, warmup: int, profile: str = "") ->
                     p.kill()
     out: dict[str, Any] = {w: {"times": [], "thread_us": 0.0, "process_us": 0.0} for w in WAYS}
     out["install"] = {}
+    out["blocks"] = []
     for idx, got in results:
         if isinstance(got, str):
             raise RuntimeError(f"rank {idx}:\n{got}")
-        times, cpu, install = got
+        times, cpu, install, blocks = got
+        out["blocks"].extend(zip(blocks["plugin"], blocks["vllm"], strict=True))
         for key, value in install.items():
             out["install"][key] = out["install"].get(key, 0.0) + value / dp
         for way in WAYS:
@@ -242,9 +247,13 @@ def measure(dp: int, rounds: int, block: int, warmup: int, profile: str = "") ->
     return out
 
 
+def pick(ordered: list[float], q: float) -> float:
+    """The value at quantile `q` of already sorted values (nearest rank)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def pct(times: list[float], q: float) -> float:
-    ordered = sorted(times)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
+    return pick(sorted(times), q) * 1e6
 
 
 def main() -> None:
@@ -275,6 +284,15 @@ def main() -> None:
                 f"{g['thread_us']:12.1f} {g['process_us']:12.1f} "
                 f"{p50[way] / p50['vllm']:10.2f}x {p50[way] / p50['gather']:12.2f}x"
             )
+        pairs = got["blocks"]
+        ratios = sorted(p / v for p, v in pairs)
+        own = sorted(v for _, v in pairs)
+        p10, p50_, p90 = (pick(ratios, q) for q in (0.1, 0.5, 0.9))
+        print(
+            f"{dp:>3}  plugin / vllm per block ({len(pairs)} blocks over ranks): p10 "
+            f"{p10:.2f}x, p50 {p50_:.2f}x, p90 {p90:.2f}x; "
+            f"vLLM's own block p50s {own[0] * 1e6:.0f}..{own[-1] * 1e6:.0f} us"
+        )
         i = got["install"]
         print(
             f"{dp:>3}  install: {i['wall_ms']:.0f} ms wall, {i['cpu_ms']:.0f} ms CPU; left "
