@@ -123,7 +123,8 @@ class _State:
     head: str = ""
     #: Faults this process logged, by error (each is logged once per rebuild of its groups).
     said: set[tuple[int, str]] = field(default_factory=set)
-    #: The start-up line's data (`startup()`): the release, coordd's address, the early start.
+    #: The start-up line's data (`startup()`): the release, coordd's address, the early start's
+    #: counts (its state is `no_overlap`'s, which `startup()` reads).
     data: dict[str, Any] = field(default_factory=dict)
     #: Whether the runner's first early start has checked the path its sync takes.
     path_checked: bool = False
@@ -461,8 +462,6 @@ def install(settings: PluginSettings) -> bool:
         _state.data = {
             "vllm": version,
             "address": settings.address or "the default ipc path",
-            "overlap": False,
-            "no_overlap": _state.no_overlap,
             "early_refused": 0,
             "not_started": 0,
         }
@@ -518,8 +517,6 @@ def _runner_loaded(module: types.ModuleType) -> None:
             if not why and runner_class is not None:
                 _patch_runner(runner_class)
             _state.no_overlap = why
-            _state.data["overlap"] = not why
-            _state.data["no_overlap"] = why
             if _state.timings_mode and runner_class is not None:
                 _time_runner(runner_class, "off" if why else "on")
             pending = bool(_state.line)
@@ -547,8 +544,10 @@ def startup() -> dict[str, Any]:
     """The start-up line's data, as it stands now: `vllm`, `address`, `overlap` (whether the
     V1 runner's round starts early in this process), `no_overlap` (why not, "" if it does),
     `early_refused` (early starts refused for good: 0 or 1) and `not_started` (early starts
-    that left their round to the sync, this time only)."""
-    return dict(_state.data)
+    that left their round to the sync, this time only). `overlap` and `no_overlap` are read
+    from `_state.no_overlap`, the one place the early start's state is kept."""
+    data, why = _state.data, _state.no_overlap
+    return {**data, "overlap": not why, "no_overlap": why} if data else {}
 
 
 def _early_refused(why: str) -> None:
@@ -557,8 +556,6 @@ def _early_refused(why: str) -> None:
     the line says too if it is not out yet; the step clock times what runs, overlap off."""
     _state.no_overlap = why
     data = _state.data
-    data["overlap"] = False
-    data["no_overlap"] = why
     data["early_refused"] = data.get("early_refused", 0) + 1
     if _state.line:
         _state.line = _line()
