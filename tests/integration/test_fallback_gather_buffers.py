@@ -29,28 +29,36 @@ def _values(rank: int, index: int, count: int) -> list[int]:
 
 
 def _rank(rank: int, store: str, address: str, out: mp.Queue) -> None:
-    try:
-        out.put((rank, _check(rank, store, address)))
-    except BaseException as exc:
-        out.put((rank, f"{type(exc).__name__}: {exc}"))
-
-
-def _check(rank: int, store: str, address: str) -> str:
-    import torch
     import torch.distributed as dist
 
-    from coordd.client.fallback import DEVICE, FallbackClient
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+            timeout=datetime.timedelta(seconds=60),
+        )  # fmt: skip
+        out.put((rank, _check(rank, address)))
+    except BaseException as exc:
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check(rank: int, address: str) -> str:
+    from coordd.client.fallback import FallbackClient
+
+    config = dict(dp_rank=rank, dp_size=WORLD, wait_timeout=30, config_fingerprint="buffers")
+    with FallbackClient(address, switch_timeout=30, **config) as client:
+        return _gathers(rank, client)
+
+
+def _gathers(rank: int, client: Any) -> str:
+    import torch
+
+    from coordd.client.fallback import DEVICE
     from coordd.proto.errors import StepMismatch
 
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    client = FallbackClient(
-        address, dp_rank=rank, dp_size=WORLD, wait_timeout=30, switch_timeout=30,
-        config_fingerprint="buffers",
-    )  # fmt: skip
     client.connect(timeout=1.0)
     assert client.path == DEVICE, client.path
 
@@ -103,8 +111,6 @@ def _check(rank: int, store: str, address: str) -> str:
         expect(index, count, client.gather(SITE, _values(rank, index, count)))
         index += 1
     assert client.path == DEVICE and not made, (client.path, made)
-    client.close()
-    dist.destroy_process_group()
     return "ok"
 
 

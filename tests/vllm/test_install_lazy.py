@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -110,26 +109,21 @@ def test_a_point_imported_after_uninstall_is_left_to_vllm(tmp_path: Path) -> Non
     assert _run(_CANCELLED, tmp_path) == "False 0"
 
 
-@pytest.fixture
-def plugin() -> Iterator[None]:
-    assert patches.install(NOWHERE)
-    try:
-        yield
-    finally:
-        patches.uninstall()
-
-
 def test_a_point_that_fails_its_check_at_its_import_is_left_to_vllm_alone(
-    plugin: None, caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A module imported after the install whose target moved: a warning names the point, the
     import goes on, the other points stay patched."""
     moved = types.ModuleType("vllm.v1.engine.core")  # no DPEngineCoreProc
-    saved = len(patches._state.saved)
-    with caplog.at_level(logging.WARNING, logger="vllm.coordd"):
-        patches._point_loaded("F", LINE or "", moved)
-    (record,) = caplog.records
-    assert "patch point F NOT installed" in record.getMessage()
-    assert "DPEngineCoreProc.shutdown" in record.getMessage()
-    assert len(patches._state.saved) == saved and patches.installed()
-    assert patches.wrapped(engine_core.DPEngineCoreProc.__dict__["shutdown"])
+    assert patches.install(NOWHERE)
+    try:
+        saved = len(patches._state.saved)
+        with caplog.at_level(logging.WARNING, logger="vllm.coordd"):
+            patches._point_loaded("F", LINE or "", moved)
+        (record,) = caplog.records
+        assert "patch point F NOT installed" in record.getMessage()
+        assert "DPEngineCoreProc.shutdown" in record.getMessage()
+        assert len(patches._state.saved) == saved and patches.installed()
+        assert patches.wrapped(engine_core.DPEngineCoreProc.__dict__["shutdown"])
+    finally:
+        patches.uninstall()
