@@ -15,6 +15,7 @@ install's CPU in every rank process.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.abc
 import sys
 import threading
@@ -86,14 +87,21 @@ class _Loader(importlib.abc.Loader):
         self.hook.fire(module)
 
 
+def loaded(name: str) -> types.ModuleType | None:
+    """Module `name` if it is imported (or being imported: then as `import` gives it, after
+    another thread's import of it is done), else None; never starts its import."""
+    if name not in sys.modules:
+        return None
+    return importlib.import_module(name)
+
+
 def when_imported(name: str, then: Callable[[types.ModuleType], None]) -> Callable[[], None]:
     """Call `then(module)` once, with module `name`: now if it is imported already, else right
     after its code has run when something imports it (`then` runs inside that import: it must
     not raise). Returns `cancel()`, which drops the wait if it has not fired."""
-    module = sys.modules.get(name)
-    if module is not None:
-        then(module)
-        return lambda: None
     hook = _Hook(name, then)
-    sys.meta_path.insert(0, hook)
+    sys.meta_path.insert(0, hook)  # first, so an import that starts meanwhile finds it
+    module = loaded(name)
+    if module is not None:
+        hook.fire(module)  # once, whichever of the two comes first
     return hook.cancel

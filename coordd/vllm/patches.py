@@ -502,7 +502,8 @@ def install(settings: PluginSettings) -> bool:
         line = release_line(version)
         if line is None:
             return _refuse(f"vLLM {version} is not a supported release")
-        loaded = {p: sys.modules.get(name) for p, name in POINT_MODULES.items()}
+        # (a module another thread is importing is waited for, as `import` would)
+        loaded = {p: lazy.loaded(name) for p, name in POINT_MODULES.items()}
         try:  # every point loaded here is checked before any is patched
             ready = [_CHECKS[p](line, module) for p, module in loaded.items() if module]
         except PatchRefused as exc:
