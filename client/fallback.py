@@ -392,20 +392,23 @@ class FallbackClient:
 
 class _DeviceGather:
     """A gather round on the device path: one SUM all-reduce of `[dp, 2 + n]` int64 rows
-    (site code, n, the values), checked as coordd checks a gather round."""
+    (site code, n, the values), checked as coordd checks a gather round. The row goes straight
+    into the device client's buffers for that width (made once, reused once read): no tensor
+    is made per gather."""
 
     def __init__(self, client: FallbackClient, pending: FallbackPending) -> None:
         self.client, self.pending = client, pending
-        values = [int(v) for v in pending.report]
-        row = torch.tensor([site_code(pending.site), len(values), *values], dtype=torch.int64)
-        self.exchange = client.device._post(row, 2 + len(values), torch.int64)
+        row = [site_code(pending.site), 0]
+        row += map(int, pending.report)
+        row[1] = len(row) - 2
+        self.exchange = client.device._post(row, len(row), torch.int64)
 
     def done(self) -> bool:
         return self.exchange.is_completed()
 
     def wait(self, timeout: float | None) -> GatherResult:
         timeout = self.client.device.wait_timeout if timeout is None else timeout
-        rows = self.exchange.result(time.monotonic() + timeout, timeout).tolist()
+        rows = self.exchange.rows(time.monotonic() + timeout, timeout)
         pending = self.pending
         codes = [row[0] for row in rows]
         code = majority(codes)

@@ -75,7 +75,9 @@ own loss is no error: the groups go on with vLLM's own collective until it is ba
 
 If vLLM is not a supported release, or its code differs from what that release's patches
 expect, the plugin logs one warning saying why and patches nothing: vLLM keeps its own
-collectives. Supported: the 0.32 and 0.33 lines (``coordd[vllm]`` requires
+collectives. (A patch point whose module vLLM has not imported when it loads the plugin is
+checked and patched when vLLM imports it; if it differs then, that point alone is left to vLLM,
+with a warning.) Supported: the 0.32 and 0.33 lines (``coordd[vllm]`` requires
 ``vllm>=0.32,<0.34``). ``COORDD_VLLM_TRACE=1`` prints each sync's site label once per process.
 """
 

@@ -1,16 +1,21 @@
-"""Run code on a module once something else imports it: the plugin patches vLLM's V1 runner
-when vLLM loads it, and never imports it itself.
+"""Run code on a module once something else imports it: the plugin patches vLLM's V1 runner,
+and each patch point whose module is not loaded at install, when vLLM loads them, and never
+imports them itself.
 
 `vllm.v1.worker.gpu_model_runner` costs seconds of CPU to import, and in vLLM 0.33 its import
 starts two background build processes (the `humming` kernels' package spawns them, each a
 Python that imports torch). Only a process that runs the V1 runner needs it: a worker imports it
 when it builds its runner, after vLLM has loaded the plugin; the front-end, the engine cores and
 Model Runner V2's workers never import it. `when_imported` lets the plugin wait for it there.
+The patch points' modules (`coordd.vllm.patches.POINT_MODULES`) are the same case on a smaller
+scale: importing the engine core's and the runners' sync modules at install was most of the
+install's CPU in every rank process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.abc
 import sys
 import threading
@@ -82,14 +87,21 @@ class _Loader(importlib.abc.Loader):
         self.hook.fire(module)
 
 
+def loaded(name: str) -> types.ModuleType | None:
+    """Module `name` if it is imported (or being imported: then as `import` gives it, after
+    another thread's import of it is done), else None; never starts its import."""
+    if name not in sys.modules:
+        return None
+    return importlib.import_module(name)
+
+
 def when_imported(name: str, then: Callable[[types.ModuleType], None]) -> Callable[[], None]:
     """Call `then(module)` once, with module `name`: now if it is imported already, else right
     after its code has run when something imports it (`then` runs inside that import: it must
     not raise). Returns `cancel()`, which drops the wait if it has not fired."""
-    module = sys.modules.get(name)
-    if module is not None:
-        then(module)
-        return lambda: None
     hook = _Hook(name, then)
-    sys.meta_path.insert(0, hook)
+    sys.meta_path.insert(0, hook)  # first, so an import that starts meanwhile finds it
+    module = loaded(name)
+    if module is not None:
+        hook.fire(module)  # once, whichever of the two comes first
     return hook.cancel

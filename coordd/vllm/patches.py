@@ -37,10 +37,14 @@ A clean exit is a Goodbye, not a lost rank: F on the engine core's exit path, an
 (atexit, and multiprocessing's exit finalizers, which vLLM's worker processes run) in every
 process that made a link. A process that dies without either is lost, as it should be.
 
-`install()` first checks that every target of this vLLM release line exists and looks as
-expected; if any does not (a vLLM whose code moved), or the release is none of `SUPPORTED`, it
-logs one warning naming why and patches nothing, so vLLM keeps its own collectives. Async or
-non-integer all-reduces, and other groups, always take vLLM's path.
+`install()` imports none of the patched modules (`POINT_MODULES`): a point whose module the
+process has loaded is patched at install, any other when vLLM imports its module
+(`coordd.vllm.lazy`), before vLLM can call through it. Each point is checked before it is
+patched: if a point loaded at install does not look as expected (a vLLM whose code moved), or
+the release is none of `SUPPORTED`, the install logs one warning naming why and patches
+nothing, so vLLM keeps its own collectives; a point that fails its check when its module is
+imported later is left to vLLM alone, with a warning naming it. Async or non-integer
+all-reduces, and other groups, always take vLLM's path.
 """
 
 # Whole though over 500 lines: every patch point of both vLLM versions, installed and undone
@@ -48,6 +52,8 @@ non-integer all-reduces, and other groups, always take vLLM's path.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 import logging
 import os
@@ -113,8 +119,9 @@ class _State:
     #: Overlap asked for (COORDD_VLLM_OVERLAP), and what the step timings' mode is then.
     overlap: bool = False
     timings_mode: str = ""
-    #: Drops the wait for the runner's module (`lazy.when_imported`) if it has not fired.
-    cancel_wait: Callable[[], None] = lambda: None
+    #: Drop the waits for modules not yet imported (`lazy.when_imported`: the patch points'
+    #: and the runner's) that have not fired.
+    waits: list[Callable[[], None]] = field(default_factory=list)
     #: The per-step timings (COORDD_VLLM_TIMINGS), if any, and the attributes they replaced.
     clock: Any = None
     timed: list[tuple[Any, str, Any]] = field(default_factory=list)
@@ -123,7 +130,8 @@ class _State:
     head: str = ""
     #: Faults this process logged, by error (each is logged once per rebuild of its groups).
     said: set[tuple[int, str]] = field(default_factory=set)
-    #: The start-up line's data (`startup()`): the release, coordd's address, the early start.
+    #: The start-up line's data (`startup()`): the release, coordd's address, the early start's
+    #: counts (its state is `no_overlap`'s, which `startup()` reads).
     data: dict[str, Any] = field(default_factory=dict)
     #: Whether the runner's first early start has checked the path its sync takes.
     path_checked: bool = False
@@ -133,7 +141,9 @@ _state = _State()
 
 
 def installed() -> bool:
-    return bool(_state.saved)
+    """Whether the plugin is installed in this process (its patch points are patched now or
+    when vLLM imports their modules)."""
+    return _state.exchange is not None
 
 
 def exchange() -> Exchange | None:
@@ -347,38 +357,64 @@ def _is_torch_dist(module: types.ModuleType, where: str, label: str) -> None:
     )
 
 
-def _targets(line: str) -> dict[str, Any]:
-    """Import release line `line`'s patch targets and check each is what the patches expect;
-    raises PatchRefused naming the first that is not."""
-    try:
-        import vllm.config.parallel as config_parallel
-        import vllm.distributed.utils as dist_utils
-        import vllm.v1.engine.core as engine_core
-        import vllm.v1.worker.dp_utils as v1_dp_utils
-        import vllm.v1.worker.gpu.dp_utils as v2_dp_utils
-        from vllm.distributed import parallel_state
-    except ImportError as exc:
-        raise PatchRefused(f"cannot import a patched vLLM module: {exc}") from exc
-    parallel_config = config_parallel.ParallelConfig
-    coordinator = getattr(parallel_state, "GroupCoordinator", None)
+#: Each patch point's module: the one whose import brings the point's targets into a process,
+#: or (B in 0.33, whose target is GroupCoordinator's) its only caller in vLLM. A point whose
+#: module this process has loaded is checked and patched at install, any other when vLLM
+#: imports its module (`lazy`), before vLLM can call through it: importing them all at install
+#: was most of its CPU (tests/vllm/install_cost.py).
+POINT_MODULES = {
+    "A": "vllm.v1.worker.dp_utils",
+    "B": "vllm.v1.worker.gpu.dp_utils",
+    "C-E": "vllm.config.parallel",
+    "F": "vllm.v1.engine.core",
+}
 
+
+def _loaded(name: str) -> types.ModuleType:
+    """A module the point's module imports itself (so loaded by now): refused if it is not."""
+    module = sys.modules.get(name)
+    _need(module is not None, f"{name} is not loaded")
+    assert module is not None
+    return module
+
+
+def _check_a(line: str, v1_dp_utils: types.ModuleType) -> Callable[[], None]:
+    parallel_state = _loaded("vllm.distributed.parallel_state")
     _is_torch_dist(v1_dp_utils, "vllm.v1.worker.dp_utils", "A")
     _need(callable(v1_dp_utils.__dict__.get("_run_ar")), "A: vllm.v1.worker.dp_utils._run_ar")
     _need(
         callable(v1_dp_utils.__dict__.get("should_skip_dp_coordination")),
         "A: vllm.v1.worker.dp_utils.should_skip_dp_coordination",
     )
+    _need(hasattr(parallel_state, "_DP"), "A: vllm.distributed.parallel_state._DP")
+    return lambda: _replace(v1_dp_utils, "dist", DistShim())
+
+
+def _check_b(line: str, v2_dp_utils: types.ModuleType) -> Callable[[], None]:
+    parallel_state = _loaded("vllm.distributed.parallel_state")
     _need(hasattr(parallel_state, "_DP"), "B: vllm.distributed.parallel_state._DP")
     _need(
         callable(v2_dp_utils.__dict__.get("sync_cudagraph_and_dp_padding")),
         "B: vllm.v1.worker.gpu.dp_utils.sync_cudagraph_and_dp_padding",
     )
-    sync_dp_state = parallel_config.__dict__.get("sync_dp_state")
     if line == "0.33":
+        coordinator: Any = getattr(parallel_state, "GroupCoordinator", None)
         _need(
             coordinator is not None and callable(coordinator.__dict__.get("cpu_all_reduce_")),
             "B: GroupCoordinator.cpu_all_reduce_",
         )
+        return lambda: _patch_b(coordinator, parallel_state)
+    _is_torch_dist(v2_dp_utils, "vllm.v1.worker.gpu.dp_utils", "B")
+    return lambda: _replace(v2_dp_utils, "dist", DistShim())
+
+
+def _check_c_e(line: str, config_parallel: types.ModuleType) -> Callable[[], None]:
+    parallel_config = getattr(config_parallel, "ParallelConfig", None)
+    _need(isinstance(parallel_config, type), "C: vllm.config.parallel.ParallelConfig")
+    assert isinstance(parallel_config, type)
+    sync_dp_state = parallel_config.__dict__.get("sync_dp_state")
+    if line == "0.33":
+        dist_utils = _loaded("vllm.distributed.utils")
         util = config_parallel.__dict__.get("cpu_all_reduce_")
         _need(
             util is dist_utils.__dict__.get("cpu_all_reduce_") and callable(util),
@@ -389,11 +425,11 @@ def _targets(line: str) -> dict[str, Any]:
             "C: ParallelConfig.sync_dp_state is not a method",
         )
     else:  # 0.32
-        _is_torch_dist(v2_dp_utils, "vllm.v1.worker.gpu.dp_utils", "B")
         _need(
             isinstance(sync_dp_state, staticmethod),
             "C: ParallelConfig.sync_dp_state is not a staticmethod",
         )
+        assert isinstance(sync_dp_state, staticmethod)
         _need(
             list(inspect.signature(sync_dp_state.__func__).parameters)
             == ["dp_group", "has_unfinished", "pending_pause"],
@@ -408,21 +444,36 @@ def _targets(line: str) -> dict[str, Any]:
         callable(parallel_config.__dict__.get("stateless_init_dp_group")),
         "E: ParallelConfig.stateless_init_dp_group",
     )
-    dp_engine = getattr(engine_core, "DPEngineCoreProc", None)
+    return lambda: _patch_c_e(line, config_parallel, parallel_config)
+
+
+def _check_f(line: str, engine_core: types.ModuleType) -> Callable[[], None]:
+    dp_engine: Any = getattr(engine_core, "DPEngineCoreProc", None)
     _need(
         isinstance(dp_engine, type) and callable(dp_engine.__dict__.get("shutdown")),
         "F: vllm.v1.engine.core.DPEngineCoreProc.shutdown",
     )
-    return dict(
-        line=line,
-        v1_dp_utils=v1_dp_utils,
-        v2_dp_utils=v2_dp_utils,
-        config_parallel=config_parallel,
-        parallel_config=parallel_config,
-        coordinator=coordinator,
-        parallel_state=parallel_state,
-        dp_engine=dp_engine,
-    )
+    return lambda: _patch_f(dp_engine)
+
+
+#: Each point's check: the point's module -> its patch, or PatchRefused naming what differs.
+_CHECKS: dict[str, Callable[[str, types.ModuleType], Callable[[], None]]] = {
+    "A": _check_a,
+    "B": _check_b,
+    "C-E": _check_c_e,
+    "F": _check_f,
+}
+
+
+def _targets(line: str) -> list[Callable[[], None]]:
+    """Import every patch point's module and check it against release line `line`: the
+    patches, or PatchRefused naming the first target that differs (tests: the install itself
+    imports none of them)."""
+    try:
+        modules = {point: importlib.import_module(name) for point, name in POINT_MODULES.items()}
+    except ImportError as exc:
+        raise PatchRefused(f"cannot import a patched vLLM module: {exc}") from exc
+    return [_CHECKS[point](line, module) for point, module in modules.items()]
 
 
 def _refuse(why: str) -> bool:
@@ -437,10 +488,11 @@ def _refuse(why: str) -> bool:
 
 def install(settings: PluginSettings) -> bool:
     """Route vLLM's DP syncs through coordd in this process; idempotent. Returns True if the
-    patches are in place, False if this vLLM is not a supported release or its shape differs
-    from that release's (one warning says why; nothing is patched then)."""
+    plugin is installed (the points whose modules are loaded patched, the others waiting for
+    vLLM to import theirs), False if this vLLM is not a supported release or a loaded point's
+    shape differs from that release's (one warning says why; nothing is patched then)."""
     with _state.lock:
-        if _state.saved:
+        if _state.exchange is not None:
             return True
         try:
             import vllm
@@ -450,19 +502,24 @@ def install(settings: PluginSettings) -> bool:
         line = release_line(version)
         if line is None:
             return _refuse(f"vLLM {version} is not a supported release")
-        try:
-            targets = _targets(line)
+        # (a module another thread is importing is waited for, as `import` would)
+        loaded = {p: lazy.loaded(name) for p, name in POINT_MODULES.items()}
+        try:  # every point loaded here is checked before any is patched
+            ready = [_CHECKS[p](line, module) for p, module in loaded.items() if module]
         except PatchRefused as exc:
             return _refuse(f"vLLM {version}: {exc}")
         _state.exchange = Exchange(settings, trace=_trace if _TRACE else None)
-        _patch_all(**targets)
+        for patch in ready:
+            patch()
+        for point, module in loaded.items():
+            if module is None:
+                then = functools.partial(_point_loaded, point, line)
+                _state.waits.append(lazy.when_imported(POINT_MODULES[point], then))
         _state.overlap = settings.overlap
         _state.no_overlap = RUNNER_PENDING if settings.overlap else OVERLAP_OFF
         _state.data = {
             "vllm": version,
             "address": settings.address or "the default ipc path",
-            "overlap": False,
-            "no_overlap": _state.no_overlap,
             "early_refused": 0,
             "not_started": 0,
         }
@@ -474,9 +531,30 @@ def install(settings: PluginSettings) -> bool:
         _state.line = _line()
         _state.timings_mode = "plugin" if os.environ.get(TIMINGS_ENV, "").strip() else ""
         if settings.overlap or _state.timings_mode:
-            _state.cancel_wait = lazy.when_imported(RUNNER_MODULE, _runner_loaded)
+            _state.waits.append(lazy.when_imported(RUNNER_MODULE, _runner_loaded))
     _say_installed()
     return True
+
+
+def _point_loaded(point: str, line: str, module: types.ModuleType) -> None:
+    """Patch point `point` once vLLM has imported its module (inside that import, before any
+    caller can reach it). If its target differs from what the patch expects, only this point
+    is left to vLLM, with a warning naming it: its syncs have made no round yet, and every
+    rank of its groups runs the same vLLM, so all take vLLM's own path there alike."""
+    try:
+        with _state.lock:
+            if _state.exchange is None:  # uninstalled meanwhile
+                return
+            _CHECKS[point](line, module)()
+    except PatchRefused as exc:
+        log.warning(
+            "coordd vLLM plugin: patch point %s NOT installed, vLLM keeps its own collective "
+            "there: %s",
+            point,
+            exc,
+        )
+    except Exception:
+        log.exception("coordd vLLM plugin: patching %s failed; vLLM keeps its own", module.__name__)
 
 
 def _line() -> str:
@@ -518,8 +596,6 @@ def _runner_loaded(module: types.ModuleType) -> None:
             if not why and runner_class is not None:
                 _patch_runner(runner_class)
             _state.no_overlap = why
-            _state.data["overlap"] = not why
-            _state.data["no_overlap"] = why
             if _state.timings_mode and runner_class is not None:
                 _time_runner(runner_class, "off" if why else "on")
             pending = bool(_state.line)
@@ -547,8 +623,10 @@ def startup() -> dict[str, Any]:
     """The start-up line's data, as it stands now: `vllm`, `address`, `overlap` (whether the
     V1 runner's round starts early in this process), `no_overlap` (why not, "" if it does),
     `early_refused` (early starts refused for good: 0 or 1) and `not_started` (early starts
-    that left their round to the sync, this time only)."""
-    return dict(_state.data)
+    that left their round to the sync, this time only). `overlap` and `no_overlap` are read
+    from `_state.no_overlap`, the one place the early start's state is kept."""
+    data, why = _state.data, _state.no_overlap
+    return {**data, "overlap": not why, "no_overlap": why} if data else {}
 
 
 def _early_refused(why: str) -> None:
@@ -557,8 +635,6 @@ def _early_refused(why: str) -> None:
     the line says too if it is not out yet; the step clock times what runs, overlap off."""
     _state.no_overlap = why
     data = _state.data
-    data["overlap"] = False
-    data["no_overlap"] = why
     data["early_refused"] = data.get("early_refused", 0) + 1
     if _state.line:
         _state.line = _line()
@@ -671,7 +747,7 @@ def install_stock_timings() -> None:
         if _state.timings_mode:
             return
         _state.timings_mode = "stock"
-        _state.cancel_wait = lazy.when_imported(RUNNER_MODULE, _runner_loaded)
+        _state.waits.append(lazy.when_imported(RUNNER_MODULE, _runner_loaded))
 
 
 def _replace(obj: Any, name: str, value: Any) -> None:
@@ -695,35 +771,27 @@ def _engine_state_sum(dp_group: Any, has_unfinished: bool, pending_pause: bool) 
     return tensor
 
 
-def _patch_all(
-    line: str,
-    v1_dp_utils: types.ModuleType,
-    v2_dp_utils: types.ModuleType,
-    config_parallel: types.ModuleType,
-    parallel_config: type,
-    coordinator: type,
-    parallel_state: types.ModuleType,
-    dp_engine: type,
-) -> None:
-    # A
-    _replace(v1_dp_utils, "dist", DistShim())
+def _patch_b(coordinator: type, parallel_state: types.ModuleType) -> None:
+    """B in 0.33: Model Runner V2 calls the DP group's cpu_all_reduce_ (in 0.32 B is A's
+    stand-in, in Model Runner V2's module)."""
+    original_cpu_all_reduce_ = coordinator.__dict__["cpu_all_reduce_"]
 
+    def cpu_all_reduce_(self: Any, tensor: torch.Tensor) -> torch.Tensor:
+        early.refuse_starting("B: GroupCoordinator.cpu_all_reduce_")
+        # (`_sync_` refuses what `can_gather` would, on its first sight of a dtype and shape)
+        if self is parallel_state._DP and _sync_(
+            tensor, ReduceOp.SUM, _worker_identity(self), True, group=self.cpu_group
+        ):
+            return tensor
+        return original_cpu_all_reduce_(self, tensor)
+
+    cpu_all_reduce_.coordd_patch = True  # type: ignore[attr-defined]
+    _replace(coordinator, "cpu_all_reduce_", cpu_all_reduce_)
+
+
+def _patch_c_e(line: str, config_parallel: types.ModuleType, parallel_config: type) -> None:
+    """C, D and E: the engine-state syncs and the engine DP group's creation."""
     if line == "0.33":
-        # B: Model Runner V2 calls the DP group's cpu_all_reduce_
-        original_cpu_all_reduce_ = coordinator.__dict__["cpu_all_reduce_"]
-
-        def cpu_all_reduce_(self: Any, tensor: torch.Tensor) -> torch.Tensor:
-            early.refuse_starting("B: GroupCoordinator.cpu_all_reduce_")
-            # (`_sync_` refuses what `can_gather` would, on its first sight of a dtype and shape)
-            if self is parallel_state._DP and _sync_(
-                tensor, ReduceOp.SUM, _worker_identity(self), True, group=self.cpu_group
-            ):
-                return tensor
-            return original_cpu_all_reduce_(self, tensor)
-
-        cpu_all_reduce_.coordd_patch = True  # type: ignore[attr-defined]
-        _replace(coordinator, "cpu_all_reduce_", cpu_all_reduce_)
-
         # C: its only caller in 0.33 is ParallelConfig.sync_dp_state, on the engine DP group
         original_util = config_parallel.__dict__["cpu_all_reduce_"]
 
@@ -742,9 +810,6 @@ def _patch_all(
 
         _replace(config_parallel, "cpu_all_reduce_", util_cpu_all_reduce_)
     else:
-        # B: Model Runner V2 calls its module's dist.all_reduce on the DP cpu_group
-        _replace(v2_dp_utils, "dist", DistShim())
-
         # C: the staticmethod, wrapped as D's are (vLLM's own arithmetic on the SUM)
         original_sync = parallel_config.__dict__["sync_dp_state"].__func__
 
@@ -807,7 +872,9 @@ def _patch_all(
     stateless_init_dp_group.coordd_patch = True  # type: ignore[attr-defined]
     _replace(parallel_config, "stateless_init_dp_group", stateless_init_dp_group)
 
-    # F
+
+def _patch_f(dp_engine: type) -> None:
+    """F: the engine core's exit says Goodbye first."""
     original_shutdown = dp_engine.__dict__["shutdown"]
 
     def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -824,8 +891,9 @@ def _patch_all(
 def uninstall() -> None:
     """Put vLLM's own attributes back and close the clients (tests; a process that is done)."""
     with _state.lock:
-        _state.cancel_wait()
-        _state.cancel_wait = lambda: None
+        for cancel in _state.waits:
+            cancel()
+        _state.waits.clear()
         for obj, name, value in reversed(_state.timed + _state.saved):
             setattr(obj, name, value)
         _state.saved.clear()

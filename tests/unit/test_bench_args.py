@@ -8,6 +8,7 @@ import argparse
 import pytest
 
 from coordd.tools.bench import QUICK, add_arguments, report, resolve
+from tests.unit.bench_rows import latency_row
 
 
 def _parse(*argv: str) -> tuple[argparse.Namespace, dict]:
@@ -46,29 +47,14 @@ def test_quick_is_small_and_any_option_given_wins() -> None:
     assert args.crosshost_dp == []  # quick: no across-namespace runs unless asked
 
 
-def _latency(dp: int, method: str, p50: float) -> dict:
-    return {
-        "dp": dp,
-        "method": method,
-        "p50_us": p50,
-        "p90_us": p50,
-        "p99_us": 2 * p50,
-        "cpu_us_per_round": 1.0,
-        "ctx_switches_per_round": 1.0,
-        "completed": 1,
-        "rounds": 1,
-        "cpu_us_per_round_by_thread": {},
-    }
-
-
 def test_a_target_the_run_was_not_asked_for_says_so() -> None:
     _, asked = _parse("--dp", "2", "--methods", "coordd-ipc,vllm-cpu-all-reduce,vllm-plugin")
     results = {
         "meta": {"asked": asked},
         "latency": [
-            _latency(2, "coordd-ipc", 200.0),
-            _latency(2, "vllm-cpu-all-reduce", 250.0),
-            _latency(2, "vllm-plugin", 210.0),
+            latency_row("coordd-ipc", 200.0),
+            latency_row("vllm-cpu-all-reduce", 250.0),
+            latency_row("vllm-plugin", 210.0),
         ],
     }
     tgts = report.targets(results)
@@ -91,18 +77,18 @@ def test_the_cpu_and_the_other_sizes_are_also_ratios_to_the_hub() -> None:
     also printed against the hub's same thread in the same run, and the round's ratio to the
     hub at dp 2 and 16 beside dp=8's target."""
     _, asked = _parse("--dp", "2,8,16", "--methods", "coordd-ipc,zmq-hub")
-    ipc8, hub8 = _latency(8, "coordd-ipc", 300.0), _latency(8, "zmq-hub", 200.0)
+    ipc8, hub8 = latency_row("coordd-ipc", 300.0, 8), latency_row("zmq-hub", 200.0, 8)
     ipc8["cpu_us_per_round_by_thread"] = {"ranks main": 240.0, "server main": 96.0}
     hub8["cpu_us_per_round_by_thread"] = {"ranks main": 120.0, "server main": 64.0}
     results = {
         "meta": {"asked": asked},
         "latency": [
-            _latency(2, "coordd-ipc", 110.0),
-            _latency(2, "zmq-hub", 100.0),
+            latency_row("coordd-ipc", 110.0),
+            latency_row("zmq-hub", 100.0),
             ipc8,
             hub8,
-            _latency(16, "coordd-ipc", 330.0),
-            _latency(16, "zmq-hub", 300.0),
+            latency_row("coordd-ipc", 330.0, 16),
+            latency_row("zmq-hub", 300.0, 16),
         ],
     }
     by = {(t["target"], t["where"]): t for t in report.targets(results)}
@@ -135,9 +121,9 @@ def test_the_last_line_is_a_verdict() -> None:
     results = {
         "meta": {"asked": asked},
         "latency": [
-            _latency(2, "coordd-ipc", 200.0),
-            _latency(2, "zmq-hub", 160.0),
-            _latency(2, "floor", 50.0),
+            latency_row("coordd-ipc", 200.0),
+            latency_row("zmq-hub", 160.0),
+            latency_row("floor", 50.0),
         ],
         "skipped": {"vllm-cpu-all-reduce": "vLLM is not importable in this Python"},
     }
@@ -147,7 +133,7 @@ def test_the_last_line_is_a_verdict() -> None:
     assert "4.00x slower than the raw-socket floor (50 us)" in last
     assert "against vLLM: not measured (vLLM is not importable in this Python); to measure" in last
     assert "VLLM_TARGET_DEVICE=cpu <vLLM's venv>/bin/python -m coordd bench --quick" in last
-    results["latency"] += [_latency(2, "vllm-cpu-all-reduce", 400.0), _latency(2, "gloo", 800.0)]
+    results["latency"] += [latency_row("vllm-cpu-all-reduce", 400.0), latency_row("gloo", 800.0)]
     last = report.render({**results, "targets": report.targets(results)}).splitlines()[-1]
     assert "2.00x faster than vLLM's cpu_all_reduce_ (400 us)" in last
     assert "4.00x faster than gloo all_reduce (800 us)" in last and "not measured" not in last

@@ -18,6 +18,7 @@ from coordd.tools.bench.methods import (
     nccl_unavailable,
 )
 from coordd.tools.bench.rank_phases import available_methods, methods_at
+from tests.unit.bench_rows import latency_row
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -60,27 +61,12 @@ def test_nccl_methods_need_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> No
     )
 
 
-def _row(method: str, p50: float, dp: int = 2) -> dict:
-    return {
-        "dp": dp,
-        "method": method,
-        "p50_us": p50,
-        "p90_us": p50,
-        "p99_us": 2 * p50,
-        "cpu_us_per_round": 1.0,
-        "ctx_switches_per_round": 1.0,
-        "completed": 1,
-        "rounds": 1,
-        "cpu_us_per_round_by_thread": {},
-    }
-
-
 def test_each_device_path_is_printed_against_its_bare_collective() -> None:
     latency = [
-        _row(DEVICE, 180.0),
-        _row(GLOO_BARE, 120.0),
-        _row(DEVICE_NCCL, 60.0, dp=1),
-        _row(NCCL_BARE, 50.0, dp=1),
+        latency_row(DEVICE, 180.0),
+        latency_row(GLOO_BARE, 120.0),
+        latency_row(DEVICE_NCCL, 60.0, dp=1),
+        latency_row(NCCL_BARE, 50.0, dp=1),
     ]
     by_dp = {r["dp"]: r for r in targets.ratios(latency)}
     assert by_dp[2] == {"dp": 2, f"{DEVICE}/{GLOO_BARE}": 1.5}

@@ -77,3 +77,22 @@ def test_cancel_drops_the_wait(package: str) -> None:
     cancel()
     importlib.import_module(f"{package}.runner")
     assert seen == []
+
+
+def test_loaded_never_starts_an_import(package: str) -> None:
+    """The install asks which patch points' modules are loaded: asking imports nothing."""
+    name = f"{package}.runner"
+    assert lazy.loaded(name) is None and name not in sys.modules
+    module = importlib.import_module(name)
+    assert lazy.loaded(name) is module
+
+
+def test_a_wait_on_a_module_already_imported_fires_at_once_and_leaves_no_hook(
+    package: str,
+) -> None:
+    module = importlib.import_module(f"{package}.runner")
+    seen: list[types.ModuleType] = []
+    cancel = lazy.when_imported(f"{package}.runner", seen.append)
+    assert seen == [module]
+    cancel()  # a no-op now
+    assert seen == [module]

@@ -91,6 +91,10 @@ def _rank(
         from vllm.distributed import parallel_state as ps
         from vllm.distributed.utils import cpu_all_reduce_
 
+        # Model Runner V2's sync module, B's only caller in vLLM: the plugin patches B when it
+        # is imported, which a V2 worker has done by its first sync
+        from vllm.v1.worker.gpu import dp_utils  # noqa: F401
+
         from coordd.vllm import patches
         from coordd.vllm.enable import PluginSettings
         from coordd.vllm.groups import worker_group

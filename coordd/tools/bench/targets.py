@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from coordd.tools.bench.methods import (
@@ -93,6 +93,32 @@ def _thread_us(row: dict[str, Any] | None, kind: str, dp: int) -> float | None:
     return float(row.get("cpu_us_per_round_by_thread", {}).get(kind, 0.0)) / dp
 
 
+def _ratios(
+    latency: Sequence[dict[str, Any]],
+    wanted: Callable[..., bool],
+    name: str,
+    method: str,
+    over: str,
+    dps: Sequence[int],
+    limit: float | None = None,
+    strict: bool = False,
+) -> list[dict[str, Any]]:
+    """Target `name` at each of `dps`: `method`'s p50 over `over`'s, judged against `limit`
+    (None: reported, not judged); `wanted(method, over, dp=dp)` says whether it was asked."""
+    return [
+        _target(
+            name,
+            _ratio(find_row(latency, dp=dp, method=method), find_row(latency, dp=dp, method=over)),
+            limit,
+            "x",
+            f"dp={dp}",
+            strict=strict,
+            asked=wanted(method, over, dp=dp),
+        )
+        for dp in dps
+    ]
+
+
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """coordd's performance targets, each with its measured figure (None: not measured)."""
     latency = results.get("latency", [])
@@ -117,76 +143,27 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         (HUB, "coordd ipc round p50 / pyzmq hub p50", 1.0),
         (FLOOR, "coordd ipc round p50 / raw-socket floor p50", 1.5),
     ):
-        out.append(
-            _target(
-                name,
-                _ratio(ipc, find_row(latency, dp=TARGET_DP, method=other)),
-                bound,
-                "x",
-                where,
-                asked=wanted(COORDD_IPC, other, dp=TARGET_DP),
-            )
-        )
-    for dp in (2, 16):
-        # reported, not judged (the target is dp=8's above): the same ratio at the other
-        # sizes the round is compared at
-        out.append(
-            _target(
-                "coordd ipc round p50 / pyzmq hub p50",
-                _ratio(
-                    find_row(latency, dp=dp, method=COORDD_IPC),
-                    find_row(latency, dp=dp, method=HUB),
-                ),
-                None,
-                "x",
-                f"dp={dp}",
-                asked=wanted(COORDD_IPC, HUB, dp=dp),
-            )
-        )
-    for dp in (2, 4):
-        out.append(
-            _target(
-                "coordd ipc round p50 / vLLM cpu_all_reduce_ p50",
-                _ratio(
-                    find_row(latency, dp=dp, method=COORDD_IPC),
-                    find_row(latency, dp=dp, method=VLLM),
-                ),
-                1.0,
-                "x",
-                f"dp={dp}",
-                strict=True,
-                asked=wanted(COORDD_IPC, VLLM, dp=dp),
-            )
-        )
-    for dp in (2, 4, 8):
-        plugin = find_row(latency, dp=dp, method=VLLM_PLUGIN)
-        out.append(
-            _target(
-                "vLLM plugin sync p50 / vLLM cpu_all_reduce_ p50",
-                _ratio(plugin, find_row(latency, dp=dp, method=VLLM)),
-                1.0,
-                "x",
-                f"dp={dp}",
-                asked=wanted(VLLM_PLUGIN, VLLM, dp=dp),
-            )
-        )
-    for dp in (2, 4, 8):
-        # reported, not judged: the plugin's sync makes and reads vLLM's tensor as vLLM's
-        # own does, a policy round does neither (the plugin against a bare gather of the
-        # same values: tests/vllm/sync_timings.py)
-        out.append(
-            _target(
-                "vLLM plugin sync p50 / coordd ipc policy round p50",
-                _ratio(
-                    find_row(latency, dp=dp, method=VLLM_PLUGIN),
-                    find_row(latency, dp=dp, method=COORDD_IPC),
-                ),
-                None,
-                "x",
-                f"dp={dp}",
-                asked=wanted(VLLM_PLUGIN, COORDD_IPC, dp=dp),
-            )
-        )
+        out += _ratios(latency, wanted, name, COORDD_IPC, other, (TARGET_DP,), limit=bound)
+    # reported, not judged (the target is dp=8's above): the same ratio at the other sizes the
+    # round is compared at
+    out += _ratios(
+        latency, wanted, "coordd ipc round p50 / pyzmq hub p50", COORDD_IPC, HUB, (2, 16)
+    )
+    out += _ratios(
+        latency, wanted, "coordd ipc round p50 / vLLM cpu_all_reduce_ p50", COORDD_IPC, VLLM,
+        (2, 4), limit=1.0, strict=True,
+    )  # fmt: skip
+    out += _ratios(
+        latency, wanted, "vLLM plugin sync p50 / vLLM cpu_all_reduce_ p50", VLLM_PLUGIN, VLLM,
+        (2, 4, 8), limit=1.0,
+    )  # fmt: skip
+    # reported, not judged: the plugin's sync makes and reads vLLM's tensor as vLLM's own does,
+    # a policy round does neither (the plugin against a bare gather of the same values:
+    # tests/vllm/sync_timings.py)
+    out += _ratios(
+        latency, wanted, "vLLM plugin sync p50 / coordd ipc policy round p50", VLLM_PLUGIN,
+        COORDD_IPC, (2, 4, 8),
+    )  # fmt: skip
     for path, what, default_dp in (
         (DEVICE, "bare gloo all_reduce", 2),
         (DEVICE_NCCL, "bare NCCL all_reduce + host copy", 1),
@@ -194,18 +171,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         bare = DEVICE_FLOORS[path]
         dps = sorted(r["dp"] for r in latency if r["method"] == path) or [default_dp]
         dp = default_dp if default_dp in dps else dps[0]
-        out.append(
-            _target(
-                f"device path p50 / {what} p50",
-                _ratio(
-                    find_row(latency, dp=dp, method=path), find_row(latency, dp=dp, method=bare)
-                ),
-                1.5,
-                "x",
-                f"dp={dp}",
-                asked=wanted(path, bare, dp=dp),
-            )
-        )
+        out += _ratios(latency, wanted, f"device path p50 / {what} p50", path, bare, (dp,), 1.5)
     for name, kind, limit in (
         ("rank main thread CPU per rank per round", "ranks main", 15.0),
         ("coordd main thread CPU per rank per round", "server main", 8.0),
