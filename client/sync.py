@@ -151,6 +151,9 @@ class PendingGather(_PendingRound):
         return result
 
 
+_new_step = object.__new__
+
+
 def _wrong_answer(seq: int, expected: str, outcome: object) -> ProtocolError:
     return ProtocolError(
         f"coordd answered the {expected} round seq={seq} with a {type(outcome).__name__}"
@@ -239,7 +242,14 @@ class CoordClient(ClientShell):
                 self._close_sockets()
         seq = stamped.seq
         self._open = (seq, registration)
-        return PendingStep(self, seq, kind, registration)
+        # `PendingStep(self, seq, kind, registration)` without its __init__ frame: every round
+        step = _new_step(PendingStep)
+        step._client = self
+        step._registration = registration
+        step._outcome = None
+        step.seq = seq
+        step.kind = kind
+        return step
 
     def start_gather(self, site: str, values: Sequence[int]) -> PendingGather:
         """Send this rank's values for the next round, a gather round labelled `site` (the
@@ -462,7 +472,8 @@ class CoordClient(ClientShell):
                 self._open = None
             if isinstance(outcome, CoordError):
                 raise outcome
-            self._waited = (seq, registration, min((_now_ns() - began) // 1000, MAX_WAITED_US))
+            waited = (_now_ns() - began) // 1000  # min(waited, MAX_WAITED_US), without a call
+            self._waited = (seq, registration, waited if waited < MAX_WAITED_US else MAX_WAITED_US)
             return outcome
         finally:
             self._busy = None
