@@ -365,7 +365,25 @@ class RankSession:
             msg = _decode_from_coordinator(frame)
         except msgspec.DecodeError:
             return None
-        if type(msg) is StepDecision or type(msg) is GatherResult:  # `receive`'s first case
+        if type(msg) is StepDecision:  # `receive`'s first case
+            seq = msg.seq
+            if msg.epoch == self.epoch and not self.registering and not self._asked_again:
+                # `_decided` for a decision that answers a report asked, written out: every
+                # round's answer comes this way in the asyncio client
+                asked = self._asked.get(seq)
+                if type(asked) is StepReport:
+                    del self._asked[seq]
+                    error = decision_misfit(msg, asked, self.dp_rank, self.dp_size)
+                    if error is not None:
+                        return self._unfit(error)
+                    answers = self._answers
+                    if seq not in answers:
+                        answers[seq] = msg
+                    else:
+                        self._later.setdefault(seq, []).append(msg)
+                    return Resolved(seq, msg)
+            return self._decided(msg)
+        if type(msg) is GatherResult:
             return self._decided(msg)
         return self.receive(msg)
 

@@ -68,6 +68,10 @@ class AsyncCoordClient(ClientShell):
         self._loop: asyncio.AbstractEventLoop | None = None
         #: The last round sent: (seq, registration, its future).
         self._last_sent: tuple[int, int, asyncio.Future[Any] | None] = (-1, -1, None)
+        #: The first wait() on each round's future: its waiter and the done-callback that
+        #: would wake it (`_settle` wakes it directly and takes the callback off).
+        self._waiting: dict[asyncio.Future[Any], tuple[asyncio.Future[None], Callable[..., None]]]
+        self._waiting = {}
 
     async def connect(self, timeout: float = 5.0) -> Welcome:
         """Register (Hello -> Welcome) in a new epoch; raises `Rejected` or
@@ -110,20 +114,36 @@ class AsyncCoordClient(ClientShell):
         self, report: StepReport, kind: StepKind | str = StepKind.FORWARD
     ) -> asyncio.Future[StepDecision]:
         """Send the report now; the future resolves to the round's decision or its error."""
-        loop = self._attach()
-        self._refuse_if_open()
+        # `_attach`, `_refuse_if_open`'s common case, `_waited_before` and `_send_report`
+        # written out: this runs every round, and each call less is one less frame
+        loop = self._loop
+        if loop is None:
+            loop = self._attach()
+        sock = self.connection.socket
+        if self._pending or self._closed:
+            self._refuse_if_open()
+        else:  # what came since: an answer for the round about to be reported is a misfit
+            drain(sock, self._on_frame, expect=False)
         future: asyncio.Future[StepDecision] = loop.create_future()
+        session = self.session
+        registration = session.registration
+        last, last_registration, waited = self._waited
+        if last != session.next_seq - 1 or last_registration != registration:
+            waited = -1
         try:
-            session = self.session
             stamped = session.report(
-                report,
-                kind if type(kind) is StepKind else StepKind(kind),
-                self._waited_before(session),
+                report, kind if type(kind) is StepKind else StepKind(kind), waited
             )
         except CoordError as error:
             future.set_exception(error)
             return future
-        self._send_report(stamped, future, gather=False)
+        seq = stamped.seq
+        self._pending[seq] = (registration, future, False)
+        self._last_sent = (seq, registration, future)
+        if not send_and_look(sock, encode(stamped), self._on_frame):
+            self._fail(
+                CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
+            )
         return future
 
     def start_gather(self, site: str, values: Sequence[int]) -> asyncio.Future[list[list[int]]]:
@@ -202,15 +222,30 @@ class AsyncCoordClient(ClientShell):
                 waiter.set_result(None)
 
         future.add_done_callback(wake)
+        # `_settle` wakes the first wait on a round itself, as it resolves the round: the
+        # done-callback's own hop through the loop (a Handle, one more turn) is then skipped
+        waiting = self._waiting
+        first = future not in waiting
+        if first:
+            waiting[future] = (waiter, wake)
         timer = loop.call_later(timeout, wake)
         try:
             await waiter
         finally:
             timer.cancel()
             future.remove_done_callback(wake)
+            if first:
+                waiting.pop(future, None)
         if future.done():
             result = future.result()
-            self._collected(future, (time.perf_counter_ns() - began) // 1000)
+            seq, registration, sent = self._last_sent  # `_collected`, written out
+            if sent is future:
+                waited = (time.perf_counter_ns() - began) // 1000
+                self._waited = (
+                    seq,
+                    registration,
+                    waited if waited < MAX_WAITED_US else MAX_WAITED_US,
+                )
             return result
         raise StepTimeout((), timeout)
 
@@ -297,7 +332,11 @@ class AsyncCoordClient(ClientShell):
         drain(self.connection.socket, self._on_frame)
 
     def _on_frame(self, frame: bytes) -> None:
-        self._dispatch(self.session.receive_frame(frame))
+        event = self.session.receive_frame(frame)
+        if type(event) is Resolved:  # a round's answer (`_dispatch`'s first case)
+            self._settle(event.seq)
+        else:
+            self._dispatch(event)
 
     def _dispatch(self, event: object) -> None:
         if type(event) is Resolved:
@@ -322,6 +361,12 @@ class AsyncCoordClient(ClientShell):
         del self._pending[seq]
         if future.done():
             return
+        woken = self._waiting.pop(future, None)
+        if woken is not None:  # a wait() on this round: woken here, not by the done-callback
+            waiter, wake = woken
+            future.remove_done_callback(wake)
+            if not waiter.done():
+                waiter.set_result(None)
         if isinstance(outcome, CoordError):
             future.set_exception(outcome)
         elif gather and type(outcome) is GatherResult:

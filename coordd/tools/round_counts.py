@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -209,17 +210,27 @@ def _instructions(path: str) -> int:
 
 
 def measure_instructions(args: argparse.Namespace) -> float:
-    """Rank 0's instructions per round: two run lengths, the difference over the rounds."""
-    with tempfile.TemporaryDirectory(prefix="round-counts-cg-") as tmp:
-        totals = []
-        for rounds in (args.base, args.rounds):
-            out = f"{args.callgrind or tmp}/{'callgrind' if args.callgrind else 'cg'}.{rounds}"
-            _run_group(args, rounds, valgrind_out=out)
-            totals.append(_instructions(out))
-    per_round = (totals[1] - totals[0]) / (args.rounds - args.base)
-    print(f"instructions: {totals[0]} ({args.base} rounds), {totals[1]} ({args.rounds} rounds)")
-    print(f"instructions per round: {per_round:.0f}")
-    return per_round
+    """Rank 0's instructions per round: two run lengths, the difference over the rounds;
+    `--repeat` times, the median (the asyncio client's loop turns per round depend on when
+    the answer comes, so its count varies from run to run; the blocking client's hardly)."""
+    results = []
+    for _ in range(args.repeat):
+        with tempfile.TemporaryDirectory(prefix="round-counts-cg-") as tmp:
+            totals = []
+            for rounds in (args.base, args.rounds):
+                name = "callgrind" if args.callgrind else "cg"
+                out = f"{args.callgrind or tmp}/{name}.{rounds}"
+                _run_group(args, rounds, valgrind_out=out)
+                totals.append(_instructions(out))
+        per_round = (totals[1] - totals[0]) / (args.rounds - args.base)
+        print(f"instructions: {totals[0]} ({args.base} rounds), {totals[1]} ({args.rounds} rounds)")
+        print(f"instructions per round: {per_round:.0f}")
+        results.append(per_round)
+    median = statistics.median(results)
+    if len(results) > 1:
+        low, high = min(results), max(results)
+        print(f"median instructions per round: {median:.0f} ({low:.0f}..{high:.0f})")
+    return median
 
 
 def measure_bytecodes(args: argparse.Namespace) -> dict[str, Any]:
@@ -237,6 +248,13 @@ def measure_bytecodes(args: argparse.Namespace) -> dict[str, Any]:
     for name, n in ops.most_common():
         if n / rounds >= args.min_ops:
             print(f"  {n / rounds:8.1f} ops {calls.get(name, 0) / rounds:6.2f} calls  {name}")
+    turns = calls.get("asyncio/base_events:BaseEventLoop._run_once", 0)
+    if turns:
+        waits = calls.get("client/aio:AsyncCoordClient.wait", 0)
+        print(
+            f"asyncio loop turns per round: {turns / rounds:.2f}; wait() entries and resumes "
+            f"per round: {waits / rounds:.2f} (2.00: every wait blocked; 1.00: none did)"
+        )
     harness = sum(v for k, v in ops.items() if k.startswith("harness:"))
     print(
         f"total: {client_ops / rounds:.1f} bytecodes, {client_calls / rounds:.2f} calls per "
@@ -253,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1200, help="the long cachegrind run")
     p.add_argument("--base", type=int, default=200, help="the short cachegrind run")
+    p.add_argument("--repeat", type=int, default=1, help="instruction runs (the median)")
     p.add_argument("--trace-rounds", type=int, default=1200)
     p.add_argument("--warmup", type=int, default=200, help="rounds before tracing")
     p.add_argument("--min-ops", type=float, default=1.0, help="hide functions below this")
