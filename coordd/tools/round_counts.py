@@ -10,7 +10,7 @@ bench's report tables, `coordd.tools.bench.workload`), and reports for rank 0 al
   `f_trace_opcodes`, over the rounds after `--warmup`.
 
     python -m coordd.tools.round_counts --client sync --dp 2
-    python -m coordd.tools.round_counts --client aio --tree /tmp/base   # another checkout
+    python -m coordd.tools.round_counts --client aio --others-delay-us 5000 --tree /tmp/base
 
 `--tree DIR` runs the ranks and coordd from another checkout (its `coordd` package on
 PYTHONPATH): the same harness counts the code before and after a change. Only rank 0 is
@@ -73,9 +73,12 @@ def _rank_sync(args: argparse.Namespace, config: Any, reports: list[Any]) -> Non
     client.connect(timeout=60)
     n = len(reports)
     tracer = _Tracer() if args.trace_out else None
+    delay = args.others_delay_us / 1e6 if args.rank else 0.0
     for i in range(args.rounds):
         if tracer is not None and i == args.warmup:
             tracer.begin()
+        if delay:
+            time.sleep(delay)
         client.start(reports[i % n]).wait()
     if tracer is not None:
         tracer.end(args.trace_out, args.rounds - args.warmup)
@@ -89,9 +92,12 @@ async def _rank_aio(args: argparse.Namespace, config: Any, reports: list[Any]) -
     await client.connect(timeout=60)
     n = len(reports)
     tracer = _Tracer() if args.trace_out else None
+    delay = args.others_delay_us / 1e6 if args.rank else 0.0
     for i in range(args.rounds):
         if tracer is not None and i == args.warmup:
             tracer.begin()
+        if delay:
+            await asyncio.sleep(delay)
         await client.wait(client.start(reports[i % n]))
     if tracer is not None:
         tracer.end(args.trace_out, args.rounds - args.warmup)
@@ -178,7 +184,7 @@ def _run_group(
             cmd = [sys.executable, _HARNESS, "--as-rank", "--address", address,
                    "--rank", str(rank), "--dp", str(args.dp), "--rounds", str(rounds),
                    "--warmup", str(args.warmup), "--client", args.client,
-                   "--loop", args.loop]  # fmt: skip
+                   "--loop", args.loop, "--others-delay-us", str(args.others_delay_us)]  # fmt: skip
             if rank == 0 and trace_out:
                 cmd += ["--trace-out", trace_out]
             if rank == 0 and valgrind_out:
@@ -271,6 +277,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1200, help="the long cachegrind run")
     p.add_argument("--base", type=int, default=200, help="the short cachegrind run")
+    p.add_argument("--others-delay-us", type=float, default=0.0,
+                   help="the other ranks sleep this long before each report, so rank 0 reports "
+                   "first and its every wait blocks: the asyncio client's loop turns per round "
+                   "then no longer depend on when the answer comes (5000 does it)")  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="instruction runs (the median)")
     p.add_argument("--trace-rounds", type=int, default=1200)
     p.add_argument("--warmup", type=int, default=200, help="rounds before tracing")
