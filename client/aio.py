@@ -8,6 +8,7 @@ What each answer means is `RankSession`'s; this shell only decides how to wait (
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -72,6 +73,12 @@ class AsyncCoordClient(ClientShell):
         #: would wake it (`_settle` wakes it directly and takes the callback off).
         self._waiting: dict[asyncio.Future[Any], tuple[asyncio.Future[None], Callable[..., None]]]
         self._waiting = {}
+        #: Each blocked wait()'s waiter and its deadline (loop time); the one timer that
+        #: wakes them (`_on_timer`), the loop time it fires at, and its loop.
+        self._deadlines: dict[asyncio.Future[None], float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_when = math.inf
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
 
     async def connect(self, timeout: float = 5.0) -> Welcome:
         """Register (Hello -> Welcome) in a new epoch; raises `Rejected` or
@@ -212,7 +219,7 @@ class AsyncCoordClient(ClientShell):
         began = time.perf_counter_ns()
         timeout = self.wait_timeout if timeout is None else timeout
         # wait_for(shield(future)) without its extra future and task hops: one waiter, woken
-        # by the round's future or by the timer; the round's future is never cancelled here
+        # by the round's future or by the waits' timer; the round's future is never cancelled here
         # (a timeout, or this task's cancellation, leaves the round pending).
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
@@ -228,11 +235,17 @@ class AsyncCoordClient(ClientShell):
         first = future not in waiting
         if first:
             waiting[future] = (waiter, wake)
-        timer = loop.call_later(timeout, wake)
+        # one timer for every wait (`_on_timer`), armed anew only for a deadline before the
+        # one it is armed for: a round's wait neither makes nor cancels a TimerHandle
+        deadline = loop.time() + timeout
+        deadlines = self._deadlines
+        deadlines[waiter] = deadline
+        if deadline < self._timer_when or self._timer_loop is not loop:
+            self._arm(loop, deadline)
         try:
             await waiter
         finally:
-            timer.cancel()
+            del deadlines[waiter]
             future.remove_done_callback(wake)
             if first:
                 waiting.pop(future, None)
@@ -248,6 +261,29 @@ class AsyncCoordClient(ClientShell):
                 )
             return result
         raise StepTimeout((), timeout)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        """(Re)arm the waits' one timer for loop time `when`."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_when = when
+        self._timer_loop = loop
+        self._timer = loop.call_at(when, self._on_timer, loop)
+
+    def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake every wait whose deadline has come; rearm for the nearest one left."""
+        self._timer = None
+        self._timer_when = math.inf
+        now = loop.time()
+        nearest = math.inf
+        for waiter, deadline in self._deadlines.items():
+            if deadline <= now:
+                if not waiter.done():
+                    waiter.set_result(None)
+            elif deadline < nearest:
+                nearest = deadline
+        if nearest != math.inf:
+            self._arm(loop, nearest)
 
     def _collected(self, future: asyncio.Future[Any], waited_us: int) -> None:
         """A wait collected `future`'s answer after blocking `waited_us`: told to coordd with
@@ -278,6 +314,10 @@ class AsyncCoordClient(ClientShell):
             return
         self._closed = True
         self._detach()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_when = math.inf
         self._fail(CoordinatorUnavailable("client closed"))
         self.connection.close(_GOODBYE if self.session.epoch is not None else None)
 
