@@ -332,7 +332,10 @@ class AsyncCoordClient(ClientShell):
     def _attach(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(self.connection.socket.fileno(), self._drain)
+            sock = self.connection.socket
+            # `drain` itself, its arguments bound here (`_drain` is one frame more a wakeup);
+            # a new connection is attached anew (`_reopen`)
+            self._loop.add_reader(sock.fileno(), drain, sock, self._on_frame)
             self._loop.add_reader(self.connection.monitor.fileno(), self._check_monitor)
         return self._loop
 
