@@ -51,7 +51,9 @@ _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
 _Socket = zmq.Socket
 _POLLIN = int(zmq.POLLIN)
-_SLICE_S = _POLL_SLICE_MS / 1000
+#: The shortest wait whose first slice `_wait_outcome` takes itself: a whole slice and more
+#: to spare, so that slice cannot end past the wait's deadline (`_pump` trims a last slice).
+_FIRST_SLICE_MIN_S = 2 * _POLL_SLICE_MS / 1000
 
 
 class _PendingRound:
@@ -440,7 +442,7 @@ class CoordClient(ClientShell):
                 sock = self.connection.socket
                 if (
                     self._rcvtimeo == _POLL_SLICE_MS
-                    and timeout > _SLICE_S
+                    and timeout >= _FIRST_SLICE_MIN_S
                     and type(sock) is _Socket
                 ):
                     # `_pump`'s first slice written out, the common case of every round: a
