@@ -217,7 +217,10 @@ class AsyncCoordClient(ClientShell):
             self._collected(future, 0)
             return result
         began = time.perf_counter_ns()
-        timeout = self.wait_timeout if timeout is None else timeout
+        if timeout is None:  # `wait_timeout`'s first case without the property's call
+            timeout = self.config.wait_timeout
+            if timeout is None:
+                timeout = self.wait_timeout
         # wait_for(shield(future)) without its extra future and task hops: one waiter, woken
         # by the round's future or by the waits' timer; the round's future is never cancelled here
         # (a timeout, or this task's cancellation, leaves the round pending).

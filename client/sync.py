@@ -437,7 +437,10 @@ class CoordClient(ClientShell):
                 raise CoordinatorUnavailable(_CLOSED)
             outcome = session.outcome(seq, registration)
             if outcome is None:
-                timeout = self.wait_timeout if timeout is None else timeout
+                if timeout is None:  # `wait_timeout`'s first case without the property's call
+                    timeout = self.config.wait_timeout
+                    if timeout is None:
+                        timeout = self.wait_timeout
                 deadline = time.monotonic() + timeout
                 sock = self.connection.socket
                 if (
