@@ -233,11 +233,26 @@ class RankSession:
         epoch = self.epoch
         if epoch is None:
             raise ProtocolError("not registered: call connect() first", rank=self.dp_rank)
+        # `check_carriable` on the fields the stamp keeps, before it: its common case (exact
+        # ints in int64, bools) written out, a call less on every report; anything else goes
+        # to the rule itself (tests/unit/test_answer_checks.py pins the two together)
+        tokens, padded, mode = report.num_tokens, report.num_tokens_padded, report.cudagraph_mode
+        if not (
+            type(tokens) is int
+            and type(padded) is int
+            and type(mode) is int
+            and INT64_MIN <= tokens <= INT64_MAX
+            and INT64_MIN <= padded <= INT64_MAX
+            and INT64_MIN <= mode <= INT64_MAX
+            and type(report.want_ubatch) is bool
+            and type(report.has_unfinished) is bool
+            and type(report.want_pause) is bool
+        ):
+            check_carriable(self.dp_rank, report)
         seq = self.next_seq
         stamped = _replace(
             report, dp_rank=self.dp_rank, epoch=epoch, seq=seq, kind=kind, waited_us=waited_us
         )
-        check_carriable(self.dp_rank, stamped)
         self.next_seq = seq + 1
         asked = self._asked
         asked[seq] = stamped
@@ -350,7 +365,25 @@ class RankSession:
             msg = _decode_from_coordinator(frame)
         except msgspec.DecodeError:
             return None
-        if type(msg) is StepDecision or type(msg) is GatherResult:  # `receive`'s first case
+        if type(msg) is StepDecision:  # `receive`'s first case
+            seq = msg.seq
+            if msg.epoch == self.epoch and not self.registering and not self._asked_again:
+                # `_decided` for a decision that answers a report asked, written out: every
+                # round's answer comes this way in the asyncio client
+                asked = self._asked.get(seq)
+                if type(asked) is StepReport:
+                    del self._asked[seq]
+                    error = decision_misfit(msg, asked, self.dp_rank, self.dp_size)
+                    if error is not None:
+                        return self._unfit(error)
+                    answers = self._answers
+                    if seq not in answers:
+                        answers[seq] = msg
+                    else:
+                        self._later.setdefault(seq, []).append(msg)
+                    return Resolved(seq, msg)
+            return self._decided(msg)
+        if type(msg) is GatherResult:
             return self._decided(msg)
         return self.receive(msg)
 
@@ -367,19 +400,19 @@ class RankSession:
             return None
         if type(msg) is StepDecision or type(msg) is GatherResult:
             if msg.seq == seq and seq not in self._answers:
-                asked = self._asked.get(seq)
                 if (
                     type(msg) is StepDecision
-                    and type(asked) is StepReport
                     and msg.epoch == self.epoch
                     and not self.registering
                     and not self._asked_again
                 ):
                     # `_judged` for a decision that answers the report asked, written out:
                     # every round's answer comes this way
-                    del self._asked[seq]
-                    error = decision_misfit(msg, asked, self.dp_rank, self.dp_size)
-                    return msg if error is None else self._unfit(error)
+                    asked = self._asked.get(seq)
+                    if type(asked) is StepReport:
+                        del self._asked[seq]
+                        error = decision_misfit(msg, asked, self.dp_rank, self.dp_size)
+                        return msg if error is None else self._unfit(error)
                 judged = self._judged(msg)  # the awaited answer comes back, not kept
                 return msg if judged is True else judged
             return self._decided(msg)

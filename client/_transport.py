@@ -39,6 +39,7 @@ from coordd.proto.messages import MAX_MESSAGE_BYTES
 # Plain ints: pyzmq's constants are enum.Flag members, slow to combine in Python.
 _EVENTS = int(zmq.EVENTS)
 _POLLOUT = int(zmq.POLLOUT)
+_POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 _HANDSHAKE_FAILED = int(
@@ -140,6 +141,9 @@ class RankConnection:
         if self.endpoint.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         self.socket = sock
+        #: zmq_poll's item list for "is a frame queued" (`coordd.client._edge.queued`), made
+        #: once: the blocking client looks before every report.
+        self.look_in = [(sock, _POLLIN)]
         self.monitor = sock.get_monitor_socket(
             zmq.EVENT_DISCONNECTED
             | _HANDSHAKE_FAILED

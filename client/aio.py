@@ -8,6 +8,7 @@ What each answer means is `RankSession`'s; this shell only decides how to wait (
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -68,6 +69,16 @@ class AsyncCoordClient(ClientShell):
         self._loop: asyncio.AbstractEventLoop | None = None
         #: The last round sent: (seq, registration, its future).
         self._last_sent: tuple[int, int, asyncio.Future[Any] | None] = (-1, -1, None)
+        #: The first wait() on each round's future: its waiter and the done-callback that
+        #: would wake it (`_settle` wakes it directly and takes the callback off).
+        self._waiting: dict[asyncio.Future[Any], tuple[asyncio.Future[None], Callable[..., None]]]
+        self._waiting = {}
+        #: Each blocked wait()'s waiter and its deadline (loop time); the one timer that
+        #: wakes them (`_on_timer`), the loop time it fires at, and its loop.
+        self._deadlines: dict[asyncio.Future[None], float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_when = math.inf
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
 
     async def connect(self, timeout: float = 5.0) -> Welcome:
         """Register (Hello -> Welcome) in a new epoch; raises `Rejected` or
@@ -110,20 +121,36 @@ class AsyncCoordClient(ClientShell):
         self, report: StepReport, kind: StepKind | str = StepKind.FORWARD
     ) -> asyncio.Future[StepDecision]:
         """Send the report now; the future resolves to the round's decision or its error."""
-        loop = self._attach()
-        self._refuse_if_open()
+        # `_attach`, `_refuse_if_open`'s common case, `_waited_before` and `_send_report`
+        # written out: this runs every round, and each call less is one less frame
+        loop = self._loop
+        if loop is None:
+            loop = self._attach()
+        sock = self.connection.socket
+        if self._pending or self._closed:
+            self._refuse_if_open()
+        else:  # what came since: an answer for the round about to be reported is a misfit
+            drain(sock, self._on_frame, expect=False)
         future: asyncio.Future[StepDecision] = loop.create_future()
+        session = self.session
+        registration = session.registration
+        last, last_registration, waited = self._waited
+        if last != session.next_seq - 1 or last_registration != registration:
+            waited = -1
         try:
-            session = self.session
             stamped = session.report(
-                report,
-                kind if type(kind) is StepKind else StepKind(kind),
-                self._waited_before(session),
+                report, kind if type(kind) is StepKind else StepKind(kind), waited
             )
         except CoordError as error:
             future.set_exception(error)
             return future
-        self._send_report(stamped, future, gather=False)
+        seq = stamped.seq
+        self._pending[seq] = (registration, future, False)
+        self._last_sent = (seq, registration, future)
+        if not send_and_look(sock, encode(stamped), self._on_frame):
+            self._fail(
+                CoordinatorUnavailable(f"cannot send to coordd at {self.address}: no connection")
+            )
         return future
 
     def start_gather(self, site: str, values: Sequence[int]) -> asyncio.Future[list[list[int]]]:
@@ -190,9 +217,12 @@ class AsyncCoordClient(ClientShell):
             self._collected(future, 0)
             return result
         began = time.perf_counter_ns()
-        timeout = self.wait_timeout if timeout is None else timeout
+        if timeout is None:  # `wait_timeout`'s first case without the property's call
+            timeout = self.config.wait_timeout
+            if timeout is None:
+                timeout = self.wait_timeout
         # wait_for(shield(future)) without its extra future and task hops: one waiter, woken
-        # by the round's future or by the timer; the round's future is never cancelled here
+        # by the round's future or by the waits' timer; the round's future is never cancelled here
         # (a timeout, or this task's cancellation, leaves the round pending).
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
@@ -202,17 +232,61 @@ class AsyncCoordClient(ClientShell):
                 waiter.set_result(None)
 
         future.add_done_callback(wake)
-        timer = loop.call_later(timeout, wake)
+        # `_settle` wakes the first wait on a round itself, as it resolves the round: the
+        # done-callback's own hop through the loop (a Handle, one more turn) is then skipped
+        waiting = self._waiting
+        first = future not in waiting
+        if first:
+            waiting[future] = (waiter, wake)
+        # one timer for every wait (`_on_timer`), armed anew only for a deadline before the
+        # one it is armed for: a round's wait neither makes nor cancels a TimerHandle
+        deadline = loop.time() + timeout
+        deadlines = self._deadlines
+        deadlines[waiter] = deadline
+        if deadline < self._timer_when or self._timer_loop is not loop:
+            self._arm(loop, deadline)
         try:
             await waiter
         finally:
-            timer.cancel()
+            del deadlines[waiter]
             future.remove_done_callback(wake)
+            if first:
+                waiting.pop(future, None)
         if future.done():
             result = future.result()
-            self._collected(future, (time.perf_counter_ns() - began) // 1000)
+            seq, registration, sent = self._last_sent  # `_collected`, written out
+            if sent is future:
+                waited = (time.perf_counter_ns() - began) // 1000
+                self._waited = (
+                    seq,
+                    registration,
+                    waited if waited < MAX_WAITED_US else MAX_WAITED_US,
+                )
             return result
         raise StepTimeout((), timeout)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        """(Re)arm the waits' one timer for loop time `when`."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_when = when
+        self._timer_loop = loop
+        self._timer = loop.call_at(when, self._on_timer, loop)
+
+    def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake every wait whose deadline has come; rearm for the nearest one left."""
+        self._timer = None
+        self._timer_when = math.inf
+        now = loop.time()
+        nearest = math.inf
+        for waiter, deadline in self._deadlines.items():
+            if deadline <= now:
+                if not waiter.done():
+                    waiter.set_result(None)
+            elif deadline < nearest:
+                nearest = deadline
+        if nearest != math.inf:
+            self._arm(loop, nearest)
 
     def _collected(self, future: asyncio.Future[Any], waited_us: int) -> None:
         """A wait collected `future`'s answer after blocking `waited_us`: told to coordd with
@@ -243,6 +317,10 @@ class AsyncCoordClient(ClientShell):
             return
         self._closed = True
         self._detach()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_when = math.inf
         self._fail(CoordinatorUnavailable("client closed"))
         self.connection.close(_GOODBYE if self.session.epoch is not None else None)
 
@@ -257,7 +335,10 @@ class AsyncCoordClient(ClientShell):
     def _attach(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(self.connection.socket.fileno(), self._drain)
+            sock = self.connection.socket
+            # `drain` itself, its arguments bound here (`_drain` is one frame more a wakeup);
+            # a new connection is attached anew (`_reopen`)
+            self._loop.add_reader(sock.fileno(), drain, sock, self._on_frame)
             self._loop.add_reader(self.connection.monitor.fileno(), self._check_monitor)
         return self._loop
 
@@ -297,7 +378,11 @@ class AsyncCoordClient(ClientShell):
         drain(self.connection.socket, self._on_frame)
 
     def _on_frame(self, frame: bytes) -> None:
-        self._dispatch(self.session.receive_frame(frame))
+        event = self.session.receive_frame(frame)
+        if type(event) is Resolved:  # a round's answer (`_dispatch`'s first case)
+            self._settle(event.seq)
+        else:
+            self._dispatch(event)
 
     def _dispatch(self, event: object) -> None:
         if type(event) is Resolved:
@@ -322,6 +407,12 @@ class AsyncCoordClient(ClientShell):
         del self._pending[seq]
         if future.done():
             return
+        woken = self._waiting.pop(future, None)
+        if woken is not None:  # a wait() on this round: woken here, not by the done-callback
+            waiter, wake = woken
+            future.remove_done_callback(wake)
+            if not waiter.done():
+                waiter.set_result(None)
         if isinstance(outcome, CoordError):
             future.set_exception(outcome)
         elif gather and type(outcome) is GatherResult:

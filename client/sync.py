@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from coordd.client._config import ClientConfig
-from coordd.client._edge import drain
+from coordd.client._edge import drain, zmq_poll
 from coordd.client._registration import Step, check_unsent
 from coordd.client._session import Pong, RegistrationFailed, Resolved, RoundStillOpen
 from coordd.client._shell import ClientShell
@@ -48,9 +48,12 @@ _WAIT, _SEND, _REOPEN = Step.WAIT, Step.SEND, Step.REOPEN
 _get_ident = threading.get_ident
 _now_ns = time.perf_counter_ns
 _send = zmq.backend.Socket.send
-_getsockopt = zmq.backend.Socket.get
-_EVENTS = int(zmq.EVENTS)
+_recv = zmq.backend.Socket.recv
+_Socket = zmq.Socket
 _POLLIN = int(zmq.POLLIN)
+#: The shortest wait whose first slice `_wait_outcome` takes itself: a whole slice and more
+#: to spare, so that slice cannot end past the wait's deadline (`_pump` trims a last slice).
+_FIRST_SLICE_MIN_S = 2 * _POLL_SLICE_MS / 1000
 
 
 class _PendingRound:
@@ -150,6 +153,9 @@ class PendingGather(_PendingRound):
         return result
 
 
+_new_step = object.__new__
+
+
 def _wrong_answer(seq: int, expected: str, outcome: object) -> ProtocolError:
     return ProtocolError(
         f"coordd answered the {expected} round seq={seq} with a {type(outcome).__name__}"
@@ -206,12 +212,14 @@ class CoordClient(ClientShell):
             if self._closed:  # read after marking, as `_enter` does
                 raise CoordinatorUnavailable(_CLOSED)
             open_round = self._open
-            sock = self.connection.socket
+            connection = self.connection
+            sock = connection.socket
             if open_round is not None:
                 self._check_open(open_round)
             else:  # what came since: an answer for the round about to be reported is a misfit
                 try:
-                    if not sock.closed and int(_getsockopt(sock, _EVENTS)) & _POLLIN:
+                    # ZMQ_EVENTS through zmq_poll (`edge.queued`), its item list made once
+                    if not sock.closed and zmq_poll(connection.look_in, 0):
                         drain(sock, self._on_frame, expect=True)
                 except zmq.ZMQError as exc:
                     raise self._socket_error(exc) from None
@@ -236,7 +244,14 @@ class CoordClient(ClientShell):
                 self._close_sockets()
         seq = stamped.seq
         self._open = (seq, registration)
-        return PendingStep(self, seq, kind, registration)
+        # `PendingStep(self, seq, kind, registration)` without its __init__ frame: every round
+        step = _new_step(PendingStep)
+        step._client = self
+        step._registration = registration
+        step._outcome = None
+        step.seq = seq
+        step.kind = kind
+        return step
 
     def start_gather(self, site: str, values: Sequence[int]) -> PendingGather:
         """Send this rank's values for the next round, a gather round labelled `site` (the
@@ -422,8 +437,37 @@ class CoordClient(ClientShell):
                 raise CoordinatorUnavailable(_CLOSED)
             outcome = session.outcome(seq, registration)
             if outcome is None:
-                timeout = self.wait_timeout if timeout is None else timeout
+                if timeout is None:  # `wait_timeout`'s first case without the property's call
+                    timeout = self.config.wait_timeout
+                    if timeout is None:
+                        timeout = self.wait_timeout
                 deadline = time.monotonic() + timeout
+                sock = self.connection.socket
+                if (
+                    self._rcvtimeo == _POLL_SLICE_MS
+                    and timeout >= _FIRST_SLICE_MIN_S
+                    and type(sock) is _Socket
+                ):
+                    # `_pump`'s first slice written out, the common case of every round: a
+                    # whole slice to wait (RCVTIMEO already set to it), pyzmq's own socket
+                    # (its recv called unbound: no `__getattr__` hook on the attribute read)
+                    try:
+                        frame = _recv(sock, 0)
+                    except zmq.Again:
+                        self._slice_ended()
+                    except zmq.ZMQError as exc:
+                        raise self._socket_error(exc) from None
+                    else:
+                        if self._closed:
+                            raise CoordinatorUnavailable(_CLOSED)
+                        event = session.take_frame(frame, seq)
+                        kind = type(event)
+                        if kind is StepDecision or kind is GatherResult:
+                            outcome = event  # type: ignore[assignment]
+                        elif kind is not Resolved:
+                            self._on_event(event)
+                    if outcome is None:
+                        outcome = session.outcome(seq, registration)
                 while outcome is None:
                     got = self._pump(deadline, seq)
                     if got is False:
@@ -433,7 +477,8 @@ class CoordClient(ClientShell):
                 self._open = None
             if isinstance(outcome, CoordError):
                 raise outcome
-            self._waited = (seq, registration, min((_now_ns() - began) // 1000, MAX_WAITED_US))
+            waited = (_now_ns() - began) // 1000  # min(waited, MAX_WAITED_US), without a call
+            self._waited = (seq, registration, waited if waited < MAX_WAITED_US else MAX_WAITED_US)
             return outcome
         finally:
             self._busy = None
@@ -480,11 +525,7 @@ class CoordClient(ClientShell):
                 self._rcvtimeo = slice_ms
             frame = sock.recv(flags)
         except zmq.Again:
-            if self._closed:
-                raise CoordinatorUnavailable(_CLOSED) from None
-            if self.connection.disconnected():
-                self._read_available()  # what coordd sent before the close is this rank's
-                self.session.connection_lost()
+            self._slice_ended()
             return not flags
         except zmq.ZMQError as exc:
             raise self._socket_error(exc) from None
@@ -497,6 +538,15 @@ class CoordClient(ClientShell):
         if kind is not Resolved:
             self._on_event(event)
         return True
+
+    def _slice_ended(self) -> None:
+        """A recv's slice passed with nothing queued: raise "client closed" after close(); else
+        read the monitor, and on a disconnect read what coordd sent before it, then fail."""
+        if self._closed:
+            raise CoordinatorUnavailable(_CLOSED) from None
+        if self.connection.disconnected():
+            self._read_available()  # what coordd sent before the close is this rank's
+            self.session.connection_lost()
 
     def _on_frame(self, frame: bytes) -> None:
         event = self.session.receive_frame(frame)

@@ -41,6 +41,7 @@ from coordd.proto.messages import (
 )
 
 CUDAGRAPH_MODES = (0, 1, 2)  # NONE, PIECEWISE, FULL
+_MAX_MODE = max(CUDAGRAPH_MODES)
 #: Largest token count a report may carry: every rank's engine builds int32 tensors of the
 #: decision's counts (vLLM's `num_tokens_across_dp`), so a larger one would fail there.
 MAX_TOKENS = 2**31 - 1
@@ -269,35 +270,42 @@ def decision_misfit(
       this rank wants to pause, and `any_pause` if it does (or if `should_pause`);
     - `dead_ranks` within 0..dp-1, and never this rank (it reported).
 
-    Cheap (comparisons, and one pass over the counts): every decision comes here."""
-    seq = decision.seq
+    Cheap (comparisons, and one pass over the counts): every decision comes here, so no
+    call the rules do not need (the highest mode is a constant, the round's seq is read only
+    for an error); tests/unit/test_answer_checks.py pins it to the rules as first written."""
     asked = sent.kind if kind is None else kind
     if decision.kind is not asked:
-        return InvalidAnswer(seq, "kind", decision.kind.value, asked.value)
+        return InvalidAnswer(decision.seq, "kind", decision.kind.value, asked.value)
     across = decision.num_tokens_across_dp
     if len(across) != dp_size:
-        return InvalidAnswer(seq, "num_tokens_across_dp", across, f"{dp_size} values, one per rank")
-    mode = decision.cudagraph_mode
-    if not 0 <= mode <= max(CUDAGRAPH_MODES) or mode > sent.cudagraph_mode:
         return InvalidAnswer(
-            seq,
+            decision.seq, "num_tokens_across_dp", across, f"{dp_size} values, one per rank"
+        )
+    mode = decision.cudagraph_mode
+    if not 0 <= mode <= _MAX_MODE or mode > sent.cudagraph_mode:
+        return InvalidAnswer(
+            decision.seq,
             "cudagraph_mode",
             mode,
-            f"0..{min(sent.cudagraph_mode, max(CUDAGRAPH_MODES))} (the min over ranks; this "
+            f"0..{min(sent.cudagraph_mode, _MAX_MODE)} (the min over ranks; this "
             f"rank reported {sent.cudagraph_mode})",
         )
-    if decision.should_ubatch and not sent.want_ubatch:
-        return InvalidAnswer(seq, "should_ubatch", True, "False: this rank did not want it")
-    if decision.should_pad != (mode != 0 or decision.should_ubatch):
+    ubatch = decision.should_ubatch
+    if ubatch and not sent.want_ubatch:
         return InvalidAnswer(
-            seq, "should_pad", decision.should_pad, "cudagraph_mode != 0 or should_ubatch"
+            decision.seq, "should_ubatch", True, "False: this rank did not want it"
+        )
+    pad = decision.should_pad
+    if pad != (mode != 0 or ubatch):
+        return InvalidAnswer(
+            decision.seq, "should_pad", pad, "cudagraph_mode != 0 or should_ubatch"
         )
     own = across[dp_rank]
     padded = sent.num_tokens_padded
-    if decision.should_pad:
+    if pad:
         if not padded <= own <= MAX_TOKENS or across.count(own) != dp_size:
             return InvalidAnswer(
-                seq,
+                decision.seq,
                 "num_tokens_across_dp",
                 across,
                 f"one count for every rank (padded), in {padded}..{MAX_TOKENS} (this rank's "
@@ -305,28 +313,38 @@ def decision_misfit(
             )
     elif own != padded:
         return InvalidAnswer(
-            seq, f"num_tokens_across_dp[{dp_rank}]", own, f"{padded} (what this rank reported)"
+            decision.seq,
+            f"num_tokens_across_dp[{dp_rank}]",
+            own,
+            f"{padded} (what this rank reported)",
         )
     elif min(across) < 0 or max(across) > MAX_TOKENS:
-        return InvalidAnswer(seq, "num_tokens_across_dp", across, f"counts in 0..{MAX_TOKENS}")
+        return InvalidAnswer(
+            decision.seq, "num_tokens_across_dp", across, f"counts in 0..{MAX_TOKENS}"
+        )
     if sent.has_unfinished and not decision.any_unfinished:
         return InvalidAnswer(
-            seq, "any_unfinished", False, "True: this rank has unfinished requests"
+            decision.seq, "any_unfinished", False, "True: this rank has unfinished requests"
         )
     if decision.all_idle and sent.num_tokens != 0:
         return InvalidAnswer(
-            seq, "all_idle", True, f"False: this rank runs {sent.num_tokens} tokens"
+            decision.seq, "all_idle", True, f"False: this rank runs {sent.num_tokens} tokens"
         )
-    if decision.should_pause and not sent.want_pause:
-        return InvalidAnswer(seq, "should_pause", True, "False: this rank does not want to pause")
-    if (sent.want_pause or decision.should_pause) and not decision.any_pause:
-        return InvalidAnswer(seq, "any_pause", False, "True: this rank wants to pause")
+    pause = decision.should_pause
+    if pause and not sent.want_pause:
+        return InvalidAnswer(
+            decision.seq, "should_pause", True, "False: this rank does not want to pause"
+        )
+    if (pause or sent.want_pause) and not decision.any_pause:
+        return InvalidAnswer(decision.seq, "any_pause", False, "True: this rank wants to pause")
     dead = decision.dead_ranks
     if dead:
         if min(dead) < 0 or max(dead) >= dp_size:
-            return InvalidAnswer(seq, "dead_ranks", dead, f"ranks in 0..{dp_size - 1}")
+            return InvalidAnswer(decision.seq, "dead_ranks", dead, f"ranks in 0..{dp_size - 1}")
         if dp_rank in dead:
-            return InvalidAnswer(seq, "dead_ranks", dead, f"not this rank ({dp_rank}): it reported")
+            return InvalidAnswer(
+                decision.seq, "dead_ranks", dead, f"not this rank ({dp_rank}): it reported"
+            )
     return None
 
 
