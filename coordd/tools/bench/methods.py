@@ -203,10 +203,20 @@ def vllm_unavailable() -> str | None:
 
 
 def import_cpu_all_reduce() -> Any:
-    """`vllm.distributed.utils.cpu_all_reduce_`, on vLLM's CPU platform unless told otherwise."""
+    """What vLLM's DP sync runs on the CPU group, on vLLM's CPU platform unless told otherwise:
+    0.33's `vllm.distributed.utils.cpu_all_reduce_`; 0.32 has none, and its `_run_ar` calls
+    `torch.distributed.all_reduce(tensor, group=group)`, which this returns in its place."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from vllm.distributed.utils import cpu_all_reduce_
+    try:
+        from vllm.distributed.utils import cpu_all_reduce_
+    except ImportError:
+        import torch.distributed as dist
 
+        def all_reduce(tensor: Any, group: Any) -> Any:
+            dist.all_reduce(tensor, group=group)
+            return tensor
+
+        return all_reduce
     return cpu_all_reduce_
 
 
@@ -230,8 +240,9 @@ def decision_from_vllm_matrix(rows: Sequence[Sequence[int]]) -> Any:
 
 
 class VllmAllReduceMethod(_Checked):
-    """vLLM 0.33's `cpu_all_reduce_` (recursive doubling, gloo send/recv) on the default group,
-    over MRV2's int32 [7 x dp] matrix. It blocks until done: start() runs the exchange."""
+    """vLLM's own DP sync on the default group (0.33's `cpu_all_reduce_`: recursive doubling,
+    gloo send/recv; 0.32's gloo `all_reduce`), over MRV2's int32 [7 x dp] matrix. It blocks
+    until done: start() runs the exchange."""
 
     name = VLLM
 
