@@ -127,8 +127,15 @@ def test_a_member_flooding_junk_is_cut_off_alone(tmp_path: Path) -> None:
             ranks.run(3)
             assert metric_value(port, 'coordd_group_failed{group="enginecore"}') == 1
             assert metric_value(port, 'coordd_group_failed{group="default"}') == 0
+            # decoded before the cut-offs (member, then stranger): 4392 of 49,597 frames
+            # received on a quiet box; without them coordd decodes every frame of the flood
+            decoded = metric_value(port, "coordd_bad_frames_total")
+            assert decoded < 20_000, f"{decoded:.0f} junk frames decoded: not cut off"
         assert gauge.alive
-        assert gauge.peak_rss_mb < 100, f"{gauge.peak_rss_mb:.0f} MB"
+        # 50 MB on a quiet box; 104-206 MB when the 2-core box ran other suites beside it (libzmq's
+        # I/O thread queues the flood while coordd's main thread waits for a core); unbounded
+        # without the cut-off (700+ MB in the runs)
+        assert gauge.peak_rss_mb < 320, f"{gauge.peak_rss_mb:.0f} MB"
         assert metric_value(port, 'coordd_connections_closed_total{reason="violation"}') == 1
 
 
@@ -159,6 +166,10 @@ def test_a_members_undecodable_report_fails_the_round_at_once(
             took = time.monotonic() - began
             assert info.value.rank == 1, info.value
             assert took < 5, f"{took:.1f}s: the round waited for the step timeout"
+            if not sock.poll(2_000):
+                # the bad frame was read before the honest report (two connections: either
+                # order): no round was open, and the sender learns at its next report
+                sock.send(msgspec.msgpack.encode(["gather", "site", [1, 2], 1, welcome.epoch, 0]))
             assert sock.poll(10_000), "the sender is told too"
             failed = decode_from_coordinator(sock.recv())
             assert isinstance(failed, StepFailed) and failed.culprits == [1]
