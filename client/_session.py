@@ -264,11 +264,42 @@ class RankSession:
         """This rank's `GatherReport` for the next seq, stamped, and take the seq; raises
         `InvalidReport` (taking nothing) for what the wire cannot carry. `waited_us`: as
         `report`'s."""
-        stamped = self.stamp(self.gather_report(site, values), StepKind.GATHER)
-        if waited_us >= 0:
-            stamped = _replace(stamped, waited_us=waited_us)
-        self.next_seq += 1
-        self.sent(stamped)
+        # `gather_report`, `stamp` and `sent` written out (the same checks in the same order,
+        # the same errors): the vLLM plugin's every sync comes this way
+        if self.failed is not None:
+            raise self.failed
+        try:
+            ints = list(map(operator.index, values))
+        except TypeError as exc:
+            raise InvalidReport(self.dp_rank, "values", values, f"integers ({exc})") from None
+        if len(ints) > MAX_GATHER_VALUES:
+            raise InvalidReport(
+                self.dp_rank, "values", len(ints), f"at most {MAX_GATHER_VALUES} values"
+            )
+        if ints and (min(ints) < INT64_MIN or max(ints) > INT64_MAX):
+            raise InvalidReport(self.dp_rank, "values", ints, "int64 values")
+        if len(site) > MAX_SITE_CHARS:
+            raise InvalidReport(self.dp_rank, "site", site, f"at most {MAX_SITE_CHARS} characters")
+        epoch = self.epoch
+        if epoch is None:
+            raise ProtocolError("not registered: call connect() first", rank=self.dp_rank)
+        seq = self.next_seq
+        stamped = GatherReport(
+            site=site,
+            values=ints,
+            dp_rank=self.dp_rank,
+            epoch=epoch,
+            seq=seq,
+            waited_us=waited_us if waited_us >= 0 else -1,
+        )
+        self.next_seq = seq + 1
+        asked = self._asked
+        if seq in asked:  # a seq sent twice (a test peer's): answered twice
+            self.sent(stamped)
+        else:
+            asked[seq] = stamped
+            if len(asked) >= _TRIM_ASKED_AT:
+                self._forget_oldest()
         return stamped
 
     def sent(self, report: StepReport | GatherReport) -> None:
@@ -400,18 +431,23 @@ class RankSession:
             return None
         if type(msg) is StepDecision or type(msg) is GatherResult:
             if msg.seq == seq and seq not in self._answers:
-                if (
-                    type(msg) is StepDecision
-                    and msg.epoch == self.epoch
-                    and not self.registering
-                    and not self._asked_again
-                ):
-                    # `_judged` for a decision that answers the report asked, written out:
-                    # every round's answer comes this way
+                if msg.epoch == self.epoch and not self.registering and not self._asked_again:
+                    # `_judged` for an answer of the kind of the report asked, written out:
+                    # every round's answer comes this way (a step's decision, a gather's rows)
                     asked = self._asked.get(seq)
-                    if type(asked) is StepReport:
+                    if type(msg) is StepDecision:
+                        if type(asked) is StepReport:
+                            del self._asked[seq]
+                            error = decision_misfit(msg, asked, self.dp_rank, self.dp_size)
+                            return msg if error is None else self._unfit(error)
+                    elif type(asked) is GatherReport:  # and `msg` a GatherResult
                         del self._asked[seq]
-                        error = decision_misfit(msg, asked, self.dp_rank, self.dp_size)
+                        error = gather_misfit(
+                            msg,  # type: ignore[arg-type]
+                            asked,
+                            self.dp_rank,
+                            self.dp_size,
+                        )
                         return msg if error is None else self._unfit(error)
                 judged = self._judged(msg)  # the awaited answer comes back, not kept
                 return msg if judged is True else judged

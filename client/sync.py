@@ -144,7 +144,23 @@ class PendingGather(_PendingRound):
 
     def wait(self, timeout: float | None = None) -> list[list[int]]:
         """Block until the rows arrive (at most `timeout`, default the client's)."""
-        return self.result(timeout).rows
+        outcome = self._outcome
+        if outcome is None:  # `result` and `_settle`, written out: every gather comes here
+            try:
+                got = self._client._wait_outcome(self.seq, self._registration, timeout)
+                if type(got) is not GatherResult:
+                    raise _wrong_answer(self.seq, "gather", got)
+            except StepTimeout:
+                raise
+            except CoordError as error:
+                self._outcome = error
+                raise
+            self._outcome = got
+            return got.rows
+        if isinstance(outcome, CoordError):
+            raise outcome
+        assert type(outcome) is GatherResult
+        return outcome.rows
 
     def result(self, timeout: float | None = None) -> GatherResult:
         """As `wait()`, but the whole `GatherResult` (its `dead_ranks` too)."""
@@ -258,19 +274,51 @@ class CoordClient(ClientShell):
         call site; every rank must gather the same site in the same place); returns at once.
         Raises `InvalidReport` without sending for what the wire cannot carry (more than
         MAX_GATHER_VALUES values, a value outside int64)."""
-        self._enter()
+        session = self.session
+        # `_enter`, `_read_available`, `_waited_before` and `_send_report` written out, as in
+        # `start` (the same checks in the same order): the vLLM plugin's every sync comes here
+        self._busy = _get_ident()
         try:
-            if self._open is not None:
-                self._check_open(self._open)
-            else:
-                self._read_available(expect=False)
-            stamped = self.session.gather(site, values, self._waited_before(self.session))
-            self._send_report(stamped)
+            if self._closed:  # read after marking, as `_enter` does
+                raise CoordinatorUnavailable(_CLOSED)
+            open_round = self._open
+            connection = self.connection
+            sock = connection.socket
+            if open_round is not None:
+                self._check_open(open_round)
+            else:  # what came since: an answer for the round about to be reported is a misfit
+                try:
+                    if not sock.closed and zmq_poll(connection.look_in, 0):
+                        drain(sock, self._on_frame, expect=True)
+                except zmq.ZMQError as exc:
+                    raise self._socket_error(exc) from None
+            last, last_registration, waited = self._waited
+            registration = session.registration
+            if last != session.next_seq - 1 or last_registration != registration:
+                waited = -1
+            stamped = session.gather(site, values, waited)
+            try:
+                _send(sock, encode(stamped), _NOBLOCK)  # as in `start`
+            except zmq.Again:
+                raise session.fail(
+                    CoordinatorUnavailable(
+                        f"cannot send to coordd at {self.address}: no connection"
+                    )
+                ).error from None
         finally:
-            self._leave()
-        registration = self.session.registration
-        self._open = (stamped.seq, registration)
-        return PendingGather(self, stamped.seq, site, registration)
+            self._busy = None
+            if self._closed:  # close() came from another thread meanwhile: it left this to us
+                self._close_sockets()
+        seq = stamped.seq
+        self._open = (seq, registration)
+        # `PendingGather(self, seq, site, registration)` without its __init__ frames
+        pending = _new_step(PendingGather)
+        pending._client = self
+        pending._registration = registration
+        pending._outcome = None
+        pending.seq = seq
+        pending.site = site
+        return pending
 
     def gather(
         self, site: str, values: Sequence[int], timeout: float | None = None

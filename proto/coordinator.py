@@ -142,6 +142,43 @@ class Coordinator(GroupMachine[Member, Send]):
                     return self._complete_if_ready(now, rank)
             return self._on_part(peer, message, now)
         if type(message) is GatherReport:
+            # The same hot path for a member's gather part (the vLLM plugin's every sync): the
+            # round open now of its site (or the one it opens), the first from its rank, no
+            # rank departed; `validate_gather` as `_check_part` calls it (the count rule: as
+            # the round's first report's, or within one frame for the first). Whatever differs
+            # takes `_on_part`; tests/unit/test_report_fast_path.py pins the two together.
+            member = self._by_peer.get(peer)
+            if (
+                member is not None
+                and message.seq == self._seq
+                and message.epoch == self._epoch
+                and message.dp_rank == member.rank
+                and not self._left
+            ):
+                rnd = self._round
+                rank = member.rank
+                if rnd is None:
+                    if self._state is _IDLE:
+                        try:
+                            validate_gather(rank, message, self.dp_size, None)
+                        except InvalidReport as error:
+                            return self._fail(error, now, message)
+                        self._move(_E_OPEN)
+                        rnd = self._round = Round(self._seq, message, now, self.dp_size)
+                        rnd.add(rank, message, now)
+                        return self._complete_if_ready(now, rank)
+                elif (
+                    rnd.kind is _GATHER and rnd.reports[rank] is None and self._state is _ROUND_OPEN
+                ):
+                    first = rnd.first
+                    if type(first) is GatherReport and first.site == message.site:
+                        try:
+                            validate_gather(rank, message, self.dp_size, first)
+                        except InvalidReport as error:
+                            return self._fail(error, now, message)
+                        self._move(_E_REPORT)
+                        rnd.add(rank, message, now)
+                        return self._complete_if_ready(now, rank)
             return self._on_part(peer, message, now)
         if type(message) is Hello:
             return self._on_hello(peer, message, now)

@@ -11,6 +11,10 @@ bench's report tables, `coordd.tools.bench.workload`), and reports for rank 0 al
 
     python -m coordd.tools.round_counts --client sync --dp 2
     python -m coordd.tools.round_counts --client aio --others-delay-us 5000 --tree /tmp/base
+    python -m coordd.tools.round_counts --gather 7 --what instructions
+
+`--gather N` runs gather rounds (`start_gather(site, N values)` then `wait()`, as the vLLM
+plugin's sync does) instead of step rounds.
 
 `--tree DIR` runs the ranks and coordd from another checkout (its `coordd` package on
 PYTHONPATH): the same harness counts the code before and after a change. Only rank 0 is
@@ -74,12 +78,16 @@ def _rank_sync(args: argparse.Namespace, config: Any, reports: list[Any]) -> Non
     n = len(reports)
     tracer = _Tracer() if args.trace_out else None
     delay = args.others_delay_us / 1e6 if args.rank else 0.0
+    values = [[args.rank * 1000 + i + j for j in range(args.gather)] for i in range(n)]
     for i in range(args.rounds):
         if tracer is not None and i == args.warmup:
             tracer.begin()
         if delay:
             time.sleep(delay)
-        client.start(reports[i % n]).wait()
+        if args.gather:
+            client.start_gather("round-counts", values[i % n]).wait()
+        else:
+            client.start(reports[i % n]).wait()
     if tracer is not None:
         tracer.end(args.trace_out, args.rounds - args.warmup)
     client.close()
@@ -184,7 +192,8 @@ def _run_group(
             cmd = [sys.executable, _HARNESS, "--as-rank", "--address", address,
                    "--rank", str(rank), "--dp", str(args.dp), "--rounds", str(rounds),
                    "--warmup", str(args.warmup), "--client", args.client,
-                   "--loop", args.loop, "--others-delay-us", str(args.others_delay_us)]  # fmt: skip
+                   "--loop", args.loop, "--others-delay-us", str(args.others_delay_us),
+                   "--gather", str(args.gather)]  # fmt: skip
             if rank == 0 and trace_out:
                 cmd += ["--trace-out", trace_out]
             if rank == 0 and valgrind_out:
@@ -281,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the other ranks sleep this long before each report, so rank 0 reports "
                    "first and its every wait blocks: the asyncio client's loop turns per round "
                    "then no longer depend on when the answer comes (5000 does it)")  # fmt: skip
+    p.add_argument("--gather", type=int, default=0, metavar="N",
+                   help="N values a gather round (sync client), not step rounds")  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="instruction runs (the median)")
     p.add_argument("--trace-rounds", type=int, default=1200)
     p.add_argument("--warmup", type=int, default=200, help="rounds before tracing")
@@ -299,7 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.as_rank:
         _rank_main(args)
         return
-    print(f"client={args.client} dp={args.dp} tree={args.tree or 'this one'}")
+    if args.gather and args.client != "sync":
+        raise SystemExit("--gather counts the blocking client's gather rounds: --client sync")
+    print(f"client={args.client} dp={args.dp} gather={args.gather} tree={args.tree or 'this one'}")
     if args.what in ("both", "bytecodes"):
         measure_bytecodes(args)
     if args.what in ("both", "instructions"):

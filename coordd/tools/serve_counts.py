@@ -14,6 +14,9 @@ the report says wakeups per round beside the opcode counts, and `--stagger-ms` s
 ranks' reports so that each has a wakeup of its own (the other end of the range).
 
     python -m coordd.tools.serve_counts --dp 8 --rounds 600 --base 100 --opcodes --instructions
+    python -m coordd.tools.serve_counts --dp 2 --gather 7 --instructions
+
+`--gather N`: the ranks run gather rounds of N values each (the vLLM plugin's sync) instead.
 
 This is the daemon's side only: the ranks' own cost is counted elsewhere.
 """
@@ -96,9 +99,12 @@ def _name(code: Any) -> str:
 # -- a rank ----------------------------------------------------------------------------------
 
 
-def _rank(address: str, rank: int, dp: int, rounds: int, stagger: float = 0.0) -> int:
-    """One lean rank: register, then `rounds` blocking rounds of the bench's reports, each
-    report sent `rank * stagger` seconds after the previous round's answer."""
+def _rank(
+    address: str, rank: int, dp: int, rounds: int, stagger: float = 0.0, gather: int = 0
+) -> int:
+    """One lean rank: register, then `rounds` blocking rounds of the bench's reports (or
+    `gather` > 0: gathers of that many values), each sent `rank * stagger` seconds after the
+    previous round's answer."""
     from coordd.client.sync import CoordClient
     from coordd.tools.bench.methods import bench_config
     from coordd.tools.bench.workload import report_table
@@ -109,10 +115,14 @@ def _rank(address: str, rank: int, dp: int, rounds: int, stagger: float = 0.0) -
     client.connect(timeout=RANK_TIMEOUT)
     try:
         delay = rank * stagger
+        values = [[rank * 1000 + i + j for j in range(gather)] for i in range(len(table))]
         for i in range(rounds):
             if delay:
                 time.sleep(delay)
-            client.start(table[i % len(table)]).wait()
+            if gather:
+                client.start_gather("serve-counts", values[i % len(table)]).wait()
+            else:
+                client.start(table[i % len(table)]).wait()
     finally:
         client.close()
     return 0
@@ -122,7 +132,13 @@ def _rank(address: str, rank: int, dp: int, rounds: int, stagger: float = 0.0) -
 
 
 def _run(
-    dp: int, rounds: int, wrap: list[str], env: dict[str, str], workdir: str, stagger: float
+    dp: int,
+    rounds: int,
+    wrap: list[str],
+    env: dict[str, str],
+    workdir: str,
+    stagger: float,
+    gather: int = 0,
 ) -> None:
     """One run: coordd (under `wrap`) and `dp` ranks for WARMUP + `rounds` rounds."""
     bind = f"ipc://{workdir}/coordd.sock"
@@ -132,7 +148,9 @@ def _run(
     try:
         rank_argv = [sys.executable, "-m", _MODULE, "_rank", proc.address]
         ranks = [
-            subprocess.Popen([*rank_argv, str(r), str(dp), str(WARMUP + rounds), str(stagger)])
+            subprocess.Popen(
+                [*rank_argv, str(r), str(dp), str(WARMUP + rounds), str(stagger), str(gather)]
+            )
             for r in range(dp)
         ]
         deadline = time.monotonic() + RUN_TIMEOUT
@@ -154,7 +172,7 @@ def _run(
 
 
 def count_opcodes(
-    dp: int, rounds: int, base: int, stagger: float = 0.0
+    dp: int, rounds: int, base: int, stagger: float = 0.0, gather: int = 0
 ) -> dict[str, tuple[float, float]]:
     """Bytecodes and calls per round by function (`rounds` less `base`, over the difference)."""
     runs = []
@@ -162,7 +180,7 @@ def count_opcodes(
         with tempfile.TemporaryDirectory(prefix="coordd-counts-") as workdir:
             out = f"{workdir}/ops.json"
             wrap = [sys.executable, "-m", _MODULE, "_traced", out, "--"]
-            _run(dp, n, wrap, dict(os.environ), workdir, stagger)
+            _run(dp, n, wrap, dict(os.environ), workdir, stagger, gather)
             runs.append(json.loads(Path(out).read_text()))
     small, large = runs
     span = rounds - base
@@ -174,7 +192,12 @@ def count_opcodes(
 
 
 def count_instructions(
-    dp: int, rounds: int, base: int, keep: str | None = None, stagger: float = 0.0
+    dp: int,
+    rounds: int,
+    base: int,
+    keep: str | None = None,
+    stagger: float = 0.0,
+    gather: int = 0,
 ) -> tuple[int, int, float]:
     """coordd's instructions (whole process) at both lengths, and per round; `keep`: a
     folder to copy cachegrind's two outputs to (`cg_diff` of them gives the round by
@@ -188,7 +211,7 @@ def count_instructions(
             out = f"{workdir}/cachegrind.out"
             wrap = [valgrind, "--tool=cachegrind", "--cache-sim=no",
                     f"--cachegrind-out-file={out}", sys.executable, "-m", "coordd"]  # fmt: skip
-            _run(dp, n, wrap, dict(os.environ), workdir, stagger)
+            _run(dp, n, wrap, dict(os.environ), workdir, stagger, gather)
             totals.append(_summary(Path(out).read_text()))
             if keep is not None:
                 Path(keep).mkdir(parents=True, exist_ok=True)
@@ -224,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["_traced"]:
         return _traced_serve(args[1], args[3:])
     if args[:1] == ["_rank"]:
-        return _rank(args[1], int(args[2]), int(args[3]), int(args[4]), float(args[5]))
+        gather = int(args[6]) if len(args) > 6 else 0
+        return _rank(args[1], int(args[2]), int(args[3]), int(args[4]), float(args[5]), gather)
     p = argparse.ArgumentParser(prog="python -m coordd.tools.serve_counts", description=__doc__)
     p.add_argument("--dp", type=int, default=8)
     p.add_argument("--rounds", type=int, default=600, help="rounds of the longer run")
@@ -233,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--instructions", action="store_true", help="instructions (cachegrind)")
     p.add_argument("--top", type=int, default=30, help="functions shown")
     p.add_argument("--json", help="write the counts here as well")
+    p.add_argument("--gather", type=int, default=0, metavar="N",
+                   help="gather rounds of N values each instead of step rounds")  # fmt: skip
     p.add_argument("--keep", help="copy cachegrind's outputs to this folder")
     p.add_argument(
         "--stagger-ms",
@@ -246,10 +272,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--rounds must exceed --base")
     if not (opts.opcodes or opts.instructions):
         opts.opcodes = True
-    result: dict[str, Any] = {"dp": opts.dp, "rounds": opts.rounds, "base": opts.base}
+    result: dict[str, Any] = {
+        "dp": opts.dp,
+        "rounds": opts.rounds,
+        "base": opts.base,
+        "gather": opts.gather,
+    }
     if opts.instructions:
         small, large, per_round = count_instructions(
-            opts.dp, opts.rounds, opts.base, opts.keep, opts.stagger_ms / 1000
+            opts.dp, opts.rounds, opts.base, opts.keep, opts.stagger_ms / 1000, opts.gather
         )
         result["instructions"] = {"base": small, "rounds": large, "per_round": per_round}
         print(
@@ -259,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
     if opts.opcodes:
-        per = count_opcodes(opts.dp, opts.rounds, opts.base, opts.stagger_ms / 1000)
+        per = count_opcodes(opts.dp, opts.rounds, opts.base, opts.stagger_ms / 1000, opts.gather)
         result["opcodes"] = per
         print(f"coordd main thread, per round at dp={opts.dp} (settrace opcode events):")
         print(_table(per, opts.top), flush=True)

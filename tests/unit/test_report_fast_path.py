@@ -1,6 +1,7 @@
 """The hot path's shortcuts against the rules they write out (issue 37).
 
-`Coordinator.receive` takes a member's ordinary report without `_on_part`, `validate_report`
+`Coordinator.receive` takes a member's ordinary report (and gather part) without `_on_part`,
+`validate_report`
 checks the common case in one expression before its field-by-field rule, and `Observer.sent`
 reads the machine's counters instead of a snapshot. Each is pinned here to the general rule
 over random inputs: the same answers, the same group, the same errors, the same metrics.
@@ -26,6 +27,7 @@ from coordd.proto.messages import (
     StepKind,
     StepReport,
     ToCoordinator,
+    max_gather_values,
 )
 from coordd.proto.policy import _validate_fields, validate_report
 
@@ -37,7 +39,7 @@ class Slow(Coordinator):
     """Every report through `_on_part`: the rule the fast path writes out."""
 
     def receive(self, peer: bytes, message: ToCoordinator, now: float) -> Sequence[Send]:
-        if type(message) is StepReport:
+        if type(message) is StepReport or type(message) is GatherReport:
             return self._on_part(peer, message, now)
         return super().receive(peer, message, now)
 
@@ -52,7 +54,8 @@ steps = st.tuples(
     st.sampled_from(
         ["report"] * 8
         + ["round"] * 3
-        + ["gather"] * 2
+        + ["gather"] * 6
+        + ["gathers"] * 2
         + ["goodbye"] * 2
         + ["hello", "lost", "deadline"]
     ),
@@ -88,9 +91,15 @@ def _message(c: Coordinator, step: tuple[Any, ...], dp: int) -> tuple[bytes, Any
         return _peer(rank), report
     if what == "round":  # every rank's proper report, one after another
         return None
-    if what == "gather":
+    if what == "gather":  # mode picks the site; tokens the count (2**31: past one frame)
+        count = max_gather_values(dp) + 1 if tokens == 2**31 else tokens % 4
         return _peer(rank), GatherReport(
-            site="s", values=[rank], dp_rank=rank, epoch=epoch, seq=seq
+            site="s" if mode == 0 else f"t{mode}",
+            values=[rank] * count,
+            dp_rank=(rank + dclaim) % dp,
+            epoch=epoch,
+            seq=seq,
+            waited_us=waited,
         )
     if what == "hello":
         hello = Hello(dp_size=dp, dp_rank=rank, incarnation="i", config_fingerprint="fp")
@@ -127,6 +136,18 @@ G = StepKind.GATHER
         # a StepReport of kind gather into an open gather round: a misfit, told to it alone
         (2, [_step("gather", 0), _step("report", 1, G)]),
         (2, [_step("report", 0, G)]),
+        # gather parts: another site, another count, past one frame, a second part (the
+        # same again, another), a step report into a gather round and back, a departed rank
+        (3, [_step("gather", 0), _step("gather", 1, mode=1), _step("gather", 2)]),
+        (2, [_step("gather", 0), _step("gather", 1, tokens=2)]),
+        (2, [_step("gather", 0, tokens=2**31)]),
+        (2, [_step("gather", 0), _step("gather", 1, tokens=2**31)]),
+        (3, [_step("gather", 0), _step("gather", 0), _step("gather", 0, tokens=2)]),
+        (2, [_step("gather", 0), _step("report", 1)]),
+        (2, [_step("report", 0), _step("gather", 1)]),
+        (2, [_step("gathers", 0), _step("goodbye", 0), _step("gather", 1)]),
+        (2, [_step("gather", 0, dclaim=1), _step("gather", 1, dseq=1)]),
+        (2, [_step("gathers", 0), _step("gather", 1, dseq=-1), _step("gather", 0, depoch=1)]),
         # a second report for the round: the same again is ignored, another one conflicts
         (3, [_step("report", 0), _step("report", 0), _step("report", 0, tokens=2)]),
         # another kind, another seq, another epoch, another rank's id, an invalid value
@@ -176,6 +197,13 @@ def _compare(dp: int, mode: OnRankLoss, script: list[tuple[Any, ...]]) -> None:
                     got: Any = list(c.peer_lost(_peer(step[1] % dp), now))
                 elif step[0] == "deadline":
                     got = list(c.on_deadline(now + 10.0))
+                elif step[0] == "gathers":  # every rank's proper gather part, in turn
+                    got = []
+                    for r in range(dp):
+                        part = GatherReport(
+                            site="s", values=[r, 1], dp_rank=r, epoch=c.epoch, seq=c.seq
+                        )
+                        got += c.receive(_peer(r), part, now)
                 elif step[0] == "round":
                     got = []
                     for r in range(dp):
