@@ -295,12 +295,18 @@ def open_dealer(
     return conn.socket, conn.monitor
 
 
+#: How long libzmq's I/O thread may still send a closed DEALER's last frame (a Goodbye): a rank
+#: whose I/O thread waits longer for a core (2 loaded cores) has it dropped, and coordd counts
+#: a clean leave as a loss. Nothing waits for it but a context's termination.
+GOODBYE_LINGER_MS = 1000
+
+
 def close_dealer(sock: zmq.Socket, monitor: zmq.Socket, final: bytes | None = None) -> None:
     """Send `final` if the pipe is up (best effort, never blocks), then close both sockets."""
     if final is not None:
         try:
             sock.send(final, zmq.NOBLOCK)
-            sock.setsockopt(zmq.LINGER, 100)
+            sock.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
         except zmq.ZMQError:
             pass
     with contextlib.suppress(zmq.ZMQError):

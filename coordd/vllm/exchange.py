@@ -577,8 +577,8 @@ class Exchange:
 
     def close(self) -> None:
         """Close every client (a Goodbye to coordd); idempotent. The context's term (which
-        lets the Goodbyes out: each socket lingers up to 100 ms) is bounded by TERM_WAIT, so
-        an exit path never hangs on a socket some other thread still holds."""
+        lets the Goodbyes out: each socket lingers up to GOODBYE_LINGER_MS) is bounded by
+        TERM_WAIT, so an exit path never hangs on a socket some other thread still holds."""
         with self._lock:
             for link in self._links.values():
                 _close_link(link)

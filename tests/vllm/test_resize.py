@@ -122,11 +122,13 @@ def test_the_engine_group_re_formed_at_another_size_syncs_through_coordd(tmp_pat
         results = sorted((queue.get(timeout=RANKS_TIMEOUT) for _ in procs), key=lambda r: r["idx"])
         for p in procs:
             p.join(timeout=20)
-        # the last Goodbyes may reach coordd after the results: wait for the second stop
+        # the last Goodbyes may reach coordd after the results: wait for the re-formed
+        # group's stop
         deadline = time.monotonic() + 20
         while True:
             group = _engine_group(coordd.address)
-            if group["stops"] >= 2 or time.monotonic() > deadline:
+            done = group["dp_size"] == 3 and group["state"] == "stopped"
+            if done or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     finally:
@@ -146,4 +148,9 @@ def test_the_engine_group_re_formed_at_another_size_syncs_through_coordd(tmp_pat
             want.append((any(u for u, _ in rows), min(kv for _, kv in rows)))
         for r in range(size):
             assert results[r][f"dp{size}"] == want, (size, r)
-    assert (group["dp_size"], group["failure"], group["stops"]) == (3, None, 2), group
+    # The re-formed group stopped cleanly. The first one's end may be a stop or a loss: a
+    # rank's Goodbye is best effort (sent if the pipe is up, kept for GOODBYE_LINGER_MS), and
+    # on 2 loaded cores one was lost once in a CI run ("rank lost ... connection closed" as
+    # the rank re-registered).
+    assert (group["dp_size"], group["failure"], group["state"]) == (3, None, "stopped"), group
+    assert group["stops"] >= 1, group
